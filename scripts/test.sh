@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs what the tests need into .venv and runs them.
+#   ./scripts/test.sh           default suite + real-gateway + packaging tests (what CI runs)
+#   ./scripts/test.sh --quick   default suite only (a few minutes on 2 cores)
+# Extra arguments after the options go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+quick=0
+if [[ "${1:-}" == "--quick" ]]; then quick=1; shift; fi
+PY=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+status=0
+.venv/bin/python -m pytest -m "not gateway and not deploy" "$@" || status=$?
+if [[ $quick == 0 ]]; then
+  ./scripts/install_gateways.sh
+  .venv/bin/python -m pytest -m gateway "$@" || status=$?
+  ./scripts/install_deploy_tools.sh
+  .venv/bin/python -m pytest -m deploy "$@" || status=$?
+fi
+exit $status

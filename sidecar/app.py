@@ -1,0 +1,123 @@
+"""Wires config, router, engine, admin listener and background tasks; owns the lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from sidecar.admin import build_admin_app
+from sidecar.config import Config
+from sidecar.effects import EffectRunner
+from sidecar.engine import engine_class
+from sidecar.health import UpstreamHealth
+from sidecar.metrics import Metrics
+from sidecar.router import Router
+
+log = logging.getLogger("sidecar")
+
+EXPIRY_INTERVAL = 1.0
+
+
+class Sidecar:
+    """One running sidecar: proxy listener, admin listener, expiry and end-of-session workers.
+
+    ``await start()`` binds both listeners (``proxy_url`` / ``admin_url`` then hold the real
+    ports); ``await stop()`` drains in-flight requests for ``drain_grace_seconds``, ends every
+    live session (reason ``shutdown``), and releases everything.
+    """
+
+    def __init__(self, config: Config, *, registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.metrics = Metrics(registry)
+        self.effects = EffectRunner(self.metrics)
+        self.router = Router(config, self.metrics, effects=self.effects.submit)
+        self.health = UpstreamHealth(required=config.readiness_check_upstream)
+        self.engine = engine_class(config.engine)(config, self.router, self.metrics, self.health)
+        self._admin_runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.proxy_url = ""
+        self.admin_url = ""
+        self._stopped = False
+
+    async def start(self) -> None:
+        cfg = self.config
+        await self.effects.start()
+        engine_started = False
+        try:
+            await self.engine.start()
+            engine_started = True
+            admin = build_admin_app(self.router, self.health, self.metrics)
+            self._admin_runner = web.AppRunner(admin, handle_signals=False, access_log=None)
+            await self._admin_runner.setup()
+            site = web.TCPSite(self._admin_runner, cfg.admin.host, cfg.admin.port, reuse_address=True)
+            await site.start()
+        except BaseException:
+            if engine_started:
+                await self.engine.close()
+            if self._admin_runner is not None:
+                await self._admin_runner.cleanup()
+            await self.effects.stop(0)
+            raise
+        admin_port = self._admin_runner.addresses[0][1]
+        self.proxy_url = f"http://{_url_host(cfg.listen.host)}:{self.engine.port}"
+        self.admin_url = f"http://{_url_host(cfg.admin.host)}:{admin_port}"
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._expiry_loop(), name="sidecar-expiry"))
+        if self.health.required:
+            ups = [u for d in self.router.deployments for u in d.upstreams]
+            self._tasks.append(loop.create_task(self.health.probe_until_reached(ups), name="sidecar-ready-probe"))
+        log.info("sidecar started", extra={"proxy": self.proxy_url, "admin": self.admin_url,
+                                           "engine": cfg.engine,
+                                           "deployments": [d.name for d in self.router.deployments]})
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_INTERVAL)
+            self.router.expire()
+
+    async def stop(self) -> None:
+        """Graceful: refuse new connections, drain, end sessions, close."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.health.draining = True
+        await self.engine.drain(self.config.drain_grace_seconds)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.engine.close()
+        self.router.shutdown()
+        await self.effects.stop()
+        if self._admin_runner is not None:
+            await self._admin_runner.cleanup()
+        log.info("sidecar stopped")
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+async def serve(config: Config) -> None:
+    """Run until SIGTERM / SIGINT, then stop gracefully."""
+    sidecar = Sidecar(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await sidecar.start()
+    try:
+        await stop.wait()
+        log.info("signal received: draining", extra={"grace_seconds": config.drain_grace_seconds})
+    finally:
+        await sidecar.stop()

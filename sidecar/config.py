@@ -1,0 +1,395 @@
+"""Configuration: YAML file + environment + flags -> one frozen, validated :class:`Config`.
+
+Precedence is flags > environment > file > defaults. Every error names the setting
+(``mode_options.timeout_seconds: ...``) so the process can refuse to start with a useful message.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from sidecar import headers as h
+
+TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+
+ENV_PREFIX = "SIDECAR_"
+# Flag / env name -> top-level config key. Env vars are SIDECAR_<NAME>.
+SCALAR_KEYS = ("listen", "admin", "upstream", "mode", "engine", "log_level", "drain_grace_seconds")
+
+
+class ConfigError(Exception):
+    """Invalid configuration; ``str()`` names each bad setting."""
+
+
+def split_names(value: Any) -> Any:
+    """Accept a list of names or one comma-separated string; strip each name."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()] if value.strip() else []
+    if isinstance(value, (list, tuple)):
+        return [v.strip() if isinstance(v, str) else v for v in value]
+    return value
+
+
+def check_token(name: str) -> str:
+    """An RFC 9110 field-name token."""
+    if not name or not TOKEN_RE.match(name):
+        raise ValueError(f"{name!r} is not a valid header name (RFC 9110 token)")
+    return name
+
+
+HeaderName = Annotated[str, BeforeValidator(lambda v: v.strip() if isinstance(v, str) else v)]
+HeaderList = Annotated[list[HeaderName], BeforeValidator(split_names)]
+
+
+class HostPort(BaseModel):
+    """A listen address ``HOST:PORT`` (``[v6]:PORT`` for IPv6)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    host: str
+    port: int = Field(ge=0, le=65535)
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+def parse_host_port(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    m = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:(\d+)|([^:\[\]]+):(\d+)", value.strip())
+    if not m:
+        raise ValueError(f"must be HOST:PORT (got {value!r})")
+    host = m.group(1) or m.group(3)
+    return {"host": host, "port": int(m.group(2) or m.group(4))}
+
+
+Address = Annotated[HostPort, BeforeValidator(parse_host_port)]
+
+
+def check_url(value: str) -> str:
+    from yarl import URL
+
+    try:
+        url = URL(value)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"not a URL: {value!r}") from exc
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"must be an http:// or https:// URL with a host (got {value!r})")
+    if url.query_string or url.fragment:
+        raise ValueError(f"must not carry a query or fragment (got {value!r})")
+    return str(url).rstrip("/")
+
+
+UpstreamURL = Annotated[str, BeforeValidator(lambda v: check_url(v) if isinstance(v, str) else v)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class IdentityConfig(_Strict):
+    """Ordered header signals of session identity (SPEC section 2); the first present one wins."""
+
+    session: HeaderList = [h.X_CORRELATION_ID, h.X_SESSION_AFFINITY, h.X_SESSION_ID]
+    parent: HeaderList = [h.X_PARENT_SESSION_ID, h.X_DYNAMO_PARENT_SESSION_ID]
+    root: HeaderList = [h.X_ROOT_SESSION_ID]
+    final: HeaderList = [h.X_SESSION_FINAL, h.X_DYNAMO_SESSION_FINAL]
+
+    @field_validator("session", "parent", "root", "final")
+    @classmethod
+    def _tokens(cls, v: list[str]) -> list[str]:
+        for name in v:
+            check_token(name)
+        if h.X_REQUEST_ID.lower() in (n.lower() for n in v):
+            raise ValueError("X-Request-ID is a per-request id and can never identify a session")
+        return v
+
+
+class TimeoutsConfig(_Strict):
+    """Upstream timeouts in seconds."""
+
+    connect: float = Field(5.0, gt=0)
+    # Time to the response head: long prompts on a loaded gateway legitimately take minutes.
+    first_byte: float = Field(300.0, gt=0)
+    # Longest silence between two body chunks in either direction.
+    idle: float = Field(300.0, gt=0)
+
+
+class LimitsConfig(_Strict):
+    """Request limits."""
+
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1)
+    max_header_bytes: int = Field(64 * 1024, ge=1024)
+    max_connections_per_upstream: int = Field(512, ge=1)
+
+
+class DeploymentConfig(_Strict):
+    """One upstream deployment and how its requests are rewritten."""
+
+    name: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    upstreams: Annotated[list[UpstreamURL], Field(min_length=1)]
+    mode: str | None = None
+    mode_options: dict[str, Any] = {}
+    trust_client_headers: bool = False
+    strict: bool = False
+    models: list[str] = []
+    # What a body-mutating mode does with a body that is not a JSON object.
+    non_object_body: Literal["pass", "reject"] = "pass"
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    limits: LimitsConfig = LimitsConfig()
+    _path: str = PrivateAttr("")
+
+    @model_validator(mode="after")
+    def _options_need_mode(self) -> DeploymentConfig:
+        if self.mode_options and not self.mode:
+            raise ValueError("mode_options: given without a mode")
+        return self
+
+
+class SessionsConfig(_Strict):
+    """Bounds of the in-memory session tree."""
+
+    idle_ttl_seconds: float = Field(900.0, gt=0)
+    max_live_sessions: int = Field(100_000, ge=1)
+    tombstone_max: int = Field(100_000, ge=0)
+    tombstone_ttl_seconds: float = Field(600.0, ge=0)
+
+
+class Config(_Strict):
+    """The whole, validated configuration. Build it with :func:`build_config`."""
+
+    listen: Address = HostPort(host="127.0.0.1", port=8080)
+    admin: Address = HostPort(host="127.0.0.1", port=9091)
+    engine: Literal["aiohttp", "fast"] = "aiohttp"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    drain_grace_seconds: float = Field(25.0, ge=0)
+    # /readyz answers 200 only once an upstream was reached, unless this is false.
+    readiness_check_upstream: bool = True
+    identity: IdentityConfig = IdentityConfig()
+    sessions: SessionsConfig = SessionsConfig()
+    # Short form of a single deployment (the CLI flags); mutually exclusive with `deployments`.
+    upstream: UpstreamURL | None = None
+    mode: str | None = None
+    mode_options: dict[str, Any] = {}
+    trust_client_headers: bool = False
+    non_object_body: Literal["pass", "reject"] = "pass"
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    limits: LimitsConfig = LimitsConfig()
+    deployments: list[DeploymentConfig] = []
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _one_form(self) -> Config:
+        short = self.upstream is not None
+        if short and self.deployments:
+            raise ValueError("upstream: give either `upstream` (one deployment) or `deployments`, not both")
+        if not short and not self.deployments:
+            raise ValueError("upstream: required (flag --upstream, env SIDECAR_UPSTREAM or `upstream:` in the file)")
+        if not short and (self.mode or self.mode_options):
+            raise ValueError("mode: with `deployments`, set each deployment's own `mode`")
+        if self.mode_options and not self.mode:
+            raise ValueError("mode_options: given without a mode")
+        names = [d.name for d in self.deployments]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"deployments: duplicate names {sorted(dup)}")
+        return self
+
+    def resolved_deployments(self) -> list[DeploymentConfig]:
+        """Deployments in order; the short form becomes one deployment named ``default``."""
+        if self.deployments:
+            for i, d in enumerate(self.deployments):
+                d._path = f"deployments[{i}]."
+            return list(self.deployments)
+        d = DeploymentConfig(
+            name="default",
+            upstreams=[self.upstream or ""],
+            mode=self.mode,
+            mode_options=self.mode_options,
+            trust_client_headers=self.trust_client_headers,
+            non_object_body=self.non_object_body,
+            timeouts=self.timeouts,
+            limits=self.limits,
+        )
+        return [d]
+
+    def normalized(self) -> dict[str, Any]:
+        """The effective configuration as plain data (what ``check-config`` prints)."""
+        from sidecar.modes.registry import load_mode
+
+        data = self.model_dump(mode="json", exclude={"upstream", "mode", "mode_options", "deployments",
+                                                      "trust_client_headers", "non_object_body",
+                                                      "timeouts", "limits"})
+        deps = []
+        for d in self.resolved_deployments():
+            dd = d.model_dump(mode="json")
+            if d.mode:
+                dd["mode_options"] = load_mode(d.mode).Options.model_validate(d.mode_options).model_dump(mode="json")
+            deps.append(dd)
+        data["listen"] = str(self.listen)
+        data["admin"] = str(self.admin)
+        data["deployments"] = deps
+        return data
+
+
+def _fmt_loc(loc: Sequence[Any]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line per error: ``path: message (got value)``."""
+    lines = []
+    for err in exc.errors():
+        loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        path = prefix + _fmt_loc(loc)
+        msg = err["msg"].removeprefix("Value error, ")
+        got = err.get("input")
+        got_s = "" if err["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) else f" (got {got!r})"
+        if err["type"] == "extra_forbidden":
+            msg = "unknown setting"
+        # Whole-model checks carry no location: their messages start with the setting name.
+        lines.append(f"{path}: {msg}{got_s}" if path else msg)
+    return "\n".join(lines)
+
+
+def parse_kv_list(items: Sequence[str], what: str) -> dict[str, str]:
+    """``["a=1", "b=x"]`` -> ``{"a": "1", "b": "x"}``; ``what`` names the setting in errors."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{what}: expected key=value (got {item!r})")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
+    layer: dict[str, Any] = {}
+    for key in SCALAR_KEYS:
+        val = env.get(ENV_PREFIX + key.upper())
+        if val is not None and val != "":
+            layer[key] = val
+    opts = env.get(ENV_PREFIX + "MODE_OPTS")
+    if opts:
+        # Commas also separate identity_headers names, so split only before `key=`.
+        items = re.split(r",(?=\s*[A-Za-z_][A-Za-z0-9_]*\s*=)", opts)
+        layer["mode_options"] = parse_kv_list(items, ENV_PREFIX + "MODE_OPTS")
+    return layer
+
+
+def _overlay(base: dict[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    if "mode" in layer and layer["mode"] != base.get("mode"):
+        # Options of a mode that a higher layer replaced do not apply to the new one.
+        out.pop("mode_options", None)
+    for key, value in layer.items():
+        if key == "mode_options":
+            out["mode_options"] = {**(out.get("mode_options") or {}), **value}
+        else:
+            out[key] = value
+    return out
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into a mapping."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: invalid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping")
+    return data
+
+
+def build_config(
+    *,
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    file: str | Path | None = None,
+) -> Config:
+    """Merge defaults < file < env < flags and validate, including every mode's options.
+
+    ``flags`` keys are the config keys (``listen``, ``upstream``, ``mode``, ...), with
+    ``mode_opt`` a list of ``key=value`` strings. ``env`` defaults to ``os.environ``; its
+    ``SIDECAR_CONFIG`` names the file when ``file`` is not given.
+    """
+    env = os.environ if env is None else env
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    file = file or flags.pop("config", None) or env.get(ENV_PREFIX + "CONFIG") or None
+    flags.pop("config", None)
+    data: dict[str, Any] = load_file(file) if file else {}
+    data = _overlay(data, _env_layer(env))
+    flag_layer = dict(flags)
+    if "mode_opt" in flag_layer:
+        flag_layer["mode_options"] = parse_kv_list(flag_layer.pop("mode_opt") or [], "--mode-opt")
+    data = _overlay(data, flag_layer)
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+    _validate_modes(cfg)
+    return cfg
+
+
+def _validate_modes(cfg: Config) -> None:
+    from sidecar.modes.base import ModeContractError
+    from sidecar.modes.registry import UnknownMode, load_mode
+
+    problems: list[str] = []
+    for d in cfg.resolved_deployments():
+        if not d.mode:
+            continue
+        try:
+            mode_cls = load_mode(d.mode)
+        except (UnknownMode, ModeContractError) as exc:
+            problems.append(f"{d._path}mode: {exc}")
+            continue
+        try:
+            mode_cls.Options.model_validate(d.mode_options)
+        except ValidationError as exc:
+            problems.append(format_validation_error(exc, prefix=f"{d._path}mode_options."))
+        except ValueError as exc:
+            problems.append(f"{d._path}mode_options: {exc}")
+    if problems:
+        raise ConfigError("\n".join(problems))

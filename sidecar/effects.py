@@ -1,0 +1,85 @@
+"""Executes end-of-session actions (HTTP calls to upstreams) off the request path.
+
+Bounded: a fixed-size queue (overflow is dropped and counted), bounded retries with backoff,
+one worker task tied to the app's lifecycle. Never blocks or fails client traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from sidecar.deployments import Deployment
+from sidecar.metrics import Metrics
+from sidecar.modes.base import EndAction
+
+log = logging.getLogger("sidecar.effects")
+
+
+class EffectRunner:
+    """Queue + worker for :class:`EndAction` calls."""
+
+    def __init__(self, metrics: Metrics, *, max_queue: int = 10_000, retries: int = 3,
+                 backoff: float = 0.2, timeout: float = 5.0) -> None:
+        self.metrics = metrics
+        self.retries = retries
+        self.backoff = backoff
+        self.timeout = timeout
+        self._queue: asyncio.Queue[tuple[Deployment, EndAction, str]] = asyncio.Queue(max_queue)
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def submit(self, dep: Deployment, action: EndAction, root: str) -> None:
+        """Enqueue (synchronous; called by the router). ``root`` picks the tree's upstream."""
+        try:
+            self._queue.put_nowait((dep, action, root))
+        except asyncio.QueueFull:
+            self.metrics.end_actions.labels(dep.mode_name, "dropped").inc()
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="sidecar-effects")
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Flush what is queued for up to ``grace`` seconds, then stop."""
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._queue.join(), grace)
+            except asyncio.TimeoutError:
+                log.warning("%d end-of-session actions not sent at shutdown", self._queue.qsize())
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._session is not None:
+            await self._session.close()
+
+    async def _run(self) -> None:
+        while True:
+            dep, action, root = await self._queue.get()
+            try:
+                await self._perform(dep, action, root)
+            finally:
+                self._queue.task_done()
+
+    async def _perform(self, dep: Deployment, action: EndAction, root: str) -> None:
+        assert self._session is not None
+        up = dep.pick_upstream(root)
+        url = up.url + action.path
+        for attempt in range(self.retries + 1):
+            try:
+                async with self._session.request(action.method, url, params=action.query or None,
+                                                 data=action.body) as resp:
+                    await resp.read()
+                    if resp.status < 500:
+                        outcome = "ok" if resp.status < 400 else "rejected"
+                        self.metrics.end_actions.labels(dep.mode_name, outcome).inc()
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                log.debug("end action %s %s failed: %r", action.method, action.path, exc)
+            if attempt < self.retries:
+                await asyncio.sleep(self.backoff * (2**attempt))
+        self.metrics.end_actions.labels(dep.mode_name, "failed").inc()

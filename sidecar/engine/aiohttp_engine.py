@@ -1,0 +1,264 @@
+"""The reference engine: aiohttp's low-level server and one pooled ``ClientSession``.
+
+Slower than the protocol-level engine but built entirely on aiohttp's well-tested HTTP code;
+the proxy test suite runs against both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from sidecar import errors
+from sidecar import headers as h
+from sidecar.engine.base import Engine
+from sidecar.lineage import TurnOutcome
+from sidecar.router import Decision, RequestHead
+
+log = logging.getLogger("sidecar.engine")
+
+_SKIP_AUTO = frozenset({"User-Agent", "Accept", "Accept-Encoding", "Content-Type"})
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class AiohttpEngine(Engine):
+    """Reverse proxy on ``aiohttp.web.Server`` + ``aiohttp.ClientSession``."""
+
+    _runner: web.ServerRunner
+    _site: web.TCPSite
+    _session: aiohttp.ClientSession
+
+    async def start(self) -> None:
+        limit = max(d.limits.max_connections_per_upstream for d in self.router.deployments)
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=limit, enable_cleanup_closed=False),
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        server = web.Server(self._handle, handler_cancellation=True,
+                            max_field_size=self.config.limits.max_header_bytes,
+                            max_line_size=self.config.limits.max_header_bytes)
+        self._runner = web.ServerRunner(server, handle_signals=False)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.config.listen.host, self.config.listen.port,
+                                 backlog=1024, reuse_address=True)
+        await self._site.start()
+
+    @property
+    def port(self) -> int:
+        return int(self._runner.addresses[0][1])
+
+    async def drain(self, grace: float) -> None:
+        await self._site.stop()
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace)
+        except asyncio.TimeoutError:
+            log.warning("drain grace expired with %d requests in flight", self._in_flight)
+
+    async def close(self) -> None:
+        await self._runner.cleanup()
+        await self._session.close()
+
+    # -- request path -------------------------------------------------------------------------
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        self._in_flight += 1
+        self._idle.clear()
+        self.metrics.in_flight.inc()
+        try:
+            return await self._proxy(request, t0)
+        finally:
+            self._in_flight -= 1
+            self.metrics.in_flight.dec()
+            if self._in_flight == 0:
+                self._idle.set()
+
+    def _error(self, exc: errors.ProxyError, dep_name: str, mode: str, reason: str | None = None) -> web.Response:
+        self.metrics.request_counter(dep_name, mode, f"{exc.status // 100}xx").inc()
+        if reason:
+            self.metrics.rejected.labels(reason).inc()
+        return web.Response(status=exc.status, body=exc.body(), content_type="application/json")
+
+    async def _proxy(self, request: web.BaseRequest, t0: float) -> web.StreamResponse:
+        router = self.router
+        in_headers = request.headers
+        if h.UPGRADE in in_headers and "upgrade" in h.connection_tokens(in_headers.get(h.CONNECTION)):
+            exc = errors.ProxyError(errors.UPGRADE_NOT_SUPPORTED, "the sidecar does not proxy protocol upgrades")
+            return self._error(exc, router.default.name, router.default.mode_name, "upgrade")
+        try:
+            decision = router.route(RequestHead(request.method, request.raw_path, in_headers))
+        except errors.ProxyError as exc:
+            return self._error(exc, router.default.name, router.default.mode_name, exc.type)
+        dep = decision.deployment
+        limits = dep.limits
+        declared = request.content_length
+        if declared is not None and declared > limits.max_body_bytes:
+            router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+            return self._error(_too_large(dep.name, limits.max_body_bytes), dep.name, dep.mode_name, "body_too_large")
+
+        out = _forward_headers(decision, request)
+        body: bytes | AsyncIterator[bytes] | None = None
+        if request.method not in ("GET", "HEAD") or request.body_exists:
+            if in_headers.get(h.EXPECT, "").lower() == "100-continue":
+                await request.writer.write(_CONTINUE)
+            if decision.needs_body:
+                try:
+                    raw = await _read_bounded(request, limits.max_body_bytes)
+                    body = router.transform_body(decision, raw)
+                except _TooLarge:
+                    router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+                    return self._error(_too_large(dep.name, limits.max_body_bytes), dep.name, dep.mode_name,
+                                       "body_too_large")
+                except errors.ProxyError as exc:
+                    return self._error(exc, dep.name, dep.mode_name, exc.type)
+                out.popall(h.CONTENT_LENGTH, None)
+                out[h.CONTENT_LENGTH] = str(len(body))
+            elif request.body_exists:
+                body = _stream_bounded(request, limits.max_body_bytes)
+        return await self._exchange(request, decision, out, body, t0)
+
+    async def _exchange(self, request: web.BaseRequest, decision: Decision, out: CIMultiDict[str],
+                        body: bytes | AsyncIterator[bytes] | None, t0: float) -> web.StreamResponse:
+        router = self.router
+        dep = decision.deployment
+        up = decision.upstream
+        m = self.metrics
+        t = dep.timeouts
+        url = URL(up.url + request.raw_path, encoded=True)
+        m.added_hist(dep.name).observe(time.perf_counter() - t0)
+        resp: web.StreamResponse | None = None
+        try:
+            async with asyncio.timeout(t.first_byte):
+                upstream = await self._session.request(
+                    request.method, url, headers=out, data=body, allow_redirects=False,
+                    skip_auto_headers=_SKIP_AUTO, compress=None, chunked=None,
+                    timeout=aiohttp.ClientTimeout(total=None, connect=t.connect, sock_read=t.idle),
+                )
+        except _TooLarge:
+            router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+            return self._error(_too_large(dep.name, dep.limits.max_body_bytes), dep.name, dep.mode_name,
+                               "body_too_large")
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            return self._upstream_failed(decision, "timeout", errors.UPSTREAM_TIMEOUT,
+                                         f"upstream of deployment {dep.name!r} ({up.url}) timed out")
+        except aiohttp.ClientConnectorError as exc:
+            return self._upstream_failed(decision, "connect", errors.UPSTREAM_UNREACHABLE,
+                                         f"upstream of deployment {dep.name!r} ({up.url}) is unreachable: {exc.os_error}")
+        except aiohttp.ClientError as exc:
+            return self._upstream_failed(decision, "protocol", errors.UPSTREAM_PROTOCOL_ERROR,
+                                         f"upstream of deployment {dep.name!r} ({up.url}) failed: {exc!r}")
+        except asyncio.CancelledError:
+            router.finish(decision, TurnOutcome.CLIENT_ABORTED)
+            raise
+        self.health.mark_reached()
+        m.ttfb_hist(dep.name, dep.mode_name).observe(time.perf_counter() - t0)
+        try:
+            resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            _copy_response_headers(upstream, resp)
+            await resp.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+        except asyncio.CancelledError:
+            upstream.close()
+            router.finish(decision, TurnOutcome.CLIENT_ABORTED)
+            raise
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            upstream.close()
+            router.finish(decision, TurnOutcome.CLIENT_ABORTED)
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            # Mid-stream upstream failure: the status line is gone, so the only honest signal left
+            # is an incomplete response (aborted connection) rather than a clean end.
+            upstream.close()
+            kind = "timeout" if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)) else "reset"
+            m.upstream_error(dep.name, kind).inc()
+            router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+            log.warning("upstream failed mid-response: %r", exc, extra={"deployment": dep.name})
+            if request.transport is not None:
+                request.transport.abort()
+            raise
+        upstream.release()
+        m.request_counter(dep.name, dep.mode_name, f"{upstream.status // 100}xx").inc()
+        m.duration_hist(dep.name, dep.mode_name).observe(time.perf_counter() - t0)
+        router.finish(decision, TurnOutcome.COMPLETED if upstream.status < 500 else TurnOutcome.UPSTREAM_FAILED)
+        return resp
+
+    def _upstream_failed(self, decision: Decision, kind: str, type_: str, message: str) -> web.Response:
+        dep = decision.deployment
+        self.metrics.upstream_error(dep.name, kind).inc()
+        self.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+        exc = errors.ProxyError(type_, message, deployment=dep.name, upstream=decision.upstream.url)
+        return self._error(exc, dep.name, dep.mode_name)
+
+
+def _too_large(dep: str, limit: int) -> errors.ProxyError:
+    return errors.ProxyError(errors.REQUEST_TOO_LARGE, f"request body exceeds {limit} bytes (deployment {dep!r})",
+                             deployment=dep, limit=limit)
+
+
+def _forward_headers(decision: Decision, request: web.BaseRequest) -> CIMultiDict[str]:
+    """The client's headers minus hop-by-hop and stripped ones, plus forwarding and mode headers."""
+    src = request.headers
+    drop = h.HOP_BY_HOP | h.connection_tokens(src.get(h.CONNECTION)) | decision.strip
+    out: CIMultiDict[str] = CIMultiDict()
+    xff = None
+    for name, value in src.items():
+        low = name.lower()
+        if low in drop or low == "host" or low == "expect":
+            continue
+        if low == "x-forwarded-for":
+            xff = value if xff is None else f"{xff}, {value}"
+            continue
+        out.add(name, value)
+    out[h.HOST] = decision.upstream.host_header
+    peer = request.remote or ""
+    out[h.X_FORWARDED_FOR] = f"{xff}, {peer}" if xff else peer
+    if h.X_FORWARDED_PROTO not in out:
+        out[h.X_FORWARDED_PROTO] = request.scheme
+    for name, value in decision.add:
+        out[name] = value
+    return out
+
+
+def _copy_response_headers(upstream: aiohttp.ClientResponse, resp: web.StreamResponse) -> None:
+    src = upstream.headers
+    drop = h.HOP_BY_HOP | h.connection_tokens(src.get(h.CONNECTION))
+    out = resp.headers
+    for name, value in src.items():
+        if name.lower() not in drop:
+            out.add(name, value)
+
+
+async def _read_bounded(request: web.BaseRequest, limit: int) -> bytes:
+    buf = bytearray()
+    async for chunk in request.content.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            raise _TooLarge
+    return bytes(buf)
+
+
+async def _stream_bounded(request: web.BaseRequest, limit: int) -> AsyncIterator[bytes]:
+    seen = 0
+    async for chunk in request.content.iter_any():
+        seen += len(chunk)
+        if seen > limit:
+            raise _TooLarge
+        yield chunk

@@ -1,0 +1,54 @@
+"""Header names used by the sidecar, in one place (compare case-insensitively: use the ``*_L`` forms)."""
+
+from __future__ import annotations
+
+# Inbound session identity (SPEC section 2).
+X_CORRELATION_ID = "X-Correlation-ID"
+X_SESSION_AFFINITY = "X-Session-Affinity"
+X_SESSION_ID = "X-Session-ID"
+X_PARENT_SESSION_ID = "X-Parent-Session-ID"
+X_ROOT_SESSION_ID = "X-Root-Session-ID"
+X_SESSION_FINAL = "X-Session-Final"
+X_DYNAMO_SESSION_FINAL = "X-Dynamo-Session-Final"
+X_REQUEST_ID = "X-Request-ID"
+
+# Outbound gateway headers (SPEC section 3).
+X_DYNAMO_SESSION_ID = "X-Dynamo-Session-ID"
+X_DYNAMO_PARENT_SESSION_ID = "X-Dynamo-Parent-Session-ID"
+X_SMG_ROUTING_KEY = "X-SMG-Routing-Key"
+X_SMG_ROUTED_WORKER_ID = "x-smg-routed-worker-id"
+
+# Proxy headers.
+X_FORWARDED_FOR = "X-Forwarded-For"
+X_FORWARDED_PROTO = "X-Forwarded-Proto"
+CONNECTION = "Connection"
+CONTENT_LENGTH = "Content-Length"
+CONTENT_TYPE = "Content-Type"
+CONTENT_ENCODING = "Content-Encoding"
+TRANSFER_ENCODING = "Transfer-Encoding"
+HOST = "Host"
+EXPECT = "Expect"
+UPGRADE = "Upgrade"
+AUTHORIZATION = "Authorization"
+
+# RFC 9110 section 7.6.1 hop-by-hop fields, plus the legacy ones every proxy drops.
+HOP_BY_HOP: frozenset[str] = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+
+
+def connection_tokens(value: str | None) -> frozenset[str]:
+    """Lower-cased field names listed in a ``Connection`` header value (they are hop-by-hop too)."""
+    if not value:
+        return frozenset()
+    return frozenset(t.strip().lower() for t in value.split(",") if t.strip())

@@ -1,0 +1,602 @@
+"""The session lineage tree: nodes, finality facts, end of session, expiry, tombstones.
+
+Pure and synchronous: no I/O and no awaits, so one event loop drives it without locks. Time
+comes only from the injected ``clock`` (seconds, monotonic). Every operation is O(1) amortized
+per request.
+
+When each call runs, and what it returns:
+
+- :meth:`SessionTree.begin` runs when a request that names a session arrives, before it is
+  forwarded. It returns the request's :class:`Turn` (whose ``facts`` feed the routing context)
+  and the sessions evicted to stay under ``max_live``.
+- :meth:`SessionTree.end_turn` runs strictly after the last response byte was written, or once
+  the request failed or its client left. A session ends there when its final turn is over and
+  nothing else of it is in flight, or when it was closed while in flight.
+- :meth:`SessionTree.close`, :meth:`SessionTree.expire` and :meth:`SessionTree.shutdown` run
+  between requests (sessions API, periodic sweep, after the drain).
+
+Every real session ends exactly once: the call that ends it returns one :class:`Ended` for it,
+and the caller runs the end-of-session hooks. Placeholders (nodes created only because a child
+or a root hint named them) never had a request: they produce no :class:`Ended` and are dropped
+silently when their last descendant leaves.
+
+Lineage is fixed by a session's first request. A child naming an unknown parent creates a
+placeholder parent; a session with no parent whose root hint names another id joins that id's
+tree (placed under its root, still reported with ``parent=None``). A root hint that contradicts
+the root derived from the parent chain is counted in ``root_conflicts`` and the derived root is
+kept. A later ``parent`` on an existing session is ignored.
+
+Memory is bounded. ``max_live`` caps the nodes held in trees: live sessions, placeholders, and
+ended sessions kept because live descendants still hang below them (shown with ``ended=True``).
+Above the cap the least recently active idle session is evicted; sessions with requests in
+flight are never evicted, so when everything is in flight the cap is exceeded until requests
+finish. Ended ids are tombstoned, bounded by ``tombstone_max`` (oldest dropped first) and by
+``tombstone_ttl`` (pruned by :meth:`SessionTree.expire`); a request on a tombstoned id starts a
+new session.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+__all__ = [
+    "Clock",
+    "EndReason",
+    "Ended",
+    "SessionTree",
+    "Turn",
+    "TurnFacts",
+    "TurnOutcome",
+]
+
+Clock = Callable[[], float]
+
+log = logging.getLogger("sidecar.lineage")
+
+
+class EndReason(StrEnum):
+    """Why a session ended; a closed set, usable as a metric label."""
+
+    FINAL_TURN_COMPLETED = "final_turn_completed"
+    FINAL_TURN_FAILED = "final_turn_failed"
+    CLIENT_ABANDONED = "client_abandoned"
+    API_CLOSED = "api_closed"
+    IDLE_EXPIRED = "idle_expired"
+    EVICTED = "evicted"
+    SHUTDOWN = "shutdown"
+
+
+class TurnOutcome(StrEnum):
+    """How one proxied request finished."""
+
+    COMPLETED = "completed"
+    UPSTREAM_FAILED = "upstream_failed"
+    CLIENT_ABORTED = "client_aborted"
+
+
+_FINAL_TURN_REASON = {
+    TurnOutcome.COMPLETED: EndReason.FINAL_TURN_COMPLETED,
+    TurnOutcome.UPSTREAM_FAILED: EndReason.FINAL_TURN_FAILED,
+    TurnOutcome.CLIENT_ABORTED: EndReason.CLIENT_ABANDONED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """One end-of-session event, emitted exactly once per real session."""
+
+    session: str
+    parent: str | None
+    root: str
+    deployment: str
+    reason: EndReason
+    turns: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnFacts:
+    """The lineage facts of one request, computed by :meth:`SessionTree.begin`.
+
+    ``is_parent_final`` is None for roots and when the parent is a placeholder, otherwise True
+    once the parent ended, was closed or has begun its final turn. ``is_tree_final`` is True
+    only for a final turn that is the only request in flight in its tree while every other
+    session of the tree has ended. ``turn`` is this session's 1-based request index.
+    """
+
+    session: str
+    parent: str | None
+    root: str
+    is_final_turn: bool
+    is_parent_final: bool | None
+    is_tree_final: bool
+    turn: int
+
+
+# _Node.flags bits
+_PLACEHOLDER = 1  # named by a child or a root hint, never sent a request itself
+_FINAL_SEEN = 2  # a final turn has begun
+_CLOSED = 4  # closed through the API; its id was tombstoned at that moment
+_ENDED = 8
+_HINTED = 16  # placed under its tree's root by a root hint; has no declared parent
+_CONFLICT = 32  # a root-hint conflict was already counted for this session
+_NOT_JOINABLE = _PLACEHOLDER | _CLOSED | _ENDED  # begin() on such a node starts a session
+_DONE = _PLACEHOLDER | _ENDED  # held only while descendants are
+
+
+class _Node:
+    """One session id in a tree. Kept small: the tree holds up to ``max_live`` of them.
+
+    ``parent`` is the structural parent (for a hinted session, the node of its root hint).
+    ``root`` is a union-find link towards the tree's root node (the root points to itself);
+    read it through :meth:`SessionTree._find`. ``tree_live`` / ``tree_in_flight`` are the
+    tree's counters, kept on the root node only. Children form a doubly linked sibling list;
+    idle live sessions form the LRU list through ``lru_prev`` / ``lru_next``.
+    """
+
+    __slots__ = (
+        "session", "parent", "root", "deployment", "created_at", "last_active_at", "turns",
+        "in_flight", "flags", "end_reason", "first_child", "next_sibling", "prev_sibling",
+        "lru_prev", "lru_next", "tree_live", "tree_in_flight",
+    )
+
+    def __init__(self, session: str, deployment: str, now: float, flags: int) -> None:
+        self.session = session
+        self.parent: _Node | None = None
+        self.root: _Node = self
+        self.deployment = deployment
+        self.created_at = now
+        self.last_active_at = now
+        self.turns = 0
+        self.in_flight = 0
+        self.flags = flags
+        # the end reason once ended; before that, the reason it will end with when it drains
+        self.end_reason: EndReason | None = None
+        self.first_child: _Node | None = None
+        self.next_sibling: _Node | None = None
+        self.prev_sibling: _Node | None = None
+        self.lru_prev: _Node | None = None
+        self.lru_next: _Node | None = None
+        self.tree_live = 1
+        self.tree_in_flight = 0
+
+
+class Turn:
+    """Handle of one in-flight request; hand it back to :meth:`SessionTree.end_turn`."""
+
+    __slots__ = ("facts", "_node", "_final", "_open")
+
+    def __init__(self, node: _Node, facts: TurnFacts, final: bool) -> None:
+        self.facts = facts
+        self._node = node
+        self._final = final
+        self._open = True
+
+    def __repr__(self) -> str:
+        return f"Turn({self.facts!r}, open={self._open})"
+
+
+class SessionTree:
+    """Every live session's lineage, the per-tree counters behind the finality facts, and
+    the end-of-session bookkeeping. See the module docstring for the contract."""
+
+    def __init__(self, *, idle_ttl: float = 900.0, max_live: int = 100_000, tombstone_max: int = 100_000,
+                 tombstone_ttl: float = 600.0, clock: Clock = time.monotonic) -> None:
+        if not idle_ttl > 0:
+            raise ValueError(f"idle_ttl: must be > 0 (got {idle_ttl!r})")
+        if max_live < 1:
+            raise ValueError(f"max_live: must be >= 1 (got {max_live!r})")
+        if tombstone_max < 0:
+            raise ValueError(f"tombstone_max: must be >= 0 (got {tombstone_max!r})")
+        if tombstone_ttl < 0:
+            raise ValueError(f"tombstone_ttl: must be >= 0 (got {tombstone_ttl!r})")
+        self._idle_ttl = idle_ttl
+        self._max_live = max_live
+        self._tombstone_max = tombstone_max
+        self._tombstone_ttl = tombstone_ttl
+        self._clock = clock
+        # id -> newest node of that id still held in a tree (live, placeholder, closing, or
+        # ended with live descendants)
+        self._nodes: dict[str, _Node] = {}
+        # sentinel of the circular LRU list of idle live sessions, least recently active first
+        self._lru = _Node("", "", 0.0, 0)
+        self._lru.lru_prev = self._lru.lru_next = self._lru
+        # ended id -> clock value when it was tombstoned, oldest first
+        self._tombs: OrderedDict[str, float] = OrderedDict()
+        # closed sessions still draining whose id a newer session has taken over
+        self._detached: set[_Node] = set()
+        self._live = 0  # live sessions, placeholders included
+        self._held_ended = 0  # ended nodes kept as ancestors of live ones
+        self._trees = 0
+        self._conflict_logged = False
+        self.evictions = 0
+        self.tombstone_reuses = 0
+        self.root_conflicts = 0
+        self.ended_by_reason: dict[EndReason, int] = dict.fromkeys(EndReason, 0)
+
+    # -- read-only stats -------------------------------------------------------------------------
+
+    @property
+    def live_sessions(self) -> int:
+        """Sessions not yet ended, placeholders included."""
+        return self._live
+
+    @property
+    def live_trees(self) -> int:
+        """Trees currently held (each has at least one live session)."""
+        return self._trees
+
+    @property
+    def tombstones(self) -> int:
+        """Ended ids currently remembered."""
+        return len(self._tombs)
+
+    # -- request path ----------------------------------------------------------------------------
+
+    def begin(self, session: str, *, parent: str | None, root_hint: str | None, final: bool,
+              deployment: str) -> tuple[Turn, list[Ended]]:
+        """Register one request of ``session`` and compute its facts.
+
+        Returns its turn and the sessions evicted to make room (the caller ends them).
+        """
+        now = self._clock()
+        node = self._nodes.get(session)
+        evicted: list[Ended] = []
+        if node is None or node.flags & _NOT_JOINABLE:
+            node = self._admit(session, node, parent, root_hint, deployment, now)
+            if self._live + self._held_ended > self._max_live:
+                evicted = self._evict(now)
+        root = node.root
+        if root.root is not root:
+            root = self._find(node)
+        flags = node.flags
+        if root_hint is not None and root_hint != root.session and not flags & _CONFLICT:
+            flags |= _CONFLICT
+            self._root_conflict(node.session, root_hint, root.session)
+        if final:
+            flags |= _FINAL_SEEN
+        node.flags = flags
+        in_flight = node.in_flight
+        if not in_flight and node.lru_next is not None:
+            self._lru_unlink(node)
+        node.in_flight = in_flight + 1
+        root.tree_in_flight += 1
+        turns = node.turns = node.turns + 1
+        node.last_active_at = now
+        parent_node = node.parent
+        if parent_node is None or flags & _HINTED:
+            parent_id = None
+            parent_final = None
+        else:
+            parent_id = parent_node.session
+            pflags = parent_node.flags
+            parent_final = None if pflags & _PLACEHOLDER else bool(pflags & (_FINAL_SEEN | _CLOSED | _ENDED))
+        facts = TurnFacts(node.session, parent_id, root.session, final, parent_final,
+                          final and root.tree_live == 1 and root.tree_in_flight == 1, turns)
+        return Turn(node, facts, final), evicted
+
+    def end_turn(self, turn: Turn, outcome: TurnOutcome) -> list[Ended]:
+        """The request of ``turn`` is over. Idempotent: a second call returns []."""
+        if not turn._open:
+            return []
+        turn._open = False
+        node = turn._node
+        if node.flags & _ENDED:  # evicted or shut down while this request was in flight
+            return []
+        now = self._clock()
+        node.last_active_at = now
+        in_flight = node.in_flight = node.in_flight - 1
+        root = node.root
+        if root.root is not root:
+            root = self._find(node)
+        root.tree_in_flight -= 1
+        if turn._final and node.end_reason is None:
+            node.end_reason = _FINAL_TURN_REASON[outcome]
+        if in_flight:
+            return []
+        if node.end_reason is not None:
+            return [self._end(node, node.end_reason, now)]
+        lru = self._lru
+        tail = lru.lru_prev
+        assert tail is not None
+        node.lru_prev = tail
+        node.lru_next = lru
+        tail.lru_next = node
+        lru.lru_prev = node
+        return []
+
+    # -- session lifecycle -----------------------------------------------------------------------
+
+    def close(self, session: str) -> list[Ended]:
+        """Close ``session`` through the API.
+
+        Its id is tombstoned at once. Its :class:`Ended` is returned now when nothing of it is in
+        flight, otherwise by the :meth:`end_turn` that drains it; if a final turn already
+        finished while other requests were draining, that turn's reason is kept. Unknown,
+        placeholder, ended or already closed ids return [].
+        """
+        node = self._nodes.get(session)
+        if node is None or node.flags & _NOT_JOINABLE:
+            return []
+        now = self._clock()
+        node.flags |= _CLOSED
+        if node.end_reason is None:
+            node.end_reason = EndReason.API_CLOSED
+        self._tombstone(session, now)
+        if node.in_flight:
+            return []
+        return [self._end(node, node.end_reason, now)]
+
+    def expire(self) -> list[Ended]:
+        """End sessions idle (nothing in flight) for at least ``idle_ttl``; prune old tombstones.
+
+        Walks from the least recently active end and stops at the first session still fresh.
+        """
+        now = self._clock()
+        ended: list[Ended] = []
+        cutoff = now - self._idle_ttl
+        lru = self._lru
+        node = lru.lru_next
+        assert node is not None
+        while node is not lru and node.last_active_at <= cutoff:
+            ended.append(self._end(node, EndReason.IDLE_EXPIRED, now))
+            node = lru.lru_next
+            assert node is not None
+        tombs = self._tombs
+        cutoff = now - self._tombstone_ttl
+        while tombs:
+            oldest = next(iter(tombs))
+            if tombs[oldest] > cutoff:
+                break
+            del tombs[oldest]
+        return ended
+
+    def shutdown(self) -> list[Ended]:
+        """End every live session with SHUTDOWN, in-flight ones included."""
+        now = self._clock()
+        ended = [self._end(node, EndReason.SHUTDOWN, now) for node in list(self._detached)]
+        for node in list(self._nodes.values()):
+            if not node.flags & _DONE:
+                ended.append(self._end(node, EndReason.SHUTDOWN, now))
+        return ended
+
+    # -- views -----------------------------------------------------------------------------------
+
+    def get(self, session: str) -> dict[str, Any] | None:
+        """``session``'s node as a JSON-ready dict; None if no tree holds it."""
+        node = self._nodes.get(session)
+        return None if node is None else self._as_dict(node)
+
+    def tree(self, root: str) -> dict[str, Any] | None:
+        """The whole tree ``root`` belongs to, as nested node dicts with ``children`` (oldest
+        first); None if no tree holds that id."""
+        node = self._nodes.get(root)
+        if node is None:
+            return None
+        top = self._find(node)
+        out = self._as_dict(top)
+        stack = [(top, out)]
+        while stack:  # iterative: a chain of sessions may be deeper than the recursion limit
+            parent, parent_dict = stack.pop()
+            children = []
+            child = parent.first_child
+            while child is not None:
+                child_dict = self._as_dict(child)
+                children.append(child_dict)
+                stack.append((child, child_dict))
+                child = child.next_sibling
+            children.reverse()  # linked newest first
+            parent_dict["children"] = children
+        return out
+
+    def is_closed(self, session: str) -> bool:
+        """True while ``session`` is tombstoned: ended or closed, and not yet forgotten."""
+        return session in self._tombs
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _admit(self, session: str, old: _Node | None, parent: str | None, root_hint: str | None,
+               deployment: str, now: float) -> _Node:
+        """Place the first request of a session: a new id, a placeholder, or an ended id."""
+        reused = self._tombs.pop(session, None) is not None
+        if old is not None:
+            if old.flags & _PLACEHOLDER:
+                if reused:
+                    self.tombstone_reuses += 1
+                return self._promote(old, parent, root_hint, deployment, now)
+            # closed or ended: a new session takes the id; the old node stays in its tree
+            # until it drains or its descendants leave
+            reused = True
+            if not old.flags & _ENDED:
+                self._detached.add(old)
+        if reused:
+            self.tombstone_reuses += 1
+        node = _Node(session, deployment, now, 0)
+        self._nodes[session] = node
+        self._live += 1
+        if parent is not None and parent != session:
+            above = self._known_or_placeholder(parent, deployment, now)
+        elif root_hint is not None and root_hint != session:
+            above = self._known_or_placeholder(root_hint, deployment, now)
+            node.flags = _HINTED
+        else:
+            self._trees += 1
+            return node
+        root = self._find(above)
+        node.root = root
+        node.tree_live = 0
+        self._link_child(above, node)
+        root.tree_live += 1
+        return node
+
+    def _promote(self, node: _Node, parent: str | None, root_hint: str | None, deployment: str,
+                 now: float) -> _Node:
+        """A placeholder sends its own first request; its whole tree may join another one."""
+        node.flags &= ~_PLACEHOLDER
+        node.deployment = deployment
+        if parent is not None and parent != node.session:
+            above = self._known_or_placeholder(parent, deployment, now)
+            hinted = 0
+        elif root_hint is not None and root_hint != node.session:
+            above = self._known_or_placeholder(root_hint, deployment, now)
+            hinted = _HINTED
+        else:
+            return node
+        root = self._find(above)
+        if root is node:
+            log.debug("session %s names its own descendant %s above it; lineage ignored",
+                      node.session, above.session)
+            return node
+        node.flags |= hinted
+        node.root = root
+        self._link_child(above, node)
+        root.tree_live += node.tree_live
+        root.tree_in_flight += node.tree_in_flight
+        node.tree_live = node.tree_in_flight = 0
+        self._trees -= 1
+        return node
+
+    def _known_or_placeholder(self, session: str, deployment: str, now: float) -> _Node:
+        node = self._nodes.get(session)
+        if node is None:
+            node = self._nodes[session] = _Node(session, deployment, now, _PLACEHOLDER)
+            self._live += 1
+            self._trees += 1
+        return node
+
+    def _end(self, node: _Node, reason: EndReason, now: float) -> Ended:
+        """End a live session: counters, tombstone, and release of what only it held."""
+        root = self._find(node)
+        flags = node.flags
+        parent = node.parent
+        ended = Ended(node.session, None if parent is None or flags & _HINTED else parent.session,
+                      root.session, node.deployment, reason, node.turns)
+        node.flags = flags | _ENDED
+        node.end_reason = reason
+        if node.lru_next is not None:
+            self._lru_unlink(node)
+        root.tree_live -= 1
+        root.tree_in_flight -= node.in_flight
+        node.in_flight = 0
+        self._live -= 1
+        self.ended_by_reason[reason] += 1
+        if self._nodes.get(node.session) is not node:
+            self._detached.discard(node)
+        elif not flags & _CLOSED:
+            self._tombstone(node.session, now)
+        if node.first_child is None:
+            self._release(node)
+        else:
+            self._held_ended += 1
+        return ended
+
+    def _release(self, node: _Node) -> None:
+        """Drop a childless node that is no longer live, then every ancestor that was held only
+        for it (placeholders and ended sessions)."""
+        nodes = self._nodes
+        while True:
+            if nodes.get(node.session) is node:
+                del nodes[node.session]
+            parent = node.parent
+            if parent is None:
+                self._trees -= 1
+                return
+            prev, nxt = node.prev_sibling, node.next_sibling
+            if prev is None:
+                parent.first_child = nxt
+            else:
+                prev.next_sibling = nxt
+            if nxt is not None:
+                nxt.prev_sibling = prev
+            node.parent = node.prev_sibling = node.next_sibling = None
+            pflags = parent.flags
+            if parent.first_child is not None or not pflags & _DONE:
+                return
+            if pflags & _PLACEHOLDER:
+                self._live -= 1
+                self._find(parent).tree_live -= 1
+            else:
+                self._held_ended -= 1
+            node = parent
+
+    def _evict(self, now: float) -> list[Ended]:
+        evicted: list[Ended] = []
+        lru = self._lru
+        while self._live + self._held_ended > self._max_live:
+            victim = lru.lru_next
+            assert victim is not None
+            if victim is lru:  # everything live is in flight: exceed the cap until requests finish
+                break
+            evicted.append(self._end(victim, EndReason.EVICTED, now))
+            self.evictions += 1
+        return evicted
+
+    def _tombstone(self, session: str, now: float) -> None:
+        tombs = self._tombs
+        tombs.pop(session, None)
+        tombs[session] = now
+        if len(tombs) > self._tombstone_max:
+            tombs.popitem(last=False)
+
+    def _find(self, node: _Node) -> _Node:
+        """The root node of ``node``'s tree, compressing the path to it."""
+        root = node.root
+        if root.root is root:
+            return root
+        while root.root is not root:
+            root = root.root
+        while node.root is not root:
+            node.root, node = root, node.root
+        return root
+
+    def _root_conflict(self, session: str, hint: str, root: str) -> None:
+        self.root_conflicts += 1
+        if self._conflict_logged:
+            log.debug("root hint %s of session %s contradicts derived root %s; kept %s",
+                      hint, session, root, root)
+            return
+        self._conflict_logged = True
+        log.warning("root hint %s of session %s contradicts derived root %s; kept %s (further "
+                    "conflicts are only counted)", hint, session, root, root)
+
+    @staticmethod
+    def _link_child(parent: _Node, child: _Node) -> None:
+        first = parent.first_child
+        child.parent = parent
+        child.next_sibling = first
+        if first is not None:
+            first.prev_sibling = child
+        parent.first_child = child
+
+    @staticmethod
+    def _lru_unlink(node: _Node) -> None:
+        prev, nxt = node.lru_prev, node.lru_next
+        assert prev is not None and nxt is not None
+        prev.lru_next = nxt
+        nxt.lru_prev = prev
+        node.lru_prev = node.lru_next = None
+
+    def _as_dict(self, node: _Node) -> dict[str, Any]:
+        flags = node.flags
+        parent = node.parent
+        ended = bool(flags & _ENDED)
+        return {
+            "session": node.session,
+            "parent": None if parent is None or flags & _HINTED else parent.session,
+            "root": self._find(node).session,
+            "deployment": node.deployment,
+            "created_at": node.created_at,
+            "last_active_at": node.last_active_at,
+            "turns": node.turns,
+            "in_flight": node.in_flight,
+            "final_turn_seen": bool(flags & _FINAL_SEEN),
+            "ended": ended,
+            "end_reason": node.end_reason.value if ended and node.end_reason is not None else None,
+            "closed": bool(flags & _CLOSED),
+            "placeholder": bool(flags & _PLACEHOLDER),
+        }

@@ -1,0 +1,1 @@
+"""Routing modes: one plugin per gateway family (see :mod:`sidecar.modes.base` for the contract)."""

@@ -1,0 +1,128 @@
+"""The routing-mode plugin contract.
+
+A mode turns a request's routing context into what the target gateway understands. Hooks are
+synchronous and pure: they never perform I/O and never mutate their inputs. Anything that needs
+I/O (e.g. telling a router that a session finished) is returned as an :class:`EndAction` that the
+proxy layer executes.
+
+A mode declares its cost up front: only modes with ``mutates_body = True`` may override
+:meth:`Mode.transform_body`, and only for them does the proxy buffer and parse request bodies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingContext:
+    """What the sidecar knows about one request's session (SPEC section 3)."""
+
+    session: str
+    parent: str | None
+    root: str
+    is_final_turn: bool
+    is_parent_final: bool | None
+    is_tree_final: bool
+    turn: int
+    deployment: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEnd:
+    """A session that ended (exactly once per session), with the reason."""
+
+    session: str
+    parent: str | None
+    root: str
+    deployment: str
+    reason: str
+    turns: int
+
+
+@dataclass(frozen=True, slots=True)
+class EndAction:
+    """An HTTP call the proxy layer makes to the deployment's upstream after a session ended."""
+
+    method: str
+    path: str
+    query: dict[str, str] = field(default_factory=dict)
+    body: bytes | None = None
+
+
+class NoOptions(BaseModel):
+    """Options model of a mode that takes none: every key is rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ScopedOptions(BaseModel):
+    """Options of modes that key on either the session or the whole tree."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    scope: Literal["session", "tree"] = "session"
+
+
+class ModeContractError(TypeError):
+    """A mode class breaks the plugin contract (refused at startup)."""
+
+
+class Mode:
+    """Base class of every routing mode.
+
+    Subclasses set ``name``, optionally ``Options`` (a pydantic model with ``extra="forbid"``)
+    and ``mutates_body``, and override the hooks they need.
+    """
+
+    name: ClassVar[str]
+    Options: ClassVar[type[BaseModel]] = NoOptions
+    mutates_body: ClassVar[bool] = False
+
+    def __init__(self, options: BaseModel) -> None:
+        self.options = options
+
+    @classmethod
+    def from_options(cls, raw: dict[str, Any]) -> Mode:
+        """Validate raw options (raises pydantic ``ValidationError``) and build the mode."""
+        return cls(cls.Options.model_validate(raw))
+
+    def emitted_headers(self) -> Sequence[str]:
+        """Header names this mode sets; client-supplied copies are removed first unless trusted."""
+        return ()
+
+    def request_headers(self, ctx: RoutingContext) -> Sequence[tuple[str, str]]:
+        """Headers to add to a request of a known session. Runs once per request, before forwarding."""
+        return ()
+
+    def transform_body(self, ctx: RoutingContext, body: dict[str, Any]) -> dict[str, Any]:
+        """Return the body to forward (a new object: ``body`` must not be mutated).
+
+        Only called for modes with ``mutates_body = True`` and bodies that parsed as a JSON object.
+        """
+        return body
+
+    def on_session_end(self, end: SessionEnd) -> Sequence[EndAction]:
+        """Runs once per ended session, after its last proxied byte; returns I/O for the proxy."""
+        return ()
+
+
+def check_contract(cls: type) -> type[Mode]:
+    """Refuse a mode class whose declarations contradict its hooks."""
+    if not (isinstance(cls, type) and issubclass(cls, Mode)):
+        raise ModeContractError(f"{cls!r} is not a subclass of sidecar.modes.base.Mode")
+    if not isinstance(getattr(cls, "name", None), str) or not cls.name:
+        raise ModeContractError(f"{cls.__qualname__} has no `name`")
+    overrides_body = cls.transform_body is not Mode.transform_body
+    if overrides_body and not cls.mutates_body:
+        raise ModeContractError(f"mode {cls.name!r} overrides transform_body but does not declare mutates_body = True")
+    if cls.mutates_body and not overrides_body:
+        raise ModeContractError(f"mode {cls.name!r} declares mutates_body = True but does not override transform_body")
+    if not (isinstance(cls.Options, type) and issubclass(cls.Options, BaseModel)):
+        raise ModeContractError(f"mode {cls.name!r}: Options must be a pydantic model")
+    if cls.Options.model_config.get("extra") != "forbid":
+        raise ModeContractError(f"mode {cls.name!r}: Options must reject unknown keys (extra='forbid')")
+    return cls

@@ -1,0 +1,104 @@
+"""NVIDIA Dynamo modes.
+
+``dynamo_headers`` emits ``X-Dynamo-Session-ID: <session>`` and, only when the session has a
+parent, ``X-Dynamo-Parent-Session-ID: <parent>``. No options. This is the mode for Dynamo 1.3.0
+and later (run the frontend with ``--router-session-affinity-ttl-secs``).
+
+``dynamo_nvext`` writes ``nvext.session_control`` into the JSON request body, for Dynamo builds
+that still have that field (Dynamo 1.3.0 and later answer HTTP 400 to any ``session_control``:
+use ``dynamo_headers`` there). Options: ``timeout_seconds`` (int >= 1, default 300), ``scope``
+(``session`` or ``tree``), ``protocol``:
+
+- ``bind`` (default): ``{"session_id", "action": "bind", "timeout"}`` on every non-final turn,
+  ``{"session_id", "action": "close"}`` on the final one.
+- ``open`` (released Dynamo up to 1.2.x): ``{"session_id", "action": "open", "timeout"}`` on the
+  session's first turn, ``{"session_id"}`` on middle turns, ``{"session_id", "action": "close"}``
+  on the final turn; a session whose first turn is also its last gets no ``session_control``.
+
+With ``scope: tree`` the id is the tree's root and the close is sent only on the turn that makes
+the whole tree final (``is_tree_final``); under ``open`` the tree is opened by the root's first turn.
+
+Ids longer than Dynamo's 256-byte limit are fitted (:mod:`sidecar.modes.ids`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field
+
+from sidecar import headers as h
+from sidecar.modes.base import Mode, RoutingContext
+from sidecar.modes.ids import DYNAMO_MAX_ID_BYTES, fit_id
+from sidecar.modes.options import Scoped, Seconds, canonical_word
+
+NVEXT = "nvext"
+SESSION_CONTROL = "session_control"
+# The session_control keys the mode owns: set or removed on every request; any other key stays.
+_OWNED_KEYS = ("session_id", "action", "timeout")
+
+
+class DynamoHeaders(Mode):
+    """Dynamo 1.3.0+: X-Dynamo-Session-ID (+ X-Dynamo-Parent-Session-ID for children)."""
+
+    name = "dynamo_headers"
+    _EMITS = (h.X_DYNAMO_SESSION_ID, h.X_DYNAMO_PARENT_SESSION_ID)
+
+    def emitted_headers(self) -> Sequence[str]:
+        return self._EMITS
+
+    def request_headers(self, ctx: RoutingContext) -> Sequence[tuple[str, str]]:
+        session = fit_id(ctx.session, DYNAMO_MAX_ID_BYTES)
+        if ctx.parent is None:
+            return ((h.X_DYNAMO_SESSION_ID, session),)
+        return ((h.X_DYNAMO_SESSION_ID, session),
+                (h.X_DYNAMO_PARENT_SESSION_ID, fit_id(ctx.parent, DYNAMO_MAX_ID_BYTES)))
+
+
+class NvextOptions(Scoped):
+    timeout_seconds: Seconds = Field(300, description="affinity timeout sent with bind/open, seconds >= 1")
+    protocol: Annotated[Literal["bind", "open"], BeforeValidator(canonical_word)] = Field(
+        "bind", description="bind: bind/close on every turn; open: open/-/close (Dynamo <= 1.2.x)")
+
+
+class DynamoNvext(Mode):
+    """Dynamo builds with nvext.session_control (up to 1.2.x): session affinity in the JSON body."""
+
+    name = "dynamo_nvext"
+    Options = NvextOptions
+    mutates_body = True
+    options: NvextOptions
+
+    def session_control(self, ctx: RoutingContext) -> dict[str, Any] | None:
+        """The ``session_control`` object for this request, or None to send none."""
+        o = self.options
+        tree = o.scope == "tree"
+        sid = fit_id(ctx.root if tree else ctx.session, DYNAMO_MAX_ID_BYTES)
+        final = ctx.is_tree_final if tree else ctx.is_final_turn
+        if o.protocol == "bind":
+            if final:
+                return {"session_id": sid, "action": "close"}
+            return {"session_id": sid, "action": "bind", "timeout": o.timeout_seconds}
+        opening = ctx.turn == 1 and (not tree or ctx.session == ctx.root)
+        if final:
+            # Nothing was opened for a one-turn session, so there is nothing to close.
+            return None if opening else {"session_id": sid, "action": "close"}
+        if opening:
+            return {"session_id": sid, "action": "open", "timeout": o.timeout_seconds}
+        return {"session_id": sid}
+
+    def transform_body(self, ctx: RoutingContext, body: dict[str, Any]) -> dict[str, Any]:
+        control = self.session_control(ctx)
+        if control is None:
+            return body
+        # Copy-on-write: shallow copies of the dicts on the path to session_control only.
+        nvext = body.get(NVEXT)
+        nvext = dict(nvext) if isinstance(nvext, dict) else {}
+        old = nvext.get(SESSION_CONTROL)
+        merged = {k: v for k, v in old.items() if k not in _OWNED_KEYS} if isinstance(old, dict) else {}
+        merged.update(control)
+        nvext[SESSION_CONTROL] = merged
+        out = dict(body)
+        out[NVEXT] = nvext
+        return out

@@ -1,0 +1,100 @@
+"""The `sidecar` command as users run it: a real process, signals, the README example."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+
+from tests.proxy.test_errors import free_port
+
+
+async def wait_healthy(admin: str, proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            try:
+                async with s.get(f"{admin}/healthz") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+    raise AssertionError("sidecar did not become healthy")
+
+
+def spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "sidecar", "run", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, **(env or {})}, text=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+    for stream in (proc.stdout, proc.stderr):
+        if stream:
+            stream.close()
+
+
+async def test_readme_example_command_and_sigterm_drain(upstream):
+    port, admin_port = free_port(), free_port()
+    proc = spawn("--listen", f"127.0.0.1:{port}", "--upstream", upstream.url, "--mode", "dynamo_headers",
+                 "--admin", f"127.0.0.1:{admin_port}", env={"SIDECAR_DRAIN_GRACE_SECONDS": "5"})
+    admin = f"http://127.0.0.1:{admin_port}"
+    try:
+        await wait_healthy(admin, proc)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{admin}/readyz") as resp:
+                assert resp.status in (200, 503)
+            # A stream is in flight when SIGTERM arrives: it must finish, new connections refused.
+            async with s.get(f"http://127.0.0.1:{port}/sse?chunks=6&gap=0.15",
+                             headers={"X-Correlation-ID": "drain-me"}) as resp:
+                first = await resp.content.readuntil(b"\n\n")
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.2)
+                try:
+                    async with aiohttp.ClientSession() as s2:
+                        async with s2.get(f"http://127.0.0.1:{port}/x") as r2:
+                            refused = False
+                            await r2.read()
+                except aiohttp.ClientConnectionError:
+                    refused = True
+                rest = await resp.read()
+        assert first == b'data: {"i":0}\n\n'
+        assert rest.endswith(b"data: [DONE]\n\n") and rest.count(b"data: ") == 6
+        assert refused, "a new connection was accepted during the drain"
+        assert proc.wait(10) == 0
+        assert upstream.received[0].all("X-Dynamo-Session-ID") == ["drain-me"]
+        logs = proc.stderr.read() if proc.stderr else ""
+        assert '"msg":"sidecar stopped"' in logs
+    finally:
+        stop(proc)
+
+
+def test_invalid_flag_value_refuses_to_start():
+    proc = subprocess.run([sys.executable, "-m", "sidecar", "run", "--upstream", "http://127.0.0.1:1",
+                           "--mode", "dynamo_headers", "--mode-opt", "timeout_secs=5"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert "mode_options.timeout_secs: unknown setting" in proc.stderr
+
+
+def test_env_only_configuration_refuses_bad_listen():
+    proc = subprocess.run([sys.executable, "-m", "sidecar", "run"], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "SIDECAR_UPSTREAM": "http://127.0.0.1:1", "SIDECAR_LISTEN": "8080"})
+    assert proc.returncode == 2
+    assert "listen: must be HOST:PORT (got '8080')" in proc.stderr
+
+
+def test_modes_lists_every_mode_with_options():
+    out = subprocess.run([sys.executable, "-m", "sidecar", "modes"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0
+    assert out.stdout.startswith("dynamo_headers") or "\ndynamo_headers" in out.stdout
+    assert "options: none" in out.stdout
