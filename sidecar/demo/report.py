@@ -29,6 +29,8 @@ class RunMetrics:
     latency_p50_ms: float
     latency_p99_ms: float
     wall_s: float
+    # p50 of sequential probe requests with nothing else in flight (nan when not measured).
+    probe_p50_ms: float = math.nan
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -74,7 +76,10 @@ def format_table(
     labels: tuple[str, str] = ("direct", "via sidecar"),
 ) -> str:
     """The two runs side by side as aligned plain text, ending with a newline."""
-    added = via_sidecar.latency_p50_ms - direct.latency_p50_ms
+    added = via_sidecar.probe_p50_ms - direct.probe_p50_ms
+    added_label = "sidecar added latency p50 (ms)"
+    if math.isnan(added):
+        added = via_sidecar.latency_p50_ms - direct.latency_p50_ms
     rows: list[tuple[str, str, str]] = [
         ("", labels[0], labels[1]),
         ("requests", str(direct.requests), str(via_sidecar.requests)),
@@ -85,7 +90,8 @@ def format_table(
         ("cached ratio", f"{direct.cached_ratio:.2f}", f"{via_sidecar.cached_ratio:.2f}"),
         ("latency p50 (ms)", f"{direct.latency_p50_ms:.1f}", f"{via_sidecar.latency_p50_ms:.1f}"),
         ("latency p99 (ms)", f"{direct.latency_p99_ms:.1f}", f"{via_sidecar.latency_p99_ms:.1f}"),
-        ("sidecar added latency p50 (ms)", "-", f"{added:+.1f}"),
+        ("probe latency p50 (ms)", f"{direct.probe_p50_ms:.2f}", f"{via_sidecar.probe_p50_ms:.2f}"),
+        (added_label, "-", f"{added:+.2f}"),
         ("wall time (s)", f"{direct.wall_s:.2f}", f"{via_sidecar.wall_s:.2f}"),
     ]
     w0 = max(len(r[0]) for r in rows)

@@ -138,3 +138,21 @@ async def run_workload(
                 tg.create_task(_run_session(http, url, i, turns, seed, system_prompt, records))
     records.sort(key=lambda r: (r.session, r.turn))
     return records
+
+
+async def probe_latency(base_url: str, *, requests: int = 200) -> list[float]:
+    """Latencies (ms) of ``requests`` sequential small requests on one keep-alive connection.
+
+    Run with nothing else in flight, so the difference between a direct and a proxied probe is
+    the proxy's own cost rather than event-loop contention with the concurrent workload.
+    """
+    out: list[float] = []
+    headers = {X_CORRELATION_ID: f"probe-{uuid.uuid4()}"}
+    connector = aiohttp.TCPConnector(limit=1)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for _ in range(requests):
+            start = time.perf_counter()
+            async with session.get(f"{base_url}/v1/models", headers=headers) as resp:
+                await resp.read()
+            out.append((time.perf_counter() - start) * 1000)
+    return out
