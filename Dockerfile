@@ -1,0 +1,36 @@
+# syntax=docker/dockerfile:1
+ARG PYTHON_IMAGE=python:3.12-slim
+
+# Build stage: build the wheel and install it with its dependencies into /opt/sidecar.
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY . .
+RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
+ && python -m venv /opt/sidecar \
+ && /opt/sidecar/bin/python -m pip install --no-cache-dir /wheels/*.whl \
+ && /opt/sidecar/bin/python -m pip uninstall --yes pip
+
+# Runtime stage: the interpreter from the same base image plus the venv, nothing else.
+FROM ${PYTHON_IMAGE}
+LABEL org.opencontainers.image.title="session-sidecar" \
+      org.opencontainers.image.description="Session-routing sidecar: adds session-affinity headers in front of LLM inference gateways"
+RUN groupadd --system --gid 10001 sidecar \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+    --shell /usr/sbin/nologin sidecar \
+ && mkdir -p /etc/sidecar
+COPY --from=build /opt/sidecar /opt/sidecar
+# Bytecode was compiled at install time; the root filesystem may be read-only.
+ENV PATH=/opt/sidecar/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    SIDECAR_LISTEN=0.0.0.0:8080 \
+    SIDECAR_ADMIN=0.0.0.0:9091
+USER 10001:10001
+WORKDIR /
+EXPOSE 8080 9091
+# Configure with SIDECAR_* variables, or mount a file and set
+# SIDECAR_CONFIG=/etc/sidecar/config.yaml. Kubernetes probes use /healthz and /readyz on 9091.
+ENTRYPOINT ["sidecar"]
+CMD ["run"]

@@ -1,0 +1,213 @@
+#!/usr/bin/env bash
+# Check the container image's install path without a Docker engine.
+#
+# Runs the Dockerfile's install commands in a temp dir: a build context holding only what
+# .dockerignore lets through, `pip wheel` of the package, a fresh venv (the image's
+# /opt/sidecar) with the wheel installed and pip removed. The venv is then made read-only and
+# the installed `sidecar` is exercised with the image's environment, in a private mount
+# namespace whose root filesystem is remounted read-only (as with readOnlyRootFilesystem) when
+# the kernel allows it, else with the venv's write bits removed:
+#   sidecar --help; sidecar check-config on config/examples/*.yaml (or `sidecar modes` when
+#   there are none); `sidecar run` against a loopback upstream: /healthz, /readyz, a proxied
+#   request, then SIGTERM and a clean exit.
+#
+# Interpreter: $SIDECAR_IMAGE_PYTHON, else Python 3.12 (the image's base), else python3 >= 3.11.
+set -euo pipefail
+
+if [[ "${1:-}" == "--run-checks" ]]; then
+  # Second half, possibly inside the read-only namespace: $2 = venv, $3 = repo root.
+  venv="$2"
+  repo="$3"
+  export PATH="$venv/bin:$PATH" PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/nonexistent
+  # The image's defaults; the run check below overrides both with loopback ports.
+  export SIDECAR_LISTEN=0.0.0.0:8080 SIDECAR_ADMIN=0.0.0.0:9091
+  cd /
+
+  echo "+ sidecar --help"
+  sidecar --help >/dev/null
+  shopt -s nullglob
+  examples=("$repo"/config/examples/*.yaml "$repo"/config/examples/*.yml)
+  if ((${#examples[@]})); then
+    for example in "${examples[@]}"; do
+      echo "+ sidecar check-config config/examples/$(basename "$example")"
+      sidecar check-config "$example" >/dev/null
+    done
+  else
+    echo "+ sidecar modes"
+    sidecar modes
+  fi
+
+  echo "+ sidecar run (loopback upstream, then SIGTERM)"
+  "$venv/bin/python" - <<'EOF'
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class Upstream(BaseHTTPRequestHandler):
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        self.rfile.read(length)
+        body = json.dumps({"object": "list", "data": [{"id": "m"}], "path": self.path}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def wait_for(url: str, want: int, deadline: float) -> int:
+    status = 0
+    while time.monotonic() < deadline:
+        try:
+            status, _ = get(url)
+        except OSError:
+            status = 0
+        if status == want:
+            return status
+        time.sleep(0.2)
+    return status
+
+
+upstream = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+threading.Thread(target=upstream.serve_forever, daemon=True).start()
+listen, admin = free_port(), free_port()
+env = dict(os.environ)
+env.update(
+    SIDECAR_UPSTREAM=f"http://127.0.0.1:{upstream.server_address[1]}",
+    SIDECAR_LISTEN=f"127.0.0.1:{listen}",
+    SIDECAR_ADMIN=f"127.0.0.1:{admin}",
+    SIDECAR_DRAIN_GRACE_SECONDS="1",
+)
+proc = subprocess.Popen(["sidecar", "run"], env=env)
+failure = ""
+try:
+    deadline = time.monotonic() + 30
+    if wait_for(f"http://127.0.0.1:{admin}/healthz", 200, deadline) != 200:
+        failure = "/healthz never answered 200"
+    else:
+        status, body = get(f"http://127.0.0.1:{listen}/v1/models")
+        if status != 200 or b'"path": "/v1/models"' not in body:
+            failure = f"proxied GET /v1/models: {status} {body[:200]!r}"
+        elif (got := wait_for(f"http://127.0.0.1:{admin}/readyz", 200, time.monotonic() + 15)) != 200:
+            failure = f"/readyz answered {got} after the upstream was reached"
+finally:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+        failure = failure or "no exit within 30 s of SIGTERM"
+    upstream.shutdown()
+if not failure and code != 0:
+    failure = f"exit code {code} after SIGTERM"
+if failure:
+    sys.exit(f"sidecar run check failed: {failure}")
+print("sidecar run: /healthz 200, proxied request 200, /readyz 200, SIGTERM -> exit 0")
+EOF
+  exit 0
+fi
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+self="$repo_root/scripts/image_install_check.sh"
+
+find_python() {
+  local candidate version
+  local pyenv_root="${PYENV_ROOT:-$HOME/.pyenv}"
+  local candidates=("${SIDECAR_IMAGE_PYTHON:-}" python3.12)
+  # Newest first; an unmatched glob stays literal and fails the run check below.
+  while IFS= read -r version; do
+    candidates+=("$version/bin/python3")
+  done < <(printf '%s\n' "$pyenv_root"/versions/3.12.* | sort -rV)
+  candidates+=(python3)
+  for candidate in "${candidates[@]}"; do
+    [[ -n "$candidate" ]] || continue
+    if "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; then
+      command -v "$candidate"
+      return 0
+    fi
+  done
+  return 1
+}
+
+if ! python="$(find_python)"; then
+  echo "error: no Python >= 3.11 found; set SIDECAR_IMAGE_PYTHON" >&2
+  exit 1
+fi
+
+work="$(mktemp -d "${TMPDIR:-/tmp}/sidecar-image-check.XXXXXX")"
+cleanup() {
+  chmod -R u+w "$work" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+echo "image install check with $("$python" --version) in $work"
+
+# Build context: COPY . . after .dockerignore (an allow-list of `!path` lines).
+context="$work/context"
+mkdir -p "$context"
+while IFS= read -r line; do
+  path="${line#!}"
+  path="${path%/}"
+  if [[ -e "$repo_root/$path" ]]; then
+    mkdir -p "$context/$(dirname "$path")"
+    cp -a "$repo_root/$path" "$context/$path"
+  fi
+done < <(grep -E '^![^*]' "$repo_root/.dockerignore")
+find "$context" \( -name __pycache__ -o -name '*.py[cod]' \) -prune -exec rm -rf {} +
+
+# Build stage (the base image's interpreter is a throwaway venv here).
+"$python" -m venv "$work/base"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+echo "+ pip wheel --no-deps ."
+(cd "$context" && "$work/base/bin/python" -m pip wheel --quiet --no-cache-dir --no-deps --wheel-dir "$work/wheels" .)
+venv="$work/opt-sidecar"
+echo "+ python -m venv /opt/sidecar && pip install sidecar wheel && pip uninstall pip"
+"$python" -m venv "$venv"
+"$venv/bin/python" -m pip install --quiet --no-cache-dir "$work"/wheels/*.whl
+"$venv/bin/python" -m pip uninstall --quiet --yes pip
+
+# Runtime stage: nothing under the venv may be written any more.
+chmod -R a-w "$venv"
+if unshare --mount --propagation private true 2>/dev/null; then
+  echo "read-only root: private mount namespace with / and $work remounted read-only"
+  # In `bash -c`, $0 is the script and "$@" its arguments; $RO_DIR may be its own mount.
+  # shellcheck disable=SC2016  # expanded by the inner shell
+  RO_DIR="$work" unshare --mount --propagation private bash -c '
+    mount -o remount,bind,ro / &&
+      mount --bind "$RO_DIR" "$RO_DIR" && mount -o remount,bind,ro "$RO_DIR" &&
+      exec bash "$0" "$@"' "$self" --run-checks "$venv" "$repo_root"
+else
+  echo "read-only root: venv write bits removed (no mount namespace available)"
+  bash "$self" --run-checks "$venv" "$repo_root"
+fi
+echo "image install check passed"
