@@ -50,6 +50,8 @@ class RecordingUpstream:
     url: str = ""
     max_body_seen: int = 0
     peers: set[tuple[str, int]] = field(default_factory=set)
+    # /finish_session answers 503 this many times before succeeding (retry tests).
+    finish_failures: int = 0
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
@@ -82,6 +84,11 @@ class RecordingUpstream:
             resp.headers["Proxy-Authenticate"] = "Basic"
             resp.headers["X-End-To-End"] = "kept"
             return resp
+        if path == "/finish_session":
+            if self.finish_failures > 0:
+                self.finish_failures -= 1
+                return web.json_response({"status": "busy"}, status=503)
+            return web.json_response({"status": "ok"})
         if path.startswith("/status/"):
             return web.json_response({"status": int(path.rsplit("/", 1)[1])}, status=int(path.rsplit("/", 1)[1]))
         return web.json_response({"path": request.raw_path, "method": request.method, "bytes": len(body)})

@@ -1,0 +1,55 @@
+"""vllm_router mode on the wire: x-session-id, and one /finish_session per ended session."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+
+async def wait_for(pred, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def finishes(upstream) -> list[str]:
+    return [r.path for r in upstream.received if r.path.startswith("/finish_session")]
+
+
+async def test_session_header_and_finish_session_once_per_session(upstream, start_sidecar):
+    sc = await start_sidecar(upstream=upstream.url, mode="vllm_router")
+    async with aiohttp.ClientSession() as s:
+        for turn in (1, 2, 3):
+            for sid in ("sess-a", "sess-b"):
+                headers = {"X-Correlation-ID": sid, "x-session-id": "spoof"}
+                if turn == 3:
+                    headers["X-Session-Final"] = "true"
+                async with s.post(f"{sc.proxy_url}/v1/chat/completions", data=b"{}", headers=headers) as resp:
+                    assert resp.status == 200
+    await wait_for(lambda: len(finishes(upstream)) == 2)
+    await asyncio.sleep(0.2)
+    assert sorted(finishes(upstream)) == ["/finish_session?session_id=sess-a", "/finish_session?session_id=sess-b"]
+    chats = [r for r in upstream.received if r.path == "/v1/chat/completions"]
+    assert [r.all("x-session-id") for r in chats] == [["sess-a"], ["sess-b"]] * 3
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{sc.admin_url}/metrics") as resp:
+            text = await resp.text()
+    assert 'sidecar_end_actions_total{mode="vllm_router",outcome="ok"} 2.0' in text
+
+
+async def test_finish_session_retried_on_failure_without_blocking_traffic(upstream, start_sidecar):
+    upstream.finish_failures = 2
+    sc = await start_sidecar(upstream=upstream.url, mode="vllm_router")
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{sc.proxy_url}/x", headers={"X-Correlation-ID": "r1", "X-Session-Final": "true"}) as resp:
+            assert resp.status == 200
+        # Client traffic is not held up by the pending end-of-session call.
+        async with s.get(f"{sc.proxy_url}/y", headers={"X-Correlation-ID": "r2"}) as resp:
+            assert resp.status == 200
+    await wait_for(lambda: len(finishes(upstream)) == 3)
+    assert finishes(upstream) == ["/finish_session?session_id=r1"] * 3
+    assert sc.metrics.registry.get_sample_value(
+        "sidecar_end_actions_total", {"mode": "vllm_router", "outcome": "ok"}) == 1
