@@ -18,6 +18,7 @@ if [[ $quick == 0 ]]; then
   ./scripts/install_gateways.sh
   .venv/bin/python -m pytest -m gateway "$@" || status=$?
   ./scripts/install_deploy_tools.sh
+  ./scripts/install_browser.sh
   .venv/bin/python -m pytest -m deploy "$@" || status=$?
 fi
 exit $status

@@ -1,0 +1,502 @@
+"""Live session view: ``/ui/data.json`` after a real workload, its bounds, and the page drawn by
+headless Chromium (``deploy`` marker; Chromium from scripts/install_browser.sh)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import html.parser
+import os
+import re
+import shutil
+import struct
+import time
+import zlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from sidecar.admin.ui import PAGE, add_ui_routes, snapshot
+from sidecar.lineage import SessionTree, TurnOutcome
+
+ROOT_A = "agent-run-2f9c1e7a-77d4-4c1b-9a0e-planner"  # long: drawn truncated, full id on hover
+XSS = '<img src=x onerror="document.title=\'pwned\'">'  # ids are client-supplied
+
+
+# -- workload ------------------------------------------------------------------------------------
+
+
+async def _send(s: aiohttp.ClientSession, proxy: str, session: str, *, parent: str | None = None,
+                root: str | None = None, final: bool = False, path: str = "/v1/chat/completions") -> None:
+    headers = {"X-Correlation-ID": session}
+    if parent is not None:
+        headers["X-Parent-Session-ID"] = parent
+    if root is not None:
+        headers["X-Root-Session-ID"] = root
+    if final:
+        headers["X-Session-Final"] = "true"
+    async with s.post(f"{proxy}{path}", headers=headers, json={"messages": []}) as resp:
+        assert resp.status == 200
+        await resp.read()
+
+
+@contextlib.asynccontextmanager
+async def workload(sc: Any, upstream: Any) -> AsyncIterator[None]:
+    """Three trees, oldest activity first: C (placeholder root), B (XSS id, child, root-hinted
+    session), A (children, an ended parent held by its child, a final turn still in flight)."""
+    proxy = sc.proxy_url
+    async with aiohttp.ClientSession() as s:
+        await _send(s, proxy, "c-child", parent="c-ghost")
+        await _send(s, proxy, XSS)
+        await _send(s, proxy, "b-child", parent=XSS)
+        await _send(s, proxy, "b-hinted", root=XSS)
+        for _ in range(2):
+            await _send(s, proxy, ROOT_A)
+        for _ in range(3):
+            await _send(s, proxy, "worker-a1", parent=ROOT_A)
+        await _send(s, proxy, "worker-a2", parent=ROOT_A)
+        await _send(s, proxy, "tool-a2-x", parent="worker-a2")
+        await _send(s, proxy, "worker-a2", parent=ROOT_A, final=True)  # ends; held by tool-a2-x
+        seen = len(upstream.received)
+        slow = asyncio.create_task(_send(s, proxy, "worker-a3", parent=ROOT_A, final=True, path="/slow?delay=50"))
+        try:
+            for _ in range(200):
+                if len(upstream.received) > seen:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(upstream.received) > seen
+            yield
+        finally:
+            slow.cancel()
+            with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                await slow
+
+
+@contextlib.asynccontextmanager
+async def ui_base(sc: Any) -> AsyncIterator[str]:
+    """The admin URL when it serves /ui; else a separate app with the UI routes on the same tree."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{sc.admin_url}/ui") as resp:
+            wired = resp.status == 200
+    if wired:
+        yield sc.admin_url
+        return
+    app = web.Application()
+    add_ui_routes(app, lambda: sc.router.tree)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def _walk(node: dict[str, Any]) -> list[dict[str, Any]]:
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(reversed(n["children"]))
+    return out
+
+
+def _shape(node: dict[str, Any]) -> Any:
+    return (node["session"], [_shape(c) for c in node["children"]])
+
+
+EXPECTED_TREES = [
+    (ROOT_A, [("worker-a1", []), ("worker-a2", [("tool-a2-x", [])]), ("worker-a3", [])]),
+    (XSS, [("b-child", []), ("b-hinted", [])]),
+    ("c-ghost", [("c-child", [])]),
+]
+NODE_KEYS = {"session", "parent", "root", "deployment", "created_at", "last_active_at", "turns", "in_flight",
+             "final_turn_seen", "ended", "end_reason", "placeholder", "children"}
+
+
+# -- data.json through a real sidecar ------------------------------------------------------------
+
+
+async def test_data_json_after_workload(upstream, start_sidecar):
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
+    async with workload(sc, upstream), ui_base(sc) as base, aiohttp.ClientSession() as s:
+        async with s.get(f"{base}/ui/data.json") as resp:
+            assert resp.status == 200
+            assert resp.content_type == "application/json"
+            assert resp.headers["Cache-Control"] == "no-store"
+            data = await resp.json()
+        async with s.get(f"{base}/ui/data.json?limit=2") as resp:
+            two = await resp.json()
+
+    assert data["live_sessions"] == 9  # every held node but the ended worker-a2
+    assert data["live_trees"] == 3
+    assert data["limit"] == 200 and data["shown_trees"] == 3 and data["truncated"] is False
+    assert isinstance(data["now"], float) and isinstance(data["generated_at"], float)
+    assert [(t["root"], _shape(t["tree"])[1]) for t in data["trees"]] == EXPECTED_TREES  # newest first
+    for t in data["trees"]:
+        assert set(t) == {"root", "last_active_at", "sessions", "live", "in_flight", "final", "omitted", "tree"}
+        assert t["omitted"] == 0
+        assert t["last_active_at"] == max(n["last_active_at"] for n in _walk(t["tree"])) <= data["now"]
+        for n in _walk(t["tree"]):
+            assert NODE_KEYS <= set(n)
+            assert n["root"] == t["root"]
+
+    a, b, c = data["trees"]
+    assert (a["sessions"], a["live"], a["in_flight"], a["final"]) == (5, 4, 1, False)
+    assert (b["sessions"], b["live"], b["in_flight"], b["final"]) == (3, 3, 0, False)
+    assert (c["sessions"], c["live"], c["in_flight"], c["final"]) == (2, 1, 0, False)
+    nodes = {n["session"]: n for t in data["trees"] for n in _walk(t["tree"])}
+    assert nodes[ROOT_A]["turns"] == 2 and nodes[ROOT_A]["parent"] is None
+    assert nodes["worker-a1"]["turns"] == 3 and nodes["worker-a1"]["parent"] == ROOT_A
+    assert nodes["worker-a2"]["ended"] is True and nodes["worker-a2"]["end_reason"] == "final_turn_completed"
+    assert nodes["tool-a2-x"]["parent"] == "worker-a2" and nodes["tool-a2-x"]["ended"] is False
+    a3 = nodes["worker-a3"]
+    assert (a3["in_flight"], a3["final_turn_seen"], a3["ended"]) == (1, True, False)
+    assert nodes["b-hinted"]["parent"] is None and nodes["b-hinted"]["root"] == XSS  # joined by root hint
+    assert nodes["c-ghost"]["placeholder"] is True and nodes["c-ghost"]["turns"] == 0
+
+    assert two["limit"] == 2 and two["truncated"] is True
+    assert [t["root"] for t in two["trees"]] == [ROOT_A, XSS]
+
+
+# -- bounds, ordering and the page itself (no sidecar) -------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _one(tree: SessionTree, session: str, **kw: Any) -> None:
+    kw.setdefault("parent", None)
+    turn, _ = tree.begin(session, root_hint=kw.pop("root_hint", None), final=kw.pop("final", False),
+                         deployment="default", **kw)
+    tree.end_turn(turn, TurnOutcome.COMPLETED)
+
+
+def test_order_is_by_newest_activity_in_the_tree():
+    clock = Clock()
+    tree = SessionTree(clock=clock)
+    for i, root in enumerate(["r0", "r1", "r2"]):
+        clock.t += 1
+        _one(tree, root)
+    clock.t += 1
+    _one(tree, "r0-kid", parent="r0")  # a child's turn makes r0's tree the newest
+    snap = snapshot(tree)
+    assert [t["root"] for t in snap["trees"]] == ["r0", "r2", "r1"]
+    assert snap["now"] == clock.t and snap["trees"][0]["last_active_at"] == clock.t
+    assert [t["root"] for t in snapshot(tree, limit=1)["trees"]] == ["r0"]
+
+
+def test_tree_final_when_every_live_session_saw_its_final_turn():
+    tree = SessionTree(clock=Clock())
+    _one(tree, "root")
+    turn, _ = tree.begin("kid", parent="root", root_hint=None, final=True, deployment="default")
+    assert snapshot(tree)["trees"][0]["final"] is False
+    tree.begin("root", parent=None, root_hint=None, final=True, deployment="default")
+    assert snapshot(tree)["trees"][0]["final"] is True
+    tree.end_turn(turn, TurnOutcome.COMPLETED)
+
+
+def test_node_budget_and_depth_cut_are_reported():
+    clock = Clock()
+    tree = SessionTree(clock=clock)
+    _one(tree, "wide")
+    for i in range(30):
+        _one(tree, f"w{i:02}", parent="wide")
+    clock.t += 1
+    _one(tree, "deep0")
+    for i in range(1, 3000):  # far deeper than JSON encoders or browsers nest comfortably
+        _one(tree, f"deep{i}", parent=f"deep{i - 1}")
+    snap = snapshot(tree, max_nodes=20, max_depth=10)
+    by_root = {t["root"]: t for t in snap["trees"]}
+    deep, wide = by_root["deep0"], by_root["wide"]
+    assert snap["truncated"] is True
+    shown = sum(len(_walk(t["tree"])) for t in snap["trees"])
+    assert shown == 20 and [t["root"] for t in snap["trees"]] == ["deep0", "wide"]
+    assert len(_walk(deep["tree"])) == 11 and len(_walk(wide["tree"])) == 9  # depth 10 cut, then budget
+    assert deep["sessions"] == 3000 and wide["sessions"] == 31
+    for t in (deep, wide):
+        assert len(_walk(t["tree"])) + t["omitted"] == t["sessions"]
+        assert t["omitted"] == sum(n.get("omitted", 0) for n in _walk(t["tree"]))
+    # every shown tree keeps its root, even past the budget
+    tight = snapshot(tree, max_nodes=5, max_depth=10)
+    assert [len(_walk(t["tree"])) for t in tight["trees"]] == [5, 1]
+    # defaults: a 3000-deep chain is cut at MAX_DEPTH and serializes
+    full = snapshot(tree)
+    chain = next(t for t in full["trees"] if t["root"] == "deep0")
+    assert 1 < len(_walk(chain["tree"])) < 100 and chain["omitted"] == 3000 - len(_walk(chain["tree"]))
+
+
+def test_snapshot_cost_is_bounded_at_scale():
+    tree = SessionTree(clock=Clock())
+    for r in range(2000):
+        _one(tree, f"root{r}")
+        for k in range(9):
+            _one(tree, f"root{r}-k{k}", parent=f"root{r}")
+    start = time.perf_counter()
+    snap = snapshot(tree)
+    elapsed = time.perf_counter() - start
+    assert snap["live_sessions"] == 20_000 and snap["shown_trees"] == 200
+    assert elapsed < 1.0, elapsed
+
+
+async def test_page_and_limits(aiohttp_client):
+    tree = SessionTree(clock=Clock())
+    _one(tree, "only")
+    app = web.Application()
+    add_ui_routes(app, lambda: tree)
+    client = await aiohttp_client(app)
+    resp = await client.get("/ui")
+    assert resp.status == 200 and resp.content_type == "text/html"
+    csp = resp.headers["Content-Security-Policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+    text = await resp.text()
+    assert text == PAGE
+    # self-contained: no external resources, and ids only ever reach the DOM as text
+    assert not re.search(r"https?://|//cdn|<link|<script[^>]+src|@import|url\(", text)
+    assert "innerHTML" not in text and "outerHTML" not in text and "insertAdjacentHTML" not in text
+    assert "document.write" not in text and "textContent" in text
+    resp = await client.get("/ui/", allow_redirects=False)
+    assert resp.status == 302
+    first = await (await client.get("/ui/data.json")).json()
+    again = await (await client.get("/ui/data.json")).json()
+    assert again["generated_at"] == first["generated_at"]  # several pages polling cost one walk
+    for query, limit in (("", 200), ("?limit=0", 1), ("?limit=99999", 1000), ("?limit=x", 200)):
+        resp = await client.get(f"/ui/data.json{query}")
+        assert (await resp.json())["limit"] == limit
+
+
+# -- headless Chromium ---------------------------------------------------------------------------
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    msg = "chromium is not installed (scripts/install_browser.sh)"
+    if os.environ.get("CI"):
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+async def _run_chromium(binary: str, profile: Path, *args: str) -> bytes:
+    proc = await asyncio.create_subprocess_exec(
+        binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--disable-dev-shm-usage", "--hide-scrollbars", f"--user-data-dir={profile}",
+        "--window-size=1200,800", "--virtual-time-budget=5000", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 40)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
+    return out
+
+
+class _Dom(html.parser.HTMLParser):
+    """Nesting of the rendered ``li.node`` elements (by their data-session) and the img tags."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[tuple[str, str | None]] = []
+        self.parent_of: dict[str, str | None] = {}
+        self.titles: set[str] = set()
+        self.classes: dict[str, str] = {}
+        self.imgs = 0
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "img":
+            self.imgs += 1
+        if a.get("title"):
+            self.titles.add(a["title"] or "")
+        session = a.get("data-session") if tag == "li" else None
+        if session is not None:
+            above = [s for t, s in self.stack if s is not None]
+            self.parent_of[session] = above[-1] if above else None
+            self.classes[session] = a.get("class") or ""
+        if tag not in ("br", "meta", "input", "img", "link"):
+            self.stack.append((tag, session))
+
+    def handle_endtag(self, tag: str) -> None:
+        while self.stack:
+            if self.stack.pop()[0] == tag:
+                break
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+@pytest.mark.deploy
+@pytest.mark.parametrize("engine", ["aiohttp"])
+async def test_browser_draws_live_tree(upstream, start_sidecar, tmp_path):
+    binary = _chromium()
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
+    async with workload(sc, upstream), ui_base(sc) as base:
+        url = f"{base}/ui"
+        started = time.monotonic()
+        dom_html = (await _run_chromium(binary, tmp_path / "profile-dom", "--dump-dom", url)).decode()
+        png_path = tmp_path / "ui.png"
+        await _run_chromium(binary, tmp_path / "profile-shot", f"--screenshot={png_path}", url)
+        browser_s = time.monotonic() - started
+    if os.environ.get("SIDECAR_UI_SCREENSHOT"):  # keep a copy to look at
+        shutil.copy(png_path, os.environ["SIDECAR_UI_SCREENSHOT"])
+
+    dom = _Dom()
+    dom.feed(dom_html)
+    # The JS ran: every session is drawn, nested exactly as the lineage.
+    assert dom.parent_of == {
+        ROOT_A: None, "worker-a1": ROOT_A, "worker-a2": ROOT_A, "tool-a2-x": "worker-a2", "worker-a3": ROOT_A,
+        XSS: None, "b-child": XSS, "b-hinted": XSS, "c-ghost": None, "c-child": "c-ghost",
+    }
+    assert ROOT_A in dom.titles and ROOT_A not in "".join(dom.text)  # truncated, full id on hover
+    assert "ended" in dom.classes["worker-a2"] and "inflight" in dom.classes["worker-a3"]
+    assert "placeholder" in dom.classes["c-ghost"] and "active" in dom.classes["worker-a1"]
+    text = " ".join(dom.text)
+    assert "final turn completed" in text and "final turn seen" in text and "via root hint" in text
+    # The client-supplied id is text, never markup: no <img> element, its handler never ran.
+    assert dom.imgs == 0 and XSS in dom.titles and XSS[:12] in text
+    assert re.search(r"<title>Sessions \(9 live\)</title>", dom_html)
+
+    width, height, pixels = read_png(png_path.read_bytes())
+    assert (width, height) == (1200, 800)
+    _assert_drawn(width, height, pixels)
+    assert browser_s < 40
+
+
+# -- a minimal PNG reader (8-bit RGB/RGBA, non-interlaced: what Chromium writes) ----------------
+
+
+def read_png(data: bytes) -> tuple[int, int, list[bytes]]:
+    """Width, height and one RGB byte row per scanline."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat, header = 8, [], None
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        chunk = data[pos + 8:pos + 8 + length]
+        pos += 12 + length
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", chunk)
+        elif kind == b"IDAT":
+            idat.append(chunk)
+        elif kind == b"IEND":
+            break
+    assert header is not None
+    width, height, depth, colour, _, _, interlace = header
+    assert depth == 8 and colour in (2, 6) and interlace == 0, header
+    bpp = 3 if colour == 2 else 4
+    raw = zlib.decompress(b"".join(idat))
+    stride = width * bpp
+    prev = bytearray(stride)
+    rows = []
+    for y in range(height):
+        start = y * (stride + 1)
+        ftype = raw[start]
+        line = bytearray(raw[start + 1:start + 1 + stride])
+        if ftype == 1:
+            for i in range(bpp, stride):
+                line[i] = (line[i] + line[i - bpp]) & 255
+        elif ftype == 2:
+            line = bytearray((a + b) & 255 for a, b in zip(line, prev))
+        elif ftype == 3:
+            for i in range(stride):
+                left = line[i - bpp] if i >= bpp else 0
+                line[i] = (line[i] + ((left + prev[i]) >> 1)) & 255
+        elif ftype == 4:
+            for i in range(stride):
+                a = line[i - bpp] if i >= bpp else 0
+                b = prev[i]
+                c = prev[i - bpp] if i >= bpp else 0
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        else:
+            assert ftype == 0, ftype
+        prev = line
+        rows.append(bytes(line) if bpp == 3 else bytes(b for i, b in enumerate(line) if i % 4 != 3))
+    return width, height, rows
+
+
+def _assert_drawn(width: int, height: int, rows: list[bytes]) -> None:
+    """Light page, many colours, dark text on many lines, tree rows indented at several depths."""
+    colours: dict[bytes, int] = {}
+    text_lines = 0
+    first_ink: set[int] = set()
+    for y in range(0, height, 2):
+        row = rows[y]
+        dark_x = [x for x in range(0, width, 2) if sum(row[3 * x:3 * x + 3]) < 300]
+        if dark_x:
+            text_lines += 1
+            first_ink.add(dark_x[0] // 8)
+        for x in range(0, width, 3):
+            px = row[3 * x:3 * x + 3]
+            colours[px] = colours.get(px, 0) + 1
+    background, count = max(colours.items(), key=lambda kv: kv[1])
+    assert sum(background) > 3 * 200, f"background not light: {background!r}"
+    assert count < sum(colours.values()) * 0.97, "page is (almost) a single colour"
+    assert len(colours) >= 32, f"only {len(colours)} colours"
+    assert text_lines >= 60, f"dark text on only {text_lines} sampled lines"
+    assert len(first_ink) >= 3, "no indentation"
+
+
+class _WorkerTree(SessionTree):
+    """Node dicts with the worker history fields (``workers`` per turn, ``affinity`` counts)."""
+
+    HISTORY = {
+        "planner": (["decode-0", "decode-0", "decode-0", "decode-1", "decode-1"], {"hit": 3, "miss": 1}),
+        "coder": (["decode-2"], {"hit": 0, "miss": 0}),
+    }
+
+    def tree(self, root: str) -> dict[str, Any] | None:
+        out = super().tree(root)
+        for node in _walk(out) if out is not None else []:
+            if node["session"] in self.HISTORY:
+                node["workers"], node["affinity"] = self.HISTORY[node["session"]]
+        return out
+
+
+@pytest.mark.deploy
+async def test_browser_draws_worker_history(tmp_path):
+    binary = _chromium()
+    tree = _WorkerTree()
+    for _ in range(5):
+        _one(tree, "planner")
+    _one(tree, "coder", parent="planner")
+    _one(tree, "reviewer", parent="planner")
+    app = web.Application()
+    add_ui_routes(app, lambda: tree)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/ui"
+        dom_html = (await _run_chromium(binary, tmp_path / "profile", "--dump-dom", url)).decode()
+        if os.environ.get("SIDECAR_UI_SCREENSHOT"):
+            shot = Path(os.environ["SIDECAR_UI_SCREENSHOT"]).with_suffix(".workers.png")
+            await _run_chromium(binary, tmp_path / "profile2", f"--screenshot={shot}", url)
+    finally:
+        await runner.cleanup()
+    dom = _Dom()
+    dom.feed(dom_html)
+    assert dom.parent_of == {"planner": None, "coder": "planner", "reviewer": "planner"}
+    assert "worker per turn: decode-0, decode-0, decode-0, decode-1, decode-1" in dom.titles
+    assert "worker per turn: decode-2" in dom.titles
+    row = re.search(r'data-session="planner".*?</div>', dom_html, re.S)
+    assert row is not None
+    text = re.sub(r"<[^>]+>", " ", row.group(0))
+    assert re.search(r"decode-0\s+×3\s+→\s+decode-1\s+×2", text), text
+    assert re.search(r"affinity\s+hit\s+3\s+·\s+miss\s+1", text), text
+    assert 'class="w moved"' in row.group(0)
