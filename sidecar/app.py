@@ -6,17 +6,20 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from sidecar.admin import build_admin_app
+from sidecar.auth import TokenSet, load_tokens
 from sidecar.config import Config
 from sidecar.effects import EffectRunner
 from sidecar.engine import engine_class
-from sidecar.health import UpstreamHealth
+from sidecar.health import UpstreamHealth, run_health_checks
 from sidecar.metrics import Metrics
 from sidecar.router import Router
+from sidecar.sessions import Clock, SessionStore
 
 log = logging.getLogger("sidecar")
 
@@ -31,11 +34,15 @@ class Sidecar:
     live session (reason ``shutdown``), and releases everything.
     """
 
-    def __init__(self, config: Config, *, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, config: Config, *, registry: CollectorRegistry | None = None,
+                 session_clock: Clock | None = None) -> None:
         self.config = config
         self.metrics = Metrics(registry)
         self.effects = EffectRunner(self.metrics)
-        self.router = Router(config, self.metrics, effects=self.effects.submit)
+        # ``session_clock``: wall-clock seconds of the API session store (tests inject one).
+        store = SessionStore(config.sessions.api, clock=session_clock or time.time)
+        self.router = Router(config, self.metrics, store=store, effects=self.effects.submit)
+        self.tokens: TokenSet | None = load_tokens(config.admin_tokens_file) if config.admin_tokens_file else None
         self.health = UpstreamHealth(required=config.readiness_check_upstream)
         self.engine = engine_class(config.engine)(config, self.router, self.metrics, self.health)
         self._admin_runner: web.AppRunner | None = None
@@ -51,7 +58,7 @@ class Sidecar:
         try:
             await self.engine.start()
             engine_started = True
-            admin = build_admin_app(self.router, self.health, self.metrics)
+            admin = build_admin_app(self.router, self.health, self.metrics, self.tokens)
             self._admin_runner = web.AppRunner(admin, handle_signals=False, access_log=None)
             await self._admin_runner.setup()
             site = web.TCPSite(self._admin_runner, cfg.admin.host, cfg.admin.port, reuse_address=True)
@@ -68,6 +75,9 @@ class Sidecar:
         self.admin_url = f"http://{_url_host(cfg.admin.host)}:{admin_port}"
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._expiry_loop(), name="sidecar-expiry"))
+        if any(d.health_check is not None for d in self.router.deployments):
+            self._tasks.append(loop.create_task(run_health_checks(self.router.deployments),
+                                                name="sidecar-health-checks"))
         if self.health.required:
             ups = [u for d in self.router.deployments for u in d.upstreams]
             self._tasks.append(loop.create_task(self.health.probe_until_reached(ups), name="sidecar-ready-probe"))

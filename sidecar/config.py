@@ -31,7 +31,8 @@ TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 
 ENV_PREFIX = "SIDECAR_"
 # Flag / env name -> top-level config key. Env vars are SIDECAR_<NAME>.
-SCALAR_KEYS = ("listen", "admin", "upstream", "mode", "engine", "log_level", "drain_grace_seconds")
+SCALAR_KEYS = ("listen", "admin", "upstream", "mode", "engine", "log_level", "drain_grace_seconds",
+               "admin_tokens_file", "admin_insecure")
 
 
 class ConfigError(Exception):
@@ -148,6 +149,17 @@ class LimitsConfig(_Strict):
     max_connections_per_upstream: int = Field(512, ge=1)
 
 
+class HealthCheckConfig(_Strict):
+    """Active health checks of a deployment's upstreams (``GET <upstream><path>``, 2xx = healthy)."""
+
+    path: str = Field("/health", pattern=r"^/[^?#\s]*$")
+    interval_seconds: float = Field(2.0, gt=0)
+    timeout_seconds: float = Field(1.0, gt=0)
+    # Consecutive failures that mark an upstream unhealthy, and successes that mark it healthy again.
+    unhealthy_threshold: int = Field(1, ge=1)
+    healthy_threshold: int = Field(1, ge=1)
+
+
 class DeploymentConfig(_Strict):
     """One upstream deployment and how its requests are rewritten."""
 
@@ -162,6 +174,11 @@ class DeploymentConfig(_Strict):
     non_object_body: Literal["pass", "reject"] = "pass"
     timeouts: TimeoutsConfig = TimeoutsConfig()
     limits: LimitsConfig = LimitsConfig()
+    # Several upstreams: each session tree goes to one (rendezvous hash of its root id); a tree
+    # whose upstream is unhealthy fails over to the next-ranked healthy one.
+    health_check: HealthCheckConfig | None = None
+    # true: a failed-over tree returns to its first-ranked upstream once that one is healthy again.
+    failback: bool = False
     _path: str = PrivateAttr("")
 
     @model_validator(mode="after")
@@ -171,13 +188,32 @@ class DeploymentConfig(_Strict):
         return self
 
 
+class ApiSessionsConfig(_Strict):
+    """Bounds of the sessions created through the sessions API."""
+
+    max_sessions: int = Field(10_000, ge=1)  # active API sessions; creating more answers 429
+    # Idle TTL of a session created without `ttl_seconds`; null: such sessions never expire.
+    default_ttl_seconds: float | None = Field(3600.0, gt=0)
+    max_ttl_seconds: float = Field(7 * 86400.0, gt=0)
+    # Closed and expired sessions are remembered (for 410 answers) up to this many, this long.
+    tombstone_max: int = Field(10_000, ge=0)
+    tombstone_ttl_seconds: float = Field(3600.0, ge=0)
+
+    @model_validator(mode="after")
+    def _default_within_max(self) -> ApiSessionsConfig:
+        if self.default_ttl_seconds is not None and self.default_ttl_seconds > self.max_ttl_seconds:
+            raise ValueError("default_ttl_seconds: must not exceed max_ttl_seconds")
+        return self
+
+
 class SessionsConfig(_Strict):
-    """Bounds of the in-memory session tree."""
+    """Bounds of the in-memory session tree and of the API-created sessions."""
 
     idle_ttl_seconds: float = Field(900.0, gt=0)
     max_live_sessions: int = Field(100_000, ge=1)
     tombstone_max: int = Field(100_000, ge=0)
     tombstone_ttl_seconds: float = Field(600.0, ge=0)
+    api: ApiSessionsConfig = ApiSessionsConfig()
 
 
 class Config(_Strict):
@@ -192,6 +228,14 @@ class Config(_Strict):
     readiness_check_upstream: bool = True
     identity: IdentityConfig = IdentityConfig()
     sessions: SessionsConfig = SessionsConfig()
+    # Request header naming the deployment explicitly; never forwarded upstream.
+    deployment_header: HeaderName = h.X_SIDECAR_DEPLOYMENT
+    # Deployment of requests that nothing else assigns; the first deployment when unset.
+    default_deployment: str | None = None
+    # YAML file of bearer tokens for the sessions API (`tokens: [{token, workspace} | {token, admin: true}]`).
+    admin_tokens_file: str | None = None
+    # Allow an unauthenticated sessions API on a non-loopback admin address.
+    admin_insecure: bool = False
     # Short form of a single deployment (the CLI flags); mutually exclusive with `deployments`.
     upstream: UpstreamURL | None = None
     mode: str | None = None
@@ -206,6 +250,11 @@ class Config(_Strict):
     @classmethod
     def _lower(cls, v: Any) -> Any:
         return v.lower() if isinstance(v, str) else v
+
+    @field_validator("deployment_header")
+    @classmethod
+    def _header_token(cls, v: str) -> str:
+        return check_token(v)
 
     @model_validator(mode="after")
     def _one_form(self) -> Config:
@@ -222,6 +271,21 @@ class Config(_Strict):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"deployments: duplicate names {sorted(dup)}")
+        names = names or ["default"]
+        if self.default_deployment is not None and self.default_deployment not in names:
+            raise ValueError(f"default_deployment: names no deployment (got {self.default_deployment!r}; "
+                             f"deployments are {names})")
+        served: dict[str, str] = {}
+        for i, d in enumerate(self.deployments):
+            for model in d.models:
+                if model in served:
+                    raise ValueError(f"deployments[{i}].models: {model!r} is already served by deployment "
+                                     f"{served[model]!r}")
+                served[model] = d.name
+        if not self.admin.is_loopback and self.admin_tokens_file is None and not self.admin_insecure:
+            raise ValueError(f"admin_insecure: the admin listener binds {self.admin}, not a loopback address, "
+                             "and no admin_tokens_file is set: the sessions API would be open to the network. "
+                             "Set admin_tokens_file, or admin_insecure: true to accept that")
         return self
 
     def resolved_deployments(self) -> list[DeploymentConfig]:
@@ -369,6 +433,10 @@ def build_config(
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
     _validate_modes(cfg)
+    if cfg.admin_tokens_file is not None:
+        from sidecar.auth import load_tokens
+
+        load_tokens(cfg.admin_tokens_file)  # refuse a bad tokens file now, naming the problem
     return cfg
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from yarl import URL
 
-from sidecar.config import DeploymentConfig, LimitsConfig, TimeoutsConfig
+from sidecar.balancer import Balancer
+from sidecar.config import DeploymentConfig, HealthCheckConfig, LimitsConfig, TimeoutsConfig
 from sidecar.modes.base import Mode
 from sidecar.modes.registry import load_mode
 
@@ -49,38 +50,59 @@ class Deployment:
     timeouts: TimeoutsConfig
     limits: LimitsConfig
     models: frozenset[str]
-    # Lower-case names of client headers to drop because the mode emits its own.
+    health_check: HealthCheckConfig | None
+    balancer: Balancer[Upstream]
+    # Lower-case names of client headers never forwarded, for requests of a session and for
+    # requests without one (see :func:`never_forward`).
     strip_headers: frozenset[str] = field(default_factory=frozenset)
+    strip_sessionless: frozenset[str] = field(default_factory=frozenset)
 
     @classmethod
-    def from_config(cls, cfg: DeploymentConfig) -> Deployment:
+    def from_config(cls, cfg: DeploymentConfig, *, selector_header: str = "",
+                    identity_headers: Iterable[str] = (), max_overrides: int = 100_000) -> Deployment:
+        """Build the runtime deployment. ``selector_header`` and ``identity_headers`` (every
+        header the identity reader consumes) feed the never-forward sets."""
         mode = load_mode(cfg.mode).from_options(cfg.mode_options) if cfg.mode else None
-        strip = frozenset()
-        if mode is not None and not cfg.trust_client_headers:
-            strip = frozenset(n.lower() for n in mode.emitted_headers())
+        upstreams = tuple(Upstream.parse(u) for u in cfg.upstreams)
+        session_strip, sessionless_strip = never_forward(cfg, mode, selector_header, identity_headers)
         return cls(
             name=cfg.name,
             mode=mode,
             mode_name=cfg.mode or "none",
-            upstreams=tuple(Upstream.parse(u) for u in cfg.upstreams),
+            upstreams=upstreams,
             trust_client_headers=cfg.trust_client_headers,
             strict=cfg.strict,
             reject_non_object_body=cfg.non_object_body == "reject",
             timeouts=cfg.timeouts,
             limits=cfg.limits,
             models=frozenset(cfg.models),
-            strip_headers=strip,
+            health_check=cfg.health_check,
+            balancer=Balancer(cfg.name, upstreams, failback=cfg.failback, health_check=cfg.health_check,
+                              max_overrides=max_overrides),
+            strip_headers=session_strip,
+            strip_sessionless=sessionless_strip,
         )
 
-    def pick_upstream(self, key: str | None) -> Upstream:
-        """Rendezvous (highest-random-weight) choice by ``key`` (the tree's root id).
-
-        Every sidecar replica computes the same ranking without shared state.
-        """
-        if len(self.upstreams) == 1 or key is None:
-            return self.upstreams[0]
-        return max(self.upstreams, key=lambda u: _weight(u.url, key))
+    def pick_upstream(self, root: str | None) -> Upstream:
+        """The upstream serving the tree ``root`` (see :mod:`sidecar.balancer`)."""
+        return self.balancer.pick(root)
 
 
-def _weight(url: str, key: str) -> bytes:
-    return hashlib.blake2b(f"{url}\x00{key}".encode(), digest_size=8).digest()
+def never_forward(cfg: DeploymentConfig, mode: Mode | None, selector_header: str,
+                  identity_headers: Iterable[str]) -> tuple[frozenset[str], frozenset[str]]:
+    """The one place that decides which client headers never reach a deployment's upstream.
+
+    Returns (for requests of a session, for requests without one), lower-case:
+    - the deployment selector header, always (it is addressed to the sidecar);
+    - the headers the mode emits, for session requests, unless the deployment trusts clients
+      (the mode's own values replace them: no duplicates, no spoofing);
+    - on strict deployments, every identity header (session, parent, root, final): the session
+      was validated against the sessions API and only the mode's headers carry its id onward.
+    """
+    always = {selector_header.lower()} if selector_header else set()
+    session = set(always)
+    if mode is not None and not cfg.trust_client_headers:
+        session.update(n.lower() for n in mode.emitted_headers())
+    if cfg.strict:
+        session.update(n.lower() for n in identity_headers)
+    return frozenset(session), frozenset(always)

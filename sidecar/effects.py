@@ -11,7 +11,7 @@ import logging
 
 import aiohttp
 
-from sidecar.deployments import Deployment
+from sidecar.deployments import Deployment, Upstream
 from sidecar.metrics import Metrics
 from sidecar.modes.base import EndAction
 
@@ -27,14 +27,15 @@ class EffectRunner:
         self.retries = retries
         self.backoff = backoff
         self.timeout = timeout
-        self._queue: asyncio.Queue[tuple[Deployment, EndAction, str]] = asyncio.Queue(max_queue)
+        self._queue: asyncio.Queue[tuple[Deployment, EndAction, Upstream]] = asyncio.Queue(max_queue)
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
     def submit(self, dep: Deployment, action: EndAction, root: str) -> None:
-        """Enqueue (synchronous; called by the router). ``root`` picks the tree's upstream."""
+        """Enqueue (synchronous; called by the router). ``root`` picks the tree's upstream, now:
+        the tree's failover override is dropped once it ended."""
         try:
-            self._queue.put_nowait((dep, action, root))
+            self._queue.put_nowait((dep, action, dep.pick_upstream(root)))
         except asyncio.QueueFull:
             self.metrics.end_actions.labels(dep.mode_name, "dropped").inc()
 
@@ -59,15 +60,14 @@ class EffectRunner:
 
     async def _run(self) -> None:
         while True:
-            dep, action, root = await self._queue.get()
+            dep, action, up = await self._queue.get()
             try:
-                await self._perform(dep, action, root)
+                await self._perform(dep, action, up)
             finally:
                 self._queue.task_done()
 
-    async def _perform(self, dep: Deployment, action: EndAction, root: str) -> None:
+    async def _perform(self, dep: Deployment, action: EndAction, up: Upstream) -> None:
         assert self._session is not None
-        up = dep.pick_upstream(root)
         url = up.url + action.path
         for attempt in range(self.retries + 1):
             try:

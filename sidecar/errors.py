@@ -16,6 +16,21 @@ INVALID_JSON_BODY = "invalid_json_body"
 MODE_ERROR = "mode_error"
 UPGRADE_NOT_SUPPORTED = "upgrade_not_supported"
 SHUTTING_DOWN = "shutting_down"
+# Deployment selection and API sessions on the request path (issue 5).
+UNKNOWN_DEPLOYMENT = "unknown_deployment"
+DEPLOYMENT_CONFLICT = "deployment_conflict"
+SESSION_REQUIRED = "session_required"
+SESSION_NOT_FOUND = "session_not_found"
+SESSION_CLOSED = "session_closed"
+SESSION_EXPIRED = "session_expired"
+# Sessions API.
+INVALID_REQUEST = "invalid_request"
+UNAUTHORIZED = "unauthorized"
+SESSION_EXISTS = "session_exists"
+SESSION_LIMIT_REACHED = "session_limit_reached"
+TREE_NOT_FOUND = "tree_not_found"
+PARENT_NOT_FOUND = "parent_not_found"
+NOT_FOUND = "not_found"
 
 STATUS: dict[str, int] = {
     UPSTREAM_UNREACHABLE: 502,
@@ -27,7 +42,25 @@ STATUS: dict[str, int] = {
     MODE_ERROR: 500,
     UPGRADE_NOT_SUPPORTED: 501,
     SHUTTING_DOWN: 503,
+    UNKNOWN_DEPLOYMENT: 400,
+    DEPLOYMENT_CONFLICT: 409,
+    SESSION_REQUIRED: 400,
+    SESSION_NOT_FOUND: 404,
+    SESSION_CLOSED: 410,
+    SESSION_EXPIRED: 410,
+    INVALID_REQUEST: 400,
+    UNAUTHORIZED: 401,
+    SESSION_EXISTS: 409,
+    SESSION_LIMIT_REACHED: 429,
+    TREE_NOT_FOUND: 404,
+    PARENT_NOT_FOUND: 404,
+    NOT_FOUND: 404,
 }
+
+# The error types the proxy listener answers itself: the closed set of
+# `sidecar_rejected_requests_total{reason}` values besides the engines' own.
+REQUEST_PATH_REJECTIONS = (UNKNOWN_DEPLOYMENT, DEPLOYMENT_CONFLICT, SESSION_REQUIRED, SESSION_NOT_FOUND,
+                           SESSION_CLOSED, SESSION_EXPIRED)
 
 
 class ProxyError(Exception):

@@ -18,6 +18,9 @@ X_DYNAMO_PARENT_SESSION_ID = "X-Dynamo-Parent-Session-ID"
 X_SMG_ROUTING_KEY = "X-SMG-Routing-Key"
 X_SMG_ROUTED_WORKER_ID = "x-smg-routed-worker-id"
 
+# Explicit deployment selector (config `deployment_header`); never forwarded upstream.
+X_SIDECAR_DEPLOYMENT = "X-Sidecar-Deployment"
+
 # Proxy headers.
 X_FORWARDED_FOR = "X-Forwarded-For"
 X_FORWARDED_PROTO = "X-Forwarded-Proto"
@@ -30,6 +33,10 @@ HOST = "Host"
 EXPECT = "Expect"
 UPGRADE = "Upgrade"
 AUTHORIZATION = "Authorization"
+WWW_AUTHENTICATE = "WWW-Authenticate"
+LOCATION = "Location"
+RETRY_AFTER = "Retry-After"
+ALLOW = "Allow"
 
 # RFC 9110 section 7.6.1 hop-by-hop fields, plus the legacy ones every proxy drops.
 HOP_BY_HOP: frozenset[str] = frozenset(
@@ -52,3 +59,12 @@ def connection_tokens(value: str | None) -> frozenset[str]:
     if not value:
         return frozenset()
     return frozenset(t.strip().lower() for t in value.split(",") if t.strip())
+
+# Session signals of agent clients (issue: real agent clients).
+X_CLAUDE_CODE_SESSION_ID = "x-claude-code-session-id"
+SESSION_ID = "session_id"  # Codex
+THREAD_ID = "thread-id"  # Codex
+
+# llm-d endpoint picker session token (response header the client must echo).
+X_SESSION_TOKEN = "x-session-token"
+X_SESSION_TOKEN_L = X_SESSION_TOKEN.lower()

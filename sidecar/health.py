@@ -1,11 +1,14 @@
-"""Upstream readiness: has any upstream been reached yet?"""
+"""Upstream readiness (has any upstream been reached yet?) and active upstream health checks."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
-from sidecar.deployments import Upstream
+import aiohttp
+
+from sidecar.deployments import Deployment, Upstream
 
 log = logging.getLogger("sidecar.health")
 
@@ -41,3 +44,34 @@ class UpstreamHealth:
                 log.info("upstream reachable", extra={"upstream": up.url})
                 return
             await asyncio.sleep(interval)
+
+
+async def run_health_checks(deployments: Sequence[Deployment]) -> None:
+    """Actively check the upstreams of every deployment with a ``health_check`` until cancelled
+    (an app background task): ``GET <upstream><path>`` each interval, 2xx is a success, and
+    each result goes to the deployment's balancer."""
+    checked = [d for d in deployments if d.health_check is not None]
+    if not checked:
+        return
+    async with aiohttp.ClientSession(auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()) as session:
+        await asyncio.gather(*(_check_deployment(session, d) for d in checked))
+
+
+async def _check_deployment(session: aiohttp.ClientSession, dep: Deployment) -> None:
+    hc = dep.health_check
+    assert hc is not None
+    timeout = aiohttp.ClientTimeout(total=hc.timeout_seconds)
+    while True:
+        results = await asyncio.gather(*(_probe(session, up.url + hc.path, timeout) for up in dep.upstreams))
+        for up, ok in zip(dep.upstreams, results, strict=True):
+            dep.balancer.report(up, ok)
+        await asyncio.sleep(hc.interval_seconds)
+
+
+async def _probe(session: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout) -> bool:
+    try:
+        async with session.get(url, timeout=timeout, allow_redirects=False) as resp:
+            await resp.read()
+            return 200 <= resp.status < 300
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False

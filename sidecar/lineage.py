@@ -312,8 +312,8 @@ class SessionTree:
 
     # -- session lifecycle -----------------------------------------------------------------------
 
-    def close(self, session: str) -> list[Ended]:
-        """Close ``session`` through the API.
+    def close(self, session: str, reason: EndReason = EndReason.API_CLOSED) -> list[Ended]:
+        """Close ``session`` through the API (``reason``: why the API ended it).
 
         Its id is tombstoned at once. Its :class:`Ended` is returned now when nothing of it is in
         flight, otherwise by the :meth:`end_turn` that drains it; if a final turn already
@@ -326,7 +326,7 @@ class SessionTree:
         now = self._clock()
         node.flags |= _CLOSED
         if node.end_reason is None:
-            node.end_reason = EndReason.API_CLOSED
+            node.end_reason = reason
         self._tombstone(session, now)
         if node.in_flight:
             return []
@@ -393,6 +393,14 @@ class SessionTree:
             children.reverse()  # linked newest first
             parent_dict["children"] = children
         return out
+
+    def bound_deployment(self, session: str) -> str | None:
+        """The deployment a live session was bound to by its first request; None when ``session``
+        is unknown, a placeholder, closed or ended (its next request starts a new session)."""
+        node = self._nodes.get(session)
+        if node is None or node.flags & _NOT_JOINABLE:
+            return None
+        return node.deployment
 
     def is_closed(self, session: str) -> bool:
         """True while ``session`` is tombstoned: ended or closed, and not yet forgotten."""

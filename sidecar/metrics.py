@@ -82,6 +82,10 @@ class Metrics:
         """Expose the session tree's gauges and counters, read at scrape time (no hot-path cost)."""
         self.registry.register(_TreeCollector(tree))
 
+    def watch_deployments(self, deployments: Any, store: Any) -> None:
+        """Expose upstream health, failovers and the API session store, read at scrape time."""
+        self.registry.register(_DeploymentCollector(deployments, store))
+
 
 class _TreeCollector(Collector):
     def __init__(self, tree: Any) -> None:
@@ -103,3 +107,32 @@ class _TreeCollector(Collector):
         yield CounterMetricFamily("sidecar_root_conflicts",
                                   "Client root headers that contradicted the derived root (derived root kept).",
                                   value=t.root_conflicts)
+
+
+class _DeploymentCollector(Collector):
+    def __init__(self, deployments: Any, store: Any) -> None:
+        self.deployments = deployments
+        self.store = store
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        healthy = GaugeMetricFamily("sidecar_upstream_healthy",
+                                    "1 while an upstream is considered healthy (active checks, passive marks).",
+                                    labels=("deployment", "upstream"))
+        failovers = CounterMetricFamily("sidecar_upstream_failovers",
+                                        "Tree requests sent to a lower-ranked upstream because a better one was "
+                                        "unhealthy.", labels=("deployment",))
+        for d in self.deployments:
+            b = d.balancer
+            for u in d.upstreams:
+                healthy.add_metric((d.name, u.url), 1.0 if b.is_healthy(u) else 0.0)
+            failovers.add_metric((d.name,), b.failovers)
+        yield healthy
+        yield failovers
+        yield GaugeMetricFamily("sidecar_api_sessions_active", "Active sessions created through the sessions API.",
+                                value=self.store.active)
+        yield GaugeMetricFamily("sidecar_api_session_tombstones",
+                                "Closed or expired API sessions remembered for 410 answers.",
+                                value=self.store.tombstones)

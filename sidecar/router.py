@@ -1,10 +1,21 @@
-"""The routing decision: identity -> lineage -> deployment -> mode.
+"""The routing decision: identity -> deployment -> session admission -> lineage -> mode.
 
 Engines call :meth:`Router.route` with a request head, forward what the returned
 :class:`Decision` says, call :meth:`Router.transform_body` when ``decision.needs_body``, and
 call :meth:`Router.finish` exactly once after the last response byte reached the client (or
-the request failed). Everything here is synchronous: no I/O, no awaits, so the lineage tree
-needs no locks. End-of-session I/O is handed to ``effects`` for the proxy layer to perform.
+the request failed). Everything here is synchronous: no I/O, no awaits, so the lineage tree and
+the API session store need no locks, and a sessions-API close is ordered with every admission.
+
+A request's deployment is, in order: its session's binding (an API session's deployment, or the
+deployment of the live session's first request), the selector header (``deployment_header``),
+the body's ``model`` (only when at least two deployments list models, the head declares a body,
+and nothing before decided), the default. A selector or model naming another deployment than
+the binding answers 409 ``deployment_conflict``. Admission then applies the session rules
+(closed/expired API sessions: 410; strict deployments: API sessions only) and begins the turn.
+
+Two phases: when the decision needs the body (to pick a deployment by model, or because the
+deployment's mode rewrites bodies) ``route`` only validates what the head allows and returns a
+decision whose routing fields are provisional; admission happens in ``transform_body``.
 """
 
 from __future__ import annotations
@@ -17,12 +28,14 @@ from typing import Any
 import orjson
 
 from sidecar import errors
+from sidecar import headers as h
 from sidecar.config import Config
 from sidecar.deployments import Deployment, Upstream
 from sidecar.identity import Identity, IdentityReader
-from sidecar.lineage import Ended, SessionTree, Turn, TurnOutcome
+from sidecar.lineage import EndReason, Ended, SessionTree, Turn, TurnOutcome
 from sidecar.metrics import Metrics
 from sidecar.modes.base import EndAction, RoutingContext, SessionEnd
+from sidecar.sessions import ApiSession, SessionStatus, SessionStore
 
 log = logging.getLogger("sidecar.router")
 
@@ -39,8 +52,24 @@ class RequestHead:
 
 
 @dataclass(slots=True)
+class _Pending:
+    """What ``route`` learned from the head of a request whose admission waits for its body."""
+
+    ident: Identity
+    headers: Mapping[str, str]
+    selected: Deployment | None  # named by the selector header
+    decided: Deployment | None  # by binding or selector; None: by model, else the default
+
+
+@dataclass(slots=True)
 class Decision:
-    """How to forward one request. ``add`` headers go after the client's (minus ``strip``)."""
+    """How to forward one request. ``add`` headers go after the client's (minus ``strip``).
+
+    While ``needs_body`` is set and ``transform_body`` has not run yet, only ``max_body_bytes``
+    is final and ``deployment`` is provisional (use it for error labels only); ``upstream``,
+    ``strip``, ``add``, ``ctx`` and ``turn`` are filled in by ``transform_body``.
+    ``api_session`` and ``pending`` belong to the router.
+    """
 
     deployment: Deployment
     upstream: Upstream
@@ -50,40 +79,186 @@ class Decision:
     ctx: RoutingContext | None
     turn: Turn | None
     finished: bool = False
-
-
-_NO_STRIP: frozenset[str] = frozenset()
+    # Buffer at most this many body bytes (413 above it).
+    max_body_bytes: int = 0
+    api_session: ApiSession | None = None
+    pending: _Pending | None = None
 
 
 class Router:
-    """Owns identity reading, the session tree and the deployments' modes."""
+    """Owns identity reading, deployment choice, API-session admission, the session tree and
+    the deployments' modes."""
 
     def __init__(self, config: Config, metrics: Metrics, *, tree: SessionTree | None = None,
-                 effects: EffectSink | None = None) -> None:
+                 store: SessionStore | None = None, effects: EffectSink | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.identity = IdentityReader(config.identity)
-        self.deployments = [Deployment.from_config(d) for d in config.resolved_deployments()]
-        self.default = self.deployments[0]
         s = config.sessions
+        self.deployments = [
+            Deployment.from_config(d, selector_header=config.deployment_header,
+                                   identity_headers=self.identity.header_names,
+                                   max_overrides=s.max_live_sessions)
+            for d in config.resolved_deployments()]
+        self._by_name = {d.name: d for d in self.deployments}
+        self.default = self._by_name[config.default_deployment or self.deployments[0].name]
+        self._selector = config.deployment_header.lower()
+        self._primary_session_header = config.identity.session[0] if config.identity.session else ""
+        # model -> deployment; consulted only when at least two deployments list models
+        self._by_model = {m: d for d in self.deployments for m in sorted(d.models)}
+        self._route_by_model = sum(1 for d in self.deployments if d.models) > 1
+        self._selection_body_limit = max(d.limits.max_body_bytes for d in self.deployments)
         self.tree = tree or SessionTree(idle_ttl=s.idle_ttl_seconds, max_live=s.max_live_sessions,
                                         tombstone_max=s.tombstone_max, tombstone_ttl=s.tombstone_ttl_seconds)
+        self.store = store or SessionStore(s.api)
         self.effects = effects
         metrics.watch_tree(self.tree)
+        metrics.watch_deployments(self.deployments, self.store)
 
     # -- request path -------------------------------------------------------------------------
 
     def route(self, head: RequestHead) -> Decision:
         """Decide how to forward a request. Raises :class:`errors.ProxyError` to answer it directly."""
-        ident = self.identity.read(head.headers)
-        dep = self.default
-        if ident.session is None:
-            return Decision(dep, dep.pick_upstream(None), _NO_STRIP, (), False, None, None)
-        return self._route_session(dep, ident, head.headers)
+        headers = head.headers
+        ident = self.identity.read(headers)
+        selected = self._selected(headers)
+        if ident.session is None and selected is None and not self._route_by_model:
+            dep = self.default  # the common sessionless case, kept cheap
+            if dep.strict:
+                raise _session_required(dep)
+            return Decision(dep, dep.pick_upstream(None), dep.strip_sessionless, (), False, None, None,
+                            max_body_bytes=dep.limits.max_body_bytes)
+        rec = self.store.get(ident.session) if ident.session is not None else None
+        decided = self._choose(ident.session, rec, selected, None)
+        has_body = _declares_body(head)
+        if decided is None and self._route_by_model and has_body:
+            return Decision(self.default, self.default.upstreams[0], self.default.strip_sessionless, (), True,
+                            None, None, max_body_bytes=self._selection_body_limit,
+                            pending=_Pending(ident, headers, selected, None))
+        dep = decided or self.default
+        self._check_session(dep, ident.session, rec)  # refuse early, before any body is read
+        if has_body and ident.session is not None and dep.mode is not None and dep.mode.mutates_body:
+            return Decision(dep, dep.upstreams[0], dep.strip_sessionless, (), True, None, None,
+                            max_body_bytes=dep.limits.max_body_bytes,
+                            pending=_Pending(ident, headers, selected, decided))
+        return self._admit(dep, ident, headers, rec)
 
-    def _route_session(self, dep: Deployment, ident: Identity, headers: Mapping[str, str]) -> Decision:
-        assert ident.session is not None
-        turn, evicted = self.tree.begin(ident.session, parent=ident.parent, root_hint=ident.root,
+    def transform_body(self, decision: Decision, body: bytes) -> bytes:
+        """Second phase of a ``needs_body`` decision: choose the deployment by the body's model
+        when still open, admit the request, and return the body to forward (rewritten by a body
+        mode; otherwise ``body`` itself). Raises :class:`errors.ProxyError` to answer directly."""
+        pending = decision.pending
+        assert pending is not None, "transform_body called for a decision that needs no body"
+        decision.pending = None
+        obj: Any = _UNPARSED
+        model_dep: Deployment | None = None
+        if self._route_by_model:
+            try:
+                obj = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                obj = _INVALID
+            model = obj.get("model") if isinstance(obj, dict) else None
+            if isinstance(model, str):
+                model_dep = self._by_model.get(model)
+        ident = pending.ident
+        # Re-resolved at admission: the session may have been bound or closed while the body
+        # was read.
+        rec = self.store.get(ident.session) if ident.session is not None else None
+        dep = self._choose(ident.session, rec, pending.selected, model_dep) or self.default
+        decision.deployment = dep
+        if len(body) > dep.limits.max_body_bytes:
+            raise errors.ProxyError(errors.REQUEST_TOO_LARGE,
+                                    f"request body exceeds {dep.limits.max_body_bytes} bytes (deployment {dep.name!r})",
+                                    deployment=dep.name, limit=dep.limits.max_body_bytes)
+        self._check_session(dep, ident.session, rec)
+        admitted = self._admit(dep, ident, pending.headers, rec)
+        decision.deployment = admitted.deployment
+        decision.upstream = admitted.upstream
+        decision.strip = admitted.strip
+        decision.add = admitted.add
+        decision.ctx = admitted.ctx
+        decision.turn = admitted.turn
+        decision.api_session = admitted.api_session
+        decision.max_body_bytes = dep.limits.max_body_bytes
+        if not admitted.needs_body:
+            return body
+        return self._rewrite(decision, body, obj)
+
+    def _selected(self, headers: Mapping[str, str]) -> Deployment | None:
+        name = headers.get(self._selector)
+        if name is None:
+            return None
+        name = name.strip()
+        dep = self._by_name.get(name)
+        if dep is None:
+            raise errors.ProxyError(errors.UNKNOWN_DEPLOYMENT,
+                                    f"header {self.config.deployment_header} names no deployment: {name[:80]!r} "
+                                    f"(deployments: {sorted(self._by_name)})", requested_deployment=name[:80])
+        return dep
+
+    def binding(self, session: str, rec: ApiSession | None = None) -> Deployment | None:
+        """The deployment ``session`` is bound to: its API session's (``rec``, looked up when not
+        given), else its live lineage node's."""
+        if rec is None:
+            rec = self.store.get(session)
+        name = rec.deployment if rec is not None else self.tree.bound_deployment(session)
+        return None if name is None else self._by_name.get(name)
+
+    def _choose(self, session: str | None, rec: ApiSession | None, selected: Deployment | None,
+                model_dep: Deployment | None) -> Deployment | None:
+        """Binding, then selector, then model; a later explicit choice contradicting an earlier
+        one is a 409. None when none of them decides."""
+        bound = self.binding(session, rec) if session is not None else None
+        first, how = (bound, "binding") if bound is not None else (selected, "selector")
+        if first is None:
+            return model_dep
+        if bound is not None and selected is not None and selected is not bound:
+            raise self._conflict(session, bound, selected, f"header {self.config.deployment_header}")
+        if model_dep is not None and model_dep is not first:
+            raise self._conflict(session, first, model_dep, "the body's model", how)
+        return first
+
+    @staticmethod
+    def _conflict(session: str | None, bound: Deployment, requested: Deployment, by: str,
+                  how: str = "binding") -> errors.ProxyError:
+        if session is not None and how == "binding":
+            msg = (f"session {session!r} is bound to deployment {bound.name!r}; the request targets "
+                   f"deployment {requested.name!r} by {by}")
+        else:
+            msg = (f"the request targets deployment {bound.name!r} by header and deployment "
+                   f"{requested.name!r} by {by}")
+        return errors.ProxyError(errors.DEPLOYMENT_CONFLICT, msg, bound_deployment=bound.name,
+                                 requested_deployment=requested.name)
+
+    def _check_session(self, dep: Deployment, session: str | None, rec: ApiSession | None) -> None:
+        """The admission rules of the API sessions and strict deployments (``rec``: the API
+        session of ``session``, if any)."""
+        if session is None:
+            if dep.strict:
+                raise _session_required(dep)
+            return
+        if rec is not None and rec.status is not SessionStatus.ACTIVE:
+            expired = rec.status is SessionStatus.EXPIRED
+            raise errors.ProxyError(errors.SESSION_EXPIRED if expired else errors.SESSION_CLOSED,
+                                    f"session {session!r} is {rec.status.value}", deployment=rec.deployment)
+        if rec is None and dep.strict:
+            raise errors.ProxyError(errors.SESSION_NOT_FOUND,
+                                    f"deployment {dep.name!r} is strict: it only accepts sessions created "
+                                    "through the sessions API, and this one is unknown", deployment=dep.name)
+
+    def _admit(self, dep: Deployment, ident: Identity, headers: Mapping[str, str],
+               rec: ApiSession | None) -> Decision:
+        """Admit a request to ``dep`` (after :meth:`_check_session`, in the same synchronous
+        step): begin its turn, ask the mode."""
+        if ident.session is None:
+            return Decision(dep, dep.pick_upstream(None), dep.strip_sessionless, (), False, None, None,
+                            max_body_bytes=dep.limits.max_body_bytes)
+        parent, root_hint = ident.parent, ident.root
+        if rec is not None:
+            self.store.begin(rec)
+            if dep.strict or rec.parent is not None:
+                parent, root_hint = rec.parent, None  # the API's lineage wins
+        turn, evicted = self.tree.begin(ident.session, parent=parent, root_hint=root_hint,
                                         final=ident.final, deployment=dep.name)
         if evicted:
             self._ended(evicted)
@@ -91,9 +266,12 @@ class Router:
         ctx = RoutingContext(session=f.session, parent=f.parent, root=f.root, is_final_turn=f.is_final_turn,
                              is_parent_final=f.is_parent_final, is_tree_final=f.is_tree_final, turn=f.turn,
                              deployment=dep.name)
-        decision = Decision(dep, dep.pick_upstream(f.root), dep.strip_headers, (), False, ctx, turn)
+        decision = Decision(dep, dep.pick_upstream(f.root), dep.strip_headers, (), False, ctx, turn,
+                            max_body_bytes=dep.limits.max_body_bytes, api_session=rec)
         mode = dep.mode
         if mode is None:
+            if dep.strict and self._primary_session_header:
+                decision.add = ((self._primary_session_header, f.session),)  # the validated id
             return decision
         try:
             add = tuple(mode.request_headers(ctx))
@@ -108,16 +286,17 @@ class Router:
         decision.needs_body = mode.mutates_body
         return decision
 
-    def transform_body(self, decision: Decision, body: bytes) -> bytes:
-        """The body to forward for a ``needs_body`` decision; unparseable bodies pass unchanged."""
+    def _rewrite(self, decision: Decision, body: bytes, obj: Any) -> bytes:
+        """The body-mode rewrite of an admitted request; unparseable bodies pass unchanged."""
         dep = decision.deployment
         mode = dep.mode
         assert mode is not None and decision.ctx is not None
         counter = self.metrics.body_rewrites
-        try:
-            obj: Any = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            obj = _INVALID
+        if obj is _UNPARSED:
+            try:
+                obj = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                obj = _INVALID
         if not isinstance(obj, dict):
             outcome = "passthrough_invalid_json" if obj is _INVALID else "passthrough_not_object"
             if dep.reject_non_object_body:
@@ -137,6 +316,11 @@ class Router:
         counter.labels(dep.mode_name, "rewritten").inc()
         return orjson.dumps(new)
 
+    def upstream_unreachable(self, decision: Decision) -> None:
+        """The engine could not connect to ``decision.upstream`` (nothing was sent): mark it
+        unhealthy so the tree's next request fails over (see :mod:`sidecar.balancer`)."""
+        decision.deployment.balancer.mark_unreachable(decision.upstream)
+
     def _mode_failed(self, decision: Decision, hook: str, exc: Exception) -> Any:
         dep = decision.deployment
         self.metrics.plugin_errors.labels(dep.mode_name, hook).inc()
@@ -151,6 +335,8 @@ class Router:
         if decision.finished:
             return
         decision.finished = True
+        if decision.api_session is not None:
+            self.store.end(decision.api_session)
         if decision.turn is not None:
             ended = self.tree.end_turn(decision.turn, outcome)
             if ended:
@@ -159,8 +345,10 @@ class Router:
     # -- session lifecycle ------------------------------------------------------------------
 
     def expire(self) -> None:
-        """Idle sweep; the app calls this periodically."""
+        """Idle sweep of the tree and of API sessions; the app calls this periodically."""
         ended = self.tree.expire()
+        for rec in self.store.expire():
+            ended += self.tree.close(rec.id, EndReason.IDLE_EXPIRED)
         if ended:
             self._ended(ended)
 
@@ -171,15 +359,24 @@ class Router:
             self._ended(ended)
 
     def close_session(self, session: str) -> None:
+        """End ``session`` in the lineage tree (API close); in-flight requests finish first."""
         ended = self.tree.close(session)
         if ended:
             self._ended(ended)
 
+    def close_api_session(self, session: str) -> ApiSession | None:
+        """Close an API session (idempotent) and its lineage node. Once this returned, no request
+        of ``session`` is admitted; requests already admitted finish. None if unknown."""
+        result = self.store.close(session)
+        if result is None:
+            return None
+        rec, changed = result
+        if changed:
+            self.close_session(session)
+        return rec
+
     def deployment(self, name: str) -> Deployment | None:
-        for d in self.deployments:
-            if d.name == name:
-                return d
-        return None
+        return self._by_name.get(name)
 
     def _ended(self, ended: list[Ended]) -> None:
         for e in ended:
@@ -199,6 +396,27 @@ class Router:
             if actions and self.effects is not None:
                 for action in actions:
                     self.effects(dep, action, e.root)
+        for e in ended:
+            dep = self._by_name.get(e.deployment)
+            if dep is not None and dep.balancer.overrides and self.tree.get(e.root) is None:
+                dep.balancer.forget(e.root)  # the tree is gone
 
 
+def _declares_body(head: RequestHead) -> bool:
+    """Whether the request may carry a body (what the engines buffer for a ``needs_body`` decision)."""
+    if head.method not in ("GET", "HEAD"):
+        return True
+    length = head.headers.get(_CONTENT_LENGTH)
+    return (length is not None and length.strip() not in ("", "0")) or head.headers.get(_TRANSFER_ENCODING) is not None
+
+
+def _session_required(dep: Deployment) -> errors.ProxyError:
+    return errors.ProxyError(errors.SESSION_REQUIRED,
+                             f"deployment {dep.name!r} is strict: requests must name a session created through "
+                             "the sessions API", deployment=dep.name)
+
+
+_CONTENT_LENGTH = h.CONTENT_LENGTH.lower()
+_TRANSFER_ENCODING = h.TRANSFER_ENCODING.lower()
 _INVALID = object()
+_UNPARSED = object()

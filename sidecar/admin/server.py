@@ -1,25 +1,32 @@
-"""Admin HTTP application: ``/healthz``, ``/readyz``, ``/metrics``, ``/v1/sessions``, ``/v1/trees``."""
+"""Admin HTTP application: ``/healthz``, ``/readyz``, ``/metrics``, ``/openapi.json``, and the
+sessions API with the lineage views under ``/v1`` (see :mod:`sidecar.admin.sessions_api`).
+
+Health, readiness, metrics and the OpenAPI document never need a token; ``/v1/*`` does when a
+tokens file is configured.
+"""
 
 from __future__ import annotations
 
+import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sidecar.errors import error_body
+from sidecar.admin import sessions_api
+from sidecar.admin.openapi import build_openapi
+from sidecar.admin.sessions_api import ROUTER_KEY
+from sidecar.auth import TokenSet
 from sidecar.health import UpstreamHealth
 from sidecar.metrics import Metrics
 from sidecar.router import Router
 
-ROUTER_KEY = web.AppKey("router", Router)
+__all__ = ["ROUTER_KEY", "build_admin_app"]
+
 HEALTH_KEY = web.AppKey("health", UpstreamHealth)
 METRICS_KEY = web.AppKey("metrics", Metrics)
+OPENAPI_KEY = web.AppKey("openapi", bytes)
 
-SESSION_NOT_FOUND = "session_not_found"
-TREE_NOT_FOUND = "tree_not_found"
-
-
-def _json_error(status: int, type_: str, message: str) -> web.Response:
-    return web.Response(status=status, body=error_body(type_, message), content_type="application/json")
+# Bodies of the sessions API are small JSON objects.
+MAX_ADMIN_BODY = 64 * 1024
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -40,29 +47,21 @@ async def metrics(request: web.Request) -> web.Response:
     return resp
 
 
-async def get_session(request: web.Request) -> web.Response:
-    node = request.app[ROUTER_KEY].tree.get(request.match_info["session"])
-    if node is None:
-        return _json_error(404, SESSION_NOT_FOUND, "no such session")
-    return web.json_response(node)
+async def openapi(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[OPENAPI_KEY], content_type="application/json")
 
 
-async def get_tree(request: web.Request) -> web.Response:
-    tree = request.app[ROUTER_KEY].tree.tree(request.match_info["root"])
-    if tree is None:
-        return _json_error(404, TREE_NOT_FOUND, "no such session tree")
-    return web.json_response(tree)
-
-
-def build_admin_app(router: Router, health: UpstreamHealth, metrics_: Metrics) -> web.Application:
-    """The admin application, sharing the proxy's router, readiness and metrics."""
-    app = web.Application()
-    app[ROUTER_KEY] = router
+def build_admin_app(router: Router, health: UpstreamHealth, metrics_: Metrics,
+                    tokens: TokenSet | None = None) -> web.Application:
+    """The admin application, sharing the proxy's router, readiness and metrics. ``tokens``:
+    the bearer tokens of the sessions API (None: open, for a loopback admin listener)."""
+    app = web.Application(middlewares=[sessions_api.json_errors], client_max_size=MAX_ADMIN_BODY)
     app[HEALTH_KEY] = health
     app[METRICS_KEY] = metrics_
+    app[OPENAPI_KEY] = orjson.dumps(build_openapi(router.config, authenticated=tokens is not None))
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/sessions/{session}", get_session)
-    app.router.add_get("/v1/trees/{root}", get_tree)
+    app.router.add_get("/openapi.json", openapi)
+    sessions_api.add_routes(app, router, tokens)
     return app

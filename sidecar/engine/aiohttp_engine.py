@@ -100,37 +100,46 @@ class AiohttpEngine(Engine):
         in_headers = request.headers
         if h.UPGRADE in in_headers and "upgrade" in h.connection_tokens(in_headers.get(h.CONNECTION)):
             exc = errors.ProxyError(errors.UPGRADE_NOT_SUPPORTED, "the sidecar does not proxy protocol upgrades")
-            return self._error(exc, router.default.name, router.default.mode_name, "upgrade")
+            resp = self._error(exc, router.default.name, router.default.mode_name, "upgrade")
+            resp.force_close()  # the rest of the stream belongs to the refused protocol
+            return resp
+        if request.method == "CONNECT" or not request.raw_path.startswith("/"):
+            exc = errors.ProxyError(errors.BAD_REQUEST, "request target must be an absolute path (origin-form)")
+            resp = self._error(exc, router.default.name, router.default.mode_name, "bad_request")
+            resp.force_close()
+            return resp
         try:
             decision = router.route(RequestHead(request.method, request.raw_path, in_headers))
         except errors.ProxyError as exc:
             return self._error(exc, router.default.name, router.default.mode_name, exc.type)
         dep = decision.deployment
-        limits = dep.limits
+        limit = decision.max_body_bytes
         declared = request.content_length
-        if declared is not None and declared > limits.max_body_bytes:
+        if declared is not None and declared > limit:
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-            return self._error(_too_large(dep.name, limits.max_body_bytes), dep.name, dep.mode_name, "body_too_large")
+            return self._error(_too_large(dep.name, limit), dep.name, dep.mode_name, "body_too_large")
 
-        out = _forward_headers(decision, request)
         body: bytes | AsyncIterator[bytes] | None = None
         if request.method not in ("GET", "HEAD") or request.body_exists:
             if in_headers.get(h.EXPECT, "").lower() == "100-continue":
                 await request.writer.write(_CONTINUE)
             if decision.needs_body:
                 try:
-                    raw = await _read_bounded(request, limits.max_body_bytes)
+                    raw = await _read_bounded(request, limit)
                     body = router.transform_body(decision, raw)
                 except _TooLarge:
                     router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-                    return self._error(_too_large(dep.name, limits.max_body_bytes), dep.name, dep.mode_name,
-                                       "body_too_large")
+                    return self._error(_too_large(dep.name, limit), dep.name, dep.mode_name, "body_too_large")
                 except errors.ProxyError as exc:
+                    router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+                    dep = decision.deployment
                     return self._error(exc, dep.name, dep.mode_name, exc.type)
-                out.popall(h.CONTENT_LENGTH, None)
-                out[h.CONTENT_LENGTH] = str(len(body))
             elif request.body_exists:
-                body = _stream_bounded(request, limits.max_body_bytes)
+                body = _stream_bounded(request, limit)
+        out = _forward_headers(decision, request)
+        if isinstance(body, bytes):
+            out.popall(h.CONTENT_LENGTH, None)
+            out[h.CONTENT_LENGTH] = str(len(body))
         return await self._exchange(request, decision, out, body, t0)
 
     async def _exchange(self, request: web.BaseRequest, decision: Decision, out: CIMultiDict[str],
@@ -158,9 +167,14 @@ class AiohttpEngine(Engine):
             return self._upstream_failed(decision, "timeout", errors.UPSTREAM_TIMEOUT,
                                          f"upstream of deployment {dep.name!r} ({up.url}) timed out")
         except aiohttp.ClientConnectorError as exc:
+            router.upstream_unreachable(decision)
             return self._upstream_failed(decision, "connect", errors.UPSTREAM_UNREACHABLE,
                                          f"upstream of deployment {dep.name!r} ({up.url}) is unreachable: {exc.os_error}")
         except aiohttp.ClientError as exc:
+            if _caused_by(exc, _TooLarge):  # raised in the body iterator, wrapped by the client
+                router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+                return self._error(_too_large(dep.name, decision.max_body_bytes), dep.name, dep.mode_name,
+                                   "body_too_large")
             return self._upstream_failed(decision, "protocol", errors.UPSTREAM_PROTOCOL_ERROR,
                                          f"upstream of deployment {dep.name!r} ({up.url}) failed: {exc!r}")
         except asyncio.CancelledError:
@@ -171,6 +185,9 @@ class AiohttpEngine(Engine):
         try:
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             _copy_response_headers(upstream, resp)
+            if (request.version < (1, 1) and h.CONTENT_LENGTH not in resp.headers and request.method != "HEAD"
+                    and upstream.status not in (204, 304)):
+                resp.force_close()  # an unframed body to an HTTP/1.0 client ends with the connection
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():
                 await resp.write(chunk)
@@ -206,6 +223,14 @@ class AiohttpEngine(Engine):
         self.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
         exc = errors.ProxyError(type_, message, deployment=dep.name, upstream=decision.upstream.url)
         return self._error(exc, dep.name, dep.mode_name)
+
+
+def _caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
+    while exc is not None:
+        if isinstance(exc, kind):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _too_large(dep: str, limit: int) -> errors.ProxyError:

@@ -1,12 +1,31 @@
 """The engine interface: request head and body in, routing decision out.
 
 An engine owns the proxy listener and the upstream connection pool. Per request it must:
-build a :class:`~sidecar.router.RequestHead`, call ``router.route`` (a raised
-:class:`~sidecar.errors.ProxyError` is answered as JSON), drop hop-by-hop headers (and those named
-in ``Connection``) plus ``decision.strip``, append ``decision.add`` and ``X-Forwarded-For`` /
-``X-Forwarded-Proto``, stream the body (or buffer it and call ``router.transform_body`` when
-``decision.needs_body``), relay the response chunk by chunk, and call ``router.finish`` exactly
-once after the last byte reached the client, the upstream failed, or the client left.
+
+1. build a :class:`~sidecar.router.RequestHead` (its ``headers`` map every lower-case header
+   name to its first value) and call ``router.route``; a raised
+   :class:`~sidecar.errors.ProxyError` is answered as JSON (``exc.status``, ``exc.body()``) and
+   counted in ``rejected`` with ``exc.type`` as the reason;
+2. refuse a body above ``decision.max_body_bytes`` with 413 (declared length up front, streamed
+   bytes as they arrive);
+3. if ``decision.needs_body``: buffer the whole body (empty if none; ``route`` sets it only for
+   requests that may carry one: a method other than GET/HEAD, or Content-Length > 0, or
+   Transfer-Encoding) and call ``router.transform_body(decision, body)``, which returns the
+   bytes to forward (send them with a fresh Content-Length) or raises
+   :class:`~sidecar.errors.ProxyError` (answer it like in 1). Until it returned, only
+   ``decision.max_body_bytes`` is final and ``decision.deployment`` is provisional (labels
+   only): ``transform_body`` may change ``deployment``, ``upstream``, ``strip`` and ``add``
+   (it is where the deployment is chosen by the body's model and the request admitted). So the
+   upstream request head is built only after it, for these requests;
+4. build the upstream head: the client's headers minus hop-by-hop ones (and those named in
+   ``Connection``) and ``decision.strip``, then ``decision.add`` and ``X-Forwarded-For`` /
+   ``X-Forwarded-Proto``; send it to ``decision.upstream``, streaming the body when it was not
+   buffered;
+5. if connecting to ``decision.upstream`` fails, call ``router.upstream_unreachable(decision)``
+   before answering 502 (the balancer then fails the tree over);
+6. relay the response chunk by chunk, and call ``router.finish`` exactly once after the last
+   byte reached the client, the upstream failed, or the client left (also after a
+   ``ProxyError`` from ``transform_body``: it is idempotent).
 """
 
 from __future__ import annotations

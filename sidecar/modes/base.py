@@ -11,7 +11,7 @@ A mode declares its cost up front: only modes with ``mutates_body = True`` may o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -30,6 +30,8 @@ class RoutingContext:
     is_tree_final: bool
     turn: int
     deployment: str
+    # What this mode's on_response last returned for the session (e.g. a gateway's session token).
+    mode_state: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,14 @@ class Mode:
         Only called for modes with ``mutates_body = True`` and bodies that parsed as a JSON object.
         """
         return body
+
+    def on_response(self, ctx: RoutingContext, headers: Mapping[str, str]) -> str | None:
+        """Runs when the upstream's response head arrives (``headers``: lower-case name lookup).
+
+        Return a new per-session state string to remember (it is bounded with the session and
+        handed back as ``ctx.mode_state`` on the session's later requests), or None to keep it.
+        """
+        return None
 
     def on_session_end(self, end: SessionEnd) -> Sequence[EndAction]:
         """Runs once per ended session, after its last proxied byte; returns I/O for the proxy."""

@@ -1,0 +1,288 @@
+"""The sessions API on the admin listener: create, list, get, close; the lineage tree view.
+
+Every ``/v1/*`` handler first identifies the caller (:func:`caller`): a bearer token of a
+workspace sees and closes only that workspace's sessions, an admin token sees every session
+(also those learned from traffic, which belong to no workspace), and without a tokens file
+everything is open (allowed only on a loopback admin address, see ``admin_insecure``). A session
+the caller may not see answers 404 exactly like an unknown one.
+
+Handlers call the router synchronously (no await between a check and its effect), so a close
+is ordered with every request admission on the event loop. The shapes are documented by
+:mod:`sidecar.admin.openapi`, served at ``/openapi.json``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sidecar import errors
+from sidecar import headers as h
+from sidecar.auth import Principal, TokenSet, OPEN
+from sidecar.config import format_validation_error
+from sidecar.router import Router
+from sidecar.sessions import ApiSession, SessionExists, SessionLimitReached, SessionStatus, rfc3339
+
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._:@+=~-]{1,256}$"
+LIST_DEFAULT_LIMIT = 100
+LIST_MAX_LIMIT = 1000
+
+
+class ApiError(Exception):
+    """Answered as ``{"error": {"type", "message", ...}}`` by :func:`json_errors`."""
+
+    def __init__(self, type_: str, message: str, *, headers: dict[str, str] | None = None, **fields: Any) -> None:
+        super().__init__(message)
+        self.error = errors.ProxyError(type_, message, **fields)
+        self.headers = headers or {}
+
+
+class Auth:
+    """The admin listener's view of the tokens file (None: the sessions API is open)."""
+
+    def __init__(self, tokens: TokenSet | None) -> None:
+        self.tokens = tokens
+
+
+ROUTER_KEY = web.AppKey("router", Router)
+AUTH_KEY = web.AppKey("auth", Auth)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """API errors and aiohttp's own 404 / 405 become JSON errors with a stable type."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        err = exc.error
+        return web.Response(status=err.status, body=err.body(), content_type="application/json",
+                            headers=exc.headers)
+    except web.HTTPMethodNotAllowed as exc:
+        return web.Response(status=405, content_type="application/json", headers={h.ALLOW: exc.headers[h.ALLOW]},
+                            body=errors.error_body("method_not_allowed", f"{request.method} is not allowed here"))
+    except web.HTTPNotFound:
+        return web.Response(status=404, content_type="application/json",
+                            body=errors.error_body(errors.NOT_FOUND, "no such resource"))
+
+
+def caller(request: web.Request) -> Principal:
+    """Who sent ``request``; raises a 401 :class:`ApiError` without a valid bearer token."""
+    tokens = request.app[AUTH_KEY].tokens
+    if tokens is None:
+        return OPEN
+    given = request.headers.get(h.AUTHORIZATION)
+    principal = tokens.authenticate(given)
+    if principal is None:
+        challenge = 'Bearer realm="sidecar"' + (', error="invalid_token"' if given else "")
+        raise ApiError(errors.UNAUTHORIZED, "a valid bearer token is required",
+                       headers={h.WWW_AUTHENTICATE: challenge})
+    return principal
+
+
+# -- resources -------------------------------------------------------------------------------
+
+def _wall(monotonic_ts: float) -> float:
+    return time.time() - (time.monotonic() - monotonic_ts)
+
+
+_LINEAGE_DEFAULTS = {"root": None, "turns": 0, "in_flight": 0, "final_turn_seen": False}
+
+
+def api_resource(router: Router, rec: ApiSession) -> dict[str, Any]:
+    """An API session, with the lineage facts of its live node when the tree holds one."""
+    out = rec.as_dict()
+    out["origin"] = "api"
+    out.update(_LINEAGE_DEFAULTS)
+    out["in_flight"] = rec.in_flight
+    node = router.tree.get(rec.id)
+    if node is not None and node["deployment"] == rec.deployment and not node["placeholder"]:
+        out["root"] = node["root"]
+        out["turns"] = node["turns"]
+        out["final_turn_seen"] = node["final_turn_seen"]
+        if rec.parent is None:
+            out["parent"] = node["parent"]
+    return out
+
+
+def traffic_resource(router: Router, node: dict[str, Any]) -> dict[str, Any]:
+    """A session learned from traffic (a lineage node): no workspace, idle expiry of the tree."""
+    closed = node["closed"] or node["ended"]
+    last = _wall(node["last_active_at"])
+    idle = router.config.sessions.idle_ttl_seconds
+    return {
+        "id": node["session"],
+        "deployment": node["deployment"],
+        "workspace": None,
+        "status": SessionStatus.CLOSED.value if closed else SessionStatus.ACTIVE.value,
+        "origin": "traffic",
+        "parent": node["parent"],
+        "ttl_seconds": idle,
+        "created_at": rfc3339(_wall(node["created_at"])),
+        "last_active_at": rfc3339(last),
+        "expires_at": None if closed else rfc3339(last + idle),
+        "ended_at": None,
+        "root": node["root"],
+        "turns": node["turns"],
+        "in_flight": node["in_flight"],
+        "final_turn_seen": node["final_turn_seen"],
+        "placeholder": node["placeholder"],
+        "end_reason": node["end_reason"],
+    }
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json", headers=headers)
+
+
+def _not_found(session: str) -> ApiError:
+    return ApiError(errors.SESSION_NOT_FOUND, "no such session", session_id=session[:256])
+
+
+def _visible(router: Router, who: Principal, session: str) -> ApiSession | None:
+    rec = router.store.get(session)
+    return rec if rec is not None and who.sees(rec.workspace) else None
+
+
+# -- handlers --------------------------------------------------------------------------------
+
+class CreateSession(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    deployment: str = Field(min_length=1, max_length=63)
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
+    ttl_seconds: float | int | None = Field(None, gt=0)
+    parent: str | None = Field(None, pattern=SESSION_ID_PATTERN)
+
+
+async def create_session(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    who = caller(request)
+    try:
+        raw = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        raise ApiError(errors.INVALID_REQUEST, "the body must be a JSON object") from None
+    if not isinstance(raw, dict):
+        raise ApiError(errors.INVALID_REQUEST, "the body must be a JSON object")
+    try:
+        body = CreateSession.model_validate(raw)
+    except ValidationError as exc:
+        raise ApiError(errors.INVALID_REQUEST, format_validation_error(exc).replace("\n", "; ")) from None
+    dep = router.deployment(body.deployment)
+    if dep is None:
+        raise ApiError(errors.UNKNOWN_DEPLOYMENT, f"no deployment named {body.deployment!r}",
+                       deployments=[d.name for d in router.deployments])
+    api_cfg = router.store.cfg
+    ttl = None if body.ttl_seconds is None else float(body.ttl_seconds)
+    if ttl is not None and ttl > api_cfg.max_ttl_seconds:
+        raise ApiError(errors.INVALID_REQUEST, f"ttl_seconds: must be at most {api_cfg.max_ttl_seconds:g}")
+    if body.parent is not None:
+        parent = _visible(router, who, body.parent)
+        if parent is None or parent.status is not SessionStatus.ACTIVE or parent.deployment != dep.name:
+            raise ApiError(errors.PARENT_NOT_FOUND,
+                           f"parent: no active session of deployment {dep.name!r} that you created")
+    if body.session_id is not None and router.tree.bound_deployment(body.session_id) is not None:
+        raise ApiError(errors.SESSION_EXISTS, "a live session with this id exists (learned from traffic)")
+    try:
+        rec = router.store.create(deployment=dep.name, workspace=who.workspace, session_id=body.session_id,
+                                  ttl=ttl, parent=body.parent)
+    except SessionExists:
+        raise ApiError(errors.SESSION_EXISTS, "a session with this id exists or was closed recently") from None
+    except SessionLimitReached as exc:
+        raise ApiError(errors.SESSION_LIMIT_REACHED, f"{exc.args[0]} active sessions exist already; close some",
+                       headers={h.RETRY_AFTER: "1"}) from None
+    return _json(api_resource(router, rec), 201, headers={h.LOCATION: f"/v1/sessions/{rec.id}"})
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    who = caller(request)
+    q = request.query
+    status = q.get("status")
+    if status is not None and status not in SessionStatus.__members__.values():
+        raise ApiError(errors.INVALID_REQUEST, "status: must be one of active, closed, expired")
+    try:
+        limit = int(q.get("limit", LIST_DEFAULT_LIMIT))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= LIST_MAX_LIMIT:
+        raise ApiError(errors.INVALID_REQUEST, f"limit: must be an integer from 1 to {LIST_MAX_LIMIT}")
+    after = _decode_cursor(q.get("cursor"))
+    page, nxt = router.store.page(workspace=who.workspace, all_workspaces=who.admin,
+                                  deployment=q.get("deployment"),
+                                  status=SessionStatus(status) if status else None, after=after, limit=limit)
+    return _json({"data": [api_resource(router, r) for r in page],
+                  "next_cursor": None if nxt is None else _encode_cursor(nxt)})
+
+
+CURSOR_PATTERN = r"^[0-9]{1,18}$"
+
+
+def _encode_cursor(seq: int) -> str:
+    # Opaque to clients; it is the creation sequence number of the last session of the page.
+    return str(seq)
+
+
+def _decode_cursor(cursor: str | None) -> int:
+    if cursor is None:
+        return 0
+    if re.fullmatch(CURSOR_PATTERN, cursor):
+        return int(cursor)
+    raise ApiError(errors.INVALID_REQUEST, "cursor: not a cursor returned by this listener")
+
+
+async def get_session(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    who = caller(request)
+    sid = request.match_info["session"]
+    rec = _visible(router, who, sid)
+    if rec is not None:
+        return _json(api_resource(router, rec))
+    if router.store.get(sid) is None and who.admin:
+        node = router.tree.get(sid)
+        if node is not None:
+            return _json(traffic_resource(router, node))
+    raise _not_found(sid)
+
+
+async def close_session(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    who = caller(request)
+    sid = request.match_info["session"]
+    if _visible(router, who, sid) is not None:
+        rec = router.close_api_session(sid)
+        assert rec is not None
+        return _json(api_resource(router, rec))
+    if router.store.get(sid) is None and who.admin:
+        node = router.tree.get(sid)
+        if node is not None and not node["placeholder"]:
+            router.close_session(sid)
+            node = router.tree.get(sid) or {**node, "closed": True}
+            return _json(traffic_resource(router, node))
+    raise _not_found(sid)
+
+
+async def get_tree(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    who = caller(request)
+    root = request.match_info["root"]
+    tree = router.tree.tree(root)
+    if tree is not None and not who.admin and _visible(router, who, tree["session"]) is None:
+        tree = None  # only the workspace owning the tree's root session sees it
+    if tree is None:
+        raise ApiError(errors.TREE_NOT_FOUND, "no such session tree")
+    return _json(tree)
+
+
+def add_routes(app: web.Application, router: Router, tokens: TokenSet | None) -> None:
+    """Mount the sessions API and the tree view on ``app``."""
+    app[ROUTER_KEY] = router
+    app[AUTH_KEY] = Auth(tokens)
+    app.router.add_post("/v1/sessions", create_session)
+    app.router.add_get("/v1/sessions", list_sessions)
+    app.router.add_get("/v1/sessions/{session}", get_session)
+    app.router.add_post("/v1/sessions/{session}/close", close_session)
+    app.router.add_get("/v1/trees/{root}", get_tree)

@@ -1,0 +1,111 @@
+"""Bearer tokens of the sessions API, loaded from a YAML file (config ``admin_tokens_file``).
+
+File format::
+
+    tokens:
+      - {token: "s3cret-a", workspace: ws-a}   # sees and closes only ws-a's sessions
+      - {token: "s3cret-admin", admin: true}   # sees every session
+
+Tokens are compared with :func:`hmac.compare_digest` against every configured token (no early
+exit) and never logged or echoed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sidecar.config import ConfigError
+
+WORKSPACE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: a workspace's token, an admin token, or anyone (no tokens configured)."""
+
+    workspace: str | None
+    admin: bool
+
+    def sees(self, workspace: str | None) -> bool:
+        """Whether this caller may see a session owned by ``workspace`` (None: no workspace)."""
+        return self.admin or (self.workspace is not None and workspace == self.workspace)
+
+
+OPEN = Principal(workspace=None, admin=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Token:
+    secret: bytes
+    principal: Principal
+
+
+class TokenSet:
+    """The configured tokens; :meth:`authenticate` maps an ``Authorization`` value to a caller."""
+
+    def __init__(self, tokens: list[_Token]) -> None:
+        self._tokens = tuple(tokens)
+
+    def __repr__(self) -> str:
+        return f"TokenSet({len(self._tokens)} tokens)"
+
+    def authenticate(self, authorization: str | None) -> Principal | None:
+        """The caller of a request with this ``Authorization`` header; None when not authorized."""
+        if not authorization:
+            return None
+        scheme, _, value = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not value.strip():
+            return None
+        given = value.strip().encode("utf-8", "surrogateescape")
+        found: Principal | None = None
+        for tok in self._tokens:  # compare with all of them: timing does not reveal which matched
+            if hmac.compare_digest(given, tok.secret) and found is None:
+                found = tok.principal
+        return found
+
+
+def load_tokens(path: str | Path) -> TokenSet:
+    """Read and validate a tokens file; :class:`ConfigError` names the bad entry (never a token)."""
+    where = f"admin_tokens_file ({path})"
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{where}: {exc.strerror or exc}") from None
+    except yaml.YAMLError:
+        raise ConfigError(f"{where}: invalid YAML") from None
+    if not isinstance(data, dict) or not isinstance(data.get("tokens"), list) or set(data) != {"tokens"}:
+        raise ConfigError(f"{where}: must be a mapping with one key, `tokens`, holding a list")
+    tokens: list[_Token] = []
+    seen: set[bytes] = set()
+    for i, entry in enumerate(data["tokens"]):
+        tokens.append(_parse_entry(entry, f"{where}: tokens[{i}]", seen))
+    if not tokens:
+        raise ConfigError(f"{where}: tokens: at least one token is required")
+    return TokenSet(tokens)
+
+
+def _parse_entry(entry: Any, where: str, seen: set[bytes]) -> _Token:
+    if not isinstance(entry, dict) or not set(entry) <= {"token", "workspace", "admin"}:
+        raise ConfigError(f"{where}: must be a mapping of token, workspace and/or admin")
+    secret = entry.get("token")
+    if not isinstance(secret, str) or len(secret.strip()) < 16 or secret != secret.strip() or " " in secret:
+        raise ConfigError(f"{where}.token: must be a string of at least 16 characters without spaces")
+    raw = secret.encode()
+    if raw in seen:
+        raise ConfigError(f"{where}.token: duplicate token")
+    seen.add(raw)
+    admin = entry.get("admin", False)
+    if not isinstance(admin, bool):
+        raise ConfigError(f"{where}.admin: must be true or false")
+    workspace = entry.get("workspace")
+    if workspace is not None and (not isinstance(workspace, str) or not re.match(WORKSPACE_PATTERN, workspace)):
+        raise ConfigError(f"{where}.workspace: must match {WORKSPACE_PATTERN}")
+    if workspace is None and not admin:
+        raise ConfigError(f"{where}: needs a workspace or admin: true")
+    return _Token(raw, Principal(workspace=workspace, admin=admin))
