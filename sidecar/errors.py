@@ -26,6 +26,7 @@ SESSION_EXPIRED = "session_expired"
 # Sessions API.
 INVALID_REQUEST = "invalid_request"
 UNAUTHORIZED = "unauthorized"
+FORBIDDEN = "forbidden"
 SESSION_EXISTS = "session_exists"
 SESSION_LIMIT_REACHED = "session_limit_reached"
 TREE_NOT_FOUND = "tree_not_found"
@@ -50,6 +51,7 @@ STATUS: dict[str, int] = {
     SESSION_EXPIRED: 410,
     INVALID_REQUEST: 400,
     UNAUTHORIZED: 401,
+    FORBIDDEN: 403,
     SESSION_EXISTS: 409,
     SESSION_LIMIT_REACHED: 429,
     TREE_NOT_FOUND: 404,

@@ -14,6 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sidecar.admin import sessions_api
 from sidecar.admin.openapi import build_openapi
 from sidecar.admin.sessions_api import ROUTER_KEY
+from sidecar.admin.ui import add_ui_routes
+from sidecar import errors
 from sidecar.auth import TokenSet
 from sidecar.health import UpstreamHealth
 from sidecar.metrics import Metrics
@@ -64,4 +66,11 @@ def build_admin_app(router: Router, health: UpstreamHealth, metrics_: Metrics,
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     sessions_api.add_routes(app, router, tokens)
+    add_ui_routes(app, lambda: router.tree, authorize=_admin_only)
     return app
+
+
+def _admin_only(request: web.Request) -> None:
+    """The live view shows every workspace's sessions: admin tokens only (or no tokens configured)."""
+    if not sessions_api.caller(request).admin:
+        raise sessions_api.ApiError(errors.FORBIDDEN, "the live view needs an admin token")

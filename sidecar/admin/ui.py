@@ -70,8 +70,13 @@ _SECURITY_HEADERS = {
 }
 
 
-def add_ui_routes(app: web.Application, tree_getter: Callable[[], SessionTree]) -> None:
-    """Add ``GET /ui`` (the page) and ``GET /ui/data.json`` (its snapshot) to ``app``."""
+def add_ui_routes(app: web.Application, tree_getter: Callable[[], SessionTree],
+                  authorize: Callable[[web.Request], None] | None = None) -> None:
+    """Add ``GET /ui`` (the page) and ``GET /ui/data.json`` (its snapshot) to ``app``.
+
+    ``authorize`` guards the snapshot (it exposes session ids): it raises to refuse a request.
+    The page itself holds no data; it sends the token given as ``/ui#token=<token>``.
+    """
     cache: dict[int, tuple[float, bytes]] = {}  # limit -> (valid until, body)
 
     async def page(request: web.Request) -> web.Response:
@@ -82,6 +87,8 @@ def add_ui_routes(app: web.Application, tree_getter: Callable[[], SessionTree]) 
         raise web.HTTPFound("../ui")
 
     async def data(request: web.Request) -> web.Response:
+        if authorize is not None:
+            authorize(request)
         try:
             limit = int(request.query.get("limit", DEFAULT_LIMIT))
         except ValueError:
@@ -532,6 +539,18 @@ ul.lineage ul > li::after { content: ""; position: absolute; left: 0; top: 13px;
     treesEl.replaceChildren(frag);
   }
 
+  // A bearer token for sidecars whose admin API needs one: /ui#token=<token> (the fragment never
+  // leaves the browser); kept for this tab only.
+  var token = null;
+  var m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
+  if (m) {
+    token = decodeURIComponent(m[1]);
+    try { sessionStorage.setItem("sidecar-token", token); } catch (e) {}
+    history.replaceState(null, "", location.pathname + location.search);
+  } else {
+    try { token = sessionStorage.getItem("sidecar-token"); } catch (e) {}
+  }
+
   function setStatus(text, cls) { statusEl.textContent = text; statusEl.className = cls || ""; }
 
   function tick() {
@@ -539,7 +558,8 @@ ul.lineage ul > li::after { content: ""; position: absolute; left: 0; top: 13px;
     if (paused) return;
     var ctrl = new AbortController();
     var abort = setTimeout(function () { ctrl.abort(); }, 5000);
-    fetch("ui/data.json", {cache: "no-store", signal: ctrl.signal})
+    var headers = token ? {"Authorization": "Bearer " + token} : {};
+    fetch("ui/data.json", {cache: "no-store", signal: ctrl.signal, headers: headers})
       .then(function (r) { if (!r.ok) throw new Error("HTTP " + r.status); return r.json(); })
       .then(function (d) {
         last = d;

@@ -500,3 +500,25 @@ async def test_browser_draws_worker_history(tmp_path):
     assert re.search(r"decode-0\s+×3\s+→\s+decode-1\s+×2", text), text
     assert re.search(r"affinity\s+hit\s+3\s+·\s+miss\s+1", text), text
     assert 'class="w moved"' in row.group(0)
+
+
+async def test_live_view_data_needs_an_admin_token_when_tokens_are_configured(upstream, start_sidecar, tmp_path):
+    import aiohttp as _aiohttp
+
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("tokens:\n  - {token: ws-a-token-0123456789, workspace: ws-a}\n  - {token: admin-token-0123456789, admin: true}\n")
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers", admin_tokens_file=str(tokens))
+    async with _aiohttp.ClientSession() as s:
+        async with s.get(f"{sc.proxy_url}/x", headers={"X-Correlation-ID": "secret-session"}) as resp:
+            assert resp.status == 200
+        async with s.get(f"{sc.admin_url}/ui") as resp:
+            assert resp.status == 200  # the page holds no data
+        async with s.get(f"{sc.admin_url}/ui/data.json") as resp:
+            assert resp.status == 401
+            assert "secret-session" not in await resp.text()
+        async with s.get(f"{sc.admin_url}/ui/data.json", headers={"Authorization": "Bearer ws-a-token-0123456789"}) as resp:
+            assert resp.status == 403
+            assert (await resp.json())["error"]["type"] == "forbidden"
+        async with s.get(f"{sc.admin_url}/ui/data.json", headers={"Authorization": "Bearer admin-token-0123456789"}) as resp:
+            assert resp.status == 200
+            assert "secret-session" in await resp.text()
