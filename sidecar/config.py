@@ -113,13 +113,32 @@ class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class IdentityConfig(_Strict):
-    """Ordered header signals of session identity (SPEC section 2); the first present one wins."""
+BODY_SIGNALS = ("prompt_cache_key", "user", "metadata.user_id")
 
-    session: HeaderList = [h.X_CORRELATION_ID, h.X_SESSION_AFFINITY, h.X_SESSION_ID]
+
+class IdentityConfig(_Strict):
+    """Ordered signals of session identity (SPEC section 2); the first present one wins.
+
+    Header signals come first. Body signals (``body``, then ``fingerprint``) are read only when
+    configured and only when no header named a session: they cost a parse of the request body.
+    """
+
+    # AIPerf, opencode, generic, Claude Code, Codex (session_id, thread-id).
+    session: HeaderList = [h.X_CORRELATION_ID, h.X_SESSION_AFFINITY, h.X_SESSION_ID,
+                           h.X_CLAUDE_CODE_SESSION_ID, h.SESSION_ID, h.THREAD_ID]
     parent: HeaderList = [h.X_PARENT_SESSION_ID, h.X_DYNAMO_PARENT_SESSION_ID]
     root: HeaderList = [h.X_ROOT_SESSION_ID]
     final: HeaderList = [h.X_SESSION_FINAL, h.X_DYNAMO_SESSION_FINAL]
+    # OpenAI-compatible `prompt_cache_key` / `user`, Anthropic-style `metadata.user_id` (a JSON
+    # object with `session_id`), in the order given.
+    body: list[Literal["prompt_cache_key", "user", "metadata.user_id"]] = []
+    # Last resort for clients that send nothing: a stable hash of the system prompt and the first
+    # user message, the same for every turn of one conversation.
+    fingerprint: bool = False
+
+    @property
+    def reads_body(self) -> bool:
+        return bool(self.body) or self.fingerprint
 
     @field_validator("session", "parent", "root", "final")
     @classmethod
@@ -128,6 +147,20 @@ class IdentityConfig(_Strict):
             check_token(name)
         if h.X_REQUEST_ID.lower() in (n.lower() for n in v):
             raise ValueError("X-Request-ID is a per-request id and can never identify a session")
+        return v
+
+
+class AffinityConfig(_Strict):
+    """How the sidecar learns which worker served a turn (affinity proof)."""
+
+    # Response headers naming the worker, first present wins (SMG answers x-smg-routed-worker-id).
+    worker_headers: HeaderList = [h.X_SMG_ROUTED_WORKER_ID]
+
+    @field_validator("worker_headers")
+    @classmethod
+    def _tokens(cls, v: list[str]) -> list[str]:
+        for name in v:
+            check_token(name)
         return v
 
 
@@ -227,6 +260,7 @@ class Config(_Strict):
     # /readyz answers 200 only once an upstream was reached, unless this is false.
     readiness_check_upstream: bool = True
     identity: IdentityConfig = IdentityConfig()
+    affinity: AffinityConfig = AffinityConfig()
     sessions: SessionsConfig = SessionsConfig()
     # Request header naming the deployment explicitly; never forwarded upstream.
     deployment_header: HeaderName = h.X_SIDECAR_DEPLOYMENT

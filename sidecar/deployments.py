@@ -56,6 +56,8 @@ class Deployment:
     # requests without one (see :func:`never_forward`).
     strip_headers: frozenset[str] = field(default_factory=frozenset)
     strip_sessionless: frozenset[str] = field(default_factory=frozenset)
+    # Whether the mode overrides on_response (the router skips the call otherwise).
+    observes_responses: bool = False
 
     @classmethod
     def from_config(cls, cfg: DeploymentConfig, *, selector_header: str = "",
@@ -81,6 +83,7 @@ class Deployment:
                               max_overrides=max_overrides),
             strip_headers=session_strip,
             strip_sessionless=sessionless_strip,
+            observes_responses=mode is not None and type(mode).on_response is not Mode.on_response,
         )
 
     def pick_upstream(self, root: str | None) -> Upstream:

@@ -99,7 +99,8 @@ class Ended:
     turns: int
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass costs ~1.5 us per construction on the request path; treat as read-only.
+@dataclass(slots=True)
 class TurnFacts:
     """The lineage facts of one request, computed by :meth:`SessionTree.begin`.
 
@@ -116,7 +117,12 @@ class TurnFacts:
     is_parent_final: bool | None
     is_tree_final: bool
     turn: int
+    mode_state: str | None = None
 
+
+# Runs of consecutive turns on one worker kept per session for the affinity history (most recent
+# last). A session whose affinity holds has one run, so the common case costs one short list.
+WORKER_RUNS = 8
 
 # _Node.flags bits
 _PLACEHOLDER = 1  # named by a child or a root hint, never sent a request itself
@@ -142,7 +148,8 @@ class _Node:
     __slots__ = (
         "session", "parent", "root", "deployment", "created_at", "last_active_at", "turns",
         "in_flight", "flags", "end_reason", "first_child", "next_sibling", "prev_sibling",
-        "lru_prev", "lru_next", "tree_live", "tree_in_flight",
+        "lru_prev", "lru_next", "tree_live", "tree_in_flight", "mode_state", "workers",
+        "worker_turns", "moves",
     )
 
     def __init__(self, session: str, deployment: str, now: float, flags: int) -> None:
@@ -164,6 +171,13 @@ class _Node:
         self.lru_next: _Node | None = None
         self.tree_live = 1
         self.tree_in_flight = 0
+        # what the deployment's mode asked to remember for this session (e.g. a gateway token)
+        self.mode_state: str | None = None
+        # affinity: the last WORKER_RUNS runs of turns on one worker, flattened as
+        # [worker, turns, ...]; how many turns named a worker; how many moved off the previous one
+        self.workers: list[str | int] | None = None
+        self.worker_turns = 0
+        self.moves = 0
 
 
 class Turn:
@@ -277,7 +291,7 @@ class SessionTree:
             pflags = parent_node.flags
             parent_final = None if pflags & _PLACEHOLDER else bool(pflags & (_FINAL_SEEN | _CLOSED | _ENDED))
         facts = TurnFacts(node.session, parent_id, root.session, final, parent_final,
-                          final and root.tree_live == 1 and root.tree_in_flight == 1, turns)
+                          final and root.tree_live == 1 and root.tree_in_flight == 1, turns, node.mode_state)
         return Turn(node, facts, final), evicted
 
     def end_turn(self, turn: Turn, outcome: TurnOutcome) -> list[Ended]:
@@ -309,6 +323,32 @@ class SessionTree:
         tail.lru_next = node
         lru.lru_prev = node
         return []
+
+    def set_mode_state(self, turn: Turn, state: str) -> None:
+        """Remember ``state`` for the session of ``turn`` (handed to its later turns' facts)."""
+        node = turn._node
+        if not node.flags & _ENDED:
+            node.mode_state = state
+
+    def record_worker(self, turn: Turn, worker: str) -> tuple[str, str | None]:
+        """The upstream worker that served ``turn``; returns the affinity outcome (``first``,
+        ``same_worker`` or ``moved``) and the session's previous worker."""
+        node = turn._node
+        runs = node.workers  # [worker, turns, worker, turns, ...]
+        node.worker_turns += 1
+        if runs is None:
+            node.workers = [worker, 1]
+            return "first", None
+        previous: str = runs[-2]
+        if previous == worker:
+            runs[-1] += 1
+            return "same_worker", previous
+        if len(runs) >= 2 * WORKER_RUNS:
+            del runs[0:2]
+        runs.append(worker)
+        runs.append(1)
+        node.moves += 1
+        return "moved", previous
 
     # -- session lifecycle -----------------------------------------------------------------------
 
@@ -607,4 +647,14 @@ class SessionTree:
             "end_reason": node.end_reason.value if ended and node.end_reason is not None else None,
             "closed": bool(flags & _CLOSED),
             "placeholder": bool(flags & _PLACEHOLDER),
+            "workers": _runs(node.workers),
+            "affinity": {"first": 1 if node.worker_turns else 0,
+                         "same_worker": max(node.worker_turns - 1 - node.moves, 0),
+                         "moved": node.moves},
         }
+
+
+def _runs(flat: list[str | int] | None) -> list[dict[str, Any]]:
+    if not flat:
+        return []
+    return [{"worker": flat[i], "turns": flat[i + 1]} for i in range(0, len(flat), 2)]

@@ -67,6 +67,11 @@ class Metrics:
         self.end_actions = Counter(
             "sidecar_end_actions_total", "End-of-session calls to the upstream, by mode and outcome.",
             ("mode", "outcome"), registry=r)
+        self.affinity_turns = Counter(
+            "sidecar_affinity_turns_total",
+            "Turns whose worker the upstream named, by outcome: first (a session's first), "
+            "same_worker (as its previous turn), moved (another worker than its previous turn).",
+            ("outcome",), registry=r)
         self.in_flight = Gauge("sidecar_in_flight_requests", "Requests being proxied now.", registry=r)
 
         # prometheus_client's .labels() costs a lock and a dict lookup with tuple building each call;
@@ -77,6 +82,7 @@ class Metrics:
         self.added_hist = lru_cache(maxsize=256)(self.added.labels)
         self.upstream_error = lru_cache(maxsize=256)(self.upstream_errors.labels)
         self.headers_injected_for = lru_cache(maxsize=256)(self.headers_injected.labels)
+        self.affinity_turn = lru_cache(maxsize=8)(self.affinity_turns.labels)
 
     def watch_tree(self, tree: Any) -> None:
         """Expose the session tree's gauges and counters, read at scrape time (no hot-path cost)."""

@@ -41,6 +41,9 @@ log = logging.getLogger("sidecar.router")
 
 EffectSink = Callable[[Deployment, EndAction, str], None]
 
+# Worker ids are interned so every session's history shares one string per worker.
+MAX_INTERNED_WORKERS = 4096
+
 
 @dataclass(slots=True)
 class RequestHead:
@@ -108,6 +111,8 @@ class Router:
         self._by_model = {m: d for d in self.deployments for m in sorted(d.models)}
         self._route_by_model = sum(1 for d in self.deployments if d.models) > 1
         self._selection_body_limit = max(d.limits.max_body_bytes for d in self.deployments)
+        self._worker_headers = tuple(n.lower() for n in config.affinity.worker_headers)
+        self._workers: dict[str, str] = {}  # interned worker ids (a small set), bounded
         self.tree = tree or SessionTree(idle_ttl=s.idle_ttl_seconds, max_live=s.max_live_sessions,
                                         tombstone_max=s.tombstone_max, tombstone_ttl=s.tombstone_ttl_seconds)
         self.store = store or SessionStore(s.api)
@@ -122,15 +127,23 @@ class Router:
         headers = head.headers
         ident = self.identity.read(headers)
         selected = self._selected(headers)
-        if ident.session is None and selected is None and not self._route_by_model:
+        body_identity = ident.session is None and self.identity.reads_body
+        if ident.session is None and selected is None and not self._route_by_model and not body_identity:
             dep = self.default  # the common sessionless case, kept cheap
             if dep.strict:
                 raise _session_required(dep)
             return Decision(dep, dep.pick_upstream(None), dep.strip_sessionless, (), False, None, None,
                             max_body_bytes=dep.limits.max_body_bytes)
+        has_body = _declares_body(head)
+        if body_identity and has_body:
+            # The session is named by the body (configured body signals): admission waits for it.
+            dep = selected or self.default
+            limit = self._selection_body_limit if self._route_by_model and selected is None else \
+                dep.limits.max_body_bytes
+            return Decision(dep, dep.upstreams[0], dep.strip_sessionless, (), True, None, None,
+                            max_body_bytes=limit, pending=_Pending(ident, headers, selected, selected))
         rec = self.store.get(ident.session) if ident.session is not None else None
         decided = self._choose(ident.session, rec, selected, None)
-        has_body = _declares_body(head)
         if decided is None and self._route_by_model and has_body:
             return Decision(self.default, self.default.upstreams[0], self.default.strip_sessionless, (), True,
                             None, None, max_body_bytes=self._selection_body_limit,
@@ -152,15 +165,15 @@ class Router:
         decision.pending = None
         obj: Any = _UNPARSED
         model_dep: Deployment | None = None
+        ident = pending.ident
+        if self._route_by_model or (ident.session is None and self.identity.reads_body):
+            obj = _parse(body)
         if self._route_by_model:
-            try:
-                obj = orjson.loads(body)
-            except orjson.JSONDecodeError:
-                obj = _INVALID
             model = obj.get("model") if isinstance(obj, dict) else None
             if isinstance(model, str):
                 model_dep = self._by_model.get(model)
-        ident = pending.ident
+        if ident.session is None and self.identity.reads_body:
+            ident = self.identity.read_body(pending.headers, obj)
         # Re-resolved at admission: the session may have been bound or closed while the body
         # was read.
         rec = self.store.get(ident.session) if ident.session is not None else None
@@ -265,7 +278,7 @@ class Router:
         f = turn.facts
         ctx = RoutingContext(session=f.session, parent=f.parent, root=f.root, is_final_turn=f.is_final_turn,
                              is_parent_final=f.is_parent_final, is_tree_final=f.is_tree_final, turn=f.turn,
-                             deployment=dep.name)
+                             deployment=dep.name, mode_state=f.mode_state)
         decision = Decision(dep, dep.pick_upstream(f.root), dep.strip_headers, (), False, ctx, turn,
                             max_body_bytes=dep.limits.max_body_bytes, api_session=rec)
         mode = dep.mode
@@ -293,10 +306,7 @@ class Router:
         assert mode is not None and decision.ctx is not None
         counter = self.metrics.body_rewrites
         if obj is _UNPARSED:
-            try:
-                obj = orjson.loads(body)
-            except orjson.JSONDecodeError:
-                obj = _INVALID
+            obj = _parse(body)
         if not isinstance(obj, dict):
             outcome = "passthrough_invalid_json" if obj is _INVALID else "passthrough_not_object"
             if dep.reject_non_object_body:
@@ -315,6 +325,46 @@ class Router:
             self._mode_failed(decision, "transform_body", exc)
         counter.labels(dep.mode_name, "rewritten").inc()
         return orjson.dumps(new)
+
+    def on_response(self, decision: Decision, status: int, headers: Mapping[str, str]) -> None:
+        """The upstream's response head for ``decision`` arrived (``headers``: lower-case name
+        lookup). Records which worker served the turn and lets the mode observe the response."""
+        turn = decision.turn
+        if turn is None:
+            return
+        dep = decision.deployment
+        if dep.observes_responses:
+            assert dep.mode is not None and decision.ctx is not None
+            try:
+                state = dep.mode.on_response(decision.ctx, headers)
+            except Exception as exc:  # the response is already on its way: count, never fail it
+                self.metrics.plugin_errors.labels(dep.mode_name, "on_response").inc()
+                log.error("mode %s failed in on_response: %r", dep.mode_name, exc,
+                          extra={"deployment": dep.name, "mode": dep.mode_name, "hook": "on_response"})
+                state = None
+            if state is not None:
+                self.tree.set_mode_state(turn, state)
+        for name in self._worker_headers:
+            worker = headers.get(name)
+            if worker:
+                self._record_worker(decision, turn, worker.strip())
+                return
+
+    def _record_worker(self, decision: Decision, turn: Turn, worker: str) -> None:
+        interned = self._workers.get(worker)
+        if interned is None:
+            interned = worker
+            if len(self._workers) < MAX_INTERNED_WORKERS:
+                self._workers[worker] = worker
+        outcome, previous = self.tree.record_worker(turn, interned)
+        self.metrics.affinity_turn(outcome).inc()
+        if outcome == "moved":
+            extra: dict[str, Any] = {"event": "moved", "deployment": decision.deployment.name,
+                                     "from_worker": previous, "to_worker": interned,
+                                     "turn": turn.facts.turn}
+            if log.isEnabledFor(logging.DEBUG):  # session ids only at debug level
+                extra["session"] = turn.facts.session
+            log.info("session moved to another worker", extra=extra)
 
     def upstream_unreachable(self, decision: Decision) -> None:
         """The engine could not connect to ``decision.upstream`` (nothing was sent): mark it
@@ -400,6 +450,13 @@ class Router:
             dep = self._by_name.get(e.deployment)
             if dep is not None and dep.balancer.overrides and self.tree.get(e.root) is None:
                 dep.balancer.forget(e.root)  # the tree is gone
+
+
+def _parse(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return _INVALID
 
 
 def _declares_body(head: RequestHead) -> bool:

@@ -89,6 +89,14 @@ class RecordingUpstream:
                 self.finish_failures -= 1
                 return web.json_response({"status": "busy"}, status=503)
             return web.json_response({"status": "ok"})
+        if path == "/worker":
+            # Names the worker that served the request the way gateways do (?w=<worker>).
+            w = request.query.get("w", "w1")
+            return web.json_response({"worker": w}, headers={"x-smg-routed-worker-id": w, "X-Worker-Id": w})
+        if path == "/llmd":
+            # An endpoint picker that hands out a session token (?token=<token>, or none).
+            token = request.query.get("token")
+            return web.json_response({"ok": True}, headers={"x-session-token": token} if token else None)
         if path.startswith("/status/"):
             return web.json_response({"status": int(path.rsplit("/", 1)[1])}, status=int(path.rsplit("/", 1)[1]))
         return web.json_response({"path": request.raw_path, "method": request.method, "bytes": len(body)})

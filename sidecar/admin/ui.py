@@ -390,15 +390,13 @@ ul.lineage ul > li::after { content: ""; position: absolute; left: 0; top: 13px;
     box.appendChild(el("span", "hint", "\u00b7 hover an id for the full id, a state for its meaning"));
   }
 
+  // workers: runs of turns on one worker, oldest first: [{worker, turns}, ...]
   function workersEl(workers) {
     var box = el("span", "workers");
-    box.title = "worker per turn: " + workers.map(String).join(", ");
-    var runs = [];
-    workers.forEach(function (w) {
-      w = w === null || w === undefined ? "?" : String(w);
-      if (runs.length && runs[runs.length - 1][0] === w) runs[runs.length - 1][1]++;
-      else runs.push([w, 1]);
+    var runs = workers.map(function (r) {
+      return [r && r.worker !== undefined && r.worker !== null ? String(r.worker) : "?", Number(r && r.turns) || 1];
     });
+    box.title = "worker per run of turns: " + runs.map(function (r) { return r[0] + " \u00d7" + r[1]; }).join(" \u2192 ");
     var shown = runs.length > 6 ? runs.slice(runs.length - 6) : runs;
     if (shown !== runs) box.appendChild(el("span", "x", "\u2026"));
     shown.forEach(function (r, i) {

@@ -182,6 +182,7 @@ class AiohttpEngine(Engine):
             raise
         self.health.mark_reached()
         m.ttfb_hist(dep.name, dep.mode_name).observe(time.perf_counter() - t0)
+        router.on_response(decision, upstream.status, upstream.headers)
         try:
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             _copy_response_headers(upstream, resp)

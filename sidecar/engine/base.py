@@ -23,7 +23,10 @@ An engine owns the proxy listener and the upstream connection pool. Per request 
    buffered;
 5. if connecting to ``decision.upstream`` fails, call ``router.upstream_unreachable(decision)``
    before answering 502 (the balancer then fails the tree over);
-6. relay the response chunk by chunk, and call ``router.finish`` exactly once after the last
+6. when the upstream's response head arrives, call
+   ``router.on_response(decision, status, headers)`` (``headers``: lower-case name lookup) before
+   relaying it: it records which worker served the turn and lets the mode observe the response;
+7. relay the response chunk by chunk, and call ``router.finish`` exactly once after the last
    byte reached the client, the upstream failed, or the client left (also after a
    ``ProxyError`` from ``transform_body``: it is idempotent).
 """

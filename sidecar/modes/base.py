@@ -18,9 +18,11 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen (a frozen dataclass costs ~1.5 us per construction, once per request): modes must
+# treat it as read-only, like every hook input.
+@dataclass(slots=True)
 class RoutingContext:
-    """What the sidecar knows about one request's session (SPEC section 3)."""
+    """What the sidecar knows about one request's session (SPEC section 3). Read-only."""
 
     session: str
     parent: str | None

@@ -174,10 +174,12 @@ class Clock:
         return self.t
 
 
-def _one(tree: SessionTree, session: str, **kw: Any) -> None:
+def _one(tree: SessionTree, session: str, *, worker: str | None = None, **kw: Any) -> None:
     kw.setdefault("parent", None)
     turn, _ = tree.begin(session, root_hint=kw.pop("root_hint", None), final=kw.pop("final", False),
                          deployment="default", **kw)
+    if worker is not None:
+        tree.record_worker(turn, worker)
     tree.end_turn(turn, TurnOutcome.COMPLETED)
 
 
@@ -452,29 +454,13 @@ def _assert_drawn(width: int, height: int, rows: list[bytes]) -> None:
     assert len(first_ink) >= 3, "no indentation"
 
 
-class _WorkerTree(SessionTree):
-    """Node dicts with the worker history fields (``workers`` per turn, ``affinity`` counts)."""
-
-    HISTORY = {
-        "planner": (["decode-0", "decode-0", "decode-0", "decode-1", "decode-1"], {"hit": 3, "miss": 1}),
-        "coder": (["decode-2"], {"hit": 0, "miss": 0}),
-    }
-
-    def tree(self, root: str) -> dict[str, Any] | None:
-        out = super().tree(root)
-        for node in _walk(out) if out is not None else []:
-            if node["session"] in self.HISTORY:
-                node["workers"], node["affinity"] = self.HISTORY[node["session"]]
-        return out
-
-
 @pytest.mark.deploy
 async def test_browser_draws_worker_history(tmp_path):
     binary = _chromium()
-    tree = _WorkerTree()
-    for _ in range(5):
-        _one(tree, "planner")
-    _one(tree, "coder", parent="planner")
+    tree = SessionTree()
+    for worker in ["decode-0"] * 3 + ["decode-1"] * 2:
+        _one(tree, "planner", worker=worker)
+    _one(tree, "coder", parent="planner", worker="decode-2")
     _one(tree, "reviewer", parent="planner")
     app = web.Application()
     add_ui_routes(app, lambda: tree)
@@ -492,13 +478,13 @@ async def test_browser_draws_worker_history(tmp_path):
     dom = _Dom()
     dom.feed(dom_html)
     assert dom.parent_of == {"planner": None, "coder": "planner", "reviewer": "planner"}
-    assert "worker per turn: decode-0, decode-0, decode-0, decode-1, decode-1" in dom.titles
-    assert "worker per turn: decode-2" in dom.titles
+    assert "worker per run of turns: decode-0 \u00d73 \u2192 decode-1 \u00d72" in dom.titles
+    assert "worker per run of turns: decode-2 \u00d71" in dom.titles
     row = re.search(r'data-session="planner".*?</div>', dom_html, re.S)
     assert row is not None
     text = re.sub(r"<[^>]+>", " ", row.group(0))
     assert re.search(r"decode-0\s+×3\s+→\s+decode-1\s+×2", text), text
-    assert re.search(r"affinity\s+hit\s+3\s+·\s+miss\s+1", text), text
+    assert re.search(r"affinity\s+first\s+1\s+·\s+same_worker\s+3\s+·\s+moved\s+1", text), text
     assert 'class="w moved"' in row.group(0)
 
 

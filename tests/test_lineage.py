@@ -1,0 +1,517 @@
+"""The session lineage tree on hand-built inputs, with a hand-driven clock."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+
+from sidecar.lineage import EndReason, Ended, SessionTree, Turn, TurnFacts, TurnOutcome
+
+COMPLETED = TurnOutcome.COMPLETED
+FAILED = TurnOutcome.UPSTREAM_FAILED
+ABORTED = TurnOutcome.CLIENT_ABORTED
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Harness:
+    """Drives one tree and keeps every Ended it returned, to check exactly-once ends."""
+
+    def __init__(self, **kwargs: float) -> None:
+        self.clock = Clock()
+        self.tree = SessionTree(clock=self.clock, **kwargs)  # type: ignore[arg-type]
+        self.ended: list[Ended] = []
+
+    def begin(self, session: str, parent: str | None = None, *, final: bool = False,
+              root_hint: str | None = None, deployment: str = "dep") -> Turn:
+        turn, evicted = self.tree.begin(session, parent=parent, root_hint=root_hint, final=final,
+                                        deployment=deployment)
+        self.ended += evicted
+        return turn
+
+    def end(self, turn: Turn, outcome: TurnOutcome = COMPLETED) -> list[Ended]:
+        ended = self.tree.end_turn(turn, outcome)
+        self.ended += ended
+        return ended
+
+    def turn(self, session: str, parent: str | None = None, *, final: bool = False,
+             root_hint: str | None = None, outcome: TurnOutcome = COMPLETED) -> TurnFacts:
+        """One whole request: begin, then end."""
+        turn = self.begin(session, parent, final=final, root_hint=root_hint)
+        self.end(turn, outcome)
+        return turn.facts
+
+    def close(self, session: str) -> list[Ended]:
+        ended = self.tree.close(session)
+        self.ended += ended
+        return ended
+
+    def expire(self) -> list[Ended]:
+        ended = self.tree.expire()
+        self.ended += ended
+        return ended
+
+    def shutdown(self) -> list[Ended]:
+        ended = self.tree.shutdown()
+        self.ended += ended
+        return ended
+
+    def reasons(self) -> dict[str, EndReason]:
+        """session id -> reason; fails if an id ended twice (for tests that never reuse an id)."""
+        sessions = [e.session for e in self.ended]
+        assert len(sessions) == len(set(sessions)), f"ended more than once: {sessions}"
+        return {e.session: e.reason for e in self.ended}
+
+
+def tree_size(node: dict | None) -> int:
+    if node is None:
+        return 0
+    return 1 + sum(tree_size(c) for c in node["children"])
+
+
+# -- finality ----------------------------------------------------------------------------------
+
+
+def test_lone_session_turns_and_final() -> None:
+    h = Harness()
+    first = h.turn("s")
+    assert first == TurnFacts(session="s", parent=None, root="s", is_final_turn=False,
+                              is_parent_final=None, is_tree_final=False, turn=1)
+    assert h.turn("s").turn == 2
+    turn = h.begin("s", final=True)
+    assert turn.facts == TurnFacts(session="s", parent=None, root="s", is_final_turn=True,
+                                   is_parent_final=None, is_tree_final=True, turn=3)
+    assert h.end(turn) == [Ended("s", None, "s", "dep", EndReason.FINAL_TURN_COMPLETED, 3)]
+    assert h.tree.live_sessions == 0 and h.tree.live_trees == 0
+    assert h.tree.get("s") is None and h.tree.is_closed("s")
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(["r", "a", "b", "g"])))
+def test_tree_final_only_on_last_final_turn(order: tuple[str, ...]) -> None:
+    parents = {"r": None, "a": "r", "b": "r", "g": "a"}
+    h = Harness()
+    for session in ("r", "a", "b", "g"):
+        h.turn(session, parents[session])
+    done: set[str] = set()
+    for i, session in enumerate(order):
+        facts = h.turn(session, parents[session], final=True)
+        done.add(session)
+        assert facts.is_tree_final is (i == len(order) - 1), (order, session)
+        assert facts.root == "r"
+        parent = parents[session]
+        assert facts.is_parent_final is (None if parent is None else parent in done)
+    assert h.reasons() == dict.fromkeys("rabg", EndReason.FINAL_TURN_COMPLETED)
+    assert h.tree.live_sessions == 0 and h.tree.live_trees == 0 and h.tree.tree("r") is None
+
+
+def test_ended_parent_stays_in_tree_while_children_live() -> None:
+    h = Harness()
+    h.turn("r")
+    h.turn("c", "r")
+    h.turn("r", final=True)
+    assert h.reasons() == {"r": EndReason.FINAL_TURN_COMPLETED}
+    view = h.tree.tree("r")
+    assert view is not None
+    assert (view["session"], view["ended"], view["end_reason"]) == ("r", True, "final_turn_completed")
+    assert [c["session"] for c in view["children"]] == ["c"]
+    assert h.tree.live_sessions == 1 and h.tree.live_trees == 1
+    facts = h.turn("c", "r", final=True)
+    assert facts.is_parent_final is True and facts.is_tree_final is True
+    assert h.tree.get("r") is None and h.tree.live_trees == 0
+
+
+def test_new_descendant_reopens_a_tree() -> None:
+    h = Harness()
+    h.turn("r")
+    h.turn("c", "r", final=True)  # the tree is down to r alone
+    h.turn("d", "r")  # a new child arrives after that
+    assert h.turn("r", final=True).is_tree_final is False
+    assert h.turn("d", "r", final=True).is_tree_final is True
+
+
+def test_child_spawned_by_an_in_flight_tree_final_turn() -> None:
+    h = Harness()
+    h.turn("r")
+    root_final = h.begin("r", final=True)
+    assert root_final.facts.is_tree_final is True
+    child = h.turn("d", "r")  # spawned while the root's final turn is still streaming
+    assert child.is_parent_final is True and child.is_tree_final is False
+    h.end(root_final)
+    assert h.turn("d", "r", final=True).is_tree_final is True
+
+
+def test_unknown_parent_becomes_a_placeholder() -> None:
+    h = Harness()
+    facts = h.turn("c", "p")
+    assert (facts.parent, facts.root, facts.is_parent_final) == ("p", "p", None)
+    node = h.tree.get("p")
+    assert node is not None and node["placeholder"] is True and node["turns"] == 0
+    assert h.tree.live_sessions == 2 and h.tree.live_trees == 1
+    assert h.close("p") == [] and not h.tree.is_closed("p")  # a placeholder is no session yet
+    # the unknown parent could still be live: never tree-final while it is a placeholder
+    assert h.turn("c", "p", final=True).is_tree_final is False
+    assert h.reasons() == {"c": EndReason.FINAL_TURN_COMPLETED}  # the placeholder ends silently
+    assert h.tree.get("p") is None and h.tree.live_sessions == 0 and h.tree.live_trees == 0
+
+
+def test_placeholder_promoted_by_its_own_request_joins_its_parents_tree() -> None:
+    h = Harness()
+    h.turn("g")
+    h.turn("c", "p")
+    assert h.tree.live_trees == 2
+    facts = h.turn("p", "g")  # p's own first request names its parent
+    assert (facts.turn, facts.root, facts.is_parent_final) == (1, "g", False)
+    assert h.tree.get("p")["placeholder"] is False  # type: ignore[index]
+    assert h.tree.live_trees == 1
+    child = h.turn("c", "p")
+    assert (child.root, child.is_parent_final) == ("g", False)
+    view = h.tree.tree("g")
+    assert view is not None and tree_size(view) == 3
+    assert view["children"][0]["children"][0]["session"] == "c"
+
+
+def test_placeholder_naming_its_descendant_as_parent_is_ignored() -> None:
+    h = Harness()
+    h.turn("c", "p")
+    facts = h.turn("p", "c")  # would close a cycle p -> c -> p
+    assert (facts.parent, facts.root) == (None, "p")
+    assert tree_size(h.tree.tree("c")) == 2
+    h.shutdown()
+    assert h.reasons() == {"c": EndReason.SHUTDOWN, "p": EndReason.SHUTDOWN}
+    assert h.tree.live_sessions == 0 and h.tree.live_trees == 0
+
+
+def test_concurrent_turns_of_one_session() -> None:
+    h = Harness()
+    first = h.begin("s")
+    final = h.begin("s", final=True)
+    assert (first.facts.turn, final.facts.turn) == (1, 2)
+    assert final.facts.is_tree_final is False  # another request of the tree is in flight
+    assert h.tree.get("s")["in_flight"] == 2  # type: ignore[index]
+    assert h.end(final) == []  # the session ends only when nothing of it is in flight
+    assert h.tree.get("s")["ended"] is False  # type: ignore[index]
+    assert h.end(first) == [Ended("s", None, "s", "dep", EndReason.FINAL_TURN_COMPLETED, 2)]
+    assert h.end(first) == [] and h.end(final) == []
+
+
+# -- end of session, one test per reason ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("outcome", "reason"), [
+    (COMPLETED, EndReason.FINAL_TURN_COMPLETED),
+    (FAILED, EndReason.FINAL_TURN_FAILED),
+    (ABORTED, EndReason.CLIENT_ABANDONED),
+])
+def test_final_turn_outcome_sets_the_reason(outcome: TurnOutcome, reason: EndReason) -> None:
+    h = Harness()
+    h.turn("r")
+    h.turn("c", "r", outcome=ABORTED)  # a non-final turn ends nothing, whatever its outcome
+    assert h.ended == []
+    h.turn("c", "r", final=True, outcome=outcome)
+    assert h.ended == [Ended("c", "r", "r", "dep", reason, 2)]
+    assert h.tree.ended_by_reason[reason] == 1
+
+
+def test_api_close_of_an_idle_session() -> None:
+    h = Harness()
+    h.turn("r")
+    h.turn("c", "r")
+    assert h.close("c") == [Ended("c", "r", "r", "dep", EndReason.API_CLOSED, 1)]
+    assert h.tree.is_closed("c")
+    assert h.close("c") == [] and h.close("unknown") == []
+    assert h.turn("r").is_tree_final is False and h.tree.tree("r")["children"] == []  # type: ignore[index]
+
+
+def test_api_close_in_flight_is_reported_by_end_turn() -> None:
+    h = Harness()
+    turn = h.begin("s")
+    assert h.close("s") == []
+    assert h.tree.is_closed("s")  # closed at once
+    assert h.close("s") == []  # closing again changes nothing
+    assert h.end(turn) == [Ended("s", None, "s", "dep", EndReason.API_CLOSED, 1)]
+    assert h.reasons() == {"s": EndReason.API_CLOSED}
+
+
+def test_request_on_a_closed_session_still_draining_starts_a_new_one() -> None:
+    h = Harness()
+    old = h.begin("s")
+    h.close("s")
+    new = h.begin("s")
+    assert new.facts.turn == 1 and h.tree.tombstone_reuses == 1
+    assert not h.tree.is_closed("s")
+    assert h.end(old) == [Ended("s", None, "s", "dep", EndReason.API_CLOSED, 1)]
+    assert h.tree.get("s")["in_flight"] == 1  # type: ignore[index]  # the new session is untouched
+    assert h.end(new) == []
+    assert h.tree.live_sessions == 1
+
+
+def test_close_with_a_reason() -> None:
+    h = Harness()
+    h.turn("s")
+    assert h.tree.close("s", EndReason.IDLE_EXPIRED) == [Ended("s", None, "s", "dep", EndReason.IDLE_EXPIRED, 1)]
+
+
+def test_bound_deployment() -> None:
+    h = Harness()
+    h.turn("s")
+    h.turn("c", "p")
+    assert h.tree.bound_deployment("s") == "dep"
+    assert h.tree.bound_deployment("p") is None  # a placeholder is bound to nothing yet
+    h.close("s")
+    assert h.tree.bound_deployment("s") is None and h.tree.bound_deployment("unknown") is None
+
+
+def test_close_after_final_turn_finished_keeps_the_final_reason() -> None:
+    h = Harness()
+    other = h.begin("s")
+    h.end(h.begin("s", final=True))
+    assert h.close("s") == []
+    assert h.end(other) == [Ended("s", None, "s", "dep", EndReason.FINAL_TURN_COMPLETED, 2)]
+
+
+def test_idle_expiry() -> None:
+    h = Harness(idle_ttl=60.0)
+    h.turn("old")
+    h.clock.now += 30
+    h.turn("young")
+    busy = h.begin("busy")
+    h.clock.now += 29.9
+    assert h.expire() == []
+    h.clock.now += 0.1
+    assert h.expire() == [Ended("old", None, "old", "dep", EndReason.IDLE_EXPIRED, 1)]
+    h.clock.now += 1000  # a request in flight keeps its session alive however long it takes
+    assert [e.session for e in h.expire()] == ["young"]
+    h.end(busy)  # idle from now on
+    h.clock.now += 59
+    h.turn("fresh")
+    h.clock.now += 1
+    assert [e.session for e in h.expire()] == ["busy"]
+    assert h.reasons() == dict.fromkeys(["old", "young", "busy"], EndReason.IDLE_EXPIRED)
+    assert h.tree.live_sessions == 1
+
+
+def test_expiry_follows_last_activity_not_creation() -> None:
+    h = Harness(idle_ttl=10.0)
+    for s in ("a", "b", "c"):
+        h.turn(s)
+        h.clock.now += 1
+    h.turn("a")  # a becomes the most recently active
+    h.clock.now += 9
+    assert [e.session for e in h.expire()] == ["b", "c"]
+    h.clock.now += 2
+    assert [e.session for e in h.expire()] == ["a"]
+
+
+def test_expiry_releases_placeholders_and_ended_ancestors() -> None:
+    h = Harness(idle_ttl=10.0)
+    h.turn("c", "p")
+    h.turn("r")
+    h.turn("k", "r")
+    h.turn("r", final=True)
+    h.clock.now += 10
+    assert sorted(e.session for e in h.expire()) == ["c", "k"]
+    assert h.tree.live_sessions == 0 and h.tree.live_trees == 0
+    assert h.tree.get("p") is None and h.tree.get("r") is None
+
+
+def test_eviction_at_the_cap_takes_the_least_recently_active_idle_session() -> None:
+    h = Harness(max_live=3)
+    h.turn("a")
+    busy = h.begin("b")
+    h.turn("c")
+    h.turn("a")  # c is now the least recently active idle session; b is in flight
+    h.turn("d")
+    assert h.reasons() == {"c": EndReason.EVICTED}
+    assert h.tree.evictions == 1 and h.tree.live_sessions == 3
+    h.end(busy)
+    h.turn("e")
+    assert h.reasons()["a"] is EndReason.EVICTED
+
+
+def test_eviction_never_takes_in_flight_sessions() -> None:
+    h = Harness(max_live=2)
+    turns = [h.begin(s) for s in "abc"]
+    assert h.ended == [] and h.tree.live_sessions == 3  # cap exceeded while all are in flight
+    h.end(turns[0])
+    h.turn("d")
+    assert h.reasons() == {"a": EndReason.EVICTED}
+
+
+def test_shutdown_ends_in_flight_sessions_whose_turns_then_end_quietly() -> None:
+    h = Harness()
+    idle = h.turn("a")
+    busy = h.begin("b")
+    ended = h.shutdown()
+    assert sorted(e.session for e in ended) == ["a", "b"]
+    assert h.reasons() == {"a": EndReason.SHUTDOWN, "b": EndReason.SHUTDOWN}
+    assert h.end(busy) == []  # already ended: its end hook ran once, at shutdown
+    assert idle.turn == 1 and h.tree.live_sessions == 0 and h.tree.live_trees == 0
+
+
+def test_shutdown_ends_every_live_session_once() -> None:
+    h = Harness()
+    h.turn("r")
+    h.turn("c", "r")
+    h.turn("g", "c")
+    h.turn("x", "unknown-parent")
+    h.turn("c", "r", final=True)  # c ended, held for g
+    draining = h.begin("z")
+    h.close("z")
+    h.begin("z")  # a new z while the closed one drains
+    h.shutdown()
+    assert [(e.session, e.reason) for e in h.ended[:1]] == [("c", EndReason.FINAL_TURN_COMPLETED)]
+    # both z sessions end, the closed one and the new one
+    assert sorted(e.session for e in h.ended[1:]) == ["g", "r", "x", "z", "z"]
+    assert {e.reason for e in h.ended[1:]} == {EndReason.SHUTDOWN}
+    assert h.end(draining) == []
+    assert h.tree.live_sessions == 0 and h.tree.live_trees == 0 and h.tree.get("unknown-parent") is None
+
+
+# -- tombstones ----------------------------------------------------------------------------------
+
+
+def test_tombstone_reuse_starts_a_new_session() -> None:
+    h = Harness()
+    h.turn("s")
+    h.turn("s", final=True)
+    assert h.tree.is_closed("s")
+    facts = h.turn("s")
+    assert facts.turn == 1 and h.tree.tombstone_reuses == 1
+    assert not h.tree.is_closed("s") and h.tree.get("s")["turns"] == 1  # type: ignore[index]
+
+
+def test_tombstones_bounded_by_count() -> None:
+    h = Harness(tombstone_max=2)
+    for s in "abc":
+        h.turn(s, final=True)
+    assert [h.tree.is_closed(s) for s in "abc"] == [False, True, True]
+    assert h.tree.tombstones == 2
+    h.turn("a")  # forgotten: a plain new session
+    assert h.tree.tombstone_reuses == 0
+
+
+def test_tombstones_bounded_by_age() -> None:
+    h = Harness(tombstone_ttl=10.0)
+    h.turn("a", final=True)
+    h.clock.now += 5
+    h.turn("b", final=True)
+    h.clock.now += 5
+    h.expire()
+    assert not h.tree.is_closed("a") and h.tree.is_closed("b")
+    h.clock.now += 5
+    h.expire()
+    assert h.tree.tombstones == 0
+
+
+def test_ended_parents_held_for_live_children_count_against_the_cap() -> None:
+    h = Harness(max_live=10)
+    h.turn("s0")
+    for i in range(1, 100):  # a chain where each session ends once its child exists
+        h.turn(f"s{i}", f"s{i - 1}")
+        h.end(h.begin(f"s{i - 1}", final=True))
+        assert tree_size(h.tree.tree(f"s{i}")) <= 10
+    assert h.tree.evictions > 0
+    assert h.tree.live_sessions == 1
+
+
+def test_deep_chain_does_not_hit_the_recursion_limit() -> None:
+    h = Harness()
+    h.turn("s0")
+    for i in range(1, 5000):
+        h.turn(f"s{i}", f"s{i - 1}")
+    assert h.turn("s4999", "s4998").root == "s0"
+    view = h.tree.tree("s0")
+    depth = 0
+    while view is not None and view["children"]:
+        view = view["children"][0]
+        depth += 1
+    assert depth == 4999
+    assert len(h.shutdown()) == 5000 and h.tree.live_trees == 0
+
+
+# -- root hints ----------------------------------------------------------------------------------
+
+
+def test_root_hint_conflict_is_counted_once_and_the_derived_root_kept(caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness()
+    h.turn("r")
+    with caplog.at_level(logging.WARNING, logger="sidecar.lineage"):
+        facts = h.turn("c", "r", root_hint="elsewhere")
+        again = h.turn("c", "r", root_hint="elsewhere")
+        h.turn("d", "r", root_hint="elsewhere")
+    assert facts.root == "r" and again.root == "r"
+    assert h.tree.root_conflicts == 2  # c and d, each counted once
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    assert h.turn("e", "r", root_hint="r").root == "r" and h.tree.root_conflicts == 2
+
+
+def test_root_hint_of_a_parentless_session_joins_that_tree() -> None:
+    h = Harness()
+    facts = h.turn("s", root_hint="top")
+    assert (facts.parent, facts.root, facts.is_parent_final) == (None, "top", None)
+    top = h.tree.tree("top")
+    assert top is not None and top["placeholder"] is True
+    assert [(c["session"], c["parent"]) for c in top["children"]] == [("s", None)]
+    h.turn("top")  # the root shows up: s's tree is the same tree
+    assert h.turn("s", root_hint="top", final=True).is_tree_final is False
+    assert h.turn("top", final=True).is_tree_final is True
+    assert h.tree.root_conflicts == 0
+
+
+# -- views ---------------------------------------------------------------------------------------
+
+
+def test_node_dict() -> None:
+    h = Harness()
+    h.turn("r")
+    h.clock.now += 2
+    turn = h.begin("c", "r", final=True, deployment="other")
+    node = h.tree.get("c")
+    assert node is not None
+    assert node.items() >= {
+        "session": "c", "parent": "r", "root": "r", "deployment": "other", "created_at": 1002.0,
+        "last_active_at": 1002.0, "turns": 1, "in_flight": 1, "final_turn_seen": True, "ended": False,
+        "end_reason": None, "closed": False, "placeholder": False,
+    }.items()
+    view = h.tree.tree("c")  # any member's id gives its whole tree
+    assert view is not None and view["session"] == "r" and view["children"][0]["children"] == []
+    h.clock.now += 1
+    h.end(turn)
+    assert h.tree.get("c") is None and h.tree.tree("c") is None
+    assert h.tree.get("r")["last_active_at"] == 1000.0  # type: ignore[index]
+
+
+def test_children_listed_oldest_first() -> None:
+    h = Harness()
+    h.turn("r")
+    for s in "xyz":
+        h.turn(s, "r")
+    h.turn("y", "r", final=True)
+    view = h.tree.tree("r")
+    assert view is not None and [c["session"] for c in view["children"]] == ["x", "z"]
+
+
+def test_stats() -> None:
+    h = Harness()
+    h.turn("a")
+    h.turn("b", "a")
+    h.turn("c")
+    assert (h.tree.live_sessions, h.tree.live_trees) == (3, 2)
+    h.turn("c", final=True)
+    assert (h.tree.live_sessions, h.tree.live_trees) == (2, 1)
+    assert h.tree.ended_by_reason == {**dict.fromkeys(EndReason, 0), EndReason.FINAL_TURN_COMPLETED: 1}
+
+
+@pytest.mark.parametrize("kwargs", [{"idle_ttl": 0}, {"max_live": 0}, {"tombstone_max": -1},
+                                    {"tombstone_ttl": -1}])
+def test_invalid_limits_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SessionTree(**kwargs)  # type: ignore[arg-type]
