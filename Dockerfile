@@ -19,7 +19,7 @@ LABEL org.opencontainers.image.title="session-sidecar" \
 RUN groupadd --system --gid 10001 sidecar \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
     --shell /usr/sbin/nologin sidecar \
- && mkdir -p /etc/sidecar
+ && mkdir -p /etc/sidecar/tokens
 COPY --from=build /opt/sidecar /opt/sidecar
 # Bytecode was compiled at install time; the root filesystem may be read-only.
 ENV PATH=/opt/sidecar/bin:$PATH \
@@ -32,5 +32,9 @@ WORKDIR /
 EXPOSE 8080 9091
 # Configure with SIDECAR_* variables, or mount a file and set
 # SIDECAR_CONFIG=/etc/sidecar/config.yaml. Kubernetes probes use /healthz and /readyz on 9091.
+# The admin listener binds 0.0.0.0 so probes and scrapes reach it; the sessions API on it then
+# needs bearer tokens: mount a tokens file read-only at /etc/sidecar/tokens/tokens.yaml and set
+# SIDECAR_ADMIN_TOKENS_FILE=/etc/sidecar/tokens/tokens.yaml. Without one the sidecar refuses to
+# start unless SIDECAR_ADMIN_INSECURE=true (an unauthenticated sessions API; local use only).
 ENTRYPOINT ["sidecar"]
 CMD ["run"]

@@ -8,18 +8,23 @@
 # namespace whose root filesystem is remounted read-only (as with readOnlyRootFilesystem) when
 # the kernel allows it, else with the venv's write bits removed:
 #   sidecar --help; sidecar check-config on config/examples/*.yaml (or `sidecar modes` when
-#   there are none); `sidecar run` against a loopback upstream: /healthz, /readyz, a proxied
-#   request, then SIGTERM and a clean exit.
+#   there are none); `sidecar run` with the admin listener on 0.0.0.0 as in the image: without
+#   a tokens file it must refuse to start naming admin_insecure / admin_tokens_file; with a
+#   read-only tokens file, against a loopback upstream: /healthz, /readyz, /metrics without a
+#   token, /v1/sessions 401 without and 200 with the admin token, a proxied request, then
+#   SIGTERM and a clean exit.
 #
 # Interpreter: $SIDECAR_IMAGE_PYTHON, else Python 3.12 (the image's base), else python3 >= 3.11.
 set -euo pipefail
 
 if [[ "${1:-}" == "--run-checks" ]]; then
-  # Second half, possibly inside the read-only namespace: $2 = venv, $3 = repo root.
+  # Second half, possibly inside the read-only namespace: $2 = venv, $3 = repo root,
+  # $4 = a read-only tokens file (the image's /etc/sidecar/tokens/tokens.yaml).
   venv="$2"
   repo="$3"
+  tokens_file="$4"
   export PATH="$venv/bin:$PATH" PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/nonexistent
-  # The image's defaults; the run check below overrides both with loopback ports.
+  # The image's defaults; the run checks below use free ports (the proxy on loopback).
   export SIDECAR_LISTEN=0.0.0.0:8080 SIDECAR_ADMIN=0.0.0.0:9091
   cd /
 
@@ -37,10 +42,11 @@ if [[ "${1:-}" == "--run-checks" ]]; then
     sidecar modes
   fi
 
-  echo "+ sidecar run (loopback upstream, then SIGTERM)"
-  "$venv/bin/python" - <<'EOF'
+  echo "+ sidecar run without tokens on 0.0.0.0 (must refuse), then with a tokens file (image defaults)"
+  "$venv/bin/python" - "$tokens_file" <<'EOF'
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -50,6 +56,9 @@ import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+TOKENS_FILE = sys.argv[1]
+ADMIN_TOKEN = re.search(r"token:\s*(\S+)", open(TOKENS_FILE, encoding="utf-8").read()).group(1)
 
 
 class Upstream(BaseHTTPRequestHandler):
@@ -71,13 +80,14 @@ class Upstream(BaseHTTPRequestHandler):
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("0.0.0.0", 0))
         return s.getsockname()[1]
 
 
-def get(url: str) -> tuple[int, bytes]:
+def get(url: str, token: str | None = None) -> tuple[int, bytes]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
@@ -99,25 +109,52 @@ def wait_for(url: str, want: int, deadline: float) -> int:
 upstream = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
 threading.Thread(target=upstream.serve_forever, daemon=True).start()
 listen, admin = free_port(), free_port()
-env = dict(os.environ)
+env = {k: v for k, v in os.environ.items() if k not in ("SIDECAR_ADMIN_TOKENS_FILE", "SIDECAR_ADMIN_INSECURE")}
 env.update(
     SIDECAR_UPSTREAM=f"http://127.0.0.1:{upstream.server_address[1]}",
     SIDECAR_LISTEN=f"127.0.0.1:{listen}",
-    SIDECAR_ADMIN=f"127.0.0.1:{admin}",
+    # As in the image: all interfaces, so that probes from outside the container reach it.
+    SIDECAR_ADMIN=f"0.0.0.0:{admin}",
     SIDECAR_DRAIN_GRACE_SECONDS="1",
 )
+
+# 1. No tokens file, no admin_insecure, admin on 0.0.0.0: the sidecar must refuse to start.
+try:
+    refused = subprocess.run(["sidecar", "run"], env=env, capture_output=True, text=True, timeout=30)
+except subprocess.TimeoutExpired:
+    upstream.shutdown()
+    sys.exit("sidecar run check failed: started with an unauthenticated sessions API on 0.0.0.0")
+if refused.returncode != 2 or not all(s in refused.stderr for s in ("admin_insecure", "admin_tokens_file")):
+    upstream.shutdown()
+    sys.exit(f"sidecar run check failed: without tokens expected exit 2 naming admin_insecure and "
+             f"admin_tokens_file, got exit {refused.returncode}: {refused.stderr[-500:]!r}")
+print("sidecar run without tokens: refused (exit 2, names admin_insecure / admin_tokens_file)")
+
+# 2. With the (read-only) tokens file: starts; probes and metrics open, sessions API needs the token.
+env["SIDECAR_ADMIN_TOKENS_FILE"] = TOKENS_FILE
 proc = subprocess.Popen(["sidecar", "run"], env=env)
+base = f"http://127.0.0.1:{admin}"
 failure = ""
 try:
     deadline = time.monotonic() + 30
-    if wait_for(f"http://127.0.0.1:{admin}/healthz", 200, deadline) != 200:
+    if wait_for(f"{base}/healthz", 200, deadline) != 200:
         failure = "/healthz never answered 200"
     else:
         status, body = get(f"http://127.0.0.1:{listen}/v1/models")
         if status != 200 or b'"path": "/v1/models"' not in body:
             failure = f"proxied GET /v1/models: {status} {body[:200]!r}"
-        elif (got := wait_for(f"http://127.0.0.1:{admin}/readyz", 200, time.monotonic() + 15)) != 200:
+        elif (got := wait_for(f"{base}/readyz", 200, time.monotonic() + 15)) != 200:
             failure = f"/readyz answered {got} after the upstream was reached"
+        else:
+            checks = [("/metrics", None, 200), ("/v1/sessions", None, 401),
+                      ("/v1/sessions", "not-the-token-0123456789", 401), ("/ui/data.json", None, 401),
+                      ("/v1/sessions", ADMIN_TOKEN, 200)]
+            for path, token, want in checks:
+                status, body = get(base + path, token)
+                if status != want:
+                    who = "the admin token" if token == ADMIN_TOKEN else "a wrong token" if token else "no token"
+                    failure = f"GET {path} with {who}: {status} (want {want}) {body[:200]!r}"
+                    break
 finally:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -131,7 +168,8 @@ if not failure and code != 0:
     failure = f"exit code {code} after SIGTERM"
 if failure:
     sys.exit(f"sidecar run check failed: {failure}")
-print("sidecar run: /healthz 200, proxied request 200, /readyz 200, SIGTERM -> exit 0")
+print("sidecar run with a tokens file: /healthz 200, proxied request 200, /readyz 200, /metrics 200, "
+      "/v1/sessions 401 without / 200 with the token, SIGTERM -> exit 0")
 EOF
   exit 0
 fi
@@ -198,6 +236,12 @@ echo "+ python -m venv /opt/sidecar && pip install sidecar wheel && pip uninstal
 
 # Runtime stage: nothing under the venv may be written any more.
 chmod -R a-w "$venv"
+# A tokens file with one admin token, read-only like the mounted Secret in Kubernetes.
+tokens_file="$work/tokens/tokens.yaml"
+mkdir -p "$work/tokens"
+printf 'tokens:\n  - token: %s\n    admin: true\n' "$("$python" -c 'import secrets; print(secrets.token_hex(16))')" \
+  >"$tokens_file"
+chmod 0444 "$tokens_file"
 if unshare --mount --propagation private true 2>/dev/null; then
   echo "read-only root: private mount namespace with / and $work remounted read-only"
   # In `bash -c`, $0 is the script and "$@" its arguments; $RO_DIR may be its own mount.
@@ -205,9 +249,9 @@ if unshare --mount --propagation private true 2>/dev/null; then
   RO_DIR="$work" unshare --mount --propagation private bash -c '
     mount -o remount,bind,ro / &&
       mount --bind "$RO_DIR" "$RO_DIR" && mount -o remount,bind,ro "$RO_DIR" &&
-      exec bash "$0" "$@"' "$self" --run-checks "$venv" "$repo_root"
+      exec bash "$0" "$@"' "$self" --run-checks "$venv" "$repo_root" "$tokens_file"
 else
   echo "read-only root: venv write bits removed (no mount namespace available)"
-  bash "$self" --run-checks "$venv" "$repo_root"
+  bash "$self" --run-checks "$venv" "$repo_root" "$tokens_file"
 fi
 echo "image install check passed"

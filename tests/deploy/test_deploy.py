@@ -10,6 +10,7 @@ of that venv. Without the tools the tests skip, or fail when ``CI`` is set.
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 import json
@@ -39,6 +40,9 @@ KUBE_VERSIONS = ("1.29.0", "1.33.0")
 UPSTREAM = "http://smg-router:8000"
 CONTAINER_NAME = "session-sidecar"
 UPSTREAM_REQUIRED = "session-sidecar: `upstream` is required"
+TOKENS_REQUIRED = "session-sidecar: the sessions API on the admin port"
+TOKENS_FILE = "/etc/sidecar/tokens/tokens.yaml"
+CONFIG_FILE = "/etc/sidecar/config.yaml"
 
 # Metric -> labels, as the sidecar exports them (histograms add le and _bucket/_sum/_count).
 METRICS: dict[str, frozenset[str]] = {
@@ -180,6 +184,30 @@ def env_of(c: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e.get("value") for e in c.get("env", [])}
 
 
+def secret_data(secret: dict[str, Any]) -> dict[str, str]:
+    """A Secret's entries, decoded: ``data`` (base64) and ``stringData``."""
+    data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+    return {**data, **(secret.get("stringData") or {})}
+
+
+def mounted_files(pod_spec: dict[str, Any], c: dict[str, Any], objects: list[dict[str, Any]]) -> dict[str, str]:
+    """Path -> content of every file the container sees from the ConfigMaps and Secrets in ``objects``."""
+    volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
+    by_name = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    files: dict[str, str] = {}
+    for mount in c.get("volumeMounts", []):
+        volume = volumes[mount["name"]]
+        if "configMap" in volume:
+            data = by_name[("ConfigMap", volume["configMap"]["name"])]["data"]
+        elif "secret" in volume:
+            data = secret_data(by_name[("Secret", volume["secret"]["secretName"])])
+        else:
+            continue
+        for key, text in data.items():
+            files[f"{mount['mountPath'].rstrip('/')}/{key}"] = text
+    return files
+
+
 def assert_hardened(c: dict[str, Any]) -> None:
     sc = c.get("securityContext", {})
     assert sc.get("runAsNonRoot") is True, c["name"]
@@ -200,19 +228,36 @@ def assert_sidecar_container(c: dict[str, Any]) -> None:
     assert env["SIDECAR_LISTEN"] == "0.0.0.0:8080"
     assert env["SIDECAR_ADMIN"] == "0.0.0.0:9091"
     assert env["SIDECAR_UPSTREAM"].startswith("http://")
+    # Admin on 0.0.0.0: the sidecar starts only with bearer tokens or an explicit opt-out.
+    assert (env.get("SIDECAR_ADMIN_TOKENS_FILE") == TOKENS_FILE) != (env.get("SIDECAR_ADMIN_INSECURE") == "true")
+    tokens_mounts = [m for m in c.get("volumeMounts", []) if m["mountPath"] == "/etc/sidecar/tokens"]
+    if "SIDECAR_ADMIN_TOKENS_FILE" in env:
+        assert [m.get("readOnly") for m in tokens_mounts] == [True], "the tokens Secret, mounted read-only"
+    else:
+        assert not tokens_mounts
     assert_hardened(c)
 
 
 def pod_config(c: dict[str, Any], files: dict[str, str], tmp_path: Path) -> Any:
-    """The sidecar Config the container would start with: its SIDECAR_* env and mounted file."""
+    """The sidecar Config the container would start with: its SIDECAR_* env and mounted files
+    (config file, tokens file), which ``files`` maps from their in-container path to content."""
     from sidecar.config import build_config
 
     env = {k: v for k, v in env_of(c).items() if k.startswith("SIDECAR_") and v is not None}
-    if "SIDECAR_CONFIG" in env:
-        path = tmp_path / "config.yaml"
-        path.write_text(files[env["SIDECAR_CONFIG"]])
-        env["SIDECAR_CONFIG"] = str(path)
+    for var in ("SIDECAR_CONFIG", "SIDECAR_ADMIN_TOKENS_FILE"):
+        if var in env:
+            assert env[var] in files, f"{var}={env[var]} is not a mounted file ({sorted(files)})"
+            path = tmp_path / var.lower()
+            path.write_text(files[env[var]])
+            env[var] = str(path)
     return build_config(env=env)
+
+
+def admin_token_of(tokens_yaml: str) -> str:
+    """The only token of a generated tokens file, which must be an admin token."""
+    (entry,) = yaml.safe_load(tokens_yaml)["tokens"]
+    assert entry["admin"] is True and set(entry) == {"token", "admin"}
+    return entry["token"]
 
 
 def validate_docs(helper, docs: list[dict[str, Any]], kube_version: str) -> list[dict[str, str]]:
@@ -284,7 +329,7 @@ def test_chart_renders_hardened_deployment(render) -> None:
               "config": {"drain_grace_seconds": 20}}
     objects, error = render(values)
     assert not error, error
-    assert sorted(o["kind"] for o in objects) == ["ConfigMap", "Deployment", "Service", "ServiceAccount"]
+    assert sorted(o["kind"] for o in objects) == ["ConfigMap", "Deployment", "Secret", "Service", "ServiceAccount"]
     deployment = only(objects, "Deployment")
     pod = deployment["spec"]["template"]
     spec = pod["spec"]
@@ -298,14 +343,18 @@ def test_chart_renders_hardened_deployment(render) -> None:
     assert env["SIDECAR_UPSTREAM"] == UPSTREAM
     assert env["SIDECAR_MODE"] == "session_id_header"
     assert env["SIDECAR_MODE_OPTS"] == "header_name=X-Session-ID,scope=tree"
-    assert env["SIDECAR_CONFIG"] == "/etc/sidecar/config.yaml"
+    assert env["SIDECAR_CONFIG"] == CONFIG_FILE
+    assert env["SIDECAR_ADMIN_TOKENS_FILE"] == TOKENS_FILE and "SIDECAR_ADMIN_INSECURE" not in env
     assert c["image"] == "ghcr.io/example/session-sidecar:0.1.0"
 
     configmap = only(objects, "ConfigMap")
+    secret = only(objects, "Secret")
     assert yaml.safe_load(configmap["data"]["config.yaml"]) == {"drain_grace_seconds": 20}
-    volume = spec["volumes"][0]
-    assert volume["configMap"]["name"] == configmap["metadata"]["name"]
-    assert c["volumeMounts"] == [{"name": volume["name"], "mountPath": "/etc/sidecar", "readOnly": True}]
+    config_volume, tokens_volume = spec["volumes"]
+    assert config_volume["configMap"]["name"] == configmap["metadata"]["name"]
+    assert tokens_volume["secret"] == {"secretName": secret["metadata"]["name"]}
+    assert c["volumeMounts"] == [{"name": config_volume["name"], "mountPath": "/etc/sidecar", "readOnly": True},
+                                 {"name": tokens_volume["name"], "mountPath": "/etc/sidecar/tokens", "readOnly": True}]
 
     # checksum/config is the hash of the rendered ConfigMap and follows its content.
     checksum = pod["metadata"]["annotations"]["checksum/config"]
@@ -327,10 +376,13 @@ def test_chart_pod_config_is_valid_for_the_sidecar(render, tmp_path: Path) -> No
                                                                  "sessions": {"idle_ttl_seconds": 600}}}
     objects, error = render(values)
     assert not error, error
-    c = container(only(objects, "Deployment")["spec"]["template"]["spec"], CONTAINER_NAME)
-    config_yaml = only(objects, "ConfigMap")["data"]["config.yaml"]
-    config = pod_config(c, {"/etc/sidecar/config.yaml": config_yaml}, tmp_path)
+    spec = only(objects, "Deployment")["spec"]["template"]["spec"]
+    c = container(spec, CONTAINER_NAME)
+    files = mounted_files(spec, c, objects)
+    assert set(files) == {CONFIG_FILE, TOKENS_FILE}
+    config = pod_config(c, files, tmp_path)
     assert (str(config.listen), str(config.admin)) == ("0.0.0.0:8080", "0.0.0.0:9091")
+    assert config.admin_tokens_file and not config.admin_insecure
     assert (config.upstream, config.mode, config.mode_options) == (UPSTREAM, "smg_routing_key", {"scope": "tree"})
     assert (config.engine, config.log_level, config.drain_grace_seconds) == ("fast", "debug", 20)
     assert config.sessions.idle_ttl_seconds == 600
@@ -340,9 +392,10 @@ def test_chart_list_mode_options_go_through_the_config_file(render, tmp_path: Pa
     options = {"session": ["X-Session-ID", "X-Correlation-ID"], "root": ["X-Root-ID"]}
     objects, error = render({"upstream": UPSTREAM, "config": {"mode": "identity_headers", "mode_options": options}})
     assert not error, error
-    c = container(only(objects, "Deployment")["spec"]["template"]["spec"], CONTAINER_NAME)
+    spec = only(objects, "Deployment")["spec"]["template"]["spec"]
+    c = container(spec, CONTAINER_NAME)
     assert "SIDECAR_MODE" not in env_of(c) and "SIDECAR_MODE_OPTS" not in env_of(c)
-    config = pod_config(c, {"/etc/sidecar/config.yaml": only(objects, "ConfigMap")["data"]["config.yaml"]}, tmp_path)
+    config = pod_config(c, mounted_files(spec, c, objects), tmp_path)
     assert (config.mode, config.mode_options) == ("identity_headers", options)
 
 
@@ -351,9 +404,10 @@ def test_chart_multi_deployment_config_needs_no_upstream(render, tmp_path: Path)
                    {"name": "dynamo", "upstreams": ["http://dynamo-frontend:8000"], "mode": "dynamo_headers"}]
     objects, error = render({"config": {"deployments": deployments}})
     assert not error, error
-    c = container(only(objects, "Deployment")["spec"]["template"]["spec"], CONTAINER_NAME)
+    spec = only(objects, "Deployment")["spec"]["template"]["spec"]
+    c = container(spec, CONTAINER_NAME)
     assert "SIDECAR_UPSTREAM" not in env_of(c)
-    config = pod_config(c, {"/etc/sidecar/config.yaml": only(objects, "ConfigMap")["data"]["config.yaml"]}, tmp_path)
+    config = pod_config(c, mounted_files(spec, c, objects), tmp_path)
     assert [d.name for d in config.resolved_deployments()] == ["smg", "dynamo"]
 
 
@@ -363,6 +417,20 @@ def test_chart_checksum_matches_configmap(helper) -> None:
     configmap = next(text for path, text in manifests.items() if path.endswith("/configmap.yaml"))
     deployment = next(text for path, text in manifests.items() if path.endswith("/deployment.yaml"))
     assert f"checksum/config: {hashlib.sha256(configmap.encode()).hexdigest()}" in deployment
+    # The generated tokens file rolls the pods too: the hash is of the very file in the Secret,
+    # computed once per render even where `lookup` finds no Secret to keep (as here).
+    (secret,) = objects_of({p: t for p, t in manifests.items() if p.endswith("/secret-admin-tokens.yaml")})
+    tokens_yaml = secret_data(secret)["tokens.yaml"]
+    assert f"checksum/admin-tokens: {hashlib.sha256(tokens_yaml.encode()).hexdigest()}" in deployment
+
+
+def test_chart_checksum_covers_only_a_chart_created_tokens_secret(render) -> None:
+    """An existing Secret or adminInsecure adds no checksum: nothing the chart renders changes."""
+    for values in ({"adminTokens": {"existingSecret": "my-tokens"}}, {"adminInsecure": True}):
+        objects, error = render({"upstream": UPSTREAM, **values})
+        assert not error, error
+        annotations = only(objects, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+        assert set(annotations) == {"checksum/config"}, values
 
 
 def test_chart_requires_upstream(render) -> None:
@@ -380,6 +448,9 @@ def test_chart_requires_upstream(render) -> None:
         ({"modeOptions": {"headers": "a,b"}}, "/modeOptions/headers"),
         ({"upstream": "smg-router:8000"}, "/upstream"),
         ({"image": {"repository": "x", "pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+        ({"adminInsecure": "yes"}, "/adminInsecure"),
+        ({"adminTokens": {"create": True, "token": "s3cret-in-values-0123"}}, "/adminTokens"),
+        ({"adminTokens": {"existingSecret": "Not A Name"}}, "/adminTokens/existingSecret"),
     ],
 )
 def test_chart_schema_rejects_bad_values(render, values: dict[str, Any], where: str) -> None:
@@ -408,6 +479,101 @@ def test_chart_optional_resources_only_when_enabled(render) -> None:
     assert only(objects, "PodDisruptionBudget")["spec"]["maxUnavailable"] == "25%"
 
 
+# --- Helm chart: sessions API tokens ------------------------------------------------------------
+
+
+def test_chart_creates_tokens_secret_with_a_generated_admin_token(render, tmp_path: Path) -> None:
+    objects, error = render({"upstream": UPSTREAM})
+    assert not error, error
+    secret = only(objects, "Secret")
+    assert secret["metadata"]["name"] == "rel-session-sidecar-admin-tokens"
+    assert secret["type"] == "Opaque" and set(secret_data(secret)) == {"tokens.yaml"}
+    token = admin_token_of(secret_data(secret)["tokens.yaml"])
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", token), "randAlphaNum 32"
+    # The sidecar accepts the file and the token.
+    from sidecar.auth import load_tokens
+
+    (tmp_path / "tokens.yaml").write_text(secret_data(secret)["tokens.yaml"])
+    assert load_tokens(tmp_path / "tokens.yaml").authenticate(f"Bearer {token}").admin
+    # A new token on each render where `lookup` finds no Secret (offline, first install); an
+    # upgrade keeps the existing Secret's file.
+    again, _ = render({"upstream": UPSTREAM})
+    assert admin_token_of(secret_data(only(again, "Secret"))["tokens.yaml"]) != token
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace' in helpers and "randAlphaNum 32" in helpers
+
+
+def test_chart_existing_tokens_secret(render, tmp_path: Path) -> None:
+    objects, error = render({"upstream": UPSTREAM, "adminTokens": {"existingSecret": "team-tokens"}})
+    assert not error, error
+    assert not [o for o in objects if o["kind"] == "Secret"], "an existing Secret: the chart creates none"
+    spec = only(objects, "Deployment")["spec"]["template"]["spec"]
+    c = container(spec, CONTAINER_NAME)
+    assert env_of(c)["SIDECAR_ADMIN_TOKENS_FILE"] == TOKENS_FILE
+    tokens_volume = next(v for v in spec["volumes"] if "secret" in v)
+    assert tokens_volume["secret"] == {"secretName": "team-tokens"}
+    assert {"name": tokens_volume["name"], "mountPath": "/etc/sidecar/tokens", "readOnly": True} in c["volumeMounts"]
+    # The user's Secret, shaped as docs/deploy.md shows, passes the sidecar's validation.
+    user_secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "team-tokens"}, "stringData": {
+        "tokens.yaml": "tokens:\n  - {token: team-a-0123456789abcdef, workspace: team-a}\n"
+                       "  - {token: admin-0123456789abcdef, admin: true}\n"}}
+    config = pod_config(c, mounted_files(spec, c, [*objects, user_secret]), tmp_path)
+    assert config.admin_tokens_file and not config.admin_insecure
+
+
+def test_chart_admin_insecure(render, helper, tmp_path: Path) -> None:
+    objects, error = render({"upstream": UPSTREAM, "adminInsecure": True})
+    assert not error, error
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    spec = only(objects, "Deployment")["spec"]["template"]["spec"]
+    c = container(spec, CONTAINER_NAME)
+    assert_sidecar_container(c)
+    env = env_of(c)
+    assert env["SIDECAR_ADMIN_INSECURE"] == "true" and "SIDECAR_ADMIN_TOKENS_FILE" not in env
+    assert [v for v in spec["volumes"] if "secret" in v] == []
+    assert [m["mountPath"] for m in c["volumeMounts"]] == ["/etc/sidecar"]
+    config = pod_config(c, mounted_files(spec, c, objects), tmp_path)
+    assert config.admin_insecure and config.admin_tokens_file is None
+    # The release notes say what that means.
+    notes = notes_of(helper, {"upstream": UPSTREAM, "adminInsecure": True})
+    assert "WARNING" in notes and "WITHOUT authentication" in notes
+
+
+def notes_of(helper, values: dict[str, Any]) -> str:
+    out = helper("render", chart=str(CHART), values=values, release="rel", namespace="llm")
+    assert "error" not in out, out
+    return next(text for path, text in out["manifests"].items() if path.endswith("NOTES.txt"))
+
+
+def test_chart_notes_tell_how_to_read_the_generated_token(helper, render) -> None:
+    notes = notes_of(helper, {"upstream": UPSTREAM})
+    command = next(line.strip() for line in notes.splitlines() if "kubectl" in line and "get secret" in line)
+    assert "-n llm get secret rel-session-sidecar-admin-tokens" in command
+    assert "-o jsonpath='{.data.tokens\\.yaml}'" in command and "base64 -d" in command
+    assert "Authorization: Bearer $TOKEN" in notes
+    # The sed of the command extracts the token from the file the chart generates.
+    objects, _ = render({"upstream": UPSTREAM})
+    tokens_yaml = secret_data(only(objects, "Secret"))["tokens.yaml"]
+    sed = re.search(r"sed -n '([^']*)'", command).group(1)
+    proc = subprocess.run(["sed", "-n", sed], input=tokens_yaml, capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == admin_token_of(tokens_yaml)
+
+    notes = notes_of(helper, {"upstream": UPSTREAM, "adminTokens": {"existingSecret": "team-tokens"}})
+    assert "team-tokens" in notes and "rollout restart" in notes
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"adminTokens": {"create": False}}, TOKENS_REQUIRED),
+        ({"adminTokens": {"existingSecret": "x"}, "adminInsecure": True}, "not both"),
+    ],
+)
+def test_chart_refuses_a_sidecar_that_would_not_start(render, values: dict[str, Any], message: str) -> None:
+    objects, error = render({"upstream": UPSTREAM, **values})
+    assert not objects and message in error, error
+
+
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 def test_chart_output_is_valid_kubernetes(helper, render, kube_version: str) -> None:
     objects, error = render({"upstream": UPSTREAM, "mode": "dynamo_headers", "serviceMonitor": {"enabled": True},
@@ -417,7 +583,7 @@ def test_chart_output_is_valid_kubernetes(helper, render, kube_version: str) -> 
     # ServiceMonitor is a Prometheus Operator CRD: no upstream schema; its fields are checked above.
     assert {r["kind"] for r in results if r["status"] == "no-schema"} == {"ServiceMonitor"}
     assert {r["kind"] for r in results if r["status"] == "ok"} == {
-        "ConfigMap", "Deployment", "Service", "ServiceAccount", "PodDisruptionBudget"}
+        "ConfigMap", "Deployment", "Secret", "Service", "ServiceAccount", "PodDisruptionBudget"}
 
 
 def test_container_template_reused_as_native_sidecar(helper, render, tmp_path: Path) -> None:
@@ -441,13 +607,36 @@ def test_container_template_reused_as_native_sidecar(helper, render, tmp_path: P
     c = container(spec, CONTAINER_NAME, "initContainers")
     assert c["restartPolicy"] == "Always"
     assert_sidecar_container(c)
-    assert env_of(c)["SIDECAR_UPSTREAM"] == "http://127.0.0.1:30000"
-    assert "volumeMounts" not in c and "SIDECAR_CONFIG" not in env_of(c)
+    env = env_of(c)
+    assert env["SIDECAR_UPSTREAM"] == "http://127.0.0.1:30000"
+    assert "SIDECAR_CONFIG" not in env
+    # tokensSecretName: the tokens Secret, mounted read-only from the volume the caller declares.
+    assert env["SIDECAR_ADMIN_TOKENS_FILE"] == TOKENS_FILE and "SIDECAR_ADMIN_INSECURE" not in env
+    assert c["volumeMounts"] == [{"name": "session-sidecar-tokens", "mountPath": "/etc/sidecar/tokens",
+                                  "readOnly": True}]
+    assert spec["volumes"] == [{"name": "session-sidecar-tokens", "secret": {"secretName": "router-sidecar-tokens"}}]
+    user_secret = {"kind": "Secret", "metadata": {"name": "router-sidecar-tokens"},
+                   "stringData": {"tokens.yaml": "tokens:\n  - {token: admin-0123456789abcdef, admin: true}\n"}}
+    assert pod_config(c, mounted_files(spec, c, [user_secret]), tmp_path).admin_tokens_file
     for kube_version in KUBE_VERSIONS:
         assert {r["status"] for r in validate_docs(helper, objects, kube_version)} == {"ok"}
 
-    # The upstream check travels with the template.
+    # Without tokensSecretName the template must be told the sessions API is unauthenticated.
+    (parent / "templates" / "deployment.yaml").write_text(DEPENDENT_DEPLOYMENT_NO_TOKENS)
+    _, error = render({}, chart=parent)
+    assert TOKENS_REQUIRED in error and "adminInsecure=true" in error, error
     values = yaml.safe_load((parent / "values.yaml").read_text())
+    values["sessionSidecar"]["adminInsecure"] = True
+    (parent / "values.yaml").write_text(yaml.safe_dump(values))
+    objects, error = render({}, chart=parent)
+    assert not error, error
+    c = container(only(objects, "Deployment")["spec"]["template"]["spec"], CONTAINER_NAME, "initContainers")
+    assert_sidecar_container(c)
+    assert env_of(c)["SIDECAR_ADMIN_INSECURE"] == "true" and "SIDECAR_ADMIN_TOKENS_FILE" not in env_of(c)
+    assert "volumeMounts" not in c
+    assert pod_config(c, {}, tmp_path).admin_insecure
+
+    # The upstream check travels with the template.
     values["sessionSidecar"]["upstream"] = ""
     (parent / "values.yaml").write_text(yaml.safe_dump(values))
     _, error = render({}, chart=parent)
@@ -471,12 +660,18 @@ spec:
         {{- include "session-sidecar.container" (dict
               "values" .Values.sessionSidecar
               "appVersion" "0.1.0"
-              "restartPolicy" "Always") | nindent 8 }}
+              "restartPolicy" "Always"
+              "tokensSecretName" "router-sidecar-tokens") | nindent 8 }}
       containers:
         - name: router
           image: ghcr.io/lightseekorg/smg:latest
           args: ["--host", "0.0.0.0", "--port", "30000", "--policy", "manual"]
+      volumes:
+        {{- include "session-sidecar.tokensVolume" (dict "secretName" "router-sidecar-tokens") | nindent 8 }}
 """
+DEPENDENT_DEPLOYMENT_NO_TOKENS = DEPENDENT_DEPLOYMENT.replace(
+    '\n              "tokensSecretName" "router-sidecar-tokens"', "").split("      volumes:")[0]
+assert "tokensSecretName" not in DEPENDENT_DEPLOYMENT_NO_TOKENS and "tokensVolume" not in DEPENDENT_DEPLOYMENT_NO_TOKENS
 
 
 # --- Kubernetes manifests ----------------------------------------------------------------------
@@ -484,6 +679,23 @@ spec:
 
 def load_k8s(name: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all((K8S_DIR / name).read_text()) if doc]
+
+
+def k8s_sidecar_config(name: str, field: str, tmp_path: Path) -> tuple[dict[str, Any], Any]:
+    """The sidecar container of a manifest and the Config it starts with (env + mounted Secret)."""
+    objects = load_k8s(name)
+    workload = next(o for o in objects if o["kind"] in ("Deployment", "Job"))
+    spec = workload["spec"]["template"]["spec"]
+    sidecar = container(spec, CONTAINER_NAME, field)
+    files = mounted_files(spec, sidecar, objects)
+    assert set(files) == {TOKENS_FILE}, "the tokens Secret of the same file"
+    config = pod_config(sidecar, files, tmp_path)
+    assert (str(config.admin), config.admin_insecure) == ("0.0.0.0:9091", False)
+    # A placeholder that passes validation but says loudly that it must be replaced.
+    (entry,) = yaml.safe_load(files[TOKENS_FILE])["tokens"]
+    assert entry["admin"] is True and entry["token"].startswith("CHANGE-ME") and len(entry["token"]) >= 16
+    assert "CHANGE-ME" in (K8S_DIR / name).read_text().split("apiVersion:")[0], "the header says what to change"
+    return sidecar, config
 
 
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
@@ -495,16 +707,26 @@ def test_k8s_manifest_is_valid_kubernetes(helper, name: str, kube_version: str) 
 
 def test_k8s_validation_is_strict(helper) -> None:
     """A misspelled field must fail, or the checks above prove nothing."""
-    (job,) = load_k8s("aiperf-job.yaml")
+    (job,) = [o for o in load_k8s("aiperf-job.yaml") if o["kind"] == "Job"]
     broken = copy.deepcopy(job)
     broken["spec"]["template"]["spec"]["initContainers"][0]["readinessProbe"]["periodSecond"] = 5
     results = helper("validate", docs=[broken], kube_version=KUBE_VERSIONS[0])["results"]
     assert results[0]["status"] == "invalid" and "periodSecond" in results[0]["message"], results
 
 
+@pytest.mark.parametrize(("name", "field"), [("aiperf-job.yaml", "initContainers"),
+                                           ("router-with-sidecar.yaml", "containers")])
+def test_k8s_sidecar_config_is_valid_for_the_sidecar(name: str, field: str, tmp_path: Path) -> None:
+    """Each manifest's sidecar env + the tokens file of its Secret pass the sidecar's own validation."""
+    sidecar, config = k8s_sidecar_config(name, field, tmp_path)
+    assert env_of(sidecar)["SIDECAR_ADMIN_TOKENS_FILE"] == TOKENS_FILE
+    assert "SIDECAR_ADMIN_INSECURE" not in env_of(sidecar)
+    assert config.admin_tokens_file is not None
+
+
 def test_aiperf_job_uses_native_sidecar(tmp_path: Path) -> None:
-    (job,) = load_k8s("aiperf-job.yaml")
-    assert job["kind"] == "Job"
+    secret, job = load_k8s("aiperf-job.yaml")
+    assert (secret["kind"], job["kind"]) == ("Secret", "Job"), "the Secret first: the pod needs it"
     spec = job["spec"]["template"]["spec"]
     assert spec["restartPolicy"] == "Never"
     assert spec["securityContext"]["runAsNonRoot"] is True
@@ -513,7 +735,8 @@ def test_aiperf_job_uses_native_sidecar(tmp_path: Path) -> None:
     assert_sidecar_container(sidecar)
     assert sidecar["startupProbe"]["httpGet"]["port"] == "admin"
     assert env_of(sidecar)["SIDECAR_UPSTREAM"] == "http://smg-router:8000"
-    assert pod_config(sidecar, {}, tmp_path).mode == env_of(sidecar)["SIDECAR_MODE"]
+    _, config = k8s_sidecar_config("aiperf-job.yaml", "initContainers", tmp_path)
+    assert config.mode == env_of(sidecar)["SIDECAR_MODE"]
     (aiperf,) = spec["containers"]
     assert_hardened(aiperf)
     args = aiperf["args"]
@@ -524,8 +747,8 @@ def test_aiperf_job_uses_native_sidecar(tmp_path: Path) -> None:
 
 
 def test_router_deployment_fronted_by_sidecar(tmp_path: Path) -> None:
-    deployment, service = load_k8s("router-with-sidecar.yaml")
-    assert (deployment["kind"], service["kind"]) == ("Deployment", "Service")
+    secret, deployment, service = load_k8s("router-with-sidecar.yaml")
+    assert (secret["kind"], deployment["kind"], service["kind"]) == ("Secret", "Deployment", "Service")
     spec = deployment["spec"]["template"]["spec"]
     sidecar = container(spec, CONTAINER_NAME)
     router = container(spec, "router")
@@ -533,7 +756,9 @@ def test_router_deployment_fronted_by_sidecar(tmp_path: Path) -> None:
     assert_hardened(router)
     router_port = {p["name"]: p["containerPort"] for p in router["ports"]}["router"]
     assert env_of(sidecar)["SIDECAR_UPSTREAM"] == f"http://127.0.0.1:{router_port}"
-    assert pod_config(sidecar, {}, tmp_path).mode == env_of(sidecar)["SIDECAR_MODE"]
+    _, config = k8s_sidecar_config("router-with-sidecar.yaml", "containers", tmp_path)
+    assert config.mode == env_of(sidecar)["SIDECAR_MODE"]
+    assert "volumeMounts" not in router or all("tokens" not in m["mountPath"] for m in router["volumeMounts"])
     assert router["livenessProbe"] and router["readinessProbe"]
     assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
     targets = {p["targetPort"] for p in service["spec"]["ports"]}
