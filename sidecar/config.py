@@ -254,7 +254,7 @@ class Config(_Strict):
 
     listen: Address = HostPort(host="127.0.0.1", port=8080)
     admin: Address = HostPort(host="127.0.0.1", port=9091)
-    engine: Literal["aiohttp", "fast"] = "aiohttp"
+    engine: Literal["aiohttp", "fast"] = "fast"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     drain_grace_seconds: float = Field(25.0, ge=0)
     # /readyz answers 200 only once an upstream was reached, unless this is false.

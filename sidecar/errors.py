@@ -16,6 +16,8 @@ INVALID_JSON_BODY = "invalid_json_body"
 MODE_ERROR = "mode_error"
 UPGRADE_NOT_SUPPORTED = "upgrade_not_supported"
 SHUTTING_DOWN = "shutting_down"
+HEADERS_TOO_LARGE = "headers_too_large"
+INTERNAL_ERROR = "internal_error"
 # Deployment selection and API sessions on the request path (issue 5).
 UNKNOWN_DEPLOYMENT = "unknown_deployment"
 DEPLOYMENT_CONFLICT = "deployment_conflict"
@@ -43,6 +45,8 @@ STATUS: dict[str, int] = {
     MODE_ERROR: 500,
     UPGRADE_NOT_SUPPORTED: 501,
     SHUTTING_DOWN: 503,
+    HEADERS_TOO_LARGE: 431,
+    INTERNAL_ERROR: 500,
     UNKNOWN_DEPLOYMENT: 400,
     DEPLOYMENT_CONFLICT: 409,
     SESSION_REQUIRED: 400,

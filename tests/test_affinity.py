@@ -31,7 +31,10 @@ async def test_turn_outcomes_history_and_moved_log(upstream, start_sidecar, capl
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{sc.admin_url}/v1/trees/sess-1") as resp:
             tree = await resp.json()
+        async with s.get(f"{sc.admin_url}/v1/sessions/sess-1") as resp:
+            resource = await resp.json()
     assert tree["workers"][-1] == {"worker": "http://w2:2", "turns": 2} and tree["affinity"]["moved"] == 1
+    assert resource["workers"] == node["workers"] and resource["affinity"] == node["affinity"]
     [moved] = [r for r in caplog.records if getattr(r, "event", None) == "moved"]
     assert (moved.from_worker, moved.to_worker, moved.turn) == ("http://w1:1", "http://w2:2", 3)
     # Session ids are logged only at debug level.

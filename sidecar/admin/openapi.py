@@ -93,7 +93,22 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "final_turn_seen": {"type": "boolean"},
                 "placeholder": {"type": "boolean"},
                 "end_reason": {"type": ["string", "null"]},
+                "workers": _ref("WorkerRuns"),
+                "affinity": _ref("Affinity"),
             },
+        },
+        "WorkerRuns": {
+            "type": "array",
+            "description": "which upstream worker served the session's turns, as runs of consecutive turns "
+                           "on one worker, oldest first (the last 8 runs)",
+            "items": {"type": "object", "required": ["worker", "turns"],
+                      "properties": {"worker": {"type": "string"}, "turns": {"type": "integer", "minimum": 1}}},
+        },
+        "Affinity": {
+            "type": "object",
+            "description": "turns by worker outcome: first, same_worker (as the previous turn), moved",
+            "required": ["first", "same_worker", "moved"],
+            "properties": {k: {"type": "integer", "minimum": 0} for k in ("first", "same_worker", "moved")},
         },
         "SessionList": {
             "type": "object",
@@ -119,6 +134,8 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "end_reason": {"type": ["string", "null"]},
                 "closed": {"type": "boolean"},
                 "placeholder": {"type": "boolean"},
+                "workers": _ref("WorkerRuns"),
+                "affinity": _ref("Affinity"),
                 "children": {"type": "array", "items": _ref("TreeNode")},
             },
         },

@@ -90,7 +90,8 @@ def _wall(monotonic_ts: float) -> float:
     return time.time() - (time.monotonic() - monotonic_ts)
 
 
-_LINEAGE_DEFAULTS = {"root": None, "turns": 0, "in_flight": 0, "final_turn_seen": False}
+_LINEAGE_DEFAULTS = {"root": None, "turns": 0, "in_flight": 0, "final_turn_seen": False, "workers": [],
+                     "affinity": {"first": 0, "same_worker": 0, "moved": 0}}
 
 
 def api_resource(router: Router, rec: ApiSession) -> dict[str, Any]:
@@ -104,6 +105,8 @@ def api_resource(router: Router, rec: ApiSession) -> dict[str, Any]:
         out["root"] = node["root"]
         out["turns"] = node["turns"]
         out["final_turn_seen"] = node["final_turn_seen"]
+        out["workers"] = node["workers"]
+        out["affinity"] = node["affinity"]
         if rec.parent is None:
             out["parent"] = node["parent"]
     return out
@@ -132,6 +135,8 @@ def traffic_resource(router: Router, node: dict[str, Any]) -> dict[str, Any]:
         "final_turn_seen": node["final_turn_seen"],
         "placeholder": node["placeholder"],
         "end_reason": node["end_reason"],
+        "workers": node["workers"],
+        "affinity": node["affinity"],
     }
 
 

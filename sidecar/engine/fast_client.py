@@ -1,0 +1,373 @@
+"""Upstream side of the protocol-level engine: keep-alive connections, pooled per upstream.
+
+An :class:`UpstreamConnection` carries one request at a time (no upstream pipelining). It parses
+responses with ``httptools.HttpResponseParser`` and hands what it parsed to the
+:class:`Exchange` bound to it; it never interprets headers beyond framing. :class:`UpstreamPool`
+bounds the connections to one upstream, hands idle ones out most-recently-used first (so the
+ones left idle long enough to be closed by the upstream are the ones that age out), and queues
+requests when the bound is reached.
+
+A pooled connection closed by the upstream while idle is never written to: the loop has
+usually already seen the close (the connection then left the pool), and for the race where the
+FIN arrived but was not processed yet, :meth:`UpstreamConnection.usable` polls the socket of a
+connection that sat idle for more than a millisecond. The request then goes to a fresh connection: a retry that happens strictly before any
+request byte was sent. Once bytes went out on a connection, a failure is reported, never
+replayed (the upstream may have started generating).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+from collections import deque
+from typing import Protocol, cast
+
+import httptools
+
+from sidecar.engine.flow import CLIENT_FULL, ReadFlow
+
+# A connection back from the pool sooner than this is not polled for a close first: upstreams
+# close idle connections after seconds, and under load reuse is sub-millisecond (saves a syscall).
+STALE_CHECK_AFTER = 0.001
+# Upstream response heads larger than this are a protocol error (they are a few hundred bytes).
+MAX_RESPONSE_HEAD = 256 * 1024
+
+# What Exchange.response_head tells the connection about the body that follows.
+BODY_FRAMED = 0  # the parser finds the end (Content-Length, chunked, or no body by status)
+BODY_NONE = 1  # no body whatever the headers say (response to HEAD)
+BODY_UNTIL_EOF = 2  # neither length nor chunked: the body ends when the upstream closes
+
+
+class Exchange(Protocol):
+    """What a connection needs from the request it carries (implemented in ``fast.py``)."""
+
+    connect_timeout: float
+    client_write_paused: bool
+    request_sent: bool
+    last_io: float
+
+    @property
+    def wants_connection(self) -> bool: ...
+    def attach(self, conn: UpstreamConnection) -> None: ...
+    def connect_failed(self, kind: str, exc: BaseException) -> None: ...
+    def peer_full(self, full: bool) -> None: ...
+    def response_head(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> int: ...
+    def response_body(self, data: bytes) -> None: ...
+    def response_end(self) -> None: ...
+    def upstream_failed(self, message: str) -> None: ...
+    def flush(self) -> None: ...
+
+
+class _HeadTooLarge(Exception):
+    pass
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One keep-alive connection to an upstream; relays one response at a time to its exchange."""
+
+    __slots__ = ("pool", "transport", "flow", "parser", "ex", "lost", "counted", "_poll", "loop",
+                 "headers", "reason", "head_bytes", "in_head", "head_seen", "informational",
+                 "done", "keep_alive", "reusable", "eof_ends", "write_paused", "idle_since")
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+        self.loop = pool.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.ex: Exchange | None = None
+        self.lost = False
+        self.counted = True  # counts towards the pool's bound until lost or dropped
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.reason = b""
+        self.head_bytes = 0
+        self.in_head = False
+        self.head_seen = False
+        self.informational = False
+        self.done = False
+        self.keep_alive = True
+        self.reusable = True
+        self.eof_ends = False
+        self.write_paused = False
+        self.idle_since = 0.0
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.flow = ReadFlow(transport)
+        self._poll = select.poll()
+        self._poll.register(transport.get_extra_info("socket").fileno(), select.POLLIN)
+
+    def data_received(self, data: bytes) -> None:
+        ex = self.ex
+        if ex is None:  # bytes on an idle connection: nothing to pair them with, never reuse it
+            self.reusable = False
+            self.pool.drop(self)
+            return
+        if self.in_head:
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_RESPONSE_HEAD:
+                self._fail(f"response head larger than {MAX_RESPONSE_HEAD} bytes")
+                return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if not self.done:
+                self._fail(f"invalid response: {exc}")
+                return
+            self.reusable = False  # garbage after a complete response
+        if self.done:
+            self._complete()
+        elif self.head_seen:
+            ex.last_io = self.loop.time()
+            ex.flush()
+
+    def eof_received(self) -> bool | None:
+        return None  # close; connection_lost ends or fails the response
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.pool.discard(self)
+        ex = self.ex
+        if ex is None:
+            return
+        if self.eof_ends and self.head_seen and not self.done and exc is None:
+            self.done = True
+            self.keep_alive = False
+            self._complete()
+            return
+        self._unbind()
+        if exc is None:
+            ex.upstream_failed("the upstream closed the connection" +
+                               ("" if self.head_seen else " before responding"))
+        else:
+            ex.upstream_failed(f"connection to the upstream failed: {exc!r}")
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        if self.ex is not None:
+            self.ex.peer_full(True)
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.ex is not None:
+            self.ex.peer_full(False)
+
+    # -- used by the pool and the exchange ------------------------------------------------
+
+    def usable(self) -> bool:
+        """Still open, and nothing (FIN or stray bytes) arrived while it sat in the pool."""
+        assert self.transport is not None
+        if self.lost or self.transport.is_closing():
+            return False
+        return self.loop.time() - self.idle_since < STALE_CHECK_AFTER or not self._poll.poll(0)
+
+    def bind(self, ex: Exchange) -> None:
+        self.ex = ex
+        self.head_seen = False
+        self.done = False
+        self.keep_alive = True
+        self.eof_ends = False
+        if ex.client_write_paused:
+            self.flow.pause(CLIENT_FULL)
+        if self.write_paused:
+            ex.peer_full(True)
+
+    def send(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def abort(self) -> None:
+        """The exchange gave up on this connection (client gone, timeout, bad request body)."""
+        self._unbind()
+        self.pool.drop(self)
+
+    def _unbind(self) -> None:
+        ex = self.ex
+        self.ex = None
+        self.flow.clear()
+        if ex is not None and self.write_paused:
+            ex.peer_full(False)
+
+    def _complete(self) -> None:
+        ex = self.ex
+        assert ex is not None
+        reusable = self.keep_alive and self.reusable and ex.request_sent
+        self._unbind()
+        if reusable:
+            self.pool.release(self)
+        else:
+            self.pool.drop(self)
+        ex.response_end()
+
+    def _fail(self, message: str) -> None:
+        ex = self.ex
+        self._unbind()
+        self.pool.drop(self)
+        if ex is not None:
+            ex.upstream_failed(message)
+
+    # -- httptools callbacks ----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.done or self.ex is None:
+            self.reusable = False  # a second response to one request
+            return
+        self.headers = []
+        self.reason = b""
+        self.head_bytes = 0
+        self.in_head = True
+
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.in_head:
+            self.head_bytes += len(name) + len(value) + 4
+            if self.head_bytes > MAX_RESPONSE_HEAD:
+                raise _HeadTooLarge
+            self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        ex = self.ex
+        if self.done or ex is None:
+            return
+        status = self.parser.get_status_code()
+        if status < 200:  # 1xx interim responses are not relayed (we never send Expect upstream)
+            self.informational = True
+            return
+        self.head_seen = True
+        self.keep_alive = self.parser.should_keep_alive()
+        body = ex.response_head(status, self.reason, self.headers)
+        if body == BODY_NONE:
+            # llhttp cannot be told a response answers HEAD and would wait for Content-Length
+            # bytes; the response is complete now and the connection is not reused.
+            self.done = True
+            self.reusable = False
+        elif body == BODY_UNTIL_EOF:
+            self.eof_ends = True
+
+    def on_body(self, body: bytes) -> None:
+        ex = self.ex
+        if self.head_seen and not self.done and ex is not None:
+            ex.response_body(body)
+
+    def on_message_complete(self) -> None:
+        if self.informational:
+            self.informational = False
+            return
+        if self.head_seen and not self.done:
+            self.done = True
+            self.keep_alive = self.keep_alive and self.parser.should_keep_alive()
+
+
+class UpstreamPool:
+    """Keep-alive connections to one upstream ``host:port``, at most ``limit`` of them."""
+
+    __slots__ = ("loop", "host", "port", "limit", "idle", "waiters", "total", "tasks", "closed")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int, limit: int) -> None:
+        self.loop = loop
+        self.host = host
+        self.port = port
+        self.limit = limit
+        self.idle: deque[UpstreamConnection] = deque()
+        self.waiters: deque[Exchange] = deque()
+        self.total = 0  # connecting + open
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.closed = False
+
+    def acquire(self, ex: Exchange) -> None:
+        """Attach a connection to ``ex`` now, or later (``ex.attach`` / ``ex.connect_failed``)."""
+        idle = self.idle
+        while idle:
+            conn = idle.pop()
+            if conn.usable():
+                ex.attach(conn)
+                return
+            self.drop(conn)  # closed by the upstream while pooled: never written to
+        if self.total < self.limit:
+            self._open(ex)
+        else:
+            self.waiters.append(ex)
+
+    def release(self, conn: UpstreamConnection) -> None:
+        """A connection finished a response cleanly: give it to a waiter or keep it idle."""
+        if self.closed:
+            self.drop(conn)
+            return
+        waiters = self.waiters
+        while waiters:
+            ex = waiters.popleft()
+            if ex.wants_connection:
+                ex.attach(conn)
+                return
+        conn.idle_since = self.loop.time()
+        self.idle.append(conn)
+
+    def drop(self, conn: UpstreamConnection) -> None:
+        """Close a connection that must not be reused."""
+        self._uncount(conn)
+        if conn.transport is not None:
+            conn.transport.abort()
+
+    def discard(self, conn: UpstreamConnection) -> None:
+        """The connection is gone (``connection_lost``)."""
+        self._uncount(conn)
+        try:
+            self.idle.remove(conn)
+        except ValueError:
+            pass
+
+    def close(self) -> None:
+        self.closed = True
+        for task in self.tasks:
+            task.cancel()
+        while self.idle:
+            self.drop(self.idle.pop())
+        self.waiters.clear()
+
+    def _uncount(self, conn: UpstreamConnection) -> None:
+        if conn.counted:
+            conn.counted = False
+            self.total -= 1
+            self._wake()
+
+    def _wake(self) -> None:
+        waiters = self.waiters
+        while waiters and self.total < self.limit and not self.closed:
+            ex = waiters.popleft()
+            if ex.wants_connection:
+                self._open(ex)
+
+    def _open(self, ex: Exchange) -> None:
+        self.total += 1
+        task = self.loop.create_task(self._connect(ex))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _connect(self, ex: Exchange) -> None:
+        try:
+            async with asyncio.timeout(ex.connect_timeout):
+                _, conn = await self.loop.create_connection(lambda: UpstreamConnection(self), self.host, self.port)
+        except TimeoutError as exc:
+            self.total -= 1
+            ex.connect_failed("timeout", exc)
+            self._wake()
+            return
+        except OSError as exc:
+            self.total -= 1
+            ex.connect_failed("connect", exc)
+            self._wake()
+            return
+        except asyncio.CancelledError:
+            self.total -= 1
+            raise
+        assert isinstance(conn, UpstreamConnection)
+        if conn.lost:
+            ex.connect_failed("connect", ConnectionResetError("closed by the upstream right after connecting"))
+        elif ex.wants_connection:
+            ex.attach(conn)
+        else:
+            self.release(conn)

@@ -1,0 +1,404 @@
+"""Fuzz target for the fast engine's request path: parser, framing checks, queue, forwarding.
+
+Run on demand for minutes (hypothesis; reports the first failing input, shrunk)::
+
+    FUZZ_SECONDS=300 .venv/bin/python tests/engine/fuzz_request_path.py
+
+``tests/engine/test_fast_http11.py`` runs it for a few seconds in the default suite.
+
+Inputs are request streams built from an HTTP/1.1 grammar (methods, targets, versions,
+framing headers, chunked bodies, pipelining) and then byte-mutated. The engine runs on its own
+event loop in a background thread, in front of a raw upstream that records every complete
+request it receives. For each input, an oracle parses the same bytes with llhttp in strict mode
+plus the engine's documented refusals (``sidecar/engine/fast.py``) and the properties are:
+
+* never crashes: no error is logged by the engine or the loop, and a well-formed request on a
+  fresh connection still gets a 200 afterwards; nothing stays in flight;
+* never forwards a request whose framing it did not fully parse: the requests the upstream
+  received are a prefix of the oracle's complete, acceptable requests, with the same method,
+  target and body bytes, and each arrived with sane framing;
+* always answers or closes: a stream the oracle refuses is answered (400/431/501 JSON) and then
+  closed, a stream of complete acceptable requests gets one response per request (or a close
+  the client asked for), and whatever the proxy sent is a valid sequence of HTTP responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `sidecar` and `tests` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import httptools
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from sidecar.app import Sidecar
+from sidecar.config import build_config
+from tests.engine import RawUpstream
+
+# -- the oracle -------------------------------------------------------------------------------
+
+
+@dataclass
+class Parsed:
+    method: str = ""
+    target: bytes = b""
+    version: str = ""
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    body: bytes = b""
+    complete: bool = False
+    keep_alive: bool = True
+
+
+@dataclass
+class Verdict:
+    accepted: list[Parsed]  # complete requests the engine must forward (in order), up to a refusal
+    refused: bool  # the stream ends in a refusal (an answer, then a close)
+    incomplete: bool  # the stream ends inside a request (the engine may wait for more)
+    heads: list[bool]  # per accepted request: is it HEAD (its response has no body)
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.messages: list[Parsed] = []
+        self.in_head = False
+        self.parser: Any = None
+
+    def on_message_begin(self) -> None:
+        self.messages.append(Parsed())
+        self.in_head = True
+
+    def on_url(self, url: bytes) -> None:
+        self.messages[-1].target += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.in_head:
+            self.messages[-1].headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        m = self.messages[-1]
+        m.method = self.parser.get_method().decode("latin-1")
+        m.version = self.parser.get_http_version()
+        m.keep_alive = self.parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        self.messages[-1].body += body
+
+    def on_message_complete(self) -> None:
+        self.messages[-1].complete = True
+
+
+def _refused(m: Parsed) -> bool:
+    """The engine's refusals beyond llhttp's (see the module docstring of sidecar/engine/fast.py)."""
+    lows = [(n.lower(), v) for n, v in m.headers]
+    te = [v for n, v in lows if n == b"transfer-encoding"]
+    conn = {t.strip().lower() for n, v in lows if n == b"connection" for t in v.split(b",")}
+    if m.version not in ("1.0", "1.1"):
+        return True
+    if te and (m.version == "1.0" or len(te) > 1 or te[0].strip().lower() != b"chunked"):
+        return True
+    if any(n == b"upgrade" for n, _ in lows) and b"upgrade" in conn:
+        return True
+    return m.method == "CONNECT" or not m.target.startswith(b"/")
+
+
+def oracle(data: bytes) -> Verdict:
+    c = _Collector()
+    parser = httptools.HttpRequestParser(c)
+    c.parser = parser
+    error = False
+    try:
+        parser.feed_data(data)
+    except httptools.HttpParserUpgrade:
+        pass  # the upgrade / CONNECT message is complete; the engine refuses it (checked below)
+    except httptools.HttpParserError:
+        error = True
+    accepted: list[Parsed] = []
+    for m in c.messages:
+        if accepted and not accepted[-1].keep_alive:  # the engine closes after that one's answer
+            return Verdict(accepted, False, False, [a.method == "HEAD" for a in accepted])
+        if m.method and _refused(m):  # a refused head ends the stream, complete or not
+            return Verdict(accepted, True, False, [a.method == "HEAD" for a in accepted])
+        if not m.complete:
+            return Verdict(accepted, error, not error, [a.method == "HEAD" for a in accepted])
+        accepted.append(m)
+    if accepted and not accepted[-1].keep_alive:
+        error = False
+    return Verdict(accepted, error, False, [a.method == "HEAD" for a in accepted])
+
+
+# -- inputs -----------------------------------------------------------------------------------
+
+METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD", "CONNECT", "TRACE", "PRI", "get", "G=T"]
+VERSIONS = ["HTTP/1.1"] * 6 + ["HTTP/1.0"] * 2 + ["HTTP/2.0", "HTTP/1.2", "HTTP/0.9", "HTTP/11", "http/1.1", ""]
+TARGETS = st.one_of(
+    st.from_regex(r"\A/[a-zA-Z0-9._~%/?=&-]{0,30}\Z"),
+    st.sampled_from(["/", "*", "http://h.example/x?y", "h.example:443", "/a b", "/%zz", "/\x7f", "/é", ""]),
+)
+NAMES = ["Host", "Content-Length", "Transfer-Encoding", "Connection", "Upgrade", "Expect", "X-Correlation-ID",
+         "X-Forwarded-For", "TE", "Trailer", "Keep-Alive", "X-A", "x-a", "X A", "X:A", "", "Content-Length ",
+         "Transfer-Encoding ", "\x00"]
+VALUES = {
+    "Content-Length": ["0", "1", "3", "5", "10", "-1", "+3", "3 3", "0x3", "99999999999999999999", "", " 3"],
+    "Transfer-Encoding": ["chunked", "CHUNKED", "gzip, chunked", "chunked, gzip", "identity", "xchunked",
+                          " chunked", "chunked\x00", ""],
+    "Connection": ["close", "keep-alive", "upgrade", "Upgrade, X-A", "X-A", "close, keep-alive"],
+    "Upgrade": ["websocket", "h2c"],
+    "Expect": ["100-continue", "nothing"],
+}
+GENERIC_VALUE = st.text(alphabet=st.sampled_from(list("abcXYZ019 ,;=\t\x00\x7f\x80\xff\r\n")), max_size=12)
+
+
+@st.composite
+def chunked_body(draw: st.DrawFn) -> bytes:
+    out = b""
+    for _ in range(draw(st.integers(0, 3))):
+        payload = draw(st.binary(max_size=20))
+        size = draw(st.sampled_from(["hex", "hex", "hex", "wrong", "garbage"]))
+        size_b = b"%x" % len(payload) if size == "hex" else (
+            b"%x" % (len(payload) + 1) if size == "wrong" else draw(st.sampled_from([b"zz", b"-1", b"", b"1 1"])))
+        ext = draw(st.sampled_from([b"", b"", b";ext=1", b"; bad"]))
+        end = draw(st.sampled_from([b"\r\n", b"\r\n", b"\r\n", b"\n", b""]))
+        out += size_b + ext + b"\r\n" + payload + end
+    if draw(st.booleans()):
+        out += b"0\r\n" + draw(st.sampled_from([b"", b"", b"X-Trailer: t\r\n"])) + b"\r\n"
+    return out
+
+
+@st.composite
+def request(draw: st.DrawFn) -> bytes:
+    eol = draw(st.sampled_from([b"\r\n"] * 8 + [b"\n"]))
+    method = draw(st.sampled_from(METHODS)).encode()
+    target = draw(TARGETS).encode("utf-8")
+    version = draw(st.sampled_from(VERSIONS)).encode()
+    lines = [method + b" " + target + b" " + version]
+    if draw(st.booleans()):
+        lines.append(b"Host: x")
+    for _ in range(draw(st.integers(0, 4))):
+        name = draw(st.sampled_from(NAMES))
+        values = VALUES.get(name.strip())
+        value = draw(st.sampled_from(values)) if values and draw(st.integers(0, 4)) else draw(GENERIC_VALUE)
+        lines.append(name.encode("latin-1") + b": " + value.encode("latin-1"))
+    head = eol.join(lines) + eol + eol
+    kind = draw(st.sampled_from(["none", "length", "length", "chunked", "chunked", "raw"]))
+    if kind == "length":
+        body = draw(st.binary(max_size=24))
+        head = head[:-len(eol)] + b"Content-Length: %d" % draw(st.sampled_from([len(body)] * 3 + [0, len(body) + 2])) \
+            + eol + eol
+    elif kind == "chunked":
+        head = head[:-len(eol)] + b"Transfer-Encoding: chunked" + eol + eol
+        body = draw(chunked_body())
+    elif kind == "raw":
+        body = draw(st.binary(max_size=16))
+    else:
+        body = b""
+    return head + body
+
+
+@st.composite
+def stream(draw: st.DrawFn) -> bytes:
+    data = b"".join(draw(st.lists(request(), min_size=1, max_size=3)))
+    for _ in range(draw(st.sampled_from([0, 0, 0, 1, 2]))):  # byte-level mutations
+        if not data:
+            break
+        i = draw(st.integers(0, len(data) - 1))
+        op = draw(st.sampled_from(["flip", "insert", "delete"]))
+        b = bytes([draw(st.integers(0, 255))])
+        data = data[:i] + b + data[i + 1:] if op == "flip" else data[:i] + b + data[i:] if op == "insert" \
+            else data[:i] + data[i + 1:]
+    return data
+
+
+# -- the target -------------------------------------------------------------------------------
+
+
+class _Errors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+class Target:
+    """The fast engine in front of a raw upstream, on a private event loop in a thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="fuzz-proxy", daemon=True)
+        self.errors = _Errors()
+
+    def __enter__(self) -> Target:
+        for name in ("sidecar", "asyncio"):
+            logging.getLogger(name).addHandler(self.errors)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+        for name in ("sidecar", "asyncio"):
+            logging.getLogger(name).removeHandler(self.errors)
+
+    async def _start(self) -> None:
+        self.upstream = await RawUpstream().start()
+        cfg = build_config(flags={"listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": self.upstream.url,
+                                  "mode": "dynamo_headers", "engine": "fast"}, env={}, file=None)
+        cfg = cfg.model_copy(update={"readiness_check_upstream": False})
+        self.sidecar = Sidecar(cfg, registry=CollectorRegistry())
+        await self.sidecar.start()
+        self.port = self.sidecar.engine.port
+
+    async def _stop(self) -> None:
+        await self.sidecar.stop()
+        await self.upstream.stop()
+        await asyncio.sleep(0.05)  # let closed transports release their sockets before the loop closes
+
+
+def _talk(port: int, data: bytes, verdict: Verdict) -> tuple[bytes, bool]:
+    """Send ``data``; read until the proxy closes, or answered every complete request."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        try:
+            sock.sendall(data)
+        except OSError:
+            pass  # refused and closed while we were still sending
+        want = len(verdict.accepted)
+        heads = any(verdict.heads)  # llhttp cannot count responses to HEAD: wait for quiet instead
+        counter = _ResponseCounter()
+        got = b""
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            if not verdict.refused and not heads and counter.complete >= want:
+                return got, False
+            sock.settimeout(0.3 if heads else max(0.01, deadline - time.monotonic()))
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                return got, False
+            except ConnectionResetError:
+                return got, True
+            if not chunk:
+                return got, True
+            got += chunk
+            counter.feed(chunk)
+        return got, False
+    finally:
+        sock.close()
+
+
+class _ResponseCounter:
+    """Counts complete responses in the proxy's output; notes bytes that are not HTTP."""
+
+    def __init__(self) -> None:
+        self.complete = 0
+        self.parser = httptools.HttpResponseParser(self)
+        self.broken = False
+        self.interim = False
+        self.statuses: list[int] = []
+
+    def feed(self, data: bytes) -> None:
+        if self.broken:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.broken = True
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        self.interim = status < 200
+        if not self.interim:
+            self.statuses.append(status)
+
+    def on_message_complete(self) -> None:
+        if not self.interim:
+            self.complete += 1
+
+
+def check(target: Target, data: bytes) -> None:
+    verdict = oracle(data)
+    up = target.upstream
+    before = len(up.received)
+    got, closed = _talk(target.port, data, verdict)
+    deadline = time.monotonic() + 2.0
+    while target.sidecar.engine.in_flight and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert target.sidecar.engine.in_flight == 0, "a request stayed in flight after its connection closed"
+    forwarded = up.received[before:]
+    expected = verdict.accepted
+    assert len(forwarded) <= len(expected), (forwarded, expected)
+    for rec, want in zip(forwarded, expected):
+        assert rec.method == want.method
+        assert rec.target.encode("latin-1") == want.target
+        assert rec.body == want.body
+        assert not (rec.header("Content-Length") and rec.header("Transfer-Encoding"))
+        assert rec.header("Transfer-Encoding") in (None, "chunked")
+    if expected and not verdict.heads[0]:
+        assert forwarded, "a complete, acceptable first request was not forwarded"
+    counter = _ResponseCounter()
+    counter.feed(got)
+    if not any(verdict.heads):
+        assert not counter.broken, f"the proxy sent something that is not HTTP: {got[:200]!r}"
+    if verdict.refused:
+        assert closed, "a refused stream was not closed"
+        assert got.startswith(b"HTTP/1."), f"a refused stream was closed without an answer: {got[:200]!r}"
+        if not any(verdict.heads):
+            assert counter.statuses[-1] in (400, 431, 501), got[-300:]
+    elif not verdict.incomplete and expected:
+        answered = got.count(b"HTTP/1.1 2") + got.count(b"HTTP/1.0 2")
+        assert answered >= len(expected) or closed, (got[:300], expected)
+    assert not target.errors.records, [r.getMessage() for r in target.errors.records]
+    probe = socket.create_connection(("127.0.0.1", target.port), timeout=5)
+    try:
+        probe.sendall(b"GET /probe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = b""
+        while chunk := probe.recv(65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    finally:
+        probe.close()
+
+
+def fuzz(seconds: float, *, examples_per_round: int = 50) -> dict[str, int]:
+    """Run the properties on generated inputs for about ``seconds``; return counts."""
+    stats = {"cases": 0, "rounds": 0}
+    end = time.monotonic() + seconds
+    with Target() as target:
+
+        @settings(max_examples=examples_per_round, deadline=None, database=None, derandomize=False,
+                  suppress_health_check=list(HealthCheck), print_blob=True)
+        @given(stream())
+        def prop(data: bytes) -> None:
+            if time.monotonic() > end:
+                return  # out of time: let the round finish without more work
+            stats["cases"] += 1
+            check(target, data)
+
+        while time.monotonic() < end:
+            prop()
+            stats["rounds"] += 1
+    return stats
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    total = float(os.environ.get("FUZZ_SECONDS", "60"))
+    result = fuzz(total)
+    print(f"fuzz_request_path: {result['cases']} inputs in {total:.0f}s, no property violated")

@@ -1,0 +1,664 @@
+"""HTTP/1.1 on the wire through the engines, with hand-written request bytes.
+
+Keep-alive, pipelining, framing refusals (no request smuggling), limits, 100-continue, HTTP/1.0,
+upgrades, the upstream pool, disconnects, backpressure, timeouts and drain. Tests run against
+both engines where the behaviour is engine-independent; ``FAST`` marks the ones that pin the
+protocol-level engine's stricter or instrumented behaviour.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+import pytest
+
+from sidecar.config import ConfigError, build_config
+from sidecar.engine import fast
+from sidecar.engine.fast import FastEngine
+from sidecar.health import UpstreamHealth
+from sidecar.metrics import Metrics
+from sidecar.router import Router
+from tests.engine import (
+    OK,
+    Handler,
+    RawMessage,
+    RawUpstream,
+    closed_soon,
+    exchange,
+    read_response,
+    refused_or_closed,
+    reply,
+)
+from tests.engine.fuzz_request_path import fuzz
+
+FAST = pytest.mark.parametrize("engine", ["fast"])
+
+StartUpstream = Callable[..., Awaitable[RawUpstream]]
+
+
+@pytest.fixture
+async def raw_upstream() -> AsyncIterator[StartUpstream]:
+    started: list[RawUpstream] = []
+
+    async def start(routes: dict[str, Handler] | None = None, **kw: Any) -> RawUpstream:
+        up = await RawUpstream(routes, **kw).start()
+        started.append(up)
+        return up
+
+    yield start
+    for up in started:
+        await up.stop()
+
+
+def echo(delay: float = 0.0) -> Handler:
+    """Answer with the request target and body size, after ``delay`` seconds."""
+
+    async def handle(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if delay:
+            await asyncio.sleep(delay)
+        body = orjson.dumps({"target": req.target, "bytes": len(req.body)})
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        await writer.drain()
+        return True
+
+    return handle
+
+
+async def hang(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Never answer; return when the proxy closes the connection."""
+    await reader.read()
+    return False
+
+
+def metric(sc: Any, name: str, labels: dict[str, str]) -> float:
+    return sc.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def port(sc: Any) -> int:
+    return int(sc.engine.port)
+
+
+async def connect(sc: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port(sc))
+
+
+# -- keep-alive and pipelining ----------------------------------------------------------------
+
+
+async def test_keepalive_serves_sequential_requests_on_one_connection(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/k0": echo(), "/k1": echo(), "/k2": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await connect(sc)
+    for i in range(3):
+        writer.write(b"GET /k%d HTTP/1.1\r\nHost: x\r\n\r\n" % i)
+        resp = await read_response(reader)
+        assert resp.status == 200
+        assert orjson.loads(resp.body)["target"] == f"/k{i}"
+    writer.close()
+    assert [r.target for r in up.received] == ["/k0", "/k1", "/k2"]
+    assert up.connections == 1  # the pooled upstream connection was reused
+
+
+async def test_pipelined_requests_are_answered_in_order(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/slow": echo(0.3), "/post": echo(), "/chunked": echo(), "/last": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    pipeline = (b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+                b"POST /post HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+                b"POST /chunked HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+                b"GET /last HTTP/1.1\r\nHost: x\r\n\r\n")
+    responses, closed = await exchange(port(sc), pipeline, responses=4)
+    assert [orjson.loads(r.body) for r in responses] == [
+        {"target": "/slow", "bytes": 0}, {"target": "/post", "bytes": 5},
+        {"target": "/chunked", "bytes": 5}, {"target": "/last", "bytes": 0}]
+    assert not closed
+    assert [(r.target, r.body) for r in up.received] == [
+        ("/slow", b""), ("/post", b"hello"), ("/chunked", b"abcde"), ("/last", b"")]
+
+
+# -- framing refusals: no request smuggling ---------------------------------------------------
+
+SMUGGLING = {
+    "cl_then_te": b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
+    "te_then_cl": b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 40\r\n\r\n"
+                  b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
+    "duplicate_differing_cl": b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 40\r\n\r\n"
+                              b"abcGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
+    "duplicate_equal_cl": b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
+    "bad_chunk_size": b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n",
+    "chunk_size_overflow": b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                           b"fffffffffffffffff1\r\nhello\r\n0\r\n\r\n",
+    "chunk_missing_crlf": b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                          b"3\r\nabcGET /smuggled HTTP/1.1\r\n\r\n",
+    "space_before_colon": b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding : chunked\r\n\r\n0\r\n\r\n",
+    "te_not_chunked_last": b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, identity\r\n\r\n0\r\n\r\n",
+    "obs_fold": b"GET /s HTTP/1.1\r\nHost: x\r\nX-Folded: a\r\n b\r\n\r\n",
+    "bare_lf": b"GET /s HTTP/1.1\nHost: x\n\n",
+    "cl_with_sign": b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: +3\r\n\r\nabc",
+    "nul_in_header": b"GET /s HTTP/1.1\r\nHost: x\r\nX-Nul: a\x00b\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(SMUGGLING))
+async def test_ambiguous_framing_is_refused_and_never_forwarded(case, raw_upstream, start_sidecar, engine):
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    resp, closed = await refused_or_closed(port(sc), SMUGGLING[case])
+    assert resp is not None and resp.status == 400, resp
+    assert closed
+    assert up.received == []
+    if engine == "fast":
+        assert resp.header("Content-Type") == "application/json"
+        assert orjson.loads(resp.body)["error"]["type"] == "bad_request"
+        assert up.connections == 0  # not even a request head went out
+
+
+@FAST
+async def test_smuggling_after_a_valid_request_answers_the_valid_one_only(raw_upstream, start_sidecar):
+    """The aiohttp engine refuses the whole pipeline with a text 400 instead (see the differential corpus)."""
+    up = await raw_upstream({"/ok": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await connect(sc)
+    writer.write(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n" + SMUGGLING["cl_then_te"])
+    first = await read_response(reader)
+    second = await read_response(reader)
+    assert (first.status, second.status) == (200, 400)
+    assert await closed_soon(reader, 1.0)
+    writer.close()
+    assert [r.target for r in up.received] == ["/ok"]
+
+
+@FAST
+async def test_fast_refuses_transfer_codings_it_cannot_forward(raw_upstream, start_sidecar):
+    """Stricter than the aiohttp engine (see the differential corpus): RFC 9112 6.1 / 6.3."""
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    for data in (b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+                 b"POST /s HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+                 b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"0\r\n\r\n",
+                 b"GET /s HTTP/2.0\r\nHost: x\r\n\r\n",
+                 b"GET http://other.example/s HTTP/1.1\r\nHost: x\r\n\r\n"):
+        resp, closed = await refused_or_closed(port(sc), data)
+        assert resp is not None and resp.status == 400 and closed, data
+        assert orjson.loads(resp.body)["error"]["type"] == "bad_request"
+    assert up.connections == 0
+
+
+# -- limits -----------------------------------------------------------------------------------
+
+
+async def test_oversized_head_is_refused_and_never_forwarded(raw_upstream, start_sidecar, engine):
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, limits={"max_header_bytes": 2048})
+    resp, closed = await refused_or_closed(port(sc), b"GET /h HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 4000 + b"\r\n\r\n")
+    assert resp is not None and closed
+    assert resp.status == (431 if engine == "fast" else 400)
+    assert up.received == []
+
+
+@FAST
+async def test_head_limit_is_431_json_even_before_the_line_ends(raw_upstream, start_sidecar):
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, limits={"max_header_bytes": 2048})
+    reader, writer = await connect(sc)
+    writer.write(b"GET /h HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+    for _ in range(40):  # a header line that never ends, sent slowly: the proxy must not hold it all
+        writer.write(b"a" * 1024)
+        await writer.drain()
+        await asyncio.sleep(0)
+    resp = await asyncio.wait_for(read_response(reader), 5)
+    writer.close()
+    assert resp.status == 431
+    err = orjson.loads(resp.body)["error"]
+    assert err["type"] == "headers_too_large"
+    assert err["limit"] == 2048
+    assert up.received == []
+
+
+async def test_declared_body_over_limit_is_413_before_reading_it(raw_upstream, start_sidecar):
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, limits={"max_body_bytes": 100})
+    reader, writer = await connect(sc)
+    # Only the head is sent: the answer must not wait for the 101 bytes.
+    writer.write(b"POST /big HTTP/1.1\r\nHost: x\r\nContent-Length: 101\r\nContent-Type: text/plain\r\n\r\n")
+    resp = await asyncio.wait_for(read_response(reader), 5)
+    writer.close()
+    assert resp.status == 413
+    err = orjson.loads(resp.body)["error"]
+    assert (err["type"], err["limit"]) == ("request_too_large", 100)
+    assert up.received == []
+
+
+async def test_chunked_body_over_limit_is_413(raw_upstream, start_sidecar, engine):
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, limits={"max_body_bytes": 100})
+    chunk = b"32\r\n" + b"x" * 50 + b"\r\n"
+    resp, closed = await refused_or_closed(
+        port(sc), b"POST /big HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk * 3 + b"0\r\n\r\n")
+    assert resp is not None and resp.status == 413
+    assert closed or engine == "aiohttp"  # the aiohttp engine reads and discards the rest instead
+    assert orjson.loads(resp.body)["error"]["type"] == "request_too_large"
+    assert up.received == []  # the upstream never saw a complete request
+
+
+@FAST
+async def test_chunked_body_over_limit_midway_stops_a_streaming_upload(raw_upstream, start_sidecar):
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, limits={"max_body_bytes": 100_000})
+    reader, writer = await connect(sc)
+    writer.write(b"POST /big HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for _ in range(4):  # 4 x 40 000 bytes, sent over time: the first ones are already forwarded
+        writer.write(b"9c40\r\n" + b"y" * 40_000 + b"\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+    resp = await asyncio.wait_for(read_response(reader), 5)
+    assert resp.status == 413
+    assert await closed_soon(reader, 3.0)
+    writer.close()
+    await asyncio.sleep(0.1)
+    assert up.received == []  # the upstream got a truncated chunked body, never a complete request
+    assert 1 in up.closed_at
+
+
+# -- Expect: 100-continue ---------------------------------------------------------------------
+
+
+async def test_expect_100_continue_is_answered_when_the_body_will_be_read(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/c": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await connect(sc)
+    writer.write(b"POST /c HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+    interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(b"hello")
+    resp = await read_response(reader)
+    writer.close()
+    assert resp.status == 200
+    assert up.received[0].body == b"hello"
+    assert up.received[0].header("Expect") is None  # hop-by-hop between us and the client
+
+
+async def test_expect_100_continue_is_not_sent_for_a_refused_body(raw_upstream, start_sidecar):
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, limits={"max_body_bytes": 10})
+    reader, writer = await connect(sc)
+    writer.write(b"POST /c HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 11\r\n\r\n")
+    first_line = await asyncio.wait_for(reader.readuntil(b"\r\n"), 5)
+    writer.close()
+    assert first_line.startswith(b"HTTP/1.1 413 ")
+    assert up.received == []
+
+
+# -- HTTP/1.0, Connection: close, upgrades ----------------------------------------------------
+
+
+async def test_http10_request_gets_an_http10_answer_and_a_close(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/x": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    [resp], closed = await exchange(port(sc), b"GET /x HTTP/1.0\r\nHost: x\r\n\r\n")
+    assert resp.start.startswith("HTTP/1.0 200")
+    assert closed
+
+
+async def test_http10_keepalive_is_honoured_for_length_framed_responses(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/a": echo(), "/b": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    req = b"GET %s HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\n\r\n"
+    responses, closed = await exchange(port(sc), req % b"/a" + req % b"/b", responses=2)
+    assert [r.status for r in responses] == [200, 200]
+    assert all(r.header("Connection") == "keep-alive" for r in responses)
+    assert not closed
+
+
+CHUNKED_REPLY = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+
+
+async def test_http10_client_never_gets_chunked_framing(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/chunked": reply(CHUNKED_REPLY)})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    [resp], closed = await exchange(port(sc), b"GET /chunked HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\n\r\n")
+    assert resp.header("Transfer-Encoding") is None
+    assert resp.framing == "close"
+    assert resp.body == b"hello world"
+    assert closed
+
+
+async def test_http11_client_gets_chunked_upstream_body_byte_identical(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/chunked": reply(CHUNKED_REPLY)})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    [resp], closed = await exchange(port(sc), b"GET /chunked HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert resp.framing == "chunked"
+    assert resp.body == b"hello world"
+    assert not closed
+
+
+async def test_connection_close_is_honoured(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/x": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    [resp], closed = await exchange(port(sc), b"GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert resp.status == 200
+    assert resp.header("Connection") == "close"
+    assert closed
+
+
+async def test_upgrade_is_refused_with_501_and_close(raw_upstream, start_sidecar):
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    resp, closed = await refused_or_closed(
+        port(sc), b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n\x81\x00")
+    assert resp is not None and resp.status == 501 and closed
+    assert orjson.loads(resp.body)["error"]["type"] == "upgrade_not_supported"
+    assert up.received == []
+
+
+async def test_head_response_has_no_body_and_the_connection_stays_usable(raw_upstream, start_sidecar):
+    head_reply = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1234\r\n\r\n"
+    up = await raw_upstream({"/h": reply(head_reply), "/after": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await connect(sc)
+    writer.write(b"HEAD /h HTTP/1.1\r\nHost: x\r\n\r\nGET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = await read_response(reader, head=True)
+    after = await read_response(reader)
+    writer.close()
+    assert (head.status, head.header("Content-Length"), head.body) == (200, "1234", b"")
+    assert orjson.loads(after.body)["target"] == "/after"
+
+
+# -- the upstream pool ------------------------------------------------------------------------
+
+
+def closes_after_reply(data: bytes) -> Handler:
+    """Answer as keep-alive, then close the connection anyway (an upstream idle timeout)."""
+
+    async def handle(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(data)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        return False
+
+    return handle
+
+
+@FAST
+async def test_pooled_connection_closed_by_the_upstream_is_not_used(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/one": closes_after_reply(OK), "/two": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await connect(sc)
+    writer.write(b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await read_response(reader)).status == 200
+    await asyncio.sleep(0.2)
+    writer.write(b"GET /two HTTP/1.1\r\nHost: x\r\n\r\n")
+    resp = await read_response(reader)
+    writer.close()
+    assert resp.status == 200
+    assert [(r.target, r.conn) for r in up.received] == [("/one", 1), ("/two", 2)]
+
+
+@FAST
+async def test_stale_pooled_connection_is_retried_on_a_fresh_one_before_sending(raw_upstream, start_sidecar):
+    """The race: the upstream's FIN is in the socket but the loop has not processed it yet."""
+    sockets: list[Any] = []
+
+    async def remember(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        sockets.append(writer.get_extra_info("socket"))
+        writer.write(OK)
+        await writer.drain()
+        await reader.read()  # until the proxy or the test closes it
+        return False
+
+    up = await raw_upstream({"/one": remember, "/two": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await connect(sc)
+    writer.write(b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await read_response(reader)).status == 200
+    await asyncio.sleep(0.1)  # the upstream connection is idle in the pool now
+    client_fd = writer.get_extra_info("socket").fileno()
+    # Both events reach the proxy's sockets while the loop is blocked: the request first, then
+    # the FIN of the pooled connection. The proxy must notice the close before writing to it.
+    os.write(client_fd, b"GET /two HTTP/1.1\r\nHost: x\r\n\r\n")
+    sockets[0].shutdown(socket.SHUT_RDWR)
+    time.sleep(0.05)
+    resp = await asyncio.wait_for(read_response(reader), 5)
+    writer.close()
+    assert resp.status == 200
+    assert orjson.loads(resp.body)["target"] == "/two"
+    assert [(r.target, r.conn) for r in up.received] == [("/one", 1), ("/two", 2)]
+
+
+@FAST
+async def test_request_already_sent_is_never_replayed(raw_upstream, start_sidecar):
+    async def drop(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        return False  # read the whole request, close without answering
+
+    up = await raw_upstream({"/warm": echo(), "/drop": drop})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await connect(sc)
+    writer.write(b"GET /warm HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await read_response(reader)).status == 200
+    writer.write(b"POST /drop HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+    resp = await asyncio.wait_for(read_response(reader), 5)
+    writer.close()
+    assert resp.status == 502
+    assert orjson.loads(resp.body)["error"]["type"] == "upstream_protocol_error"
+    assert [r.target for r in up.received] == ["/warm", "/drop"]  # one attempt, no replay
+
+
+@FAST
+async def test_pool_bound_queues_requests_beyond_the_limit(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/q": echo(0.1)})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, limits={"max_connections_per_upstream": 2})
+
+    async def one() -> int:
+        [resp], _ = await exchange(port(sc), b"GET /q HTTP/1.1\r\nHost: x\r\n\r\n")
+        return resp.status
+
+    assert await asyncio.gather(*(one() for _ in range(6))) == [200] * 6
+    assert up.connections == 2
+
+
+# -- disconnects, timeouts --------------------------------------------------------------------
+
+
+async def test_client_disconnect_while_waiting_closes_upstream_within_1s(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/hang": hang})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, mode="dynamo_headers")
+    reader, writer = await connect(sc)
+    writer.write(b"POST /hang HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: gone-1\r\nX-Session-Final: true\r\n"
+                 b"Content-Length: 2\r\n\r\n{}")
+    await asyncio.wait_for(up.arrived.wait(), 5)
+    writer.close()
+    left_at = time.monotonic()
+    for _ in range(100):
+        if 1 in up.closed_at:
+            break
+        await asyncio.sleep(0.01)
+    assert up.closed_at[1] - left_at < 1.0
+    assert metric(sc, "sidecar_sessions_ended_total", {"reason": "client_abandoned"}) == 1.0
+
+
+async def stall(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Promise 100 bytes, send 10, go silent."""
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n0123456789")
+    await writer.drain()
+    await reader.read()
+    return False
+
+
+async def test_upstream_idle_mid_response_aborts_the_client(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/stall": stall})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, timeouts={"idle": 0.4})
+    reader, writer = await connect(sc)
+    writer.write(b"GET /stall HTTP/1.1\r\nHost: x\r\n\r\n")
+    await reader.readuntil(b"\r\n\r\n")
+    sent_at = time.monotonic()
+    got = b""
+    try:
+        while chunk := await asyncio.wait_for(reader.read(100), 3):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    writer.close()
+    assert got == b"0123456789"  # incomplete: the client can tell
+    assert time.monotonic() - sent_at < 2.0
+    assert metric(sc, "sidecar_upstream_errors_total", {"deployment": "default", "kind": "timeout"}) == 1.0
+    await asyncio.sleep(0.1)
+    assert 1 in up.closed_at
+
+
+@FAST
+async def test_idle_keepalive_client_connection_is_closed(raw_upstream, start_sidecar, monkeypatch):
+    monkeypatch.setattr(fast, "KEEPALIVE_TIMEOUT", 0.3)
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await connect(sc)
+    writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await read_response(reader)).status == 200
+    assert await closed_soon(reader, 2.0)
+    writer.close()
+
+
+# -- backpressure -----------------------------------------------------------------------------
+
+BIG = 32 * 1024 * 1024
+
+
+async def send_big(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: %d\r\n\r\n" % BIG)
+    piece = b"z" * 65536
+    for _ in range(BIG // len(piece)):
+        writer.write(piece)
+        await writer.drain()
+    return True
+
+
+@FAST
+async def test_slow_reading_client_keeps_proxy_buffers_bounded(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/big": send_big})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await connect(sc)
+    writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+    await reader.readuntil(b"\r\n\r\n")
+    peak = 0
+    for _ in range(50):  # 1 s of not reading at all
+        await asyncio.sleep(0.02)
+        peak = max(peak, sc.engine.stats()["client_write_buffer"])
+    assert peak > 0  # the proxy did fill its buffer: the client really is the bottleneck
+    assert peak < 1024 * 1024, peak
+    got = 0
+    while got < BIG:
+        chunk = await reader.read(1 << 20)
+        assert chunk
+        got += len(chunk)
+    writer.close()
+    assert got == BIG
+
+
+async def slow_sink(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    await asyncio.sleep(1.0)  # do not read the body for a while
+    n = int(req.header("Content-Length") or 0)
+    await reader.readexactly(n)
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%d" % (len(str(n)), n))
+    await writer.drain()
+    return True
+
+
+@FAST
+async def test_slow_reading_upstream_keeps_proxy_buffers_bounded(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/sink": slow_sink}, read_body=False)
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, limits={"max_body_bytes": BIG})
+    reader, writer = await connect(sc)
+
+    async def upload() -> None:
+        writer.write(b"POST /sink HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % BIG)
+        piece = b"u" * 65536
+        for _ in range(BIG // len(piece)):
+            writer.write(piece)
+            await writer.drain()
+
+    task = asyncio.create_task(upload())
+    peak = 0
+    for _ in range(40):  # while the upstream does not read
+        await asyncio.sleep(0.02)
+        peak = max(peak, sc.engine.stats()["upstream_write_buffer"])
+    assert not task.done()  # the client is blocked: the proxy stopped reading it
+    assert peak > 0
+    assert peak < 1024 * 1024, peak
+    await asyncio.wait_for(task, 20)
+    resp = await asyncio.wait_for(read_response(reader), 20)
+    writer.close()
+    assert resp.body == str(BIG).encode()
+
+
+# -- drain, startup ---------------------------------------------------------------------------
+
+
+@FAST
+async def test_drain_finishes_in_flight_with_connection_close_and_closes_idle(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/slow": echo(0.3), "/x": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    idle_reader, idle_writer = await connect(sc)
+    idle_writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await read_response(idle_reader)).status == 200
+    busy_reader, busy_writer = await connect(sc)
+    busy_writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+    await asyncio.wait_for(up.arrived.wait(), 5)
+    listen_port = port(sc)
+    draining = asyncio.create_task(sc.engine.drain(5.0))
+    assert await closed_soon(idle_reader, 1.0)
+    resp = await asyncio.wait_for(read_response(busy_reader), 5)
+    assert resp.status == 200
+    assert resp.header("Connection") == "close"
+    assert await closed_soon(busy_reader, 1.0)
+    await asyncio.wait_for(draining, 5)
+    with pytest.raises(OSError):
+        await asyncio.open_connection("127.0.0.1", listen_port)
+    idle_writer.close()
+    busy_writer.close()
+
+
+async def test_https_upstream_is_refused_at_start_naming_the_deployment():
+    cfg = build_config(flags={"listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
+                              "upstream": "https://127.0.0.1:9443", "engine": "fast"}, env={}, file=None)
+    metrics = Metrics()
+    engine = FastEngine(cfg, Router(cfg, metrics), metrics, UpstreamHealth(required=False))
+    with pytest.raises(ConfigError, match=r"deployment 'default'.*https://127\.0\.0\.1:9443"):
+        await engine.start()
+
+
+# -- body modes -------------------------------------------------------------------------------
+
+
+async def test_body_mode_forwards_the_transformed_body_with_a_fresh_length(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/v1/chat/completions": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, mode="dynamo_nvext")
+    body = b'{"model":"m","stream":true}'
+    for body_frame in (b"Content-Length: %d\r\n\r\n%s" % (len(body), body),
+                       b"Transfer-Encoding: chunked\r\n\r\n5\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n"
+                       % (body[:5], len(body) - 5, body[5:])):
+        [resp], _ = await exchange(port(sc), b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                             b"X-Correlation-ID: body-1\r\n" + body_frame)
+        assert resp.status == 200
+    for rec in up.received:
+        sent = orjson.loads(rec.body)
+        assert sent["model"] == "m"
+        assert sent["nvext"]["session_control"]["session_id"] == "body-1"
+        assert rec.framing == "length"
+        assert rec.header("Content-Length") == str(len(rec.body))
+        assert rec.header("Transfer-Encoding") is None
+
+
+# -- the fuzz target, bounded -----------------------------------------------------------------
+
+
+def test_request_parser_fuzz_smoke():
+    """A few seconds of tests/engine/fuzz_request_path.py (run that file for minutes on demand)."""
+    stats = fuzz(seconds=3.0)
+    assert stats["cases"] >= 20, stats
