@@ -9,6 +9,7 @@ from yarl import URL
 
 from sidecar.balancer import Balancer
 from sidecar.config import DeploymentConfig, HealthCheckConfig, LimitsConfig, TimeoutsConfig
+from sidecar.metrics import DeploymentStats
 from sidecar.modes.base import Mode
 from sidecar.modes.registry import load_mode
 
@@ -58,6 +59,8 @@ class Deployment:
     strip_sessionless: frozenset[str] = field(default_factory=frozenset)
     # Whether the mode overrides on_response (the router skips the call otherwise).
     observes_responses: bool = False
+    # Per-request metric children (set by the router, which owns the metrics).
+    stats: DeploymentStats | None = None
 
     @classmethod
     def from_config(cls, cfg: DeploymentConfig, *, selector_header: str = "",

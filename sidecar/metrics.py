@@ -7,13 +7,14 @@ can build many apps in one process.
 
 from __future__ import annotations
 
-from functools import lru_cache
-from collections.abc import Iterator
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 # Latencies of LLM requests span milliseconds (errors, cache hits) to minutes (long generations).
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -28,61 +29,197 @@ def status_class(status: int) -> str:
     return f"{status // 100}xx" if 100 <= status < 600 else "other"
 
 
+# -- lock-free metrics -------------------------------------------------------------------------
+# prometheus_client's metric objects take a lock on every inc/observe (several per request: a
+# histogram observation is two locked increments). Everything here runs on one event loop, so
+# the hot path uses plain attribute arithmetic and the samples are built only when scraped.
+
+
+class _Value:
+    """A counter or gauge child."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+class _Buckets:
+    """A histogram child: per-bucket counts (last one is +Inf) and the sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # first bucket whose bound is >= value
+        self.sum += value
+
+
+class _Family:
+    """A metric with a fixed label set; ``labels(*values)`` returns the (cached) child."""
+
+    def __init__(self, kind: str, name: str, doc: str, labelnames: Sequence[str] = (),
+                 buckets: tuple[float, ...] = ()) -> None:
+        self.kind = kind
+        self.name = name
+        self.doc = doc
+        self.labelnames = tuple(labelnames)
+        self.buckets = tuple(float(b) for b in buckets)
+        self.children: dict[tuple[str, ...], Any] = {}
+        if not self.labelnames:
+            self._solo = self.labels()
+
+    def labels(self, *values: str) -> Any:
+        child = self.children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+            child = self.children[values] = _Buckets(self.buckets) if self.kind == "histogram" else _Value()
+        return child
+
+    # An unlabelled family is its own only child.
+    def inc(self, amount: float = 1.0) -> None:
+        self._solo.inc(amount)
+
+    def dec(self, amount: float = 1.0) -> None:
+        self._solo.dec(amount)
+
+    def set(self, value: float) -> None:
+        self._solo.set(value)
+
+    def collect(self) -> Any:
+        if self.kind == "counter":
+            fam: Any = CounterMetricFamily(self.name.removesuffix("_total"), self.doc, labels=self.labelnames)
+            for values, child in self.children.items():
+                fam.add_metric(values, child.value)
+        elif self.kind == "gauge":
+            fam = GaugeMetricFamily(self.name, self.doc, labels=self.labelnames)
+            for values, child in self.children.items():
+                fam.add_metric(values, child.value)
+        else:
+            fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+            for values, child in self.children.items():
+                cumulative, out = 0, []
+                for bound, count in zip((*self.buckets, float("inf")), child.counts):
+                    cumulative += count
+                    out.append((floatToGoString(bound), cumulative))
+                fam.add_metric(values, out, child.sum)
+        return fam
+
+
+class _FamilyCollector(Collector):
+    def __init__(self, families: list[_Family]) -> None:
+        self.families = families
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        for family in self.families:
+            yield family.collect()
+
+
+class DeploymentStats:
+    """A deployment's hot-path metric children, looked up once instead of per request."""
+
+    __slots__ = ("added", "ttfb", "duration", "headers_injected", "_requests", "_by_class")
+
+    def __init__(self, m: Metrics, deployment: str, mode: str) -> None:
+        self.added = m.added.labels(deployment)
+        self.ttfb = m.ttfb.labels(deployment, mode)
+        self.duration = m.duration.labels(deployment, mode)
+        self.headers_injected = m.headers_injected.labels(mode)
+        self._requests = (m.requests, deployment, mode)
+        self._by_class: dict[int, _Value] = {}
+
+    def request(self, status: int) -> _Value:
+        """The ``sidecar_requests_total`` child of ``status``'s class."""
+        child = self._by_class.get(status // 100)
+        if child is None:
+            family, deployment, mode = self._requests
+            child = self._by_class[status // 100] = family.labels(deployment, mode, status_class(status))
+        return child
+
+
 class Metrics:
     """The sidecar's metrics, registered on ``registry`` (a fresh one by default)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "sidecar_requests_total", "Proxied requests by deployment, mode and response status class.",
-            ("deployment", "mode", "status_class"), registry=r)
-        self.duration = Histogram(
-            "sidecar_request_duration_seconds", "Time from request head to last response byte.",
-            ("deployment", "mode"), buckets=DURATION_BUCKETS, registry=r)
-        self.ttfb = Histogram(
-            "sidecar_time_to_first_byte_seconds", "Time from request head to the upstream's response head.",
-            ("deployment", "mode"), buckets=DURATION_BUCKETS, registry=r)
-        self.added = Histogram(
-            "sidecar_added_latency_seconds",
+        families: list[_Family] = []
+
+        def family(kind: str, name: str, doc: str, labels: Sequence[str] = (),
+                   buckets: tuple[float, ...] = ()) -> _Family:
+            f = _Family(kind, name, doc, labels, buckets)
+            families.append(f)
+            return f
+
+        self.requests = family(
+            "counter", "sidecar_requests_total", "Proxied requests by deployment, mode and response status class.",
+            ("deployment", "mode", "status_class"))
+        self.duration = family(
+            "histogram", "sidecar_request_duration_seconds", "Time from request head to last response byte.",
+            ("deployment", "mode"), DURATION_BUCKETS)
+        self.ttfb = family(
+            "histogram", "sidecar_time_to_first_byte_seconds",
+            "Time from request head to the upstream's response head.", ("deployment", "mode"), DURATION_BUCKETS)
+        self.added = family(
+            "histogram", "sidecar_added_latency_seconds",
             "Time the sidecar itself spent before forwarding a request (routing decision and rewrite).",
-            ("deployment",), buckets=ADDED_BUCKETS, registry=r)
-        self.upstream_errors = Counter(
-            "sidecar_upstream_errors_total", "Upstream failures by kind (connect, timeout, reset, protocol).",
-            ("deployment", "kind"), registry=r)
-        self.headers_injected = Counter(
-            "sidecar_headers_injected_total", "Requests that got affinity headers from a mode.",
-            ("mode",), registry=r)
-        self.body_rewrites = Counter(
-            "sidecar_body_rewrites_total",
+            ("deployment",), ADDED_BUCKETS)
+        self.upstream_errors = family(
+            "counter", "sidecar_upstream_errors_total",
+            "Upstream failures by kind (connect, timeout, reset, protocol).", ("deployment", "kind"))
+        self.headers_injected = family(
+            "counter", "sidecar_headers_injected_total", "Requests that got affinity headers from a mode.",
+            ("mode",))
+        self.body_rewrites = family(
+            "counter", "sidecar_body_rewrites_total",
             "Body-mode outcomes: rewritten, passthrough_not_object, passthrough_invalid_json, rejected.",
-            ("mode", "outcome"), registry=r)
-        self.plugin_errors = Counter(
-            "sidecar_plugin_errors_total", "Exceptions raised by a mode, by hook.", ("mode", "hook"), registry=r)
-        self.rejected = Counter(
-            "sidecar_rejected_requests_total", "Requests the sidecar answered itself, by reason.",
-            ("reason",), registry=r)
-        self.sessions_ended = Counter(
-            "sidecar_sessions_ended_total", "Sessions ended, by reason.", ("reason",), registry=r)
-        self.end_actions = Counter(
-            "sidecar_end_actions_total", "End-of-session calls to the upstream, by mode and outcome.",
-            ("mode", "outcome"), registry=r)
-        self.affinity_turns = Counter(
-            "sidecar_affinity_turns_total",
+            ("mode", "outcome"))
+        self.plugin_errors = family(
+            "counter", "sidecar_plugin_errors_total", "Exceptions raised by a mode, by hook.", ("mode", "hook"))
+        self.rejected = family(
+            "counter", "sidecar_rejected_requests_total", "Requests the sidecar answered itself, by reason.",
+            ("reason",))
+        self.sessions_ended = family(
+            "counter", "sidecar_sessions_ended_total", "Sessions ended, by reason.", ("reason",))
+        self.end_actions = family(
+            "counter", "sidecar_end_actions_total", "End-of-session calls to the upstream, by mode and outcome.",
+            ("mode", "outcome"))
+        self.affinity_turns = family(
+            "counter", "sidecar_affinity_turns_total",
             "Turns whose worker the upstream named, by outcome: first (a session's first), "
             "same_worker (as its previous turn), moved (another worker than its previous turn).",
-            ("outcome",), registry=r)
-        self.in_flight = Gauge("sidecar_in_flight_requests", "Requests being proxied now.", registry=r)
+            ("outcome",))
+        self.in_flight = family("gauge", "sidecar_in_flight_requests", "Requests being proxied now.")
+        self.registry.register(_FamilyCollector(families))
 
-        # prometheus_client's .labels() costs a lock and a dict lookup with tuple building each call;
-        # the hot path goes through these small caches instead (bounded by the closed label sets).
-        self.request_counter = lru_cache(maxsize=1024)(self.requests.labels)
-        self.duration_hist = lru_cache(maxsize=256)(self.duration.labels)
-        self.ttfb_hist = lru_cache(maxsize=256)(self.ttfb.labels)
-        self.added_hist = lru_cache(maxsize=256)(self.added.labels)
-        self.upstream_error = lru_cache(maxsize=256)(self.upstream_errors.labels)
-        self.headers_injected_for = lru_cache(maxsize=256)(self.headers_injected.labels)
-        self.affinity_turn = lru_cache(maxsize=8)(self.affinity_turns.labels)
+        # Hot-path shortcuts (children are cached per label values; the label sets are closed).
+        self.request_counter = self.requests.labels
+        self.duration_hist = self.duration.labels
+        self.ttfb_hist = self.ttfb.labels
+        self.added_hist = self.added.labels
+        self.upstream_error = self.upstream_errors.labels
+        self.headers_injected_for = self.headers_injected.labels
+        self.affinity_turn = self.affinity_turns.labels
+
+    def for_deployment(self, deployment: str, mode: str) -> DeploymentStats:
+        """The per-request metric children of one deployment, resolved once."""
+        return DeploymentStats(self, deployment, mode)
 
     def watch_tree(self, tree: Any) -> None:
         """Expose the session tree's gauges and counters, read at scrape time (no hot-path cost)."""

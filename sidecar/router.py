@@ -103,6 +103,8 @@ class Router:
                                    identity_headers=self.identity.header_names,
                                    max_overrides=s.max_live_sessions)
             for d in config.resolved_deployments()]
+        for d in self.deployments:
+            d.stats = metrics.for_deployment(d.name, d.mode_name)
         self._by_name = {d.name: d for d in self.deployments}
         self.default = self._by_name[config.default_deployment or self.deployments[0].name]
         self._selector = config.deployment_header.lower()
@@ -295,7 +297,7 @@ class Router:
             add = tuple((n, v) for n, v in add if n.lower() not in headers)
         if add:
             decision.add = add
-            self.metrics.headers_injected_for(dep.mode_name).inc()
+            dep.stats.headers_injected.inc()  # type: ignore[union-attr]
         decision.needs_body = mode.mutates_body
         return decision
 
