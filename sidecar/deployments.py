@@ -61,6 +61,9 @@ class Deployment:
     observes_responses: bool = False
     # Per-request metric children (set by the router, which owns the metrics).
     stats: DeploymentStats | None = None
+    # Derived once for the request path.
+    rewrites_body: bool = False  # the mode rewrites request bodies
+    only_upstream: Upstream | None = None  # the upstream when there is exactly one
 
     @classmethod
     def from_config(cls, cfg: DeploymentConfig, *, selector_header: str = "",
@@ -87,6 +90,8 @@ class Deployment:
             strip_headers=session_strip,
             strip_sessionless=sessionless_strip,
             observes_responses=mode is not None and type(mode).on_response is not Mode.on_response,
+            rewrites_body=mode is not None and mode.mutates_body,
+            only_upstream=upstreams[0] if len(upstreams) == 1 else None,
         )
 
     def pick_upstream(self, root: str | None) -> Upstream:

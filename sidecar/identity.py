@@ -61,8 +61,9 @@ class IdentityReader:
 
     @staticmethod
     def _first(headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+        get = headers.get
         for name in names:
-            value = headers.get(name)
+            value = get(name)
             if value:
                 value = value.strip()
                 if value:
@@ -71,10 +72,15 @@ class IdentityReader:
 
     def read(self, headers: Mapping[str, str]) -> Identity:
         """``headers`` maps lower-case names to values (first occurrence)."""
-        session = self._first(headers, self._session)
-        if session is None:
-            return NO_SESSION
-        return self._with_session(headers, session)
+        # Flattened: this runs once per request (the common miss costs one dict.get per name).
+        get = headers.get
+        for name in self._session:
+            value = get(name)
+            if value:
+                value = value.strip()
+                if value:
+                    return self._with_session(headers, value)
+        return NO_SESSION
 
     def read_body(self, headers: Mapping[str, str], body: Any) -> Identity:
         """The identity of a request whose headers named no session, from its parsed ``body``
@@ -92,14 +98,15 @@ class IdentityReader:
         return NO_SESSION
 
     def _with_session(self, headers: Mapping[str, str], session: str) -> Identity:
-        parent = self._first(headers, self._parent)
+        first = self._first
+        parent = first(headers, self._parent) if self._parent else None
         if parent == session:
             parent = None
-        final = self._first(headers, self._final)
+        final = first(headers, self._final) if self._final else None
         return Identity(
             session=session,
             parent=parent,
-            root=self._first(headers, self._root),
+            root=first(headers, self._root) if self._root else None,
             final=final is not None and final.lower() in _TRUE,
         )
 

@@ -113,11 +113,14 @@ class Router:
         self._by_model = {m: d for d in self.deployments for m in sorted(d.models)}
         self._route_by_model = sum(1 for d in self.deployments if d.models) > 1
         self._selection_body_limit = max(d.limits.max_body_bytes for d in self.deployments)
+        self._single = len(self.deployments) == 1
+        self._body_identity = self.identity.reads_body
         self._worker_headers = tuple(n.lower() for n in config.affinity.worker_headers)
         self._workers: dict[str, str] = {}  # interned worker ids (a small set), bounded
         self.tree = tree or SessionTree(idle_ttl=s.idle_ttl_seconds, max_live=s.max_live_sessions,
                                         tombstone_max=s.tombstone_max, tombstone_ttl=s.tombstone_ttl_seconds)
         self.store = store or SessionStore(s.api)
+        self._api_sessions = self.store.records  # the hot path reads it without a call
         self.effects = effects
         metrics.watch_tree(self.tree)
         metrics.watch_deployments(self.deployments, self.store)
@@ -128,31 +131,34 @@ class Router:
         """Decide how to forward a request. Raises :class:`errors.ProxyError` to answer it directly."""
         headers = head.headers
         ident = self.identity.read(headers)
-        selected = self._selected(headers)
-        body_identity = ident.session is None and self.identity.reads_body
-        if ident.session is None and selected is None and not self._route_by_model and not body_identity:
+        session = ident.session
+        selector = headers.get(self._selector)
+        selected = None if selector is None else self._selected(selector)
+        body_identity = session is None and self._body_identity
+        if session is None and selected is None and not self._route_by_model and not body_identity:
             dep = self.default  # the common sessionless case, kept cheap
             if dep.strict:
                 raise _session_required(dep)
             return Decision(dep, dep.pick_upstream(None), dep.strip_sessionless, (), False, None, None,
                             max_body_bytes=dep.limits.max_body_bytes)
-        has_body = _declares_body(head)
-        if body_identity and has_body:
+        if body_identity and _declares_body(head):
             # The session is named by the body (configured body signals): admission waits for it.
             dep = selected or self.default
             limit = self._selection_body_limit if self._route_by_model and selected is None else \
                 dep.limits.max_body_bytes
             return Decision(dep, dep.upstreams[0], dep.strip_sessionless, (), True, None, None,
                             max_body_bytes=limit, pending=_Pending(ident, headers, selected, selected))
-        rec = self.store.get(ident.session) if ident.session is not None else None
-        decided = self._choose(ident.session, rec, selected, None)
-        if decided is None and self._route_by_model and has_body:
+        rec = self._api_sessions.get(session) if session is not None and self._api_sessions else None
+        # One deployment: binding, selector and model can only name it (an unknown name was refused).
+        decided = self.default if self._single else self._choose(session, rec, selected, None)
+        if decided is None and self._route_by_model and _declares_body(head):
             return Decision(self.default, self.default.upstreams[0], self.default.strip_sessionless, (), True,
                             None, None, max_body_bytes=self._selection_body_limit,
                             pending=_Pending(ident, headers, selected, None))
         dep = decided or self.default
-        self._check_session(dep, ident.session, rec)  # refuse early, before any body is read
-        if has_body and ident.session is not None and dep.mode is not None and dep.mode.mutates_body:
+        if rec is not None or dep.strict:
+            self._check_session(dep, session, rec)  # refuse early, before any body is read
+        if dep.rewrites_body and session is not None and _declares_body(head):
             return Decision(dep, dep.upstreams[0], dep.strip_sessionless, (), True, None, None,
                             max_body_bytes=dep.limits.max_body_bytes,
                             pending=_Pending(ident, headers, selected, decided))
@@ -178,7 +184,7 @@ class Router:
             ident = self.identity.read_body(pending.headers, obj)
         # Re-resolved at admission: the session may have been bound or closed while the body
         # was read.
-        rec = self.store.get(ident.session) if ident.session is not None else None
+        rec = self._api_sessions.get(ident.session) if ident.session is not None else None
         dep = self._choose(ident.session, rec, pending.selected, model_dep) or self.default
         decision.deployment = dep
         if len(body) > dep.limits.max_body_bytes:
@@ -199,10 +205,8 @@ class Router:
             return body
         return self._rewrite(decision, body, obj)
 
-    def _selected(self, headers: Mapping[str, str]) -> Deployment | None:
-        name = headers.get(self._selector)
-        if name is None:
-            return None
+    def _selected(self, name: str) -> Deployment:
+        """The deployment the selector header names (raises for an unknown name)."""
         name = name.strip()
         dep = self._by_name.get(name)
         if dep is None:
@@ -281,7 +285,8 @@ class Router:
         ctx = RoutingContext(session=f.session, parent=f.parent, root=f.root, is_final_turn=f.is_final_turn,
                              is_parent_final=f.is_parent_final, is_tree_final=f.is_tree_final, turn=f.turn,
                              deployment=dep.name, mode_state=f.mode_state)
-        decision = Decision(dep, dep.pick_upstream(f.root), dep.strip_headers, (), False, ctx, turn,
+        upstream = dep.only_upstream or dep.pick_upstream(f.root)
+        decision = Decision(dep, upstream, dep.strip_headers, (), False, ctx, turn,
                             max_body_bytes=dep.limits.max_body_bytes, api_session=rec)
         mode = dep.mode
         if mode is None:

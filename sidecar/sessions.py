@@ -103,7 +103,8 @@ class SessionStore:
         self._clock = clock
         self._seq = 0
         # id -> record, active and tombstoned, in creation order
-        self._all: dict[str, ApiSession] = {}
+        # id -> active or tombstoned record; read directly by the router's hot path (no call).
+        self.records: dict[str, ApiSession] = {}
         self._active = 0
         # tombstoned id -> None, oldest ended first
         self._tombs: OrderedDict[str, None] = OrderedDict()
@@ -127,7 +128,7 @@ class SessionStore:
         """A new active session; ``ttl=None`` takes the configured default."""
         if session_id is None:
             session_id = str(uuid.uuid4())
-        if session_id in self._all:
+        if session_id in self.records:
             raise SessionExists(session_id)
         if self._active >= self.cfg.max_sessions:
             raise SessionLimitReached(self.cfg.max_sessions)
@@ -136,7 +137,7 @@ class SessionStore:
         now = self._clock()
         self._seq += 1
         rec = ApiSession(session_id, deployment, workspace, parent, ttl, now, self._seq)
-        self._all[session_id] = rec
+        self.records[session_id] = rec
         self._active += 1
         if ttl is not None:
             heapq.heappush(self._heap, (now + ttl, rec.seq, session_id))
@@ -144,14 +145,14 @@ class SessionStore:
 
     def get(self, session_id: str) -> ApiSession | None:
         """The active or tombstoned record of ``session_id``."""
-        return self._all.get(session_id)
+        return self.records.get(session_id)
 
     def close(self, session_id: str) -> tuple[ApiSession, bool] | None:
         """Close an active session; returns the record and whether this call closed it.
 
         Closing a closed or expired session changes nothing. None if the id is unknown.
         """
-        rec = self._all.get(session_id)
+        rec = self.records.get(session_id)
         if rec is None:
             return None
         if rec.status is not SessionStatus.ACTIVE:
@@ -180,7 +181,7 @@ class SessionStore:
         return page, None
 
     def _iter_after(self, after: int) -> Iterator[ApiSession]:
-        for rec in self._all.values():
+        for rec in self.records.values():
             if rec.seq > after:
                 yield rec
 
@@ -206,7 +207,7 @@ class SessionStore:
         expired: list[ApiSession] = []
         while heap and heap[0][0] <= now:
             _, seq, sid = heapq.heappop(heap)
-            rec = self._all.get(sid)
+            rec = self.records.get(sid)
             if rec is None or rec.seq != seq or rec.status is not SessionStatus.ACTIVE:
                 continue  # stale entry of a closed or replaced session
             assert rec.ttl is not None
@@ -220,19 +221,19 @@ class SessionStore:
                 self._end(rec, SessionStatus.EXPIRED, deadline)
                 expired.append(rec)
         if len(heap) > 2 * self._active + 64:
-            self._heap = [e for e in heap if (r := self._all.get(e[2])) is not None and r.seq == e[1]
+            self._heap = [e for e in heap if (r := self.records.get(e[2])) is not None and r.seq == e[1]
                           and r.status is SessionStatus.ACTIVE]
             heapq.heapify(self._heap)
         cutoff = now - self.cfg.tombstone_ttl_seconds
         tombs = self._tombs
         while tombs:
             oldest = next(iter(tombs))
-            ended_at = self._all[oldest].ended_at
+            ended_at = self.records[oldest].ended_at
             assert ended_at is not None
             if ended_at > cutoff:
                 break
             del tombs[oldest]
-            del self._all[oldest]
+            del self.records[oldest]
         return expired
 
     def _end(self, rec: ApiSession, status: SessionStatus, at: float) -> None:
@@ -243,4 +244,4 @@ class SessionStore:
         tombs[rec.id] = None
         if len(tombs) > self.cfg.tombstone_max:
             oldest, _ = tombs.popitem(last=False)
-            del self._all[oldest]
+            del self.records[oldest]

@@ -38,6 +38,8 @@ def fit_id(value: str, max_bytes: int) -> str:
 
     The fitted form has at most ``max_bytes`` UTF-8 bytes and is a pure function of ``value``.
     """
+    if len(value) * 4 <= max_bytes:  # no character takes more than 4 UTF-8 bytes: fits, skip encoding
+        return value
     if max_bytes < MIN_MAX_BYTES:
         raise ValueError(f"max_bytes must be >= {MIN_MAX_BYTES} (got {max_bytes})")
     # surrogateescape: HTTP parsers hand undecodable header bytes over as lone surrogates.
