@@ -604,13 +604,12 @@ class SessionTree:
 
     def _root_conflict(self, session: str, hint: str, root: str) -> None:
         self.root_conflicts += 1
-        if self._conflict_logged:
-            log.debug("root hint %s of session %s contradicts derived root %s; kept %s",
-                      hint, session, root, root)
-            return
-        self._conflict_logged = True
-        log.warning("root hint %s of session %s contradicts derived root %s; kept %s (further "
-                    "conflicts are only counted)", hint, session, root, root)
+        # Session ids are logged only at debug level; the warning says that it happened, once.
+        log.debug("root hint %s of session %s contradicts derived root %s; kept %s", hint, session, root, root)
+        if not self._conflict_logged:
+            self._conflict_logged = True
+            log.warning("a client's root-session header contradicts the derived root; the derived root is "
+                        "kept (counted in sidecar_root_conflicts_total; ids at debug level)")
 
     @staticmethod
     def _link_child(parent: _Node, child: _Node) -> None:

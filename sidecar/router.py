@@ -86,6 +86,15 @@ class Decision:
     max_body_bytes: int = 0
     api_session: ApiSession | None = None
     pending: _Pending | None = None
+    # The client's X-Request-ID, for log lines (see :meth:`log_fields`).
+    request_id: str | None = None
+    # The upstream's response status once its head arrived (0 before).
+    status: int = 0
+
+    def log_fields(self) -> dict[str, Any]:
+        """What every log line about this request carries: request id and deployment."""
+        return {"request_id": self.request_id, "deployment": self.deployment.name,
+                "mode": self.deployment.mode_name}
 
 
 class Router:
@@ -129,6 +138,11 @@ class Router:
 
     def route(self, head: RequestHead) -> Decision:
         """Decide how to forward a request. Raises :class:`errors.ProxyError` to answer it directly."""
+        decision = self._route(head)
+        decision.request_id = head.headers.get(_REQUEST_ID)
+        return decision
+
+    def _route(self, head: RequestHead) -> Decision:
         headers = head.headers
         ident = self.identity.read(headers)
         session = ident.session
@@ -287,7 +301,8 @@ class Router:
                              deployment=dep.name, mode_state=f.mode_state)
         upstream = dep.only_upstream or dep.pick_upstream(f.root)
         decision = Decision(dep, upstream, dep.strip_headers, (), False, ctx, turn,
-                            max_body_bytes=dep.limits.max_body_bytes, api_session=rec)
+                            max_body_bytes=dep.limits.max_body_bytes, api_session=rec,
+                            request_id=headers.get(_REQUEST_ID))  # set before mode hooks can fail
         mode = dep.mode
         if mode is None:
             if dep.strict and self._primary_session_header:
@@ -336,6 +351,7 @@ class Router:
     def on_response(self, decision: Decision, status: int, headers: Mapping[str, str]) -> None:
         """The upstream's response head for ``decision`` arrived (``headers``: lower-case name
         lookup). Records which worker served the turn and lets the mode observe the response."""
+        decision.status = status
         turn = decision.turn
         if turn is None:
             return
@@ -347,7 +363,7 @@ class Router:
             except Exception as exc:  # the response is already on its way: count, never fail it
                 self.metrics.plugin_errors.labels(dep.mode_name, "on_response").inc()
                 log.error("mode %s failed in on_response: %r", dep.mode_name, exc,
-                          extra={"deployment": dep.name, "mode": dep.mode_name, "hook": "on_response"})
+                          extra={**decision.log_fields(), "hook": "on_response"})
                 state = None
             if state is not None:
                 self.tree.set_mode_state(turn, state)
@@ -366,7 +382,7 @@ class Router:
         outcome, previous = self.tree.record_worker(turn, interned)
         self.metrics.affinity_turn(outcome).inc()
         if outcome == "moved":
-            extra: dict[str, Any] = {"event": "moved", "deployment": decision.deployment.name,
+            extra: dict[str, Any] = {"event": "moved", **decision.log_fields(),
                                      "from_worker": previous, "to_worker": interned,
                                      "turn": turn.facts.turn}
             if log.isEnabledFor(logging.DEBUG):  # session ids only at debug level
@@ -381,8 +397,7 @@ class Router:
     def _mode_failed(self, decision: Decision, hook: str, exc: Exception) -> Any:
         dep = decision.deployment
         self.metrics.plugin_errors.labels(dep.mode_name, hook).inc()
-        log.error("mode %s failed in %s: %r", dep.mode_name, hook, exc,
-                  extra={"deployment": dep.name, "mode": dep.mode_name, "hook": hook})
+        log.error("mode %s failed in %s: %r", dep.mode_name, hook, exc, extra={**decision.log_fields(), "hook": hook})
         self.finish(decision, TurnOutcome.UPSTREAM_FAILED)
         raise errors.ProxyError(errors.MODE_ERROR, f"routing mode {dep.mode_name!r} failed in {hook}: {exc}",
                                 mode=dep.mode_name, deployment=dep.name) from exc
@@ -392,6 +407,11 @@ class Router:
         if decision.finished:
             return
         decision.finished = True
+        if log.isEnabledFor(logging.DEBUG):  # the access log: debug level (it names sessions)
+            ctx = decision.ctx
+            log.debug("request finished", extra={
+                "event": "request", **decision.log_fields(), "status": decision.status, "outcome": str(outcome),
+                "session": ctx.session if ctx else None, "turn": ctx.turn if ctx else None})
         if decision.api_session is not None:
             self.store.end(decision.api_session)
         if decision.turn is not None:
@@ -481,6 +501,7 @@ def _session_required(dep: Deployment) -> errors.ProxyError:
 
 
 _CONTENT_LENGTH = h.CONTENT_LENGTH.lower()
+_REQUEST_ID = h.X_REQUEST_ID.lower()
 _TRANSFER_ENCODING = h.TRANSFER_ENCODING.lower()
 _INVALID = object()
 _UNPARSED = object()

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client import generate_latest
 
 from sidecar.metrics import ADDED_BUCKETS, Metrics
 
@@ -50,3 +49,41 @@ def test_wrong_label_count_is_refused():
     m = Metrics(CollectorRegistry())
     with pytest.raises(ValueError, match="sidecar_requests_total"):
         m.requests.labels("only-one")
+
+
+async def test_metrics_after_a_known_workload(upstream, start_sidecar):
+    import aiohttp
+
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", limits={"max_body_bytes": 4096})
+    async with aiohttp.ClientSession() as s:
+        for turn in (1, 2, 3):  # one session, 3 turns, the last final
+            headers = {"X-Correlation-ID": "m-1", **({"X-Session-Final": "true"} if turn == 3 else {})}
+            async with s.post(f"{sc.proxy_url}/v1/chat/completions", data=b'{"model": "m"}', headers=headers) as r:
+                assert r.status == 200
+        async with s.post(f"{sc.proxy_url}/v1/chat/completions", data=b"[1, 2]",
+                          headers={"X-Correlation-ID": "m-2"}) as r:
+            assert r.status == 200
+        async with s.post(f"{sc.proxy_url}/v1/chat/completions", data=b"x" * 5000,
+                          headers={"X-Correlation-ID": "m-3"}) as r:
+            assert r.status == 413
+        async with s.get(f"{sc.proxy_url}/status/503") as r:
+            assert r.status == 503
+        async with s.get(f"{sc.admin_url}/metrics") as r:
+            text = await r.text()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for fam in text_string_to_metric_families(text) for s in fam.samples}
+    dep = (("deployment", "default"), ("mode", "dynamo_nvext"))
+    assert got[("sidecar_requests_total", (*dep, ("status_class", "2xx")))] == 4
+    assert got[("sidecar_requests_total", (*dep, ("status_class", "4xx")))] == 1
+    assert got[("sidecar_requests_total", (*dep, ("status_class", "5xx")))] == 1
+    assert got[("sidecar_request_duration_seconds_count", dep)] == 5  # proxied (the 413 never was)
+    assert got[("sidecar_time_to_first_byte_seconds_count", dep)] == 5
+    assert got[("sidecar_added_latency_seconds_count", (("deployment", "default"),))] == 5
+    assert got[("sidecar_body_rewrites_total", (("mode", "dynamo_nvext"), ("outcome", "rewritten")))] == 3
+    assert got[("sidecar_body_rewrites_total", (("mode", "dynamo_nvext"), ("outcome", "passthrough_not_object")))] == 1
+    assert got[("sidecar_headers_injected_total", (("mode", "dynamo_nvext"),))] == 0  # a body mode adds none
+    assert got[("sidecar_rejected_requests_total", (("reason", "body_too_large"),))] == 1
+    assert got[("sidecar_sessions_ended_total", (("reason", "final_turn_completed"),))] == 1
+    # m-1 ended with its final turn; m-3 was refused before admission (its body was too large).
+    assert got[("sidecar_live_sessions", ())] == 1
+    assert got[("sidecar_in_flight_requests", ())] == 0

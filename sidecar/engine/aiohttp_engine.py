@@ -208,7 +208,7 @@ class AiohttpEngine(Engine):
             kind = "timeout" if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)) else "reset"
             m.upstream_error(dep.name, kind).inc()
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-            log.warning("upstream failed mid-response: %r", exc, extra={"deployment": dep.name})
+            log.warning("upstream failed mid-response: %r", exc, extra=decision.log_fields())
             if request.transport is not None:
                 request.transport.abort()
             raise
