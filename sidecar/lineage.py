@@ -37,6 +37,7 @@ new session.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections import OrderedDict
@@ -433,6 +434,28 @@ class SessionTree:
             children.reverse()  # linked newest first
             parent_dict["children"] = children
         return out
+
+    def recent_roots(self, limit: int) -> list[str]:
+        """Root ids of the held trees, the most recently active tree first, at most ``limit``.
+
+        O(live sessions): for views (the live UI caches it), never on the request path.
+        """
+        nodes = self._nodes
+        newest: dict[int, tuple[float, _Node]] = {}  # id(root node) -> (tree's newest activity, root)
+        for node in nodes.values():
+            top = node.root
+            while top.root is not top:  # read-only walk: no path compression from a view
+                top = top.root
+            seen = newest.get(id(top))
+            if seen is None or node.last_active_at > seen[0]:
+                newest[id(top)] = (node.last_active_at, top)
+        # a root whose id a newer session took over is not reachable through tree(): skip it
+        reachable = [(at, top.session) for at, top in newest.values() if nodes.get(top.session) is top]
+        return [session for _, session in heapq.nlargest(limit, reachable)]
+
+    def now(self) -> float:
+        """The tree's clock (node timestamps are on it)."""
+        return self._clock()
 
     def bound_deployment(self, session: str) -> str | None:
         """The deployment a live session was bound to by its first request; None when ``session``

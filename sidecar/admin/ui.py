@@ -39,7 +39,6 @@ tenth of the event loop it shares with the proxy, however many pages poll it.
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Callable
 from typing import Any
@@ -115,7 +114,7 @@ def snapshot(tree: SessionTree, *, limit: int = DEFAULT_LIMIT, max_nodes: int = 
     """The bounded view of ``tree`` that ``/ui/data.json`` serves (shape in the module doc)."""
     budget = max(max_nodes, 1)
     trees: list[dict[str, Any]] = []
-    for root in _recent_roots(tree, limit):
+    for root in tree.recent_roots(limit):
         nested = tree.tree(root)
         if nested is None:
             continue
@@ -126,7 +125,7 @@ def snapshot(tree: SessionTree, *, limit: int = DEFAULT_LIMIT, max_nodes: int = 
         entry["tree"] = nested
         trees.append(entry)
     return {
-        "now": _tree_now(tree),
+        "now": tree.now(),
         "generated_at": time.time(),
         "live_sessions": tree.live_sessions,
         "live_trees": tree.live_trees,
@@ -135,39 +134,6 @@ def snapshot(tree: SessionTree, *, limit: int = DEFAULT_LIMIT, max_nodes: int = 
         "truncated": len(trees) < tree.live_trees or any(t["omitted"] for t in trees),
         "trees": trees,
     }
-
-
-# -- SessionTree access --------------------------------------------------------------------------
-# SessionTree has no public way to list its trees nor to read its clock. Until it has
-# ``recent_roots(limit)`` and ``now()``, these two functions read its internals, read-only
-# (no path compression, nothing written); everything else goes through get()/tree().
-
-
-def _recent_roots(tree: SessionTree, limit: int) -> list[str]:
-    """Root ids of the held trees, most recently active tree first, at most ``limit``."""
-    public = getattr(tree, "recent_roots", None)
-    if callable(public):
-        return [str(r) for r in public(limit)]
-    nodes = tree._nodes  # id -> newest node of that id held in a tree
-    newest: dict[int, tuple[float, Any]] = {}  # id(root node) -> (tree activity, root node)
-    for node in nodes.values():
-        top = node.root
-        while top.root is not top:
-            top = top.root
-        seen = newest.get(id(top))
-        if seen is None or node.last_active_at > seen[0]:
-            newest[id(top)] = (node.last_active_at, top)
-    # a root whose id a newer session took over is not reachable through tree(); skip it
-    reachable = [(at, top.session) for at, top in newest.values() if nodes.get(top.session) is top]
-    return [session for _, session in heapq.nlargest(limit, reachable)]
-
-
-def _tree_now(tree: SessionTree) -> float:
-    """The tree's clock now (node timestamps are on it)."""
-    public = getattr(tree, "now", None)
-    if callable(public):
-        return float(public())
-    return float(getattr(tree, "_clock", time.monotonic)())
 
 
 # -- shaping -------------------------------------------------------------------------------------
