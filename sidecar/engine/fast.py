@@ -9,8 +9,16 @@ hop-by-hop / ``Connection``-named / ``decision.strip`` / Host / Expect, then Hos
 X-Forwarded-For, X-Forwarded-Proto and ``decision.add``), streams the body as it is parsed to a
 pooled upstream connection (:mod:`sidecar.engine.fast_client`), and relays the response as it
 arrives: upstream body bytes are written unchanged, re-framed as chunked when the upstream did
-not send a length (close-delimited for HTTP/1.0 clients). Per request there is no task and no
-future: everything runs from protocol callbacks and two timer handles at most.
+not send a length (close-delimited for HTTP/1.0 clients). Per request there is no task, no
+future and no timer: everything runs from protocol callbacks, and one watchdog timer per client
+connection enforces the keep-alive, first-byte and idle timeouts (re-armed lazily, so a busy
+connection re-arms it about once per timeout period rather than once per request).
+
+The request path runs tens of thousands of times a second on one core, so the per-request
+steps are flattened into few methods (parse callbacks, :meth:`_Exchange.start` /
+:meth:`_Exchange._forward`, :meth:`_Exchange.response_head`, :meth:`_Exchange.response_end`)
+and the router gets a plain ``dict`` of the request's headers, built while parsing. Rare paths
+(errors, unusual framing headers, timeouts) stay in their own small methods.
 
 Backpressure (:mod:`sidecar.engine.flow`): a write buffer above its high-water mark on one side
 pauses reading on the other until it drains.
@@ -27,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Iterator, Mapping
 from http import HTTPStatus
 from time import perf_counter
 from typing import Any, cast
@@ -38,7 +45,18 @@ from sidecar import errors
 from sidecar import headers as h
 from sidecar.config import ConfigError
 from sidecar.engine.base import Engine
-from sidecar.engine.fast_client import BODY_FRAMED, BODY_NONE, BODY_UNTIL_EOF, UpstreamConnection, UpstreamPool
+from sidecar.engine.fast_client import (
+    BODY_FRAMED,
+    BODY_NONE,
+    BODY_UNTIL_EOF,
+    HEADER_KEYS,
+    RELAY_CHUNKED,
+    RELAY_NONE,
+    RELAY_RAW,
+    UpstreamConnection,
+    UpstreamPool,
+    header_key,
+)
 from sidecar.engine.flow import CLIENT_FULL, PEER_FULL, PIPELINED, STOPPED, WAITING, ReadFlow
 from sidecar.lineage import TurnOutcome
 from sidecar.router import Decision, RequestHead
@@ -53,34 +71,47 @@ LINGER_SECONDS = 2.0
 # Request body bytes held while no upstream connection is attached yet before reading pauses.
 WAIT_BUFFER = 64 * 1024
 
-_HOP = frozenset(n.encode() for n in h.HOP_BY_HOP)
-_REQ_DROP = _HOP | {h.HOST.lower().encode(), h.EXPECT.lower().encode(), h.X_FORWARDED_FOR.lower().encode()}
-_CONNECTION = h.CONNECTION.lower().encode()
-_CONTENT_LENGTH = h.CONTENT_LENGTH.lower().encode()
-_TRANSFER_ENCODING = h.TRANSFER_ENCODING.lower().encode()
-_EXPECT = h.EXPECT.lower().encode()
-_UPGRADE = h.UPGRADE.lower().encode()
-_XFF_STR = h.X_FORWARDED_FOR.lower()
-_XFF = _XFF_STR.encode()
-_XFP = h.X_FORWARDED_PROTO.lower().encode()
+_INF = float("inf")
+
+# Header names as lower-case str keys (the keys of the router's header dict).
+_CONNECTION = h.CONNECTION.lower()
+_CONTENT_LENGTH = h.CONTENT_LENGTH.lower()
+_TRANSFER_ENCODING = h.TRANSFER_ENCODING.lower()
+_EXPECT = h.EXPECT.lower()
+_UPGRADE = h.UPGRADE.lower()
+_XFF = h.X_FORWARDED_FOR.lower()
+_XFP = h.X_FORWARDED_PROTO.lower()
+_HOP = frozenset(n.lower() for n in h.HOP_BY_HOP)
+_REQ_DROP = _HOP | {h.HOST.lower(), _EXPECT, _XFF}
+_CL_DROP = frozenset({_CONTENT_LENGTH})
+# Request headers whose presence takes the head checks and the forwarding off the fast path.
+_SPECIAL = frozenset({_CONNECTION, _TRANSFER_ENCODING, _EXPECT, _UPGRADE, _XFF, _XFP})
+
 _XFF_LINE = h.X_FORWARDED_FOR.encode() + b": "
 _XFP_LINE = h.X_FORWARDED_PROTO.encode() + b": http\r\n"
 _CL_LINE = h.CONTENT_LENGTH.encode() + b": "
+_CL_ZERO = _CL_LINE + b"0\r\n"
 _CHUNKED_LINE = h.TRANSFER_ENCODING.encode() + b": chunked\r\n"
 _CLOSE_LINE = h.CONNECTION.encode() + b": close\r\n"
 _KEEPALIVE_LINE = h.CONNECTION.encode() + b": keep-alive\r\n"
 _JSON_HEAD = h.CONTENT_TYPE.encode() + b": application/json\r\n" + _CL_LINE
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
+_HTTP11 = b"HTTP/1.1 "
+_HTTP10 = b"HTTP/1.0 "
 # Methods for which the aiohttp client sends no ``Content-Length: 0`` on an empty body (parity).
 _NO_EMPTY_LENGTH = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
+_METHODS = {m.encode(): m for m in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")}
 _STATUS_CODE = {s.value: b"%d" % s.value for s in HTTPStatus}
 _STATUS_LINE = {s.value: b"%d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
+# Mode header name -> (lower-case key, b"Name: "); names come from the modes: a handful.
+_ADD_NAMES: dict[str, tuple[str, bytes]] = {}
 
 # Exchange states.
 QUEUED, BUFFERING, CONNECTING, SENDING, SENT, DONE = range(6)
 # How the response body is framed towards the client.
 R_NONE, R_LENGTH, R_CHUNKED, R_CLOSE = range(4)
+_RELAY = {R_NONE: RELAY_NONE, R_LENGTH: RELAY_RAW, R_CHUNKED: RELAY_CHUNKED, R_CLOSE: RELAY_RAW}
 
 
 class _Refused(Exception):
@@ -96,83 +127,27 @@ def _bad_request(message: str) -> errors.ProxyError:
     return errors.ProxyError(errors.BAD_REQUEST, message)
 
 
-def _tokens(values: Iterator[bytes]) -> set[bytes]:
-    """Lower-cased comma-separated tokens of header values (``Connection``)."""
+def _headers_too_large(limit: int) -> errors.ProxyError:
+    return errors.ProxyError(errors.HEADERS_TOO_LARGE, f"request head exceeds {limit} bytes", limit=limit)
+
+
+def _tokens(headers: list[tuple[str, bytes, bytes]], key: str) -> set[str]:
+    """Lower-cased comma-separated tokens of the values of header ``key`` (``Connection``)."""
     out = set()
-    for value in values:
-        for token in value.split(b","):
-            token = token.strip().lower()
-            if token:
-                out.add(token)
+    for k, _, value in headers:
+        if k == key:
+            for token in value.split(b","):
+                token = token.strip().lower()
+                if token:
+                    out.add(token.decode("latin-1"))
     return out
 
 
-_KEYS: dict[str, bytes] = {}
-
-
-class _HeaderView(Mapping[str, str]):
-    """The router's view of a request's headers: lower-case name -> first value, decoded on access."""
-
-    __slots__ = ("_index",)
-
-    def __init__(self, index: dict[bytes, bytes]) -> None:
-        self._index = index
-
-    def get(self, key: str, default: Any = None) -> Any:
-        k = _KEYS.get(key)
-        if k is None:
-            k = key.lower().encode("utf-8", "surrogateescape")
-            if len(_KEYS) < 256:  # keys come from the identity config: a handful
-                _KEYS[key] = k
-        value = self._index.get(k)
-        return default if value is None else value.decode("utf-8", "surrogateescape")
-
-    def __getitem__(self, key: str) -> str:
-        value = self.get(key)
-        if value is None:
-            raise KeyError(key)
-        return str(value)
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self.get(key) is not None
-
-    def __iter__(self) -> Iterator[str]:
-        return (k.decode("latin-1") for k in self._index)
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-
-class _ResponseHeaderView(Mapping[str, str]):
-    """The router's view of a response head (a handful of headers): scanned on access only."""
-
-    __slots__ = ("_headers", "_lows")
-
-    def __init__(self, headers: list[tuple[bytes, bytes]], lows: list[bytes]) -> None:
-        self._headers = headers
-        self._lows = lows
-
-    def get(self, key: str, default: Any = None) -> Any:
-        k = key.lower().encode("utf-8", "surrogateescape")
-        for (_, value), low in zip(self._headers, self._lows):
-            if low == k:
-                return value.decode("utf-8", "surrogateescape")
-        return default
-
-    def __getitem__(self, key: str) -> str:
-        value = self.get(key)
-        if value is None:
-            raise KeyError(key)
-        return str(value)
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self.get(key) is not None
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(dict.fromkeys(low.decode("latin-1") for low in self._lows))
-
-    def __len__(self) -> int:
-        return len(set(self._lows))
+def _add_name(name: str) -> tuple[str, bytes]:
+    entry = (name.lower(), name.encode("latin-1") + b": ")
+    if len(_ADD_NAMES) < 256:
+        _ADD_NAMES[name] = entry
+    return entry
 
 
 class FastEngine(Engine):
@@ -186,12 +161,14 @@ class FastEngine(Engine):
         super().__init__(*args)
         self.clients: set[_ClientConnection] = set()
         self.in_flight = 0
+        # The in-flight gauge's child, set from ``in_flight`` (no method call per request).
+        self.gauge = self.metrics.in_flight.labels()
         self.draining = False
         self._drained: asyncio.Future[None] | None = None
-        # upstream URL -> (pool, "Host: ...\r\n" line, base path bytes)
+        # upstream URL -> (pool, b" " + base path, b" HTTP/1.1\r\nHost: ...\r\n")
         self.upstreams: dict[str, tuple[UpstreamPool, bytes, bytes]] = {}
         self._pools: list[UpstreamPool] = []
-        self._drop: dict[frozenset[str], frozenset[bytes]] = {}
+        self.drops: dict[frozenset[str], frozenset[str]] = {}
 
     async def start(self) -> None:
         for dep in self.router.deployments:
@@ -212,8 +189,8 @@ class FastEngine(Engine):
                 key = (up.host, up.port)
                 if key not in pools:
                     pools[key] = UpstreamPool(loop, up.host, up.port, limits[key])
-                self.upstreams[up.url] = (pools[key], f"{h.HOST}: {up.host_header}\r\n".encode(),
-                                          up.base_path.encode())
+                self.upstreams[up.url] = (pools[key], b" " + up.base_path.encode(),
+                                          f" HTTP/1.1\r\n{h.HOST}: {up.host_header}\r\n".encode())
         self._pools = list(pools.values())
         listen = self.config.listen
         self._server = await loop.create_server(lambda: _ClientConnection(self), listen.host, listen.port,
@@ -263,31 +240,26 @@ class FastEngine(Engine):
 
     # -- used by connections and exchanges ------------------------------------------------
 
-    def drop_for(self, strip: frozenset[str]) -> frozenset[bytes]:
-        drop = self._drop.get(strip)
-        if drop is None:
-            drop = _REQ_DROP | {s.lower().encode() for s in strip}
-            if len(self._drop) < 64:  # one per deployment in practice
-                self._drop[strip] = drop
+    def drop_for(self, strip: frozenset[str]) -> frozenset[str]:
+        """Request headers never forwarded for a decision's ``strip`` (cached: one per deployment)."""
+        drop = _REQ_DROP | {s.lower() for s in strip}
+        if len(self.drops) < 64:
+            self.drops[strip] = drop
         return drop
-
-    def request_started(self) -> None:
-        self.in_flight += 1
-        self.metrics.in_flight.inc()
 
     def request_done(self) -> None:
         self.in_flight -= 1
-        self.metrics.in_flight.dec()
-        if self.in_flight == 0 and self._drained is not None and not self._drained.done():
+        self.gauge.value = self.in_flight
+        if self._drained is not None and self.in_flight == 0 and not self._drained.done():
             self._drained.set_result(None)
 
 
 class _ClientConnection(asyncio.Protocol):
     """One client connection: parses requests, answers them in order."""
 
-    __slots__ = ("engine", "loop", "parser", "transport", "flow", "peer", "queue", "cur", "out",
+    __slots__ = ("engine", "loop", "parser", "transport", "flow", "peer", "xff_xfp", "queue", "cur", "out",
                  "in_head", "head_fed", "head_bytes", "max_head", "stopped", "refusal", "write_paused",
-                 "idle_since", "ka_timer", "closing", "advancing")
+                 "idle_since", "timer", "timer_due", "closing", "advancing")
 
     def __init__(self, engine: FastEngine) -> None:
         self.engine = engine
@@ -305,6 +277,8 @@ class _ClientConnection(asyncio.Protocol):
         self.write_paused = False
         self.closing = False
         self.advancing = False
+        self.timer: asyncio.TimerHandle | None = None  # the watchdog (see _watch)
+        self.timer_due = _INF  # when it fires (perf_counter time)
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -313,9 +287,11 @@ class _ClientConnection(asyncio.Protocol):
         self.flow = ReadFlow(transport)
         peer = transport.get_extra_info("peername")
         self.peer = str(peer[0]).encode() if peer else b""
+        # What a request without X-Forwarded-* headers gets: built once per connection.
+        self.xff_xfp = _XFF_LINE + self.peer + b"\r\n" + _XFP_LINE
         self.engine.clients.add(self)
-        self.idle_since = self.loop.time()
-        self.ka_timer = self.loop.call_later(KEEPALIVE_TIMEOUT, self._keepalive_check)
+        self.idle_since = now = perf_counter()
+        self._arm(now + KEEPALIVE_TIMEOUT, now)
 
     def data_received(self, data: bytes) -> None:
         if self.stopped:
@@ -337,7 +313,10 @@ class _ClientConnection(asyncio.Protocol):
             if self.in_head and self.head_fed > self.max_head:
                 # llhttp holds a partial header line until it ends: bound what it can hold.
                 self._refuse(_headers_too_large(self.max_head), "headers_too_large")
-        self.advance()
+        if self.queue:
+            self.advance()
+        elif self.out:
+            self.flush()
 
     def eof_received(self) -> bool | None:
         return None  # the client is gone: close (connection_lost aborts what is in flight)
@@ -346,7 +325,7 @@ class _ClientConnection(asyncio.Protocol):
         self.closing = True
         self.stopped = True
         self.engine.clients.discard(self)
-        self.ka_timer.cancel()
+        self._disarm()
         queue = self.queue
         while queue:
             queue.popleft().client_gone()
@@ -390,10 +369,13 @@ class _ClientConnection(asyncio.Protocol):
         if self.in_head:
             ex = self.cur
             assert ex is not None
-            low = name.lower()
-            ex.headers.append((name, low, value))
-            if low not in ex.index:
-                ex.index[low] = value
+            key = HEADER_KEYS[name] if name in HEADER_KEYS else header_key(name)
+            ex.fields.append((key, name, value))
+            headers = ex.headers
+            if key not in headers:
+                headers[key] = value.decode("utf-8", "surrogateescape")
+                if key in _SPECIAL:
+                    ex.special = True
         # else: a trailer after a chunked body: counted against the limit, never forwarded
 
     def on_headers_complete(self) -> None:
@@ -402,15 +384,20 @@ class _ClientConnection(asyncio.Protocol):
         ex = self.cur
         assert ex is not None
         parser = self.parser
-        ex.method = parser.get_method()
+        ex.method = method = parser.get_method()
         ex.keep_alive = parser.should_keep_alive()
-        ex.check_head(parser.get_http_version())
+        version = parser.get_http_version()
+        if ex.special or version != "1.1" or ex.target[:1] != b"/" or method == b"CONNECT":
+            ex.check_head(version)
+        elif _CONTENT_LENGTH in ex.headers:
+            ex.length = int(ex.headers[_CONTENT_LENGTH])  # llhttp accepted exactly one, all digits
         ex.queued = True
         queue = self.queue
+        waits = bool(queue)  # an earlier request is still in progress
         queue.append(ex)
         if ex.error is not None:
             self._stop()  # answered, then closed: later bytes are never read as requests
-        elif len(queue) > 1:
+        elif waits:
             self.flow.pause(PIPELINED)
 
     def on_body(self, body: bytes) -> None:
@@ -432,24 +419,26 @@ class _ClientConnection(asyncio.Protocol):
         """Start the oldest request if it is not started, move its body along, write output."""
         if not self.advancing and not self.closing:
             self.advancing = True
+            queue = self.queue
             try:
-                queue = self.queue
                 while queue:
                     ex = queue[0]
-                    if ex.state == QUEUED:
-                        try:
-                            ex.start()
-                        except Exception as exc:  # a bug must cost one request, not the listener
-                            log.error("request failed in the engine: %r", exc, exc_info=exc)
-                            ex.internal_error()
-                        continue
-                    ex.pump()
-                    break
+                    if ex.state != QUEUED:
+                        ex.pump()
+                        break
+                    try:
+                        ex.start()
+                    except Exception as exc:  # a bug must cost one request, not the listener
+                        log.error("request failed in the engine: %r", exc, exc_info=exc)
+                        ex.internal_error()
+                    if queue and queue[0] is ex:
+                        break  # started and in progress: it forwarded everything parsed so far
             finally:
                 self.advancing = False
-            if len(self.queue) <= 1:
+            if self.flow.reasons & PIPELINED and len(queue) <= 1:
                 self.flow.resume(PIPELINED)
-        self.flush()
+        if self.out:
+            self.flush()
 
     def done(self, ex: _Exchange) -> None:
         """``ex`` is answered (or abandoned by us): move on to the next request or close."""
@@ -461,7 +450,7 @@ class _ClientConnection(asyncio.Protocol):
             self.close()
             return
         if not queue:
-            self.idle_since = self.loop.time()
+            self.idle_since = perf_counter()
         self.advance()
 
     def flush(self) -> None:
@@ -478,7 +467,7 @@ class _ClientConnection(asyncio.Protocol):
             return
         self.flush()
         self.closing = True
-        self.ka_timer.cancel()
+        self._disarm()
         self.queue.clear()  # pipelined requests never started: the client retries them elsewhere
         transport = self.transport
         if self.cur is None and not self.stopped:
@@ -500,7 +489,7 @@ class _ClientConnection(asyncio.Protocol):
         self.out.clear()
         self.closing = True
         self.stopped = True
-        self.ka_timer.cancel()
+        self._disarm()
         self.transport.abort()
 
     def abort_all(self) -> None:
@@ -528,44 +517,80 @@ class _ClientConnection(asyncio.Protocol):
         else:
             ex.refused(exc, reason)
 
-    def _keepalive_check(self) -> None:
+    # -- the watchdog: keep-alive, first-byte and idle timeouts ---------------------------------
+    # One timer per connection, always armed while it is open, firing no later than the earliest
+    # deadline: the keep-alive timeout when no request is in progress, else the first-byte or idle
+    # deadline of the request at the head of the queue. Requests only re-arm it when their
+    # deadline is earlier than the armed one (on a busy connection: almost never); when it fires
+    # early it re-arms for the deadline that applies then.
+
+    def _arm(self, due: float, now: float) -> None:
+        """Fire the watchdog at ``due`` (capped at one keep-alive period from ``now``)."""
+        timer = self.timer
+        if timer is not None:
+            timer.cancel()
+        cap = now + KEEPALIVE_TIMEOUT  # the request may end any time: the connection then idles
+        if due > cap:
+            due = cap
+        self.timer_due = due
+        self.timer = self.loop.call_later(due - now if due > now else 0.0, self._watch)
+
+    def _disarm(self) -> None:
+        timer = self.timer
+        if timer is not None:
+            timer.cancel()
+            self.timer = None
+        self.timer_due = _INF
+
+    def _watch(self) -> None:
+        self.timer = None
+        self.timer_due = _INF
         if self.closing:
             return
-        delay = KEEPALIVE_TIMEOUT
-        if not self.queue:
-            idle = self.loop.time() - self.idle_since
-            if idle >= KEEPALIVE_TIMEOUT:
+        now = perf_counter()
+        queue = self.queue
+        if not queue:
+            if now - self.idle_since >= KEEPALIVE_TIMEOUT:
                 self.close()
                 return
-            delay -= idle
-        self.ka_timer = self.loop.call_later(delay, self._keepalive_check)
-
-
-def _headers_too_large(limit: int) -> errors.ProxyError:
-    return errors.ProxyError(errors.HEADERS_TOO_LARGE, f"request head exceeds {limit} bytes", limit=limit)
+            self._arm(self.idle_since + KEEPALIVE_TIMEOUT, now)
+            return
+        ex = queue[0]
+        if ex.deadline() <= now:
+            ex.timed_out(now)
+            self.flush()
+            if self.closing or self.timer is not None:
+                return
+            now = perf_counter()
+            if not queue:
+                self._arm(self.idle_since + KEEPALIVE_TIMEOUT, now)
+                return
+            ex = queue[0]
+        self._arm(ex.deadline(), now)
 
 
 class _Exchange:
     """One request/response: routed, forwarded, relayed, finished exactly once."""
 
-    __slots__ = ("client", "method", "target", "headers", "index", "http10", "keep_alive", "length",
+    __slots__ = ("client", "method", "target", "fields", "headers", "special", "http10", "keep_alive", "length",
                  "chunked", "expect", "conn_tokens", "error", "queued", "body", "body_size", "complete",
-                 "state", "started", "decision", "t0", "limit", "head", "frame_chunked", "pool", "conn",
-                 "connect_timeout", "idle_timeout", "timer", "last_io", "request_sent", "resp_started",
-                 "resp_status", "resp_mode", "close_after")
+                 "state", "started", "decision", "t0", "limit", "head", "frame_chunked", "conn",
+                 "connect_timeout", "first_byte_timeout", "idle_timeout", "last_io", "request_sent",
+                 "resp_started", "resp_status", "resp_mode", "close_after")
 
     def __init__(self, client: _ClientConnection) -> None:
         self.client = client
         self.method = b""
         self.target = b""
-        self.headers: list[tuple[bytes, bytes, bytes]] = []  # (name, lower-case name, value)
-        self.index: dict[bytes, bytes] = {}  # lower-case name -> first value
+        self.fields: list[tuple[str, bytes, bytes]] = []  # (lower-case key, name, value), to forward
+        self.headers: dict[str, str] = {}  # lower-case key -> first value (decoded): the router's view
+        self.special = False  # a header in _SPECIAL is present: take the slow head checks
         self.http10 = False
         self.keep_alive = False
         self.length = -1  # declared Content-Length
         self.chunked = False
         self.expect = False
-        self.conn_tokens: set[bytes] | frozenset[bytes] = frozenset()
+        self.conn_tokens: set[str] | frozenset[str] = frozenset()
         self.error: tuple[errors.ProxyError, str] | None = None  # answered locally instead
         self.queued = False
         self.body: list[bytes] = []  # parsed body bytes not yet forwarded
@@ -576,13 +601,12 @@ class _Exchange:
         self.decision: Decision | None = None
         self.t0 = 0.0
         self.limit = 0
-        self.head = b""
+        self.head: list[bytes] = []  # the upstream request's pieces while no connection is attached
         self.frame_chunked = False
-        self.pool: UpstreamPool | None = None
         self.conn: UpstreamConnection | None = None
         self.connect_timeout = 0.0
+        self.first_byte_timeout = 0.0
         self.idle_timeout = 0.0
-        self.timer: asyncio.TimerHandle | None = None
         self.last_io = 0.0
         self.request_sent = False
         self.resp_started = False
@@ -593,60 +617,63 @@ class _Exchange:
     # -- request head -------------------------------------------------------------------------
 
     def check_head(self, version: str) -> None:
-        """Framing and form checks llhttp leaves to the application (run at end of head)."""
-        index = self.index
+        """Framing and form checks llhttp leaves to the application (run at end of head), for
+        heads off the fast path (HTTP/1.0, framing or forwarding headers, odd targets)."""
+        headers = self.headers
         self.http10 = version == "1.0"
         if version != "1.1" and not self.http10:
             self.error = (_bad_request(f"unsupported HTTP version {version}"), "bad_request")
             return
-        if _CONNECTION in index:
-            self.conn_tokens = _tokens(v for _, low, v in self.headers if low == _CONNECTION)
-        te = index.get(_TRANSFER_ENCODING)
+        if _CONNECTION in headers:
+            self.conn_tokens = _tokens(self.fields, _CONNECTION)
+        te = headers.get(_TRANSFER_ENCODING)
         if te is not None:
-            count = sum(1 for _, low, _ in self.headers if low == _TRANSFER_ENCODING)
-            if self.http10 or count > 1 or te.strip().lower() != b"chunked":
+            count = sum(1 for k, _, _ in self.fields if k == _TRANSFER_ENCODING)
+            if self.http10 or count > 1 or te.strip().lower() != "chunked":
                 self.error = (_bad_request("unsupported Transfer-Encoding (only chunked, on HTTP/1.1)"),
                               "bad_request")
                 return
             self.chunked = True
-        cl = index.get(_CONTENT_LENGTH)
+        cl = headers.get(_CONTENT_LENGTH)
         if cl is not None:
             self.length = int(cl)  # llhttp accepted exactly one, all digits
-        if _UPGRADE in index and b"upgrade" in self.conn_tokens:
+        if _UPGRADE in headers and "upgrade" in self.conn_tokens:
             self.error = (errors.ProxyError(errors.UPGRADE_NOT_SUPPORTED,
                                             "the sidecar does not proxy protocol upgrades"), "upgrade")
             return
         if self.method == b"CONNECT" or not self.target.startswith(b"/"):
             self.error = (_bad_request("request target must be an absolute path (origin-form)"), "bad_request")
             return
-        expect = index.get(_EXPECT)
-        self.expect = expect is not None and expect.lower() == b"100-continue"
+        expect = headers.get(_EXPECT)
+        self.expect = expect is not None and expect.lower() == "100-continue"
 
     # -- request path -------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Route the request at the head of the queue; forward it unless answered here."""
         client = self.client
         engine = client.engine
         self.started = True
         self.state = BUFFERING
-        engine.request_started()
+        engine.in_flight += 1
+        engine.gauge.value = engine.in_flight
         router = engine.router
         if self.error is not None:
             exc, reason = self.error
             self.respond_error(exc, router.default.name, router.default.mode_name, reason, close=True)
             return
         self.t0 = perf_counter()
+        method = self.method
         try:
-            decision = router.route(RequestHead(self.method.decode("latin-1"),
-                                                self.target.decode("utf-8", "surrogateescape"),
-                                                _HeaderView(self.index)))
+            decision = router.route(RequestHead(_METHODS[method] if method in _METHODS else method.decode("latin-1"),
+                                                self.target.decode("utf-8", "surrogateescape"), self.headers))
         except errors.ProxyError as exc:
             self.respond_error(exc, router.default.name, router.default.mode_name, exc.type)
             return
         self.decision = decision
-        dep = decision.deployment
         self.limit = limit = decision.max_body_bytes
         if self.length > limit or self.body_size > limit:
+            dep = decision.deployment
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
             # A declared length whose body is already parsed leaves nothing to skip: keep the
             # connection. A chunked body over the limit, or one still arriving, ends it.
@@ -659,8 +686,107 @@ class _Exchange:
             if self.complete:
                 self._send_transformed()
             return
-        self.head = self._build_head(decision, -1)
-        self._acquire()
+        self._forward(decision, -1)
+
+    def _forward(self, decision: Decision, length: int) -> None:
+        """Build the upstream request head and send it with the body parsed so far on a pooled
+        connection (or wait for one). ``length >= 0`` replaces the body framing (transformed body).
+
+        Flattened (head building, metrics, connection pick and attach in one method): it runs
+        once per forwarded request."""
+        client = self.client
+        engine = client.engine
+        pool, base, version_host = engine.upstreams[decision.upstream.url]
+        headers = self.headers
+        strip = decision.strip
+        drops = engine.drops
+        drop = drops[strip] if strip in drops else engine.drop_for(strip)
+        if self.conn_tokens:
+            drop = drop | self.conn_tokens
+        add = decision.add
+        if add:
+            for name, _ in add:
+                key = (_ADD_NAMES[name] if name in _ADD_NAMES else _add_name(name))[0]
+                if key in headers and key not in drop:
+                    drop = drop | {key}  # the mode's value replaces a client header of the same name
+        if length >= 0 and _CONTENT_LENGTH in headers:
+            drop = drop | _CL_DROP
+        parts = [self.method, base, self.target, version_host]
+        for key, name, value in self.fields:
+            if key not in drop:
+                parts += (name, b": ", value, b"\r\n")
+        if self.special:
+            self._forwarded_for(parts, drop, strip)
+        else:
+            parts.append(client.xff_xfp)
+        for name, value in add:
+            parts += ((_ADD_NAMES[name] if name in _ADD_NAMES else _add_name(name))[1],
+                      value.encode("utf-8", "surrogateescape"), b"\r\n")
+        if length >= 0:
+            parts += (_CL_LINE, b"%d" % length, b"\r\n\r\n")
+        elif self.chunked:
+            parts += (_CHUNKED_LINE, b"\r\n")
+            self.frame_chunked = True
+        elif self.length < 0 and self.method not in _NO_EMPTY_LENGTH:
+            parts += (_CL_ZERO, b"\r\n")
+        else:
+            parts.append(b"\r\n")
+
+        dep = decision.deployment
+        t = dep.timeouts
+        now = perf_counter()
+        dep.stats.added.observe(now - self.t0)  # type: ignore[union-attr]
+        self.state = CONNECTING
+        self.connect_timeout = t.connect
+        self.idle_timeout = idle = t.idle
+        # Like the aiohttp client's sock_read, silence before the head is bounded by `idle` too.
+        first_byte = t.first_byte
+        self.first_byte_timeout = first_byte = idle if idle < first_byte else first_byte
+        due = self.t0 + first_byte
+        if due < client.timer_due:
+            client._arm(due, now)
+
+        conn = pool.take(now) if pool.idle else None
+        if conn is None:
+            self.head = parts
+            pool.acquire(self)
+            if self.state == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
+                client.flow.pause(WAITING)
+            return
+        # Flattened attach.
+        self.conn = conn
+        conn.ex = self
+        if client.write_paused:
+            conn.flow.pause(CLIENT_FULL)
+        if conn.write_paused:
+            client.flow.pause(PEER_FULL)
+        body = self.body
+        if body:
+            if self.frame_chunked:
+                self._frame_body(parts)
+            else:
+                parts += body
+                body.clear()
+        if self.complete:
+            if self.frame_chunked:
+                parts.append(_LAST_CHUNK)
+            self.state = SENT
+            self.request_sent = True
+        else:
+            self.state = SENDING
+        assert conn.transport is not None
+        conn.transport.write(b"".join(parts))
+
+    def _forwarded_for(self, parts: list[bytes], drop: frozenset[str] | set[str], strip: frozenset[str]) -> None:
+        """X-Forwarded-For / -Proto when the client sent forwarding headers of its own."""
+        client = self.client
+        xff_value = self.headers.get(_XFF)
+        xff: bytes | None = None
+        if xff_value is not None and _XFF not in self.conn_tokens and _XFF not in strip:
+            xff = b", ".join([v for k, _, v in self.fields if k == _XFF])
+        parts += (_XFF_LINE, xff + b", " + client.peer if xff else client.peer, b"\r\n")
+        if _XFP not in self.headers or _XFP in drop:
+            parts.append(_XFP_LINE)
 
     def pump(self) -> None:
         """Client bytes were parsed: forward, buffer or refuse them according to the state."""
@@ -679,9 +805,9 @@ class _Exchange:
                 self.state = SENT
                 self.request_sent = True
             if out:
-                assert self.conn is not None
-                self.conn.send(b"".join(out))
-                self.last_io = self.client.loop.time()
+                assert self.conn is not None and self.conn.transport is not None
+                self.conn.transport.write(b"".join(out))
+                self.last_io = perf_counter()
         elif state == BUFFERING:
             if self.complete:
                 self._send_transformed()
@@ -701,71 +827,9 @@ class _Exchange:
             dep = decision.deployment
             self.respond_error(exc, dep.name, dep.mode_name, exc.type)
             return
-        self.head = self._build_head(decision, len(new))
         if new:
             body.append(new)
-        self._acquire()
-
-    def _build_head(self, decision: Decision, length: int) -> bytes:
-        """The upstream request head; ``length >= 0`` replaces the body framing (transformed body)."""
-        client = self.client
-        engine = client.engine
-        pool, host_line, base = engine.upstreams[decision.upstream.url]
-        self.pool = pool
-        index = self.index
-        drop = engine.drop_for(decision.strip)
-        if self.conn_tokens:
-            drop = drop | self.conn_tokens
-        add = decision.add
-        if add:
-            names = frozenset(n.lower().encode() for n, _ in add)
-            if not names <= drop:
-                drop = drop | names  # the mode's value replaces a client header of the same name
-        if length >= 0 and _CONTENT_LENGTH in index:
-            drop = drop | {_CONTENT_LENGTH}
-        parts = [self.method, b" ", base, self.target, b" HTTP/1.1\r\n", host_line]
-        for name, low, value in self.headers:
-            if low not in drop:
-                parts += (name, b": ", value, b"\r\n")
-        xff = index.get(_XFF)
-        if xff is not None:
-            if _XFF in self.conn_tokens or _XFF_STR in decision.strip:
-                xff = None  # the client's value is dropped, not extended
-            else:
-                values = [v for _, low, v in self.headers if low == _XFF]
-                if len(values) > 1:
-                    xff = b", ".join(values)
-        parts += (_XFF_LINE, xff + b", " + client.peer if xff else client.peer, b"\r\n")
-        if _XFP not in index or _XFP in drop:
-            parts.append(_XFP_LINE)
-        for name, value in add:
-            parts += (name.encode("latin-1"), b": ", value.encode("utf-8", "surrogateescape"), b"\r\n")
-        self.frame_chunked = False
-        if length >= 0:
-            parts += (_CL_LINE, b"%d" % length, b"\r\n")
-        elif self.chunked:
-            parts.append(_CHUNKED_LINE)
-            self.frame_chunked = True
-        elif self.length < 0 and self.method not in _NO_EMPTY_LENGTH:
-            parts += (_CL_LINE, b"0\r\n")
-        parts.append(b"\r\n")
-        return b"".join(parts)
-
-    def _acquire(self) -> None:
-        decision = self.decision
-        assert decision is not None and self.pool is not None
-        client = self.client
-        dep = decision.deployment
-        t = dep.timeouts
-        client.engine.metrics.added_hist(dep.name).observe(perf_counter() - self.t0)
-        self.state = CONNECTING
-        self.connect_timeout = t.connect
-        self.idle_timeout = t.idle
-        # Like the aiohttp client's sock_read, silence before the head is bounded by `idle` too.
-        self.timer = client.loop.call_later(min(t.first_byte, t.idle), self._first_byte_timeout)
-        self.pool.acquire(self)
-        if self.state == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
-            client.flow.pause(WAITING)
+        self._forward(decision, len(new))
 
     def _frame_body(self, out: list[bytes]) -> None:
         body = self.body
@@ -784,16 +848,15 @@ class _Exchange:
     def wants_connection(self) -> bool:
         return self.state == CONNECTING
 
-    @property
-    def client_write_paused(self) -> bool:
-        return self.client.write_paused
-
     def attach(self, conn: UpstreamConnection) -> None:
+        """A connection for a request that waited for one (opened, or freed by another)."""
         self.conn = conn
-        conn.bind(self)
-        self.client.flow.resume(WAITING)
-        out = [self.head]
-        self.head = b""
+        client = self.client
+        conn.bind(self, client.write_paused)
+        if client.flow.reasons & WAITING:
+            client.flow.resume(WAITING)
+        out = self.head
+        self.head = []
         if self.body:
             self._frame_body(out)
         if self.complete:
@@ -803,7 +866,8 @@ class _Exchange:
             self.request_sent = True
         else:
             self.state = SENDING
-        conn.send(b"".join(out))
+        assert conn.transport is not None
+        conn.transport.write(b"".join(out))
 
     def connect_failed(self, kind: str, exc: BaseException) -> None:
         if self.state != CONNECTING:
@@ -825,96 +889,107 @@ class _Exchange:
         else:
             self.client.flow.resume(PEER_FULL)
 
-    def response_head(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> int:
-        timer = self.timer
-        if timer is not None:
-            timer.cancel()
-            self.timer = None
+    def response_head(self, status: int, reason: bytes, headers: list[tuple[str, bytes, bytes]],
+                      fields: dict[str, str], now: float) -> int:
+        """The upstream's response head: tell the router, queue the client's head, set up the
+        relay of the body (flattened: once per request)."""
         client = self.client
         engine = client.engine
         decision = self.decision
         assert decision is not None
-        dep = decision.deployment
-        engine.health.mark_reached()
-        engine.metrics.ttfb_hist(dep.name, dep.mode_name).observe(perf_counter() - self.t0)
+        if not engine.health.reached:
+            engine.health.mark_reached()
+        decision.deployment.stats.ttfb.observe(now - self.t0)  # type: ignore[union-attr]
         self.resp_status = status
         self.resp_started = True
-        lows = [name.lower() for name, _ in headers]
-        engine.router.on_response(decision, status, _ResponseHeaderView(headers, lows))
+        self.last_io = now
+        engine.router.on_response(decision, status, fields)
         drop = _HOP
-        if _CONNECTION in lows:
-            drop = _HOP | _tokens(v for (_, v), low in zip(headers, lows) if low == _CONNECTION)
+        if _CONNECTION in fields:
+            drop = _HOP | _tokens(headers, _CONNECTION)
         body = BODY_FRAMED
         if self.method == b"HEAD":
             mode = R_NONE
             body = BODY_NONE
         elif status == 204 or status == 304:
             mode = R_NONE
-        elif _TRANSFER_ENCODING not in lows and _CONTENT_LENGTH in lows:
+        elif _CONTENT_LENGTH in fields and _TRANSFER_ENCODING not in fields:
             mode = R_LENGTH
         else:
-            if _TRANSFER_ENCODING in lows:
-                codings = b",".join(v for (_, v), low in zip(headers, lows) if low == _TRANSFER_ENCODING)
+            if _TRANSFER_ENCODING in fields:
+                codings = b",".join([v for k, _, v in headers if k == _TRANSFER_ENCODING])
                 if codings.rsplit(b",", 1)[-1].strip().lower() != b"chunked":
                     body = BODY_UNTIL_EOF
             else:
                 body = BODY_UNTIL_EOF
             mode = R_CLOSE if self.http10 else R_CHUNKED
-        keep = self.keep_alive and self.complete and mode != R_CLOSE and not engine.draining
-        parts = [b"HTTP/1.0 " if self.http10 else b"HTTP/1.1 ", _STATUS_CODE.get(status) or b"%d" % status,
-                 b" ", reason, b"\r\n"]
-        for (name, value), low in zip(headers, lows):
-            if low not in drop:
-                parts += (name, b": ", value, b"\r\n")
+        out = client.out
+        out += (_HTTP10 if self.http10 else _HTTP11,
+                _STATUS_CODE[status] if status in _STATUS_CODE else b"%d" % status, b" ", reason, b"\r\n")
+        for key, name, value in headers:
+            if key not in drop:
+                out += (name, b": ", value, b"\r\n")
         if mode == R_CHUNKED:
-            parts.append(_CHUNKED_LINE)
-        if not keep:
+            out.append(_CHUNKED_LINE)
+        if not (self.keep_alive and self.complete and mode != R_CLOSE and not engine.draining):
             if not self.http10:  # closing is HTTP/1.0's default
-                parts.append(_CLOSE_LINE)
+                out.append(_CLOSE_LINE)
             self.close_after = True
         elif self.http10:
-            parts.append(_KEEPALIVE_LINE)
-        parts.append(b"\r\n")
-        client.out.append(b"".join(parts))
+            out.append(_KEEPALIVE_LINE)
+        out.append(b"\r\n")
         self.resp_mode = mode
+        conn = self.conn
+        if conn is not None:
+            conn.relay = _RELAY[mode] if body != BODY_NONE else RELAY_NONE
+            conn.sink = out
         return body
 
-    def response_body(self, data: bytes) -> None:
-        mode = self.resp_mode
-        if mode == R_CHUNKED:
-            self.client.out += (b"%x\r\n" % len(data), data, b"\r\n")
-        elif mode != R_NONE:
-            self.client.out.append(data)
-
     def flush(self) -> None:
-        """Part of the response was relayed: write it, and watch for an idle upstream from now on."""
+        """Part of the response was relayed: write it."""
         self.client.flush()
-        if self.timer is None and self.state != DONE:
-            self.timer = self.client.loop.call_later(self.idle_timeout, self._idle_check)
 
-    def response_end(self) -> None:
+    def response_end(self, now: float) -> None:
+        """The last response byte arrived: write it, count, finish the turn, move on
+        (flattened: once per request)."""
         client = self.client
+        out = client.out
         if self.resp_mode == R_CHUNKED:
-            client.out.append(_LAST_CHUNK)
-        client.flush()  # the last byte is on its way before the router hears the turn ended
+            out.append(_LAST_CHUNK)
+        # The last byte is on its way before the router hears the turn ended.
+        if out:
+            data = b"".join(out)
+            out.clear()
+            if not client.closing:
+                client.transport.write(data)
         self.conn = None
         self.state = DONE
-        timer = self.timer
-        if timer is not None:
-            timer.cancel()
-            self.timer = None
         engine = client.engine
         decision = self.decision
         assert decision is not None
-        dep = decision.deployment
+        stats = decision.deployment.stats
+        assert stats is not None
         status = self.resp_status
-        m = engine.metrics
-        m.request_counter(dep.name, dep.mode_name, f"{status // 100}xx").inc()
-        m.duration_hist(dep.name, dep.mode_name).observe(perf_counter() - self.t0)
+        stats.request(status).inc()
+        stats.duration.observe(now - self.t0)
         engine.router.finish(decision, TurnOutcome.COMPLETED if status < 500 else TurnOutcome.UPSTREAM_FAILED)
-        if not self.complete:
-            self.close_after = True  # the rest of the request body is never read
-        client.done(self)
+        # Flattened client.done(self).
+        queue = client.queue
+        if queue and queue[0] is self:
+            queue.popleft()
+        engine.in_flight -= 1
+        engine.gauge.value = engine.in_flight
+        if engine._drained is not None and engine.in_flight == 0 and not engine._drained.done():
+            engine._drained.set_result(None)
+        if not self.complete or self.close_after or engine.draining:
+            client.close()  # (an unread rest of the request body is never read)
+            return
+        if queue:
+            client.advance()
+        else:
+            client.idle_since = now
+            if client.flow.reasons & PIPELINED:
+                client.flow.resume(PIPELINED)
 
     def upstream_failed(self, message: str) -> None:
         """The upstream connection failed (it has detached itself)."""
@@ -935,6 +1010,31 @@ class _Exchange:
         log.warning("upstream failed mid-response: %s", message, extra={"deployment": dep.name})
         self._abort_client()
 
+    # -- timeouts (see _ClientConnection._watch) ----------------------------------------------
+
+    def deadline(self) -> float:
+        """When this request times out as things stand (perf_counter time; inf: no timeout)."""
+        state = self.state
+        if state < CONNECTING or state == DONE:
+            return _INF
+        if not self.resp_started:
+            return self.t0 + self.first_byte_timeout
+        return self.last_io + self.idle_timeout
+
+    def timed_out(self, now: float) -> None:
+        decision = self.decision
+        assert decision is not None
+        dep, up = decision.deployment, decision.upstream
+        if not self.resp_started:
+            self._upstream_error("timeout", errors.UPSTREAM_TIMEOUT,
+                                 f"upstream of deployment {dep.name!r} ({up.url}) timed out")
+            return
+        engine = self.client.engine
+        engine.metrics.upstream_error(dep.name, "timeout").inc()
+        engine.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+        log.warning("upstream idle for %.1fs mid-response", now - self.last_io, extra={"deployment": dep.name})
+        self._abort_client()
+
     # -- failures and local answers ---------------------------------------------------------
 
     def respond_error(self, exc: errors.ProxyError, dep_name: str, mode_name: str, reason: str | None,
@@ -948,7 +1048,7 @@ class _Exchange:
         self._release_upstream()
         body = exc.body()
         keep = not close and self.keep_alive and self.complete and not engine.draining
-        parts = [b"HTTP/1.0 " if self.http10 else b"HTTP/1.1 ",
+        parts = [_HTTP10 if self.http10 else _HTTP11,
                  _STATUS_LINE.get(exc.status) or b"%d Error\r\n" % exc.status,
                  _JSON_HEAD, b"%d" % len(body), b"\r\n"]
         if not keep:
@@ -1005,38 +1105,7 @@ class _Exchange:
         exc = errors.ProxyError(type_, message, deployment=dep.name, upstream=decision.upstream.url)
         self.respond_error(exc, dep.name, dep.mode_name, None)
 
-    def _first_byte_timeout(self) -> None:
-        self.timer = None
-        if self.state in (CONNECTING, SENDING, SENT) and not self.resp_started:
-            decision = self.decision
-            assert decision is not None
-            dep, up = decision.deployment, decision.upstream
-            self._upstream_error("timeout", errors.UPSTREAM_TIMEOUT,
-                                 f"upstream of deployment {dep.name!r} ({up.url}) timed out")
-
-    def _idle_check(self) -> None:
-        self.timer = None
-        if self.state == DONE:
-            return
-        loop = self.client.loop
-        silent = loop.time() - self.last_io
-        if silent < self.idle_timeout:
-            self.timer = loop.call_later(self.idle_timeout - silent, self._idle_check)
-            return
-        decision = self.decision
-        assert decision is not None
-        dep = decision.deployment
-        engine = self.client.engine
-        engine.metrics.upstream_error(dep.name, "timeout").inc()
-        engine.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-        log.warning("upstream idle for %.1fs mid-response", silent, extra={"deployment": dep.name})
-        self._abort_client()
-
     def _release_upstream(self) -> None:
-        timer = self.timer
-        if timer is not None:
-            timer.cancel()
-            self.timer = None
         conn = self.conn
         if conn is not None:
             self.conn = None
@@ -1061,4 +1130,3 @@ class _Exchange:
         if self.decision is not None:
             engine.router.finish(self.decision, TurnOutcome.CLIENT_ABORTED)
         engine.request_done()
-

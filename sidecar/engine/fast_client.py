@@ -9,10 +9,14 @@ requests when the bound is reached.
 
 A pooled connection closed by the upstream while idle is never written to: the loop has
 usually already seen the close (the connection then left the pool), and for the race where the
-FIN arrived but was not processed yet, :meth:`UpstreamConnection.usable` polls the socket of a
-connection that sat idle for more than a millisecond. The request then goes to a fresh connection: a retry that happens strictly before any
-request byte was sent. Once bytes went out on a connection, a failure is reported, never
-replayed (the upstream may have started generating).
+FIN arrived but was not processed yet, :meth:`UpstreamPool.take` polls the socket of a
+connection that sat idle for longer than :data:`STALE_CHECK_AFTER`. The request then goes to a
+fresh connection: a retry that happens strictly before any request byte was sent. Once bytes
+went out on a connection, a failure is reported, never replayed (the upstream may have started
+generating).
+
+Times here (``idle_since``, the ``now`` arguments) are ``time.perf_counter()`` readings the
+exchange already took for its metrics: the hot path reads the clock as few times as possible.
 """
 
 from __future__ import annotations
@@ -20,15 +24,19 @@ from __future__ import annotations
 import asyncio
 import select
 from collections import deque
+from time import perf_counter
 from typing import Protocol, cast
 
 import httptools
 
 from sidecar.engine.flow import CLIENT_FULL, ReadFlow
 
-# A connection back from the pool sooner than this is not polled for a close first: upstreams
-# close idle connections after seconds, and under load reuse is sub-millisecond (saves a syscall).
-STALE_CHECK_AFTER = 0.001
+# A connection back from the pool sooner than this is not polled for a close first (saves a
+# syscall per request under load, where reuse is sub-millisecond to a few milliseconds).
+# Upstreams close idle keep-alive connections after seconds; a close that lands within this
+# window and in the same loop iteration as the reuse is the one race left uncovered, and it is
+# answered as an upstream failure (never replayed), like any close after sending.
+STALE_CHECK_AFTER = 0.05
 # Upstream response heads larger than this are a protocol error (they are a few hundred bytes).
 MAX_RESPONSE_HEAD = 256 * 1024
 
@@ -37,12 +45,29 @@ BODY_FRAMED = 0  # the parser finds the end (Content-Length, chunked, or no body
 BODY_NONE = 1  # no body whatever the headers say (response to HEAD)
 BODY_UNTIL_EOF = 2  # neither length nor chunked: the body ends when the upstream closes
 
+# How response body bytes are relayed into ``UpstreamConnection.sink`` (set by the exchange).
+RELAY_NONE = 0  # dropped (no body towards the client, or nothing bound)
+RELAY_RAW = 1  # appended unchanged
+RELAY_CHUNKED = 2  # appended as one chunk each (the upstream sent no length)
+
+# Lower-case ``str`` keys of header names (bytes, as received): the handful of names real
+# traffic uses are looked up without a call; client-chosen names beyond the bound are computed.
+HEADER_KEYS: dict[bytes, str] = {}
+MAX_HEADER_KEYS = 1024
+
+
+def header_key(name: bytes) -> str:
+    """The lower-case ``str`` key of a header name (latin-1; llhttp admits token bytes only)."""
+    key = name.decode("latin-1").lower()
+    if len(HEADER_KEYS) < MAX_HEADER_KEYS:
+        HEADER_KEYS[name] = key
+    return key
+
 
 class Exchange(Protocol):
     """What a connection needs from the request it carries (implemented in ``fast.py``)."""
 
     connect_timeout: float
-    client_write_paused: bool
     request_sent: bool
     last_io: float
 
@@ -51,9 +76,9 @@ class Exchange(Protocol):
     def attach(self, conn: UpstreamConnection) -> None: ...
     def connect_failed(self, kind: str, exc: BaseException) -> None: ...
     def peer_full(self, full: bool) -> None: ...
-    def response_head(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> int: ...
-    def response_body(self, data: bytes) -> None: ...
-    def response_end(self) -> None: ...
+    def response_head(self, status: int, reason: bytes, headers: list[tuple[str, bytes, bytes]],
+                      fields: dict[str, str], now: float) -> int: ...
+    def response_end(self, now: float) -> None: ...
     def upstream_failed(self, message: str) -> None: ...
     def flush(self) -> None: ...
 
@@ -65,19 +90,19 @@ class _HeadTooLarge(Exception):
 class UpstreamConnection(asyncio.Protocol):
     """One keep-alive connection to an upstream; relays one response at a time to its exchange."""
 
-    __slots__ = ("pool", "transport", "flow", "parser", "ex", "lost", "counted", "_poll", "loop",
-                 "headers", "reason", "head_bytes", "in_head", "head_seen", "informational",
-                 "done", "keep_alive", "reusable", "eof_ends", "write_paused", "idle_since")
+    __slots__ = ("pool", "transport", "flow", "parser", "ex", "lost", "counted", "_poll", "headers",
+                 "fields", "reason", "head_bytes", "in_head", "head_seen", "informational", "done",
+                 "keep_alive", "reusable", "eof_ends", "write_paused", "idle_since", "relay", "sink", "stamp")
 
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
-        self.loop = pool.loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.ex: Exchange | None = None
         self.lost = False
         self.counted = True  # counts towards the pool's bound until lost or dropped
-        self.headers: list[tuple[bytes, bytes]] = []
+        self.headers: list[tuple[str, bytes, bytes]] = []  # (lower-case key, name, value)
+        self.fields: dict[str, str] = {}  # lower-case key -> first value, for the router
         self.reason = b""
         self.head_bytes = 0
         self.in_head = False
@@ -89,6 +114,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.eof_ends = False
         self.write_paused = False
         self.idle_since = 0.0
+        self.relay = RELAY_NONE
+        self.sink: list[bytes] = []
+        self.stamp = 0.0  # clock reading taken at the response head during the current feed
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -109,6 +137,7 @@ class UpstreamConnection(asyncio.Protocol):
             if self.head_bytes > MAX_RESPONSE_HEAD:
                 self._fail(f"response head larger than {MAX_RESPONSE_HEAD} bytes")
                 return
+        self.stamp = 0.0
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -117,9 +146,9 @@ class UpstreamConnection(asyncio.Protocol):
                 return
             self.reusable = False  # garbage after a complete response
         if self.done:
-            self._complete()
+            self._complete(self.stamp or perf_counter())
         elif self.head_seen:
-            ex.last_io = self.loop.time()
+            ex.last_io = perf_counter()
             ex.flush()
 
     def eof_received(self) -> bool | None:
@@ -134,7 +163,7 @@ class UpstreamConnection(asyncio.Protocol):
         if self.eof_ends and self.head_seen and not self.done and exc is None:
             self.done = True
             self.keep_alive = False
-            self._complete()
+            self._complete(perf_counter())
             return
         self._unbind()
         if exc is None:
@@ -155,27 +184,13 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- used by the pool and the exchange ------------------------------------------------
 
-    def usable(self) -> bool:
-        """Still open, and nothing (FIN or stray bytes) arrived while it sat in the pool."""
-        assert self.transport is not None
-        if self.lost or self.transport.is_closing():
-            return False
-        return self.loop.time() - self.idle_since < STALE_CHECK_AFTER or not self._poll.poll(0)
-
-    def bind(self, ex: Exchange) -> None:
+    def bind(self, ex: Exchange, client_paused: bool) -> None:
+        """Carry ``ex``'s request (``client_paused``: its client cannot take more right now)."""
         self.ex = ex
-        self.head_seen = False
-        self.done = False
-        self.keep_alive = True
-        self.eof_ends = False
-        if ex.client_write_paused:
+        if client_paused:
             self.flow.pause(CLIENT_FULL)
         if self.write_paused:
             ex.peer_full(True)
-
-    def send(self, data: bytes) -> None:
-        assert self.transport is not None
-        self.transport.write(data)
 
     def abort(self) -> None:
         """The exchange gave up on this connection (client gone, timeout, bad request body)."""
@@ -185,20 +200,31 @@ class UpstreamConnection(asyncio.Protocol):
     def _unbind(self) -> None:
         ex = self.ex
         self.ex = None
-        self.flow.clear()
+        self.relay = RELAY_NONE
+        if self.flow.reasons:
+            self.flow.clear()
         if ex is not None and self.write_paused:
             ex.peer_full(False)
 
-    def _complete(self) -> None:
+    def _complete(self, now: float) -> None:
+        """The response is complete: back to the pool (or closed), then the exchange ends."""
         ex = self.ex
         assert ex is not None
-        reusable = self.keep_alive and self.reusable and ex.request_sent
-        self._unbind()
-        if reusable:
-            self.pool.release(self)
+        # Flattened _unbind (once per request).
+        self.ex = None
+        self.relay = RELAY_NONE
+        if self.flow.reasons:
+            self.flow.clear()
+        if self.write_paused:
+            ex.peer_full(False)
+        if self.keep_alive and self.reusable and ex.request_sent:
+            self.head_seen = False
+            self.done = False
+            self.eof_ends = False
+            self.pool.release(self, now)
         else:
             self.pool.drop(self)
-        ex.response_end()
+        ex.response_end(now)
 
     def _fail(self, message: str) -> None:
         ex = self.ex
@@ -214,6 +240,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.reusable = False  # a second response to one request
             return
         self.headers = []
+        self.fields = {}
         self.reason = b""
         self.head_bytes = 0
         self.in_head = True
@@ -226,7 +253,11 @@ class UpstreamConnection(asyncio.Protocol):
             self.head_bytes += len(name) + len(value) + 4
             if self.head_bytes > MAX_RESPONSE_HEAD:
                 raise _HeadTooLarge
-            self.headers.append((name, value))
+            key = HEADER_KEYS[name] if name in HEADER_KEYS else header_key(name)
+            self.headers.append((key, name, value))
+            fields = self.fields
+            if key not in fields:
+                fields[key] = value.decode("utf-8", "surrogateescape")
 
     def on_headers_complete(self) -> None:
         self.in_head = False
@@ -238,20 +269,24 @@ class UpstreamConnection(asyncio.Protocol):
             self.informational = True
             return
         self.head_seen = True
-        self.keep_alive = self.parser.should_keep_alive()
-        body = ex.response_head(status, self.reason, self.headers)
+        self.keep_alive = True  # decided by on_message_complete (or a close for BODY_UNTIL_EOF)
+        self.stamp = now = perf_counter()
+        body = ex.response_head(status, self.reason, self.headers, self.fields, now)
         if body == BODY_NONE:
             # llhttp cannot be told a response answers HEAD and would wait for Content-Length
             # bytes; the response is complete now and the connection is not reused.
             self.done = True
             self.reusable = False
+            self.relay = RELAY_NONE
         elif body == BODY_UNTIL_EOF:
             self.eof_ends = True
 
     def on_body(self, body: bytes) -> None:
-        ex = self.ex
-        if self.head_seen and not self.done and ex is not None:
-            ex.response_body(body)
+        relay = self.relay  # RELAY_NONE unless a response head is being relayed
+        if relay == RELAY_RAW:
+            self.sink.append(body)
+        elif relay == RELAY_CHUNKED:
+            self.sink += (b"%x\r\n" % len(body), body, b"\r\n")
 
     def on_message_complete(self) -> None:
         if self.informational:
@@ -259,7 +294,8 @@ class UpstreamConnection(asyncio.Protocol):
             return
         if self.head_seen and not self.done:
             self.done = True
-            self.keep_alive = self.keep_alive and self.parser.should_keep_alive()
+            self.relay = RELAY_NONE
+            self.keep_alive = self.parser.should_keep_alive()
 
 
 class UpstreamPool:
@@ -278,21 +314,27 @@ class UpstreamPool:
         self.tasks: set[asyncio.Task[None]] = set()
         self.closed = False
 
-    def acquire(self, ex: Exchange) -> None:
-        """Attach a connection to ``ex`` now, or later (``ex.attach`` / ``ex.connect_failed``)."""
+    def take(self, now: float) -> UpstreamConnection | None:
+        """An idle connection that is still usable, most recently used first, or None."""
         idle = self.idle
         while idle:
             conn = idle.pop()
-            if conn.usable():
-                ex.attach(conn)
-                return
+            # Still open, and nothing (FIN or stray bytes) arrived while it sat in the pool.
+            if not conn.lost and not conn.transport.is_closing() and (  # type: ignore[union-attr]
+                    now - conn.idle_since < STALE_CHECK_AFTER or not conn._poll.poll(0)):
+                return conn
             self.drop(conn)  # closed by the upstream while pooled: never written to
+        return None
+
+    def acquire(self, ex: Exchange) -> None:
+        """No idle connection (``take`` gave none): open one for ``ex`` or queue it; it gets
+        ``ex.attach`` or ``ex.connect_failed`` later."""
         if self.total < self.limit:
             self._open(ex)
         else:
             self.waiters.append(ex)
 
-    def release(self, conn: UpstreamConnection) -> None:
+    def release(self, conn: UpstreamConnection, now: float) -> None:
         """A connection finished a response cleanly: give it to a waiter or keep it idle."""
         if self.closed:
             self.drop(conn)
@@ -303,7 +345,7 @@ class UpstreamPool:
             if ex.wants_connection:
                 ex.attach(conn)
                 return
-        conn.idle_since = self.loop.time()
+        conn.idle_since = now
         self.idle.append(conn)
 
     def drop(self, conn: UpstreamConnection) -> None:
@@ -370,4 +412,4 @@ class UpstreamPool:
         elif ex.wants_connection:
             ex.attach(conn)
         else:
-            self.release(conn)
+            self.release(conn, perf_counter())

@@ -525,6 +525,63 @@ async def test_idle_keepalive_client_connection_is_closed(raw_upstream, start_si
     writer.close()
 
 
+
+@FAST
+async def test_first_byte_timeout_applies_to_every_request_on_a_kept_alive_connection(raw_upstream, start_sidecar):
+    """The timeout watchdog is one timer per client connection, re-armed lazily: a request whose
+    deadline comes after an earlier request's must still time out on time."""
+    up = await raw_upstream({"/fast": echo(), "/hang": hang})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, timeouts={"first_byte": 0.4})
+    reader, writer = await connect(sc)
+    for _ in range(3):
+        writer.write(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await read_response(reader)).status == 200
+        await asyncio.sleep(0.15)  # the next request's deadline is later than the armed one
+    writer.write(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
+    sent_at = time.monotonic()
+    resp = await asyncio.wait_for(read_response(reader), 5)
+    waited = time.monotonic() - sent_at
+    assert resp.status == 504
+    assert orjson.loads(resp.body)["error"]["type"] == "upstream_timeout"
+    assert 0.3 < waited < 1.5
+    # The connection stays usable after the local answer.
+    writer.write(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await asyncio.wait_for(read_response(reader), 5)).status == 200
+    writer.close()
+
+
+@FAST
+async def test_idle_keepalive_close_is_not_delayed_by_long_request_timeouts(raw_upstream, start_sidecar, monkeypatch):
+    monkeypatch.setattr(fast, "KEEPALIVE_TIMEOUT", 0.3)
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False,
+                             timeouts={"first_byte": 600, "idle": 600})
+    reader, writer = await connect(sc)
+    for _ in range(2):
+        writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await read_response(reader)).status == 200
+    started = time.monotonic()
+    assert await closed_soon(reader, 2.0)
+    assert time.monotonic() - started < 1.0
+    writer.close()
+
+
+async def test_in_flight_gauge_counts_requests_being_proxied(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/slow": echo(0.3), "/x": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    [resp], _ = await exchange(port(sc), b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert resp.status == 200
+    assert metric(sc, "sidecar_in_flight_requests", {}) == 0.0
+    up.arrived.clear()
+    reader, writer = await connect(sc)
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+    await asyncio.wait_for(up.arrived.wait(), 5)
+    assert metric(sc, "sidecar_in_flight_requests", {}) == 1.0
+    assert (await asyncio.wait_for(read_response(reader), 5)).status == 200
+    writer.close()
+    assert metric(sc, "sidecar_in_flight_requests", {}) == 0.0
+
+
 # -- backpressure -----------------------------------------------------------------------------
 
 BIG = 32 * 1024 * 1024
