@@ -467,11 +467,24 @@ def build_config(
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
     _validate_modes(cfg)
+    _validate_engine(cfg)
     if cfg.admin_tokens_file is not None:
         from sidecar.auth import load_tokens
 
         load_tokens(cfg.admin_tokens_file)  # refuse a bad tokens file now, naming the problem
     return cfg
+
+
+def _validate_engine(cfg: Config) -> None:
+    """The fast engine speaks plain HTTP/1.1 to upstreams; refuse https:// ones up front."""
+    if cfg.engine != "fast":
+        return
+    for d in cfg.resolved_deployments():
+        for i, url in enumerate(d.upstreams):
+            if url.startswith("https://"):
+                where = f"{d._path}upstreams[{i}]" if d._path else "upstream"
+                raise ConfigError(f"engine: the fast engine speaks plain HTTP to upstreams; {where} is https "
+                                  f"({url}): set engine: aiohttp (--engine aiohttp) for https upstreams")
 
 
 def _validate_modes(cfg: Config) -> None:

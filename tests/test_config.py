@@ -113,3 +113,10 @@ def test_check_config_exit_2_names_setting(tmp_path):
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert "timeouts.idle: Input should be greater than 0 (got -1)" in result.stderr
+
+
+def test_fast_engine_refuses_https_upstreams_with_a_clear_message():
+    with pytest.raises(ConfigError, match=r"engine: .*upstream is https .*engine: aiohttp"):
+        build_config(flags={"upstream": "https://gateway.example:443"}, env={})
+    cfg = build_config(flags={"upstream": "https://gateway.example:443", "engine": "aiohttp"}, env={})
+    assert cfg.engine == "aiohttp"

@@ -53,6 +53,7 @@ from sidecar.engine.fast_client import (
     RELAY_CHUNKED,
     RELAY_NONE,
     RELAY_RAW,
+    STALE_CHECK_AFTER,
     UpstreamConnection,
     UpstreamPool,
     header_key,
@@ -346,19 +347,21 @@ class _ClientConnection(asyncio.Protocol):
 
     # -- httptools callbacks ----------------------------------------------------------------
 
-    def on_message_begin(self) -> None:
-        self.cur = _Exchange(self)
-        self.in_head = True
-        self.head_fed = 0
-        self.head_bytes = 0
+    # No on_message_begin: a request's exchange is created by the first piece of its target
+    # (llhttp refuses an empty one), which saves a callback per request.
 
     def on_url(self, url: bytes) -> None:
-        self.head_bytes += len(url)
+        ex = self.cur
+        if ex is None:  # the first piece of a new request's target
+            self.cur = ex = _Exchange(self)
+            self.in_head = True
+            self.head_fed = 0
+            self.head_bytes = len(url)
+        else:
+            self.head_bytes += len(url)
         if self.head_bytes > self.max_head:
             self.refusal = (_headers_too_large(self.max_head), "headers_too_large")
             raise _Refused
-        ex = self.cur
-        assert ex is not None
         ex.target += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -385,9 +388,12 @@ class _ClientConnection(asyncio.Protocol):
         assert ex is not None
         parser = self.parser
         ex.method = method = parser.get_method()
-        ex.keep_alive = parser.should_keep_alive()
-        version = parser.get_http_version()
-        if ex.special or version != "1.1" or ex.target[:1] != b"/" or method == b"CONNECT":
+        ex.keep_alive = keep_alive = parser.should_keep_alive()
+        # Without a Connection header (``special`` covers it), llhttp keeps a request alive only
+        # for HTTP/1.1 (major and minor both > 0; it rejects versions other than 0.9, 1.0, 1.1
+        # and 2.0): the common case needs no version string.
+        if not keep_alive or ex.special or ex.target[:1] != b"/" or method == b"CONNECT":
+            version = parser.get_http_version()
             ex.check_head(version)
         elif _CONTENT_LENGTH in ex.headers:
             ex.length = int(ex.headers[_CONTENT_LENGTH])  # llhttp accepted exactly one, all digits
@@ -746,7 +752,17 @@ class _Exchange:
         if due < client.timer_due:
             client._arm(due, now)
 
-        conn = pool.take(now) if pool.idle else None
+        # Flattened pool.take for the usual case: the most recently used idle connection, back
+        # from its last response too recently to need the stale-connection poll.
+        idle = pool.idle
+        conn = None
+        if idle:
+            conn = idle[-1]
+            if not conn.lost and now - conn.idle_since < STALE_CHECK_AFTER and \
+                    not conn.transport.is_closing():  # type: ignore[union-attr]
+                idle.pop()
+            else:
+                conn = pool.take(now)
         if conn is None:
             self.head = parts
             pool.acquire(self)

@@ -221,7 +221,12 @@ class UpstreamConnection(asyncio.Protocol):
             self.head_seen = False
             self.done = False
             self.eof_ends = False
-            self.pool.release(self, now)
+            pool = self.pool
+            if pool.waiters or pool.closed:
+                pool.release(self, now)
+            else:  # flattened pool.release: nobody waits, back to the idle list
+                self.idle_since = now
+                pool.idle.append(self)
         else:
             self.pool.drop(self)
         ex.response_end(now)

@@ -185,6 +185,9 @@ async def test_fast_refuses_transfer_codings_it_cannot_forward(raw_upstream, sta
                  b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n"
                  b"0\r\n\r\n",
                  b"GET /s HTTP/2.0\r\nHost: x\r\n\r\n",
+                 b"GET /s HTTP/2.0\r\nHost: x\r\nConnection: keep-alive\r\n\r\n",
+                 b"GET /s HTTP/0.9\r\nHost: x\r\n\r\n",
+                 b"GET /s HTTP/0.9\r\nHost: x\r\nConnection: keep-alive\r\n\r\n",
                  b"GET http://other.example/s HTTP/1.1\r\nHost: x\r\n\r\n"):
         resp, closed = await refused_or_closed(port(sc), data)
         assert resp is not None and resp.status == 400 and closed, data
@@ -682,8 +685,11 @@ async def test_drain_finishes_in_flight_with_connection_close_and_closes_idle(ra
 
 
 async def test_https_upstream_is_refused_at_start_naming_the_deployment():
+    # build_config already refuses this pairing (tests/test_config.py); the engine checks again
+    # for configs built another way.
     cfg = build_config(flags={"listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
-                              "upstream": "https://127.0.0.1:9443", "engine": "fast"}, env={}, file=None)
+                              "upstream": "https://127.0.0.1:9443", "engine": "aiohttp"}, env={}, file=None)
+    cfg = cfg.model_copy(update={"engine": "fast"})
     metrics = Metrics()
     engine = FastEngine(cfg, Router(cfg, metrics), metrics, UpstreamHealth(required=False))
     with pytest.raises(ConfigError, match=r"deployment 'default'.*https://127\.0\.0\.1:9443"):
