@@ -12,13 +12,8 @@ from sidecar.app import Sidecar
 from sidecar.config import build_config
 from tests.upstream import RecordingUpstream, start_upstream
 
-ENGINES = ["aiohttp"]
-try:  # the protocol-level engine joins the matrix once it exists
-    import sidecar.engine.fast  # noqa: F401
-
-    ENGINES.append("fast")
-except ImportError:
-    pass
+# Every proxy test runs against both engines (as uvicorn tests its two protocol implementations).
+ENGINES = ["aiohttp", "fast"]
 
 
 @pytest.fixture(params=ENGINES)
@@ -62,10 +57,15 @@ async def start_sidecar(engine: str) -> AsyncIterator[StartSidecar]:
 
 
 def _with_file(flags: dict[str, Any], file_keys: dict[str, Any]) -> Any:
+    """The config as a user would write it: ``file_keys`` in a YAML file, ``flags`` on top."""
+    import os
     import tempfile
 
     import yaml
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(file_keys, f)
-    return build_config(flags=flags, env={}, file=f.name)
+    try:
+        return build_config(flags=flags, env={}, file=f.name)
+    finally:
+        os.unlink(f.name)
