@@ -120,3 +120,9 @@ def test_fast_engine_refuses_https_upstreams_with_a_clear_message():
         build_config(flags={"upstream": "https://gateway.example:443"}, env={})
     cfg = build_config(flags={"upstream": "https://gateway.example:443", "engine": "aiohttp"}, env={})
     assert cfg.engine == "aiohttp"
+
+
+def test_full_example_documents_exactly_the_defaults():
+    full = build_config(env={}, file=ROOT / "config" / "examples" / "full.yaml")
+    defaults = build_config(flags={"upstream": full.upstream, "mode": full.mode}, env={})
+    assert full.normalized() == defaults.normalized()
