@@ -246,10 +246,9 @@ async def get_session(request: web.Request) -> web.Response:
     rec = _visible(router, who, sid)
     if rec is not None:
         return _json(api_resource(router, rec))
-    if router.store.get(sid) is None and who.admin:
-        node = router.tree.get(sid)
-        if node is not None:
-            return _json(traffic_resource(router, node))
+    node = _traffic_node(router, who, sid)
+    if node is not None:
+        return _json(traffic_resource(router, node))
     raise _not_found(sid)
 
 
@@ -261,13 +260,19 @@ async def close_session(request: web.Request) -> web.Response:
         rec = router.close_api_session(sid)
         assert rec is not None
         return _json(api_resource(router, rec))
-    if router.store.get(sid) is None and who.admin:
-        node = router.tree.get(sid)
-        if node is not None and not node["placeholder"]:
-            router.close_session(sid)
-            node = router.tree.get(sid) or {**node, "closed": True}
-            return _json(traffic_resource(router, node))
+    node = _traffic_node(router, who, sid)
+    if node is not None and not node["placeholder"]:
+        router.close_session(sid)
+        node = router.tree.get(sid) or {**node, "closed": True}
+        return _json(traffic_resource(router, node))
     raise _not_found(sid)
+
+
+def _traffic_node(router: Router, who: Principal, sid: str) -> dict[str, Any] | None:
+    """The lineage node of a session learned from traffic (not an API session); admins only."""
+    if router.store.get(sid) is not None or not who.admin:
+        return None
+    return router.tree.get(sid)
 
 
 async def get_tree(request: web.Request) -> web.Response:

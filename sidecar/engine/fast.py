@@ -776,22 +776,7 @@ class _Exchange:
             conn.flow.pause(CLIENT_FULL)
         if conn.write_paused:
             client.flow.pause(PEER_FULL)
-        body = self.body
-        if body:
-            if self.frame_chunked:
-                self._frame_body(parts)
-            else:
-                parts += body
-                body.clear()
-        if self.complete:
-            if self.frame_chunked:
-                parts.append(_LAST_CHUNK)
-            self.state = SENT
-            self.request_sent = True
-        else:
-            self.state = SENDING
-        assert conn.transport is not None
-        conn.transport.write(b"".join(parts))
+        self._send(conn, parts)
 
     def _forwarded_for(self, parts: list[bytes], drop: frozenset[str] | set[str], strip: frozenset[str]) -> None:
         """X-Forwarded-For / -Proto when the client sent forwarding headers of its own."""
@@ -873,17 +858,27 @@ class _Exchange:
             client.flow.resume(WAITING)
         out = self.head
         self.head = []
-        if self.body:
-            self._frame_body(out)
+        self._send(conn, out)
+
+    def _send(self, conn: UpstreamConnection, parts: list[bytes]) -> None:
+        """Write the request head in ``parts`` with the body received so far in one write; the
+        request is SENT when it is complete, else SENDING (the rest streams as it arrives)."""
+        body = self.body
+        if body:
+            if self.frame_chunked:
+                self._frame_body(parts)
+            else:
+                parts += body
+                body.clear()
         if self.complete:
             if self.frame_chunked:
-                out.append(_LAST_CHUNK)
+                parts.append(_LAST_CHUNK)
             self.state = SENT
             self.request_sent = True
         else:
             self.state = SENDING
         assert conn.transport is not None
-        conn.transport.write(b"".join(out))
+        conn.transport.write(b"".join(parts))
 
     def connect_failed(self, kind: str, exc: BaseException) -> None:
         if self.state != CONNECTING:
