@@ -41,7 +41,7 @@ import heapq
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -254,14 +254,15 @@ class SessionTree:
     # -- request path ----------------------------------------------------------------------------
 
     def begin(self, session: str, *, parent: str | None, root_hint: str | None, final: bool,
-              deployment: str) -> tuple[Turn, list[Ended]]:
+              deployment: str) -> tuple[Turn, Sequence[Ended]]:
         """Register one request of ``session`` and compute its facts.
 
         Returns its turn and the sessions evicted to make room (the caller ends them).
         """
+        # Flattened: this runs once per request of a session.
         now = self._clock()
         node = self._nodes.get(session)
-        evicted: list[Ended] = []
+        evicted: Sequence[Ended] = ()  # nearly always nothing: no list to allocate
         if node is None or node.flags & _NOT_JOINABLE:
             node = self._admit(session, node, parent, root_hint, deployment, now)
             if self._live + self._held_ended > self._max_live:
@@ -277,8 +278,13 @@ class SessionTree:
             flags |= _FINAL_SEEN
         node.flags = flags
         in_flight = node.in_flight
-        if not in_flight and node.lru_next is not None:
-            self._lru_unlink(node)
+        if not in_flight:
+            prev, nxt = node.lru_prev, node.lru_next
+            if nxt is not None:  # an idle session leaves the LRU list (inlined _lru_unlink)
+                assert prev is not None
+                prev.lru_next = nxt
+                nxt.lru_prev = prev
+                node.lru_prev = node.lru_next = None
         node.in_flight = in_flight + 1
         root.tree_in_flight += 1
         turns = node.turns = node.turns + 1

@@ -21,7 +21,7 @@ decision whose routing fields are provisional; admission happens in ``transform_
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,12 +138,10 @@ class Router:
 
     def route(self, head: RequestHead) -> Decision:
         """Decide how to forward a request. Raises :class:`errors.ProxyError` to answer it directly."""
-        decision = self._route(head)
-        decision.request_id = head.headers.get(_REQUEST_ID)
-        return decision
-
-    def _route(self, head: RequestHead) -> Decision:
+        # Flattened: this runs once per request. Hot-path decisions are built positionally (a
+        # class called with keywords costs a dict per call); the request id is read once.
         headers = head.headers
+        request_id = headers.get(_REQUEST_ID)
         ident = self.identity.read(headers)
         session = ident.session
         selector = headers.get(self._selector)
@@ -154,29 +152,30 @@ class Router:
             if dep.strict:
                 raise _session_required(dep)
             return Decision(dep, dep.pick_upstream(None), dep.strip_sessionless, (), False, None, None,
-                            max_body_bytes=dep.limits.max_body_bytes)
+                            False, dep.max_body_bytes, None, None, request_id)
         if body_identity and _declares_body(head):
             # The session is named by the body (configured body signals): admission waits for it.
             dep = selected or self.default
             limit = self._selection_body_limit if self._route_by_model and selected is None else \
-                dep.limits.max_body_bytes
+                dep.max_body_bytes
             return Decision(dep, dep.upstreams[0], dep.strip_sessionless, (), True, None, None,
-                            max_body_bytes=limit, pending=_Pending(ident, headers, selected, selected))
+                            max_body_bytes=limit, pending=_Pending(ident, headers, selected, selected),
+                            request_id=request_id)
         rec = self._api_sessions.get(session) if session is not None and self._api_sessions else None
         # One deployment: binding, selector and model can only name it (an unknown name was refused).
         decided = self.default if self._single else self._choose(session, rec, selected, None)
         if decided is None and self._route_by_model and _declares_body(head):
             return Decision(self.default, self.default.upstreams[0], self.default.strip_sessionless, (), True,
                             None, None, max_body_bytes=self._selection_body_limit,
-                            pending=_Pending(ident, headers, selected, None))
+                            pending=_Pending(ident, headers, selected, None), request_id=request_id)
         dep = decided or self.default
         if rec is not None or dep.strict:
             self._check_session(dep, session, rec)  # refuse early, before any body is read
         if dep.rewrites_body and session is not None and _declares_body(head):
             return Decision(dep, dep.upstreams[0], dep.strip_sessionless, (), True, None, None,
-                            max_body_bytes=dep.limits.max_body_bytes,
-                            pending=_Pending(ident, headers, selected, decided))
-        return self._admit(dep, ident, headers, rec)
+                            max_body_bytes=dep.max_body_bytes,
+                            pending=_Pending(ident, headers, selected, decided), request_id=request_id)
+        return self._admit(dep, ident, headers, rec, request_id)
 
     def transform_body(self, decision: Decision, body: bytes) -> bytes:
         """Second phase of a ``needs_body`` decision: choose the deployment by the body's model
@@ -201,12 +200,12 @@ class Router:
         rec = self._api_sessions.get(ident.session) if ident.session is not None else None
         dep = self._choose(ident.session, rec, pending.selected, model_dep) or self.default
         decision.deployment = dep
-        if len(body) > dep.limits.max_body_bytes:
+        if len(body) > dep.max_body_bytes:
             raise errors.ProxyError(errors.REQUEST_TOO_LARGE,
-                                    f"request body exceeds {dep.limits.max_body_bytes} bytes (deployment {dep.name!r})",
-                                    deployment=dep.name, limit=dep.limits.max_body_bytes)
+                                    f"request body exceeds {dep.max_body_bytes} bytes (deployment {dep.name!r})",
+                                    deployment=dep.name, limit=dep.max_body_bytes)
         self._check_session(dep, ident.session, rec)
-        admitted = self._admit(dep, ident, pending.headers, rec)
+        admitted = self._admit(dep, ident, pending.headers, rec, decision.request_id)
         decision.deployment = admitted.deployment
         decision.upstream = admitted.upstream
         decision.strip = admitted.strip
@@ -214,7 +213,7 @@ class Router:
         decision.ctx = admitted.ctx
         decision.turn = admitted.turn
         decision.api_session = admitted.api_session
-        decision.max_body_bytes = dep.limits.max_body_bytes
+        decision.max_body_bytes = dep.max_body_bytes
         if not admitted.needs_body:
             return body
         return self._rewrite(decision, body, obj)
@@ -280,36 +279,37 @@ class Router:
                                     "through the sessions API, and this one is unknown", deployment=dep.name)
 
     def _admit(self, dep: Deployment, ident: Identity, headers: Mapping[str, str],
-               rec: ApiSession | None) -> Decision:
+               rec: ApiSession | None, request_id: str | None) -> Decision:
         """Admit a request to ``dep`` (after :meth:`_check_session`, in the same synchronous
         step): begin its turn, ask the mode."""
-        if ident.session is None:
+        session = ident.session
+        if session is None:
             return Decision(dep, dep.pick_upstream(None), dep.strip_sessionless, (), False, None, None,
-                            max_body_bytes=dep.limits.max_body_bytes)
+                            False, dep.max_body_bytes, None, None, request_id)
         parent, root_hint = ident.parent, ident.root
         if rec is not None:
             self.store.begin(rec)
             if dep.strict or rec.parent is not None:
                 parent, root_hint = rec.parent, None  # the API's lineage wins
-        turn, evicted = self.tree.begin(ident.session, parent=parent, root_hint=root_hint,
+        turn, evicted = self.tree.begin(session, parent=parent, root_hint=root_hint,
                                         final=ident.final, deployment=dep.name)
         if evicted:
             self._ended(evicted)
+        # Positional: RoutingContext and Decision are built once per request of a session.
         f = turn.facts
-        ctx = RoutingContext(session=f.session, parent=f.parent, root=f.root, is_final_turn=f.is_final_turn,
-                             is_parent_final=f.is_parent_final, is_tree_final=f.is_tree_final, turn=f.turn,
-                             deployment=dep.name, mode_state=f.mode_state)
+        ctx = RoutingContext(f.session, f.parent, f.root, f.is_final_turn, f.is_parent_final, f.is_tree_final,
+                             f.turn, dep.name, f.mode_state)
         upstream = dep.only_upstream or dep.pick_upstream(f.root)
+        # The request id is set before mode hooks can fail (their error log carries it).
         decision = Decision(dep, upstream, dep.strip_headers, (), False, ctx, turn,
-                            max_body_bytes=dep.limits.max_body_bytes, api_session=rec,
-                            request_id=headers.get(_REQUEST_ID))  # set before mode hooks can fail
+                            False, dep.max_body_bytes, rec, None, request_id)
         mode = dep.mode
         if mode is None:
             if dep.strict and self._primary_session_header:
                 decision.add = ((self._primary_session_header, f.session),)  # the validated id
             return decision
         try:
-            add = tuple(mode.request_headers(ctx))
+            add = tuple(mode.request_headers(ctx))  # no copy when the mode returned a tuple
         except Exception as exc:
             self._mode_failed(decision, "request_headers", exc)
         if add and dep.trust_client_headers:
@@ -455,7 +455,7 @@ class Router:
     def deployment(self, name: str) -> Deployment | None:
         return self._by_name.get(name)
 
-    def _ended(self, ended: list[Ended]) -> None:
+    def _ended(self, ended: Sequence[Ended]) -> None:
         for e in ended:
             self.metrics.sessions_ended.labels(str(e.reason)).inc()
             dep = self.deployment(e.deployment)

@@ -30,13 +30,14 @@ from pydantic import BeforeValidator, Field
 
 from sidecar import headers as h
 from sidecar.modes.base import Mode, RoutingContext
-from sidecar.modes.ids import DYNAMO_MAX_ID_BYTES, fit_id
+from sidecar.modes.ids import DYNAMO_MAX_ID_BYTES, always_fits, fit_id
 from sidecar.modes.options import Scoped, Seconds, canonical_word
 
 NVEXT = "nvext"
 SESSION_CONTROL = "session_control"
 # The session_control keys the mode owns: set or removed on every request; any other key stays.
 _OWNED_KEYS = ("session_id", "action", "timeout")
+_ALWAYS_FITS = always_fits(DYNAMO_MAX_ID_BYTES)
 
 
 class DynamoHeaders(Mode):
@@ -49,7 +50,9 @@ class DynamoHeaders(Mode):
         return self._EMITS
 
     def request_headers(self, ctx: RoutingContext) -> Sequence[tuple[str, str]]:
-        session = fit_id(ctx.session, DYNAMO_MAX_ID_BYTES)
+        session = ctx.session
+        if len(session) > _ALWAYS_FITS:  # runs once per request: no call for an id that fits
+            session = fit_id(session, DYNAMO_MAX_ID_BYTES)
         if ctx.parent is None:
             return ((h.X_DYNAMO_SESSION_ID, session),)
         return ((h.X_DYNAMO_SESSION_ID, session),

@@ -33,6 +33,13 @@ def _digest(data: bytes) -> str:
     return base64.b32encode(raw).decode("ascii").rstrip("=").lower()
 
 
+def always_fits(max_bytes: int) -> int:
+    """The length (in characters) up to which every id fits ``max_bytes`` unchanged: no character
+    takes more than 4 UTF-8 bytes. Per-request callers compare ``len(id)`` with it and call
+    :func:`fit_id` only above it, saving a call for the ids nearly every client sends."""
+    return max_bytes // 4
+
+
 def fit_id(value: str, max_bytes: int) -> str:
     """``value`` if its UTF-8 encoding has at most ``max_bytes`` bytes, else its stable fitted form.
 
