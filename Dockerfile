@@ -2,9 +2,14 @@
 ARG PYTHON_IMAGE=python:3.12-slim
 
 # Build stage: build the wheel and install it with its dependencies into /opt/sidecar.
+# A C compiler builds the fast engine's compiled modules (setup.py); the runtime stage needs none.
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \

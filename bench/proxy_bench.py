@@ -118,6 +118,9 @@ def tool_versions(tools: Tools) -> dict[str, str]:
         "wrk": probe([tools.wrk, "-v"], r"wrk (\S+)"),
         "envoy": probe([tools.envoy, "--version"], r"[0-9a-f]{40}/([^/ \n]+)"),
         "sidecar": probe([sys.executable, "-m", "sidecar", "--version"], r"sidecar (\S+)"),
+        # compiled (setup.py) or the pure-Python sources (no C compiler, or SIDECAR_PURE_PYTHON=1)
+        "fast engine compiled": probe([sys.executable, "-c", "from sidecar.engine.fast import FastEngine as F; "
+                                       "print(F.compiled)"]),
         "python": platform.python_version(),
         "kernel": platform.release(),
     }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests need into .venv and runs them.
-#   ./scripts/test.sh           default suite + real-gateway + packaging tests (what CI runs)
-#   ./scripts/test.sh --quick   default suite only (a few minutes on 2 cores)
+#   ./scripts/test.sh           default suite (compiled build, then again as pure Python)
+#                               + real-gateway + packaging tests (what CI runs)
+#   ./scripts/test.sh --quick   default suite only, on the installed build (~1.5 min on 2 cores)
 # Extra arguments after the options go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,9 +13,12 @@ if [[ ! -x .venv/bin/python ]]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+.venv/bin/python -c 'from sidecar.engine.fast import FastEngine as F; print("fast engine compiled:", F.compiled)'
 status=0
 .venv/bin/python -m pytest -m "not gateway and not deploy" "$@" || status=$?
 if [[ $quick == 0 ]]; then
+  # The same sources uncompiled (what installs where there is no C compiler).
+  SIDECAR_PURE_PYTHON=1 .venv/bin/python -m pytest -m "not gateway and not deploy" "$@" || status=$?
   ./scripts/install_gateways.sh
   .venv/bin/python -m pytest -m gateway "$@" || status=$?
   ./scripts/install_deploy_tools.sh

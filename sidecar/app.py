@@ -83,7 +83,7 @@ class Sidecar:
             ups = [u for d in self.router.deployments for u in d.upstreams]
             self._tasks.append(loop.create_task(self.health.probe_until_reached(ups), name="sidecar-ready-probe"))
         log.info("sidecar started", extra={"proxy": self.proxy_url, "admin": self.admin_url,
-                                           "engine": cfg.engine,
+                                           "engine": cfg.engine, "compiled": self.engine.compiled,
                                            "deployments": [d.name for d in self.router.deployments]})
 
     async def _expiry_loop(self) -> None:

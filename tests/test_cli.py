@@ -10,6 +10,8 @@ import sys
 import time
 
 import aiohttp
+import orjson
+import pytest
 
 from tests.proxy.test_errors import free_port
 
@@ -98,3 +100,33 @@ def test_modes_lists_every_mode_with_options():
     assert out.returncode == 0
     assert out.stdout.startswith("dynamo_headers") or "\ndynamo_headers" in out.stdout
     assert "options: none" in out.stdout
+
+
+@pytest.mark.parametrize("pure", ["1", "0"], ids=["pure-python", "as-installed"])
+async def test_startup_log_says_whether_the_fast_engine_runs_compiled(upstream, pure):
+    """SIDECAR_PURE_PYTHON=1 runs the .py sources even where compiled modules are installed; the
+    startup log line says which build serves (it must match the module actually loaded)."""
+    env = {"SIDECAR_PURE_PYTHON": pure}
+    loaded = subprocess.run([sys.executable, "-c", "import sidecar.engine.fast as f; print(f.__file__)"],
+                            env={**os.environ, **env}, capture_output=True, text=True, timeout=30,
+                            check=True).stdout.strip()
+    if pure == "1":
+        assert loaded.endswith(os.path.join("engine", "fast.py")), loaded
+    port, admin_port = free_port(), free_port()
+    proc = spawn("--listen", f"127.0.0.1:{port}", "--upstream", upstream.url, "--mode", "dynamo_headers",
+                 "--admin", f"127.0.0.1:{admin_port}", "--engine", "fast", env=env)
+    try:
+        await wait_healthy(f"http://127.0.0.1:{admin_port}", proc)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", data=b"{}",
+                              headers={"X-Correlation-ID": f"build-{pure}"}) as resp:
+                assert resp.status == 200
+        assert upstream.received[-1].all("X-Dynamo-Session-ID") == [f"build-{pure}"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        lines = [orjson.loads(line) for line in (proc.stderr.read() if proc.stderr else "").splitlines()
+                 if '"sidecar started"' in line]
+        assert len(lines) == 1 and lines[0]["engine"] == "fast"
+        assert lines[0]["compiled"] is (not loaded.endswith(".py"))
+    finally:
+        stop(proc)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from importlib.machinery import EXTENSION_SUFFIXES
+from types import ModuleType
+
 from sidecar.engine.base import Engine
 
 
@@ -16,3 +19,8 @@ def engine_class(name: str) -> type[Engine]:
 
         return FastEngine
     raise ValueError(f"unknown engine {name!r}")
+
+
+def is_compiled(module: ModuleType) -> bool:
+    """Whether ``module`` runs as a compiled extension (see setup.py) rather than from source."""
+    return (module.__file__ or "").endswith(tuple(EXTENSION_SUFFIXES))

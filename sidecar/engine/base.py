@@ -44,6 +44,9 @@ from sidecar.router import Router
 class Engine(abc.ABC):
     """One proxy listener."""
 
+    # Whether the per-request path runs as compiled extension modules (see setup.py).
+    compiled = False
+
     def __init__(self, config: Config, router: Router, metrics: Metrics, health: UpstreamHealth) -> None:
         self.config = config
         self.router = router

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections import deque
 from http import HTTPStatus
 from time import perf_counter
@@ -44,6 +45,7 @@ import httptools
 from sidecar import errors
 from sidecar import headers as h
 from sidecar.config import ConfigError
+from sidecar.engine import is_compiled
 from sidecar.engine.base import Engine
 from sidecar.engine.fast_client import (
     BODY_FRAMED,
@@ -84,6 +86,7 @@ _XFF = h.X_FORWARDED_FOR.lower()
 _XFP = h.X_FORWARDED_PROTO.lower()
 _HOP = frozenset(n.lower() for n in h.HOP_BY_HOP)
 _REQ_DROP = _HOP | {h.HOST.lower(), _EXPECT, _XFF}
+_PLAIN_CONNECTION = (b"keep-alive", b"close")
 _CL_DROP = frozenset({_CONTENT_LENGTH})
 # Request headers whose presence takes the head checks and the forwarding off the fast path.
 _SPECIAL = frozenset({_CONNECTION, _TRANSFER_ENCODING, _EXPECT, _UPGRADE, _XFF, _XFP})
@@ -153,6 +156,8 @@ def _add_name(name: str) -> tuple[str, bytes]:
 
 class FastEngine(Engine):
     """Reverse proxy on asyncio Protocols (uvloop in production) with llhttp parsing."""
+
+    compiled = is_compiled(sys.modules[__name__])
 
     _server: asyncio.AbstractServer
     _port: int
@@ -255,8 +260,9 @@ class FastEngine(Engine):
             self._drained.set_result(None)
 
 
-class _ClientConnection(asyncio.Protocol):
-    """One client connection: parses requests, answers them in order."""
+class _ClientConnection:
+    """One client connection: parses requests, answers them in order (an asyncio protocol by
+    duck typing: compiled, it is an extension type, which cannot derive from ``asyncio.Protocol``)."""
 
     __slots__ = ("engine", "loop", "parser", "transport", "flow", "peer", "xff_xfp", "queue", "cur", "out",
                  "in_head", "head_fed", "head_bytes", "max_head", "stopped", "refusal", "write_paused",
@@ -917,7 +923,10 @@ class _Exchange:
         engine.router.on_response(decision, status, fields)
         drop = _HOP
         if _CONNECTION in fields:
-            drop = _HOP | _tokens(headers, _CONNECTION)
+            values = [v for k, _, v in headers if k == _CONNECTION]
+            # Usually one "keep-alive" or "close": both name nothing beyond the hop-by-hop set.
+            if len(values) != 1 or values[0].lower() not in _PLAIN_CONNECTION:
+                drop = _HOP | _tokens(headers, _CONNECTION)
         body = BODY_FRAMED
         if self.method == b"HEAD":
             mode = R_NONE

@@ -87,8 +87,9 @@ class _HeadTooLarge(Exception):
     pass
 
 
-class UpstreamConnection(asyncio.Protocol):
-    """One keep-alive connection to an upstream; relays one response at a time to its exchange."""
+class UpstreamConnection:
+    """One keep-alive connection to an upstream; relays one response at a time to its exchange
+    (an asyncio protocol by duck typing, like :class:`sidecar.engine.fast._ClientConnection`)."""
 
     __slots__ = ("pool", "transport", "flow", "parser", "ex", "lost", "counted", "_poll", "headers",
                  "fields", "reason", "head_bytes", "in_head", "head_seen", "informational", "done",

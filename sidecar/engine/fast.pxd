@@ -1,0 +1,38 @@
+cimport cython
+# Compiled layout of fast.py (Cython "augmenting" declarations; see setup.py). Keep the fields
+# equal to each class's __slots__; C types only where every assignment has that type (lengths
+# and limits stay Python ints: a client may declare any Content-Length).
+from sidecar.engine.flow cimport ReadFlow
+from sidecar.engine.fast_client cimport UpstreamConnection
+
+cdef class _ClientConnection:
+    cdef public object engine, loop, parser, transport, peer, xff_xfp, queue, refusal, timer
+    cdef public ReadFlow flow
+    cdef public _Exchange cur
+    cdef public list out
+    cdef public bint in_head, stopped, write_paused, closing, advancing
+    cdef public Py_ssize_t head_fed, head_bytes, max_head
+    cdef public double idle_since, timer_due
+    @cython.locals(ex=_Exchange)
+    cpdef advance(self)
+    cpdef flush(self)
+
+cdef class _Exchange:
+    cdef public _ClientConnection client
+    cdef public object method, target, fields, headers, length, conn_tokens, error, decision, limit
+    cdef public bint special, http10, keep_alive, chunked, expect, queued, complete, started
+    cdef public bint frame_chunked, request_sent, resp_started, close_after
+    cdef public list body, head
+    cdef public Py_ssize_t body_size
+    cdef public long state, resp_status, resp_mode
+    cdef public double t0, connect_timeout, first_byte_timeout, idle_timeout, last_io
+    cdef public UpstreamConnection conn
+    @cython.locals(client=_ClientConnection)
+    cpdef start(self)
+    @cython.locals(client=_ClientConnection, conn=UpstreamConnection, now=double, due=double)
+    cpdef _forward(self, decision, length)
+    cpdef _send(self, UpstreamConnection conn, list parts)
+    @cython.locals(client=_ClientConnection, conn=UpstreamConnection)
+    cpdef response_head(self, long status, reason, list headers, dict fields, double now)
+    @cython.locals(client=_ClientConnection)
+    cpdef response_end(self, double now)

@@ -1,0 +1,23 @@
+# Compiled layout of lineage.py (Cython "augmenting" declarations; see setup.py): the tree's
+# nodes and per-request handles as extension types. Keep _Node's and Turn's fields equal to
+# their __slots__, and SessionTree's to the attributes its __init__ sets.
+cdef class _Node:
+    cdef public object session, deployment, end_reason, mode_state, workers
+    cdef public _Node parent, root, first_child, next_sibling, prev_sibling, lru_prev, lru_next
+    cdef public double created_at, last_active_at
+    cdef public long turns, in_flight, flags, tree_live, tree_in_flight, worker_turns, moves
+
+cdef class Turn:
+    cdef public object facts
+    cdef public _Node _node
+    cdef public bint _final, _open
+
+cdef class SessionTree:
+    cdef public double _idle_ttl, _tombstone_ttl
+    cdef public long _max_live, _tombstone_max, _live, _held_ended, _trees
+    cdef public long evictions, tombstone_reuses, root_conflicts
+    cdef public object _clock, _tombs
+    cdef public dict _nodes, ended_by_reason
+    cdef public _Node _lru
+    cdef public set _detached
+    cdef public bint _conflict_logged
