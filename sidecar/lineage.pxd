@@ -1,6 +1,9 @@
 # Compiled layout of lineage.py (Cython "augmenting" declarations; see setup.py): the tree's
 # nodes and per-request handles as extension types. Keep _Node's and Turn's fields equal to
-# their __slots__, and SessionTree's to the attributes its __init__ sets.
+# their __slots__, and SessionTree's to the attributes its __init__ sets; the per-request
+# methods' signatures must match lineage.py.
+cimport cython
+
 cdef class _Node:
     cdef public object session, deployment, end_reason, mode_state, workers
     cdef public _Node parent, root, first_child, next_sibling, prev_sibling, lru_prev, lru_next
@@ -21,3 +24,8 @@ cdef class SessionTree:
     cdef public _Node _lru
     cdef public set _detached
     cdef public bint _conflict_logged
+    @cython.locals(node=_Node, root=_Node, parent_node=_Node, prev=_Node, nxt=_Node, flags=long, pflags=long,
+                   in_flight=long, turns=long)
+    cpdef begin(self, session, parent, root_hint, final, deployment)
+    @cython.locals(node=_Node, root=_Node, lru=_Node, tail=_Node, in_flight=long)
+    cpdef end_turn(self, Turn turn, outcome)

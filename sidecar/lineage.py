@@ -253,7 +253,7 @@ class SessionTree:
 
     # -- request path ----------------------------------------------------------------------------
 
-    def begin(self, session: str, *, parent: str | None, root_hint: str | None, final: bool,
+    def begin(self, session: str, parent: str | None, root_hint: str | None, final: bool,
               deployment: str) -> tuple[Turn, Sequence[Ended]]:
         """Register one request of ``session`` and compute its facts.
 

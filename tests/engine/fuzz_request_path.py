@@ -379,8 +379,8 @@ def check(target: Target, data: bytes) -> None:
 def fuzz(seconds: float, *, examples_per_round: int = 50) -> dict[str, int]:
     """Run the properties on generated inputs for about ``seconds``; return counts."""
     stats = {"cases": 0, "rounds": 0}
-    end = time.monotonic() + seconds
     with Target() as target:
+        end = time.monotonic() + seconds  # after the set-up, which a loaded machine may slow down
 
         @settings(max_examples=examples_per_round, deadline=None, database=None, derandomize=False,
                   suppress_health_check=list(HealthCheck), print_blob=True)
