@@ -172,9 +172,8 @@ class Router:
         if rec is not None or dep.strict:
             self._check_session(dep, session, rec)  # refuse early, before any body is read
         if dep.rewrites_body and session is not None and _declares_body(head):
-            return Decision(dep, dep.upstreams[0], dep.strip_sessionless, (), True, None, None,
-                            max_body_bytes=dep.max_body_bytes,
-                            pending=_Pending(ident, headers, selected, decided), request_id=request_id)
+            return Decision(dep, dep.upstreams[0], dep.strip_sessionless, (), True, None, None, False,
+                            dep.max_body_bytes, None, _Pending(ident, headers, selected, decided), request_id)
         return self._admit(dep, ident, headers, rec, request_id)
 
     def transform_body(self, decision: Decision, body: bytes) -> bytes:

@@ -73,22 +73,30 @@ class DynamoNvext(Mode):
     mutates_body = True
     options: NvextOptions
 
+    def __init__(self, options: NvextOptions) -> None:
+        super().__init__(options)
+        # Read once per request: plain attributes, not pydantic field reads.
+        self._tree = options.scope == "tree"
+        self._bind = options.protocol == "bind"
+        self._timeout = options.timeout_seconds
+
     def session_control(self, ctx: RoutingContext) -> dict[str, Any] | None:
         """The ``session_control`` object for this request, or None to send none."""
-        o = self.options
-        tree = o.scope == "tree"
-        sid = fit_id(ctx.root if tree else ctx.session, DYNAMO_MAX_ID_BYTES)
+        tree = self._tree
+        sid = ctx.root if tree else ctx.session
+        if len(sid) > _ALWAYS_FITS:
+            sid = fit_id(sid, DYNAMO_MAX_ID_BYTES)
         final = ctx.is_tree_final if tree else ctx.is_final_turn
-        if o.protocol == "bind":
+        if self._bind:
             if final:
                 return {"session_id": sid, "action": "close"}
-            return {"session_id": sid, "action": "bind", "timeout": o.timeout_seconds}
+            return {"session_id": sid, "action": "bind", "timeout": self._timeout}
         opening = ctx.turn == 1 and (not tree or ctx.session == ctx.root)
         if final:
             # Nothing was opened for a one-turn session, so there is nothing to close.
             return None if opening else {"session_id": sid, "action": "close"}
         if opening:
-            return {"session_id": sid, "action": "open", "timeout": o.timeout_seconds}
+            return {"session_id": sid, "action": "open", "timeout": self._timeout}
         return {"session_id": sid}
 
     def transform_body(self, ctx: RoutingContext, body: dict[str, Any]) -> dict[str, Any]:
