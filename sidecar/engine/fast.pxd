@@ -1,7 +1,7 @@
-cimport cython
 # Compiled layout of fast.py (Cython "augmenting" declarations; see setup.py). Keep the fields
 # equal to each class's __slots__; C types only where every assignment has that type (lengths
 # and limits stay Python ints: a client may declare any Content-Length).
+cimport cython
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.fast_client cimport UpstreamConnection
 
