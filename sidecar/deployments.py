@@ -64,7 +64,7 @@ class Deployment:
     # Derived once for the request path.
     rewrites_body: bool = False  # the mode rewrites request bodies
     only_upstream: Upstream | None = None  # the upstream when there is exactly one
-    # limits.max_body_bytes, read per request: a pydantic attribute read costs a __getattr__ hook.
+    # limits.max_body_bytes, read per request: a plain field reads faster than a pydantic model's.
     max_body_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -28,6 +28,7 @@ def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str,
 
 _UNAUTHORIZED = _error("No or invalid bearer token.",
                        {"WWW-Authenticate": {"schema": {"type": "string"}, "required": True}})
+_SESSION_NOT_FOUND = _error("Unknown, or not visible to the caller (`session_not_found`).")
 _TIMESTAMP = {"type": "string", "format": "date-time"}
 _NULLABLE_TIMESTAMP = {"type": ["string", "null"], "format": "date-time"}
 
@@ -199,7 +200,7 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "parameters": [session_path],
                 "responses": {"200": _json_body(_ref("Session"), "The session."),
                               "401": _UNAUTHORIZED,
-                              "404": _error("Unknown, or not visible to the caller (`session_not_found`).")},
+                              "404": _SESSION_NOT_FOUND},
             },
         },
         "/v1/sessions/{session_id}/close": {
@@ -213,7 +214,7 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "parameters": [session_path],
                 "responses": {"200": _json_body(_ref("Session"), "The session, closed."),
                               "401": _UNAUTHORIZED,
-                              "404": _error("Unknown, or not visible to the caller (`session_not_found`).")},
+                              "404": _SESSION_NOT_FOUND},
             },
         },
         "/v1/trees/{root}": {

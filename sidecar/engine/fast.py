@@ -1023,12 +1023,7 @@ class _Exchange:
             self._upstream_error("protocol", errors.UPSTREAM_PROTOCOL_ERROR,
                                  f"upstream of deployment {dep.name!r} ({up.url}) failed: {message}")
             return
-        # Mid-response: the status line is gone, the only honest signal left is an incomplete
-        # response (aborted connection) rather than a clean end.
-        self.client.engine.metrics.upstream_error(dep.name, "reset").inc()
-        self.client.engine.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-        log.warning("upstream failed mid-response: %s", message, extra={"deployment": dep.name})
-        self._abort_client()
+        self._fail_mid_response("reset", f"upstream failed mid-response: {message}")
 
     # -- timeouts (see _ClientConnection._watch) ----------------------------------------------
 
@@ -1049,10 +1044,18 @@ class _Exchange:
             self._upstream_error("timeout", errors.UPSTREAM_TIMEOUT,
                                  f"upstream of deployment {dep.name!r} ({up.url}) timed out")
             return
+        self._fail_mid_response("timeout", f"upstream idle for {now - self.last_io:.1f}s mid-response")
+
+    def _fail_mid_response(self, kind: str, message: str) -> None:
+        """The upstream failed after the response head went out: the status line is gone, so the
+        only honest signal left is an incomplete response (an aborted connection), not a clean end."""
+        decision = self.decision
+        assert decision is not None
+        dep = decision.deployment
         engine = self.client.engine
-        engine.metrics.upstream_error(dep.name, "timeout").inc()
+        engine.metrics.upstream_error(dep.name, kind).inc()
         engine.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-        log.warning("upstream idle for %.1fs mid-response", now - self.last_io, extra={"deployment": dep.name})
+        log.warning(message, extra={"deployment": dep.name})
         self._abort_client()
 
     # -- failures and local answers ---------------------------------------------------------
