@@ -4,6 +4,7 @@
 cimport cython
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.fast_client cimport UpstreamConnection
+from sidecar.metrics cimport DeploymentStats
 
 cdef class _ClientConnection:
     cdef public object engine, loop, parser, transport, peer, xff_xfp, queue, refusal, timer
@@ -16,10 +17,15 @@ cdef class _ClientConnection:
     @cython.locals(ex=_Exchange)
     cpdef advance(self)
     cpdef flush(self)
+    @cython.locals(ex=_Exchange, name=bytes, value=bytes, key=str, headers=dict)
+    cpdef on_header(self, name, value)
 
 cdef class _Exchange:
     cdef public _ClientConnection client
-    cdef public object method, target, fields, headers, length, conn_tokens, error, decision, limit
+    cdef public bytes method, target
+    cdef public list fields
+    cdef public dict headers
+    cdef public object length, conn_tokens, error, decision, limit
     cdef public bint special, http10, keep_alive, chunked, expect, queued, complete, started
     cdef public bint frame_chunked, request_sent, resp_started, close_after
     cdef public list body, head
@@ -29,10 +35,10 @@ cdef class _Exchange:
     cdef public UpstreamConnection conn
     @cython.locals(client=_ClientConnection)
     cpdef start(self)
-    @cython.locals(client=_ClientConnection, conn=UpstreamConnection, now=double, due=double)
+    @cython.locals(client=_ClientConnection, conn=UpstreamConnection, now=double, due=double, stats=DeploymentStats)
     cpdef _forward(self, decision, length)
     cpdef _send(self, UpstreamConnection conn, list parts)
-    @cython.locals(client=_ClientConnection, conn=UpstreamConnection)
+    @cython.locals(client=_ClientConnection, conn=UpstreamConnection, stats=DeploymentStats)
     cpdef response_head(self, long status, reason, list headers, dict fields, double now)
-    @cython.locals(client=_ClientConnection)
+    @cython.locals(client=_ClientConnection, stats=DeploymentStats)
     cpdef response_end(self, double now)

@@ -747,7 +747,8 @@ class _Exchange:
         dep = decision.deployment
         t = dep.timeouts
         now = perf_counter()
-        dep.stats.added.observe(now - self.t0)  # type: ignore[union-attr]
+        stats = dep.stats
+        stats.added.observe(now - self.t0)  # type: ignore[union-attr]
         self.state = CONNECTING
         self.connect_timeout = t.connect
         self.idle_timeout = idle = t.idle
@@ -916,7 +917,8 @@ class _Exchange:
         assert decision is not None
         if not engine.health.reached:
             engine.health.mark_reached()
-        decision.deployment.stats.ttfb.observe(now - self.t0)  # type: ignore[union-attr]
+        stats = decision.deployment.stats
+        stats.ttfb.observe(now - self.t0)  # type: ignore[union-attr]
         self.resp_status = status
         self.resp_started = True
         self.last_io = now

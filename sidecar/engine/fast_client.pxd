@@ -1,5 +1,6 @@
 # Compiled layout of fast_client.py (Cython "augmenting" declarations; see setup.py). Keep the
 # fields equal to each class's __slots__; C types only where every assignment has that type.
+cimport cython
 from sidecar.engine.flow cimport ReadFlow
 
 cdef class UpstreamConnection:
@@ -14,6 +15,8 @@ cdef class UpstreamConnection:
     cdef public double idle_since, stamp
     cdef public long relay
     cdef public list sink
+    @cython.locals(name=bytes, value=bytes, key=str, fields=dict)
+    cpdef on_header(self, name, value)
 
 cdef class UpstreamPool:
     cdef public object loop, host, idle, waiters, tasks
