@@ -37,7 +37,8 @@ class Upstream:
                    base_path=u.raw_path.rstrip("/"), host_header=host_header)
 
 
-@dataclass(slots=True)
+# No slots=True: compiled (deployments.pxd), it is an extension type with fixed fields.
+@dataclass
 class Deployment:
     """A configured deployment with its mode instantiated."""
 

@@ -29,8 +29,9 @@ _TRUE = frozenset({"true", "1", "yes", "on"})
 
 
 # Not frozen: a frozen dataclass costs ~0.5 us more per construction (once per request with a session).
-# Treat it as read-only (NO_SESSION is shared by every request without one).
-@dataclass(slots=True)
+# Treat it as read-only (NO_SESSION is shared by every request without one). No slots=True:
+# compiled (identity.pxd), it is an extension type with fixed fields.
+@dataclass
 class Identity:
     """A request's declared identity; ``session is None`` means "not part of a session"."""
 

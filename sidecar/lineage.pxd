@@ -10,8 +10,19 @@ cdef class _Node:
     cdef public double created_at, last_active_at
     cdef public long turns, in_flight, flags, tree_live, tree_in_flight, worker_turns, moves
 
+cdef class TurnFacts:
+    # Field order is the dataclass's.
+    cdef public object session
+    cdef public object parent
+    cdef public object root
+    cdef public bint is_final_turn
+    cdef public object is_parent_final
+    cdef public bint is_tree_final
+    cdef public long turn
+    cdef public object mode_state
+
 cdef class Turn:
-    cdef public object facts
+    cdef public TurnFacts facts
     cdef public _Node _node
     cdef public bint _final, _open
 

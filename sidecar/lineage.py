@@ -100,8 +100,9 @@ class Ended:
     turns: int
 
 
-# Not frozen: a frozen dataclass costs ~1.5 us per construction on the request path; treat as read-only.
-@dataclass(slots=True)
+# Not frozen: a frozen dataclass costs ~1.5 us per construction on the request path; treat as
+# read-only. No slots=True: compiled (lineage.pxd), it is an extension type with fixed fields.
+@dataclass
 class TurnFacts:
     """The lineage facts of one request, computed by :meth:`SessionTree.begin`.
 

@@ -45,7 +45,8 @@ EffectSink = Callable[[Deployment, EndAction, str], None]
 MAX_INTERNED_WORKERS = 4096
 
 
-@dataclass(slots=True)
+# The request path's records drop slots=True: compiled (router.pxd), they are extension types.
+@dataclass
 class RequestHead:
     """What an engine hands the router: the parts of a request head routing may depend on."""
 
@@ -54,7 +55,7 @@ class RequestHead:
     headers: Mapping[str, str]  # lower-case name -> first value
 
 
-@dataclass(slots=True)
+@dataclass
 class _Pending:
     """What ``route`` learned from the head of a request whose admission waits for its body."""
 
@@ -64,7 +65,7 @@ class _Pending:
     decided: Deployment | None  # by binding or selector; None: by model, else the default
 
 
-@dataclass(slots=True)
+@dataclass
 class Decision:
     """How to forward one request. ``add`` headers go after the client's (minus ``strip``).
 
@@ -313,7 +314,7 @@ class Router:
             self._mode_failed(decision, "request_headers", exc)
         if add and dep.trust_client_headers:
             # A trusted client's own copy wins: keep it and add nothing under that name.
-            add = tuple((n, v) for n, v in add if n.lower() not in headers)
+            add = _not_sent_by_client(add, headers)
         if add:
             decision.add = add
             dep.stats.headers_injected.inc()  # type: ignore[union-attr]
@@ -483,6 +484,11 @@ def _parse(body: bytes) -> Any:
         return orjson.loads(body)
     except orjson.JSONDecodeError:
         return _INVALID
+
+
+def _not_sent_by_client(add: tuple[tuple[str, str], ...], headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The mode's headers minus those the (trusted) client sent itself."""
+    return tuple((n, v) for n, v in add if n.lower() not in headers)
 
 
 def _declares_body(head: RequestHead) -> bool:

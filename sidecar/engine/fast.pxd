@@ -5,6 +5,8 @@ cimport cython
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.fast_client cimport UpstreamConnection
 from sidecar.metrics cimport DeploymentStats
+from sidecar.deployments cimport Deployment
+from sidecar.router cimport Decision, Router
 
 cdef class _ClientConnection:
     cdef public object engine, loop, parser, transport, peer, xff_xfp, queue, refusal, timer
@@ -25,7 +27,8 @@ cdef class _Exchange:
     cdef public bytes method, target
     cdef public list fields
     cdef public dict headers
-    cdef public object length, conn_tokens, error, decision, limit
+    cdef public object length, conn_tokens, error, limit
+    cdef public Decision decision
     cdef public bint special, http10, keep_alive, chunked, expect, queued, complete, started
     cdef public bint frame_chunked, request_sent, resp_started, close_after
     cdef public list body, head
@@ -33,12 +36,14 @@ cdef class _Exchange:
     cdef public long state, resp_status, resp_mode
     cdef public double t0, connect_timeout, first_byte_timeout, idle_timeout, last_io
     cdef public UpstreamConnection conn
-    @cython.locals(client=_ClientConnection)
+    @cython.locals(client=_ClientConnection, router=Router, decision=Decision, dep=Deployment)
     cpdef start(self)
-    @cython.locals(client=_ClientConnection, conn=UpstreamConnection, now=double, due=double, stats=DeploymentStats)
-    cpdef _forward(self, decision, length)
+    @cython.locals(client=_ClientConnection, conn=UpstreamConnection, now=double, due=double, stats=DeploymentStats,
+                   dep=Deployment)
+    cpdef _forward(self, Decision decision, length)
     cpdef _send(self, UpstreamConnection conn, list parts)
-    @cython.locals(client=_ClientConnection, conn=UpstreamConnection, stats=DeploymentStats)
+    @cython.locals(client=_ClientConnection, conn=UpstreamConnection, stats=DeploymentStats, decision=Decision,
+                   router=Router)
     cpdef response_head(self, long status, reason, list headers, dict fields, double now)
-    @cython.locals(client=_ClientConnection, stats=DeploymentStats)
+    @cython.locals(client=_ClientConnection, stats=DeploymentStats, decision=Decision, router=Router)
     cpdef response_end(self, double now)

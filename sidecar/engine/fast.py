@@ -922,7 +922,8 @@ class _Exchange:
         self.resp_status = status
         self.resp_started = True
         self.last_io = now
-        engine.router.on_response(decision, status, fields)
+        router = engine.router
+        router.on_response(decision, status, fields)
         drop = _HOP
         if _CONNECTION in fields:
             values = [v for k, _, v in headers if k == _CONNECTION]
@@ -994,7 +995,8 @@ class _Exchange:
         status = self.resp_status
         stats.request(status).inc()
         stats.duration.observe(now - self.t0)
-        engine.router.finish(decision, TurnOutcome.COMPLETED if status < 500 else TurnOutcome.UPSTREAM_FAILED)
+        router = engine.router
+        router.finish(decision, TurnOutcome.COMPLETED if status < 500 else TurnOutcome.UPSTREAM_FAILED)
         # Flattened client.done(self).
         queue = client.queue
         if queue and queue[0] is self:

@@ -1,0 +1,14 @@
+# Compiled layout of identity.py (Cython "augmenting" declarations; see setup.py). Keep
+# Identity's fields in its dataclass order and IdentityReader's equal to its __slots__.
+cdef class Identity:
+    cdef public object session
+    cdef public object parent
+    cdef public object root
+    cdef public bint final
+
+cdef class IdentityReader:
+    cdef public tuple _session, _parent, _root, _final, _lineage, _body
+    cdef public bint _fingerprint, reads_body
+    cdef public frozenset header_names
+    cpdef Identity read(self, headers)
+    cpdef Identity _with_session(self, headers, str session)

@@ -1,0 +1,50 @@
+# Compiled layout of router.py (Cython "augmenting" declarations; see setup.py): the decision
+# records and the router as extension types. Keep the records' fields in their dataclass order
+# and Router's equal to the attributes its __init__ sets.
+cimport cython
+from sidecar.deployments cimport Deployment
+from sidecar.identity cimport Identity, IdentityReader
+from sidecar.lineage cimport SessionTree, Turn, TurnFacts
+
+cdef class RequestHead:
+    cdef public object method
+    cdef public object target
+    cdef public object headers
+
+cdef class _Pending:
+    cdef public Identity ident
+    cdef public object headers
+    cdef public object selected
+    cdef public object decided
+
+cdef class Decision:
+    cdef public Deployment deployment
+    cdef public object upstream
+    cdef public frozenset strip
+    cdef public tuple add
+    cdef public bint needs_body
+    cdef public object ctx
+    cdef public Turn turn
+    cdef public bint finished
+    cdef public object max_body_bytes
+    cdef public object api_session
+    cdef public _Pending pending
+    cdef public object request_id
+    cdef public long status
+
+cdef class Router:
+    cdef public object config, metrics, deployments, _by_name, _by_model, _selection_body_limit, store, effects
+    cdef public IdentityReader identity
+    cdef public Deployment default
+    cdef public str _selector, _primary_session_header
+    cdef public bint _route_by_model, _single, _body_identity
+    cdef public tuple _worker_headers
+    cdef public dict _workers, _api_sessions
+    cdef public SessionTree tree
+    @cython.locals(ident=Identity, dep=Deployment)
+    cpdef Decision route(self, RequestHead head)
+    @cython.locals(f=TurnFacts, turn=Turn, decision=Decision, add=tuple)
+    cpdef Decision _admit(self, Deployment dep, Identity ident, headers, rec, request_id)
+    @cython.locals(turn=Turn, dep=Deployment)
+    cpdef on_response(self, Decision decision, long status, headers)
+    cpdef finish(self, Decision decision, outcome)
