@@ -14,7 +14,9 @@ cdef class _Buckets:
 
 cdef class DeploymentStats:
     cdef public _Buckets added, ttfb, duration
-    cdef public _Value headers_injected
+    cdef public _Value headers_injected, _rewritten
+    cdef public tuple _rewrites
     cdef public object _requests
     cdef public dict _by_class
     cpdef _Value request(self, long status)
+    cpdef _Value rewritten(self)

@@ -135,15 +135,25 @@ class _FamilyCollector(Collector):
 class DeploymentStats:
     """A deployment's hot-path metric children, looked up once instead of per request."""
 
-    __slots__ = ("added", "ttfb", "duration", "headers_injected", "_requests", "_by_class")
+    __slots__ = ("added", "ttfb", "duration", "headers_injected", "_rewritten", "_rewrites", "_requests", "_by_class")
 
     def __init__(self, m: Metrics, deployment: str, mode: str) -> None:
         self.added = m.added.labels(deployment)
         self.ttfb = m.ttfb.labels(deployment, mode)
         self.duration = m.duration.labels(deployment, mode)
         self.headers_injected = m.headers_injected.labels(mode)
+        self._rewritten: _Value | None = None  # created by the first rewrite: no series before it
+        self._rewrites = (m.body_rewrites, mode)
         self._requests = (m.requests, deployment, mode)
         self._by_class: dict[int, _Value] = {}
+
+    def rewritten(self) -> _Value:
+        """The ``sidecar_body_rewrites_total{outcome="rewritten"}`` child of the mode."""
+        child = self._rewritten
+        if child is None:
+            family, mode = self._rewrites
+            child = self._rewritten = family.labels(mode, "rewritten")
+        return child
 
     def request(self, status: int) -> _Value:
         """The ``sidecar_requests_total`` child of ``status``'s class."""

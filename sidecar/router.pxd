@@ -43,6 +43,11 @@ cdef class Router:
     cdef public SessionTree tree
     @cython.locals(ident=Identity, dep=Deployment)
     cpdef Decision route(self, RequestHead head)
+    @cython.locals(pending=_Pending, ident=Identity, dep=Deployment, model_dep=Deployment, admitted=Decision)
+    cpdef transform_body(self, Decision decision, body)
+    @cython.locals(dep=Deployment)
+    cpdef _rewrite(self, Decision decision, body, obj)
+    cpdef _check_session(self, Deployment dep, session, rec)
     @cython.locals(f=TurnFacts, turn=Turn, decision=Decision, add=tuple)
     cpdef Decision _admit(self, Deployment dep, Identity ident, headers, rec, request_id)
     @cython.locals(turn=Turn, dep=Deployment)

@@ -326,10 +326,10 @@ class Router:
         dep = decision.deployment
         mode = dep.mode
         assert mode is not None and decision.ctx is not None
-        counter = self.metrics.body_rewrites
         if obj is _UNPARSED:
             obj = _parse(body)
         if not isinstance(obj, dict):
+            counter = self.metrics.body_rewrites
             outcome = "passthrough_invalid_json" if obj is _INVALID else "passthrough_not_object"
             if dep.reject_non_object_body:
                 counter.labels(dep.mode_name, "rejected").inc()
@@ -345,7 +345,7 @@ class Router:
             new = mode.transform_body(decision.ctx, obj)
         except Exception as exc:
             self._mode_failed(decision, "transform_body", exc)
-        counter.labels(dep.mode_name, "rewritten").inc()
+        dep.stats.rewritten().inc()  # type: ignore[union-attr]
         return orjson.dumps(new)
 
     def on_response(self, decision: Decision, status: int, headers: Mapping[str, str]) -> None:

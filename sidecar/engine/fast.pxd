@@ -42,6 +42,8 @@ cdef class _Exchange:
                    dep=Deployment)
     cpdef _forward(self, Decision decision, length)
     cpdef _send(self, UpstreamConnection conn, list parts)
+    @cython.locals(router=Router, decision=Decision, dep=Deployment)
+    cpdef _send_transformed(self)
     @cython.locals(client=_ClientConnection, conn=UpstreamConnection, stats=DeploymentStats, decision=Decision,
                    router=Router)
     cpdef response_head(self, long status, reason, list headers, dict fields, double now)

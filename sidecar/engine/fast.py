@@ -828,10 +828,11 @@ class _Exchange:
         body = self.body
         raw = body[0] if len(body) == 1 else b"".join(body)
         body.clear()
+        router = self.client.engine.router
         try:
-            new = self.client.engine.router.transform_body(decision, raw)
+            new = router.transform_body(decision, raw)
         except errors.ProxyError as exc:
-            self.client.engine.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+            router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
             dep = decision.deployment
             self.respond_error(exc, dep.name, dep.mode_name, exc.type)
             return
