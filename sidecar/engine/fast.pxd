@@ -46,6 +46,6 @@ cdef class _Exchange:
     cpdef _send_transformed(self)
     @cython.locals(client=_ClientConnection, conn=UpstreamConnection, stats=DeploymentStats, decision=Decision,
                    router=Router)
-    cpdef response_head(self, long status, reason, list headers, dict fields, double now)
+    cpdef response_head(self, long status, reason, list headers, long framing, double now)
     @cython.locals(client=_ClientConnection, stats=DeploymentStats, decision=Decision, router=Router)
     cpdef response_end(self, double now)

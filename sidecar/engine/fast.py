@@ -51,11 +51,15 @@ from sidecar.engine.fast_client import (
     BODY_FRAMED,
     BODY_NONE,
     BODY_UNTIL_EOF,
+    HAS_CONNECTION,
+    HAS_CONTENT_LENGTH,
+    HAS_TRANSFER_ENCODING,
     HEADER_KEYS,
     RELAY_CHUNKED,
     RELAY_NONE,
     RELAY_RAW,
     STALE_CHECK_AFTER,
+    ResponseHeaders,
     UpstreamConnection,
     UpstreamPool,
     header_key,
@@ -909,7 +913,7 @@ class _Exchange:
             self.client.flow.resume(PEER_FULL)
 
     def response_head(self, status: int, reason: bytes, headers: list[tuple[str, bytes, bytes]],
-                      fields: dict[str, str], now: float) -> int:
+                      framing: int, now: float) -> int:
         """The upstream's response head: tell the router, queue the client's head, set up the
         relay of the body (flattened: once per request)."""
         client = self.client
@@ -924,9 +928,9 @@ class _Exchange:
         self.resp_started = True
         self.last_io = now
         router = engine.router
-        router.on_response(decision, status, fields)
+        router.on_response(decision, status, ResponseHeaders(headers))
         drop = _HOP
-        if _CONNECTION in fields:
+        if framing & HAS_CONNECTION:
             values = [v for k, _, v in headers if k == _CONNECTION]
             # Usually one "keep-alive" or "close": both name nothing beyond the hop-by-hop set.
             if len(values) != 1 or values[0].lower() not in _PLAIN_CONNECTION:
@@ -937,10 +941,10 @@ class _Exchange:
             body = BODY_NONE
         elif status == 204 or status == 304:
             mode = R_NONE
-        elif _CONTENT_LENGTH in fields and _TRANSFER_ENCODING not in fields:
+        elif framing & (HAS_CONTENT_LENGTH | HAS_TRANSFER_ENCODING) == HAS_CONTENT_LENGTH:
             mode = R_LENGTH
         else:
-            if _TRANSFER_ENCODING in fields:
+            if framing & HAS_TRANSFER_ENCODING:
                 codings = b",".join([v for k, _, v in headers if k == _TRANSFER_ENCODING])
                 if codings.rsplit(b",", 1)[-1].strip().lower() != b"chunked":
                     body = BODY_UNTIL_EOF

@@ -3,19 +3,22 @@
 cimport cython
 from sidecar.engine.flow cimport ReadFlow
 
+cdef class ResponseHeaders:
+    cdef public list _headers
+
 cdef class UpstreamConnection:
     cdef public UpstreamPool pool
     cdef public object transport, parser, ex, _poll, reason
     cdef public ReadFlow flow
     cdef public list headers
-    cdef public dict fields
+    cdef public long framing
     cdef public bint lost, counted, in_head, head_seen, informational, done, keep_alive, reusable, eof_ends
     cdef public bint write_paused
     cdef public Py_ssize_t head_bytes
     cdef public double idle_since, stamp
     cdef public long relay
     cdef public list sink
-    @cython.locals(name=bytes, value=bytes, key=str, fields=dict)
+    @cython.locals(name=bytes, value=bytes, key=str)
     cpdef on_header(self, name, value)
 
 cdef class UpstreamPool:

@@ -25,7 +25,8 @@ import asyncio
 import select
 from collections import deque
 from time import perf_counter
-from typing import Protocol, cast
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
+from typing import Any, Protocol, cast
 
 import httptools
 
@@ -55,6 +56,76 @@ RELAY_CHUNKED = 2  # appended as one chunk each (the upstream sent no length)
 HEADER_KEYS: dict[bytes, str] = {}
 MAX_HEADER_KEYS = 1024
 
+# Response headers the relay's framing depends on, as bits of ``UpstreamConnection.framing``.
+HAS_CONNECTION = 1
+HAS_CONTENT_LENGTH = 2
+HAS_TRANSFER_ENCODING = 4
+_FRAMING_BITS = {"connection": HAS_CONNECTION, "content-length": HAS_CONTENT_LENGTH,
+                 "transfer-encoding": HAS_TRANSFER_ENCODING}
+
+
+class ResponseHeaders:
+    """A response head as the router reads it, a read-only ``Mapping[str, str]``: lower-case
+    name -> first value, decoded on lookup (the router reads one or two names per response;
+    decoding every header costs more). Not a Mapping subclass (compiled, it is an extension
+    type, which cannot derive from one): registered as one, with the full read-only API."""
+
+    __slots__ = ("_headers",)
+
+    def __init__(self, headers: list[tuple[str, bytes, bytes]]) -> None:
+        self._headers = headers  # (lower-case key, name, value), in arrival order
+
+    def get(self, key: str, default: Any = None) -> Any:
+        for k, _, value in self._headers:
+            if k == key:
+                return value.decode("utf-8", "surrogateescape")
+        return default
+
+    def __getitem__(self, key: str) -> str:
+        for k, _, value in self._headers:
+            if k == key:
+                return value.decode("utf-8", "surrogateescape")
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        for k, _, _ in self._headers:
+            if k == key:
+                return True
+        return False
+
+    def _first(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for k, _, value in self._headers:
+            if k not in out:
+                out[k] = value.decode("utf-8", "surrogateescape")
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._first())
+
+    def __len__(self) -> int:
+        return len(self._first())
+
+    def keys(self) -> KeysView[str]:
+        return self._first().keys()
+
+    def items(self) -> ItemsView[str, str]:
+        return self._first().items()
+
+    def values(self) -> ValuesView[str]:
+        return self._first().values()
+
+    def __eq__(self, other: object) -> bool:
+        return self._first() == (dict(other) if isinstance(other, Mapping) else other)
+
+    def __repr__(self) -> str:
+        return f"ResponseHeaders({self._first()!r})"
+
+    __hash__ = None  # type: ignore[assignment]  # like every Mapping
+
+
+Mapping.register(ResponseHeaders)
+
 
 def header_key(name: bytes) -> str:
     """The lower-case ``str`` key of a header name (latin-1; llhttp admits token bytes only)."""
@@ -77,7 +148,7 @@ class Exchange(Protocol):
     def connect_failed(self, kind: str, exc: BaseException) -> None: ...
     def peer_full(self, full: bool) -> None: ...
     def response_head(self, status: int, reason: bytes, headers: list[tuple[str, bytes, bytes]],
-                      fields: dict[str, str], now: float) -> int: ...
+                      framing: int, now: float) -> int: ...
     def response_end(self, now: float) -> None: ...
     def upstream_failed(self, message: str) -> None: ...
     def flush(self) -> None: ...
@@ -92,7 +163,7 @@ class UpstreamConnection:
     (an asyncio protocol by duck typing, like :class:`sidecar.engine.fast._ClientConnection`)."""
 
     __slots__ = ("pool", "transport", "flow", "parser", "ex", "lost", "counted", "_poll", "headers",
-                 "fields", "reason", "head_bytes", "in_head", "head_seen", "informational", "done",
+                 "framing", "reason", "head_bytes", "in_head", "head_seen", "informational", "done",
                  "keep_alive", "reusable", "eof_ends", "write_paused", "idle_since", "relay", "sink", "stamp")
 
     def __init__(self, pool: UpstreamPool) -> None:
@@ -103,7 +174,7 @@ class UpstreamConnection:
         self.lost = False
         self.counted = True  # counts towards the pool's bound until lost or dropped
         self.headers: list[tuple[str, bytes, bytes]] = []  # (lower-case key, name, value)
-        self.fields: dict[str, str] = {}  # lower-case key -> first value, for the router
+        self.framing = 0  # HAS_* bits of the headers seen
         self.reason = b""
         self.head_bytes = 0
         self.in_head = False
@@ -246,7 +317,7 @@ class UpstreamConnection:
             self.reusable = False  # a second response to one request
             return
         self.headers = []
-        self.fields = {}
+        self.framing = 0
         self.reason = b""
         self.head_bytes = 0
         self.in_head = True
@@ -261,9 +332,8 @@ class UpstreamConnection:
                 raise _HeadTooLarge
             key = HEADER_KEYS[name] if name in HEADER_KEYS else header_key(name)
             self.headers.append((key, name, value))
-            fields = self.fields
-            if key not in fields:
-                fields[key] = value.decode("utf-8", "surrogateescape")
+            if key in _FRAMING_BITS:
+                self.framing |= _FRAMING_BITS[key]
 
     def on_headers_complete(self) -> None:
         self.in_head = False
@@ -277,7 +347,7 @@ class UpstreamConnection:
         self.head_seen = True
         self.keep_alive = True  # decided by on_message_complete (or a close for BODY_UNTIL_EOF)
         self.stamp = now = perf_counter()
-        body = ex.response_head(status, self.reason, self.headers, self.fields, now)
+        body = ex.response_head(status, self.reason, self.headers, self.framing, now)
         if body == BODY_NONE:
             # llhttp cannot be told a response answers HEAD and would wait for Content-Length
             # bytes; the response is complete now and the connection is not reused.
