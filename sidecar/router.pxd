@@ -48,6 +48,8 @@ cdef class Router:
     @cython.locals(dep=Deployment)
     cpdef _rewrite(self, Decision decision, body, obj)
     cpdef _check_session(self, Deployment dep, session, rec)
+    cpdef _choose(self, session, rec, selected, model_dep)
+    cpdef binding(self, session, rec=*)
     @cython.locals(f=TurnFacts, turn=Turn, decision=Decision, add=tuple)
     cpdef Decision _admit(self, Deployment dep, Identity ident, headers, rec, request_id)
     @cython.locals(turn=Turn, dep=Deployment)

@@ -105,6 +105,10 @@ class DynamoNvext(Mode):
             return body
         # Copy-on-write: shallow copies of the dicts on the path to session_control only.
         nvext = body.get(NVEXT)
+        if nvext is None:  # the usual request: nothing to merge (``control`` is a fresh dict)
+            out = dict(body)
+            out[NVEXT] = {SESSION_CONTROL: control}
+            return out
         nvext = dict(nvext) if isinstance(nvext, dict) else {}
         old = nvext.get(SESSION_CONTROL)
         merged = {k: v for k, v in old.items() if k not in _OWNED_KEYS} if isinstance(old, dict) else {}
