@@ -1,5 +1,7 @@
 # Compiled layout of metrics.py (Cython "augmenting" declarations; see setup.py): the hot-path
 # children as extension types. Keep the fields equal to each class's __slots__.
+cimport cython
+
 cdef class _Value:
     cdef public double value
     cpdef inc(self, double amount=*)
@@ -10,6 +12,7 @@ cdef class _Buckets:
     cdef public tuple bounds
     cdef public list counts
     cdef public double sum
+    @cython.locals(bounds=tuple, n=Py_ssize_t, i=Py_ssize_t, bound=double)
     cpdef observe(self, double value)
 
 cdef class DeploymentStats:
