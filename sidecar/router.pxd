@@ -5,6 +5,7 @@ cimport cython
 from sidecar.deployments cimport Deployment
 from sidecar.identity cimport Identity, IdentityReader
 from sidecar.lineage cimport SessionTree, Turn, TurnFacts
+from sidecar.modes.context cimport RoutingContext
 
 cdef class RequestHead:
     cdef public object method
@@ -50,7 +51,7 @@ cdef class Router:
     cpdef _check_session(self, Deployment dep, session, rec)
     cpdef _choose(self, session, rec, selected, model_dep)
     cpdef binding(self, session, rec=*)
-    @cython.locals(f=TurnFacts, turn=Turn, decision=Decision, add=tuple)
+    @cython.locals(f=TurnFacts, turn=Turn, decision=Decision, add=tuple, ctx=RoutingContext)
     cpdef Decision _admit(self, Deployment dep, Identity ident, headers, rec, request_id)
     @cython.locals(turn=Turn, dep=Deployment)
     cpdef on_response(self, Decision decision, long status, headers)

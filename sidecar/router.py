@@ -34,7 +34,8 @@ from sidecar.deployments import Deployment, Upstream
 from sidecar.identity import Identity, IdentityReader
 from sidecar.lineage import EndReason, Ended, SessionTree, Turn, TurnOutcome
 from sidecar.metrics import Metrics
-from sidecar.modes.base import EndAction, RoutingContext, SessionEnd
+from sidecar.modes.base import EndAction, SessionEnd
+from sidecar.modes.context import RoutingContext
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
 
 log = logging.getLogger("sidecar.router")

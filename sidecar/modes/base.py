@@ -17,23 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-
-# Not frozen (a frozen dataclass costs ~1.5 us per construction, once per request): modes must
-# treat it as read-only, like every hook input.
-@dataclass(slots=True)
-class RoutingContext:
-    """What the sidecar knows about one request's session (SPEC section 3). Read-only."""
-
-    session: str
-    parent: str | None
-    root: str
-    is_final_turn: bool
-    is_parent_final: bool | None
-    is_tree_final: bool
-    turn: int
-    deployment: str
-    # What this mode's on_response last returned for the session (e.g. a gateway's session token).
-    mode_state: str | None = None
+from sidecar.modes.context import RoutingContext as RoutingContext  # part of the contract
 
 
 @dataclass(frozen=True, slots=True)
