@@ -34,7 +34,8 @@ cdef class _Exchange:
     cdef public list body, head
     cdef public Py_ssize_t body_size
     cdef public long state, resp_status, resp_mode
-    cdef public double t0, connect_timeout, first_byte_timeout, idle_timeout, last_io
+    cdef public double t0, connect_timeout, first_byte_timeout, idle_timeout, last_io, head_at
+    cdef public list resp_head
     cdef public UpstreamConnection conn
     @cython.locals(client=_ClientConnection, router=Router, decision=Decision, dep=Deployment)
     cpdef start(self)
@@ -44,8 +45,9 @@ cdef class _Exchange:
     cpdef _send(self, UpstreamConnection conn, list parts)
     @cython.locals(router=Router, decision=Decision, dep=Deployment)
     cpdef _send_transformed(self)
-    @cython.locals(client=_ClientConnection, conn=UpstreamConnection, stats=DeploymentStats, decision=Decision,
-                   router=Router)
+    @cython.locals(client=_ClientConnection, conn=UpstreamConnection)
     cpdef response_head(self, long status, reason, list headers, long framing, double now)
     @cython.locals(client=_ClientConnection, stats=DeploymentStats, decision=Decision, router=Router)
     cpdef response_end(self, double now)
+    @cython.locals(stats=DeploymentStats, decision=Decision, router=Router)
+    cpdef _observe_head(self)

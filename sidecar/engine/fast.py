@@ -592,7 +592,7 @@ class _Exchange:
                  "chunked", "expect", "conn_tokens", "error", "queued", "body", "body_size", "complete",
                  "state", "started", "decision", "t0", "limit", "head", "frame_chunked", "conn",
                  "connect_timeout", "first_byte_timeout", "idle_timeout", "last_io", "request_sent",
-                 "resp_started", "resp_status", "resp_mode", "close_after")
+                 "resp_started", "resp_status", "resp_mode", "resp_head", "head_at", "close_after")
 
     def __init__(self, client: _ClientConnection) -> None:
         self.client = client
@@ -628,6 +628,9 @@ class _Exchange:
         self.resp_started = False
         self.resp_status = 0
         self.resp_mode = R_NONE
+        # The parsed response head until the router heard of it (see _observe_head).
+        self.resp_head: list[tuple[str, bytes, bytes]] | None = None
+        self.head_at = 0.0
         self.close_after = False
 
     # -- request head -------------------------------------------------------------------------
@@ -914,21 +917,17 @@ class _Exchange:
 
     def response_head(self, status: int, reason: bytes, headers: list[tuple[str, bytes, bytes]],
                       framing: int, now: float) -> int:
-        """The upstream's response head: tell the router, queue the client's head, set up the
-        relay of the body (flattened: once per request)."""
+        """The upstream's response head: queue the client's head, set up the relay of the body
+        (flattened: once per request; the router hears of the head in :meth:`_observe_head`)."""
         client = self.client
         engine = client.engine
-        decision = self.decision
-        assert decision is not None
-        if not engine.health.reached:
-            engine.health.mark_reached()
-        stats = decision.deployment.stats
-        stats.ttfb.observe(now - self.t0)  # type: ignore[union-attr]
         self.resp_status = status
         self.resp_started = True
         self.last_io = now
-        router = engine.router
-        router.on_response(decision, status, ResponseHeaders(headers))
+        # The router and the metrics hear of the head once its bytes are written (_observe_head):
+        # off the latency path, still before anything can finish the turn.
+        self.resp_head = headers
+        self.head_at = now
         drop = _HOP
         if framing & HAS_CONNECTION:
             values = [v for k, _, v in headers if k == _CONNECTION]
@@ -976,6 +975,24 @@ class _Exchange:
     def flush(self) -> None:
         """Part of the response was relayed: write it."""
         self.client.flush()
+        if self.resp_head is not None:
+            self._observe_head()
+
+    def _observe_head(self) -> None:
+        """Tell the router and the metrics about the response head (once: right after its bytes
+        were written, and in any case before the turn finishes)."""
+        headers = self.resp_head
+        assert headers is not None
+        self.resp_head = None
+        engine = self.client.engine
+        decision = self.decision
+        assert decision is not None
+        if not engine.health.reached:
+            engine.health.mark_reached()
+        stats = decision.deployment.stats
+        stats.ttfb.observe(self.head_at - self.t0)  # type: ignore[union-attr]
+        router = engine.router
+        router.on_response(decision, self.resp_status, ResponseHeaders(headers))
 
     def response_end(self, now: float) -> None:
         """The last response byte arrived: write it, count, finish the turn, move on
@@ -992,6 +1009,8 @@ class _Exchange:
                 client.transport.write(data)
         self.conn = None
         self.state = DONE
+        if self.resp_head is not None:
+            self._observe_head()
         engine = client.engine
         decision = self.decision
         assert decision is not None
@@ -1062,6 +1081,8 @@ class _Exchange:
         assert decision is not None
         dep = decision.deployment
         engine = self.client.engine
+        if self.resp_head is not None:
+            self._observe_head()
         engine.metrics.upstream_error(dep.name, kind).inc()
         engine.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
         log.warning(message, extra={"deployment": dep.name})
@@ -1099,6 +1120,8 @@ class _Exchange:
     def internal_error(self) -> None:
         if self.state == DONE:
             return
+        if self.resp_head is not None:
+            self._observe_head()
         if self.decision is not None:
             self.client.engine.router.finish(self.decision, TurnOutcome.UPSTREAM_FAILED)
         d = self.client.engine.router.default
@@ -1121,6 +1144,8 @@ class _Exchange:
         decision = self.decision
         assert decision is not None
         dep = decision.deployment
+        if self.resp_head is not None:
+            self._observe_head()
         self.client.engine.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
         if self.resp_started:
             self._abort_client()
@@ -1158,6 +1183,8 @@ class _Exchange:
             return
         self.state = DONE
         self._release_upstream()
+        if self.resp_head is not None:
+            self._observe_head()
         engine = self.client.engine
         if self.decision is not None:
             engine.router.finish(self.decision, TurnOutcome.CLIENT_ABORTED)
