@@ -199,7 +199,9 @@ class Router:
         # Re-resolved at admission: the session may have been bound or closed while the body
         # was read.
         rec = self._api_sessions.get(ident.session) if ident.session is not None else None
-        dep = self._choose(ident.session, rec, pending.selected, model_dep) or self.default
+        # One deployment: binding, selector and model can only name it (an unknown name was refused).
+        dep = self.default if self._single else self._choose(ident.session, rec, pending.selected, model_dep) or \
+            self.default
         decision.deployment = dep
         if len(body) > dep.max_body_bytes:
             raise errors.ProxyError(errors.REQUEST_TOO_LARGE,
@@ -488,7 +490,8 @@ def _parse(body: bytes) -> Any:
 
 
 def _not_sent_by_client(add: tuple[tuple[str, str], ...], headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    """The mode's headers minus those the (trusted) client sent itself."""
+    """The mode's headers minus those the (trusted) client sent itself (a module function: a
+    compiled ``cpdef`` method cannot hold this generator's closure)."""
     return tuple((n, v) for n, v in add if n.lower() not in headers)
 
 

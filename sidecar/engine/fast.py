@@ -994,6 +994,15 @@ class _Exchange:
         router = engine.router
         router.on_response(decision, self.resp_status, ResponseHeaders(headers))
 
+    def _finish_turn(self, outcome: TurnOutcome) -> None:
+        """Finish the router's turn off the success path: after the response head it has not
+        heard of yet, if any."""
+        if self.resp_head is not None:
+            self._observe_head()
+        decision = self.decision
+        assert decision is not None
+        self.client.engine.router.finish(decision, outcome)
+
     def response_end(self, now: float) -> None:
         """The last response byte arrived: write it, count, finish the turn, move on
         (flattened: once per request)."""
@@ -1080,11 +1089,8 @@ class _Exchange:
         decision = self.decision
         assert decision is not None
         dep = decision.deployment
-        engine = self.client.engine
-        if self.resp_head is not None:
-            self._observe_head()
-        engine.metrics.upstream_error(dep.name, kind).inc()
-        engine.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+        self.client.engine.metrics.upstream_error(dep.name, kind).inc()
+        self._finish_turn(TurnOutcome.UPSTREAM_FAILED)
         log.warning(message, extra={"deployment": dep.name})
         self._abort_client()
 
@@ -1120,10 +1126,8 @@ class _Exchange:
     def internal_error(self) -> None:
         if self.state == DONE:
             return
-        if self.resp_head is not None:
-            self._observe_head()
         if self.decision is not None:
-            self.client.engine.router.finish(self.decision, TurnOutcome.UPSTREAM_FAILED)
+            self._finish_turn(TurnOutcome.UPSTREAM_FAILED)
         d = self.client.engine.router.default
         exc = errors.ProxyError(errors.INTERNAL_ERROR, "the sidecar failed to handle this request")
         self.respond_error(exc, d.name, d.mode_name, None, close=True)
@@ -1144,9 +1148,7 @@ class _Exchange:
         decision = self.decision
         assert decision is not None
         dep = decision.deployment
-        if self.resp_head is not None:
-            self._observe_head()
-        self.client.engine.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+        self._finish_turn(TurnOutcome.UPSTREAM_FAILED)
         if self.resp_started:
             self._abort_client()
         else:
@@ -1183,9 +1185,6 @@ class _Exchange:
             return
         self.state = DONE
         self._release_upstream()
-        if self.resp_head is not None:
-            self._observe_head()
-        engine = self.client.engine
         if self.decision is not None:
-            engine.router.finish(self.decision, TurnOutcome.CLIENT_ABORTED)
-        engine.request_done()
+            self._finish_turn(TurnOutcome.CLIENT_ABORTED)
+        self.client.engine.request_done()
