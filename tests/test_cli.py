@@ -8,11 +8,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import orjson
 import pytest
 
+import sidecar
 from tests.proxy.test_errors import free_port
 
 
@@ -100,6 +102,25 @@ def test_modes_lists_every_mode_with_options():
     assert out.returncode == 0
     assert out.stdout.startswith("dynamo_headers") or "\ndynamo_headers" in out.stdout
     assert "options: none" in out.stdout
+
+
+@pytest.mark.parametrize("pure", ["1", "0"], ids=["pure-python", "as-installed"])
+def test_modules_with_compiled_layouts_load_as_one_build(pure):
+    """Every module with a .pxd layout (the request path: engine, router, lineage, metrics, ...)
+    loads from the same build as the fast engine, and SIDECAR_PURE_PYTHON=1 covers all of them."""
+    package = Path(sidecar.__file__).parent
+    modules = sorted("sidecar." + ".".join(p.relative_to(package).with_suffix("").parts)
+                     for p in package.rglob("*.pxd"))
+    assert "sidecar.router" in modules and "sidecar.engine.fast" in modules
+    code = "import importlib, sys; print('\\n'.join(importlib.import_module(m).__file__ for m in sys.argv[1:]))"
+    files = subprocess.run([sys.executable, "-c", code, *modules], env={**os.environ, "SIDECAR_PURE_PYTHON": pure},
+                           capture_output=True, text=True, timeout=30, check=True).stdout.split()
+    assert len(files) == len(modules)
+    compiled = [f for f in files if not f.endswith(".py")]
+    if pure == "1":
+        assert not compiled, compiled
+    else:
+        assert len(compiled) in (0, len(files)), files  # one build: all compiled, or none
 
 
 @pytest.mark.parametrize("pure", ["1", "0"], ids=["pure-python", "as-installed"])
