@@ -31,12 +31,9 @@ from pydantic import BeforeValidator, Field
 from sidecar import headers as h
 from sidecar.modes.base import Mode, RoutingContext
 from sidecar.modes.ids import DYNAMO_MAX_ID_BYTES, always_fits, fit_id
+from sidecar.modes.nvext import session_control, with_control
 from sidecar.modes.options import Scoped, Seconds, canonical_word
 
-NVEXT = "nvext"
-SESSION_CONTROL = "session_control"
-# The session_control keys the mode owns: set or removed on every request; any other key stays.
-_OWNED_KEYS = ("session_id", "action", "timeout")
 _ALWAYS_FITS = always_fits(DYNAMO_MAX_ID_BYTES)
 
 
@@ -82,38 +79,8 @@ class DynamoNvext(Mode):
 
     def session_control(self, ctx: RoutingContext) -> dict[str, Any] | None:
         """The ``session_control`` object for this request, or None to send none."""
-        tree = self._tree
-        sid = ctx.root if tree else ctx.session
-        if len(sid) > _ALWAYS_FITS:
-            sid = fit_id(sid, DYNAMO_MAX_ID_BYTES)
-        final = ctx.is_tree_final if tree else ctx.is_final_turn
-        if self._bind:
-            if final:
-                return {"session_id": sid, "action": "close"}
-            return {"session_id": sid, "action": "bind", "timeout": self._timeout}
-        opening = ctx.turn == 1 and (not tree or ctx.session == ctx.root)
-        if final:
-            # Nothing was opened for a one-turn session, so there is nothing to close.
-            return None if opening else {"session_id": sid, "action": "close"}
-        if opening:
-            return {"session_id": sid, "action": "open", "timeout": self._timeout}
-        return {"session_id": sid}
+        return session_control(self._tree, self._bind, self._timeout, ctx)
 
     def transform_body(self, ctx: RoutingContext, body: dict[str, Any]) -> dict[str, Any]:
-        control = self.session_control(ctx)
-        if control is None:
-            return body
-        # Copy-on-write: shallow copies of the dicts on the path to session_control only.
-        nvext = body.get(NVEXT)
-        if nvext is None:  # the usual request: nothing to merge (``control`` is a fresh dict)
-            out = dict(body)
-            out[NVEXT] = {SESSION_CONTROL: control}
-            return out
-        nvext = dict(nvext) if isinstance(nvext, dict) else {}
-        old = nvext.get(SESSION_CONTROL)
-        merged = {k: v for k, v in old.items() if k not in _OWNED_KEYS} if isinstance(old, dict) else {}
-        merged.update(control)
-        nvext[SESSION_CONTROL] = merged
-        out = dict(body)
-        out[NVEXT] = nvext
-        return out
+        control = session_control(self._tree, self._bind, self._timeout, ctx)
+        return body if control is None else with_control(body, control)
