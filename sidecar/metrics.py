@@ -144,7 +144,8 @@ class _FamilyCollector(Collector):
 class DeploymentStats:
     """A deployment's hot-path metric children, looked up once instead of per request."""
 
-    __slots__ = ("added", "ttfb", "duration", "headers_injected", "_rewritten", "_rewrites", "_requests", "_by_class")
+    __slots__ = ("added", "ttfb", "duration", "headers_injected", "_rewritten", "_rewrites", "_requests",
+                 "_by_class")
 
     def __init__(self, m: Metrics, deployment: str, mode: str) -> None:
         self.added = m.added.labels(deployment)

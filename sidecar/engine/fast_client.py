@@ -24,8 +24,8 @@ from __future__ import annotations
 import asyncio
 import select
 from collections import deque
-from time import perf_counter
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
+from time import perf_counter
 from typing import Any, Protocol, cast
 
 import httptools
@@ -64,6 +64,9 @@ _FRAMING_BITS = {"connection": HAS_CONNECTION, "content-length": HAS_CONTENT_LEN
                  "transfer-encoding": HAS_TRANSFER_ENCODING}
 
 
+_MISSING = object()
+
+
 class ResponseHeaders:
     """A response head as the router reads it, a read-only ``Mapping[str, str]``: lower-case
     name -> first value, decoded on lookup (the router reads one or two names per response;
@@ -82,10 +85,10 @@ class ResponseHeaders:
         return default
 
     def __getitem__(self, key: str) -> str:
-        for k, _, value in self._headers:
-            if k == key:
-                return value.decode("utf-8", "surrogateescape")
-        raise KeyError(key)
+        value = self.get(key, _MISSING)
+        if value is _MISSING:
+            raise KeyError(key)
+        return value  # type: ignore[no-any-return]
 
     def __contains__(self, key: object) -> bool:
         for k, _, _ in self._headers:
