@@ -199,9 +199,10 @@ class Router:
         # Re-resolved at admission: the session may have been bound or closed while the body
         # was read.
         rec = self._api_sessions.get(ident.session) if ident.session is not None else None
-        # One deployment: binding, selector and model can only name it (an unknown name was refused).
-        dep = self.default if self._single else self._choose(ident.session, rec, pending.selected, model_dep) or \
-            self.default
+        if self._single:  # binding, selector and model can only name it (an unknown name was refused)
+            dep = self.default
+        else:
+            dep = self._choose(ident.session, rec, pending.selected, model_dep) or self.default
         decision.deployment = dep
         if len(body) > dep.max_body_bytes:
             raise errors.ProxyError(errors.REQUEST_TOO_LARGE,

@@ -30,6 +30,7 @@ from typing import Any, Protocol, cast
 
 import httptools
 
+from sidecar import headers as h
 from sidecar.engine.flow import CLIENT_FULL, ReadFlow
 
 # A connection back from the pool sooner than this is not polled for a close first (saves a
@@ -60,8 +61,8 @@ MAX_HEADER_KEYS = 1024
 HAS_CONNECTION = 1
 HAS_CONTENT_LENGTH = 2
 HAS_TRANSFER_ENCODING = 4
-_FRAMING_BITS = {"connection": HAS_CONNECTION, "content-length": HAS_CONTENT_LENGTH,
-                 "transfer-encoding": HAS_TRANSFER_ENCODING}
+_FRAMING_BITS = {h.CONNECTION.lower(): HAS_CONNECTION, h.CONTENT_LENGTH.lower(): HAS_CONTENT_LENGTH,
+                 h.TRANSFER_ENCODING.lower(): HAS_TRANSFER_ENCODING}
 
 
 _MISSING = object()

@@ -30,11 +30,9 @@ from pydantic import BeforeValidator, Field
 
 from sidecar import headers as h
 from sidecar.modes.base import Mode, RoutingContext
-from sidecar.modes.ids import DYNAMO_MAX_ID_BYTES, always_fits, fit_id
+from sidecar.modes.ids import DYNAMO_ALWAYS_FITS, DYNAMO_MAX_ID_BYTES, fit_id
 from sidecar.modes.nvext import session_control, with_control
 from sidecar.modes.options import Scoped, Seconds, canonical_word
-
-_ALWAYS_FITS = always_fits(DYNAMO_MAX_ID_BYTES)
 
 
 class DynamoHeaders(Mode):
@@ -48,7 +46,7 @@ class DynamoHeaders(Mode):
 
     def request_headers(self, ctx: RoutingContext) -> Sequence[tuple[str, str]]:
         session = ctx.session
-        if len(session) > _ALWAYS_FITS:  # runs once per request: no call for an id that fits
+        if len(session) > DYNAMO_ALWAYS_FITS:  # runs once per request: no call for an id that fits
             session = fit_id(session, DYNAMO_MAX_ID_BYTES)
         if ctx.parent is None:
             return ((h.X_DYNAMO_SESSION_ID, session),)

@@ -40,6 +40,10 @@ def always_fits(max_bytes: int) -> int:
     return max_bytes // 4
 
 
+# Dynamo ids of at most this many characters always fit (both Dynamo modes compare with it).
+DYNAMO_ALWAYS_FITS = always_fits(DYNAMO_MAX_ID_BYTES)
+
+
 def fit_id(value: str, max_bytes: int) -> str:
     """``value`` if its UTF-8 encoding has at most ``max_bytes`` bytes, else its stable fitted form.
 

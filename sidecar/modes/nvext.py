@@ -7,20 +7,19 @@ from __future__ import annotations
 from typing import Any
 
 from sidecar.modes.context import RoutingContext
-from sidecar.modes.ids import DYNAMO_MAX_ID_BYTES, always_fits, fit_id
+from sidecar.modes.ids import DYNAMO_ALWAYS_FITS, DYNAMO_MAX_ID_BYTES, fit_id
 
 NVEXT = "nvext"
 SESSION_CONTROL = "session_control"
 # The session_control keys the mode owns: set or removed on every request; any other key stays.
 _OWNED_KEYS = ("session_id", "action", "timeout")
-_ALWAYS_FITS = always_fits(DYNAMO_MAX_ID_BYTES)
 
 
 def session_control(tree: bool, bind: bool, timeout: int, ctx: RoutingContext) -> dict[str, Any] | None:
     """The ``session_control`` object for this request (``tree``: scope tree; ``bind``: protocol
     bind, else open), or None to send none."""
     sid = ctx.root if tree else ctx.session
-    if len(sid) > _ALWAYS_FITS:
+    if len(sid) > DYNAMO_ALWAYS_FITS:
         sid = fit_id(sid, DYNAMO_MAX_ID_BYTES)
     final = ctx.is_tree_final if tree else ctx.is_final_turn
     if bind:
