@@ -4,6 +4,7 @@
 cimport cython
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.fast_client cimport UpstreamConnection
+from sidecar.engine.head cimport ResponseHeaders, header_values, reason_phrase, relay_block
 from sidecar.metrics cimport DeploymentStats
 from sidecar.deployments cimport Deployment
 from sidecar.router cimport Decision, Router
@@ -35,7 +36,7 @@ cdef class _Exchange:
     cdef public Py_ssize_t body_size
     cdef public long state, resp_status, resp_mode
     cdef public double t0, connect_timeout, first_byte_timeout, idle_timeout, last_io, head_at
-    cdef public list resp_head
+    cdef public ResponseHeaders resp_head
     cdef public UpstreamConnection conn
     @cython.locals(client=_ClientConnection, router=Router, decision=Decision, dep=Deployment)
     cpdef start(self)
@@ -45,9 +46,10 @@ cdef class _Exchange:
     cpdef _send(self, UpstreamConnection conn, list parts)
     @cython.locals(router=Router, decision=Decision, dep=Deployment)
     cpdef _send_transformed(self)
-    @cython.locals(client=_ClientConnection, conn=UpstreamConnection)
-    cpdef response_head(self, long status, reason, list headers, long framing, double now)
+    @cython.locals(client=_ClientConnection, conn=UpstreamConnection, out=list, mark=Py_ssize_t, framing=long)
+    cpdef response_head(self, long status, bytes raw, Py_ssize_t start, Py_ssize_t first, Py_ssize_t end,
+                        double now)
     @cython.locals(client=_ClientConnection, stats=DeploymentStats, decision=Decision, router=Router)
     cpdef response_end(self, double now)
-    @cython.locals(stats=DeploymentStats, decision=Decision, router=Router)
+    @cython.locals(stats=DeploymentStats, decision=Decision, router=Router, headers=ResponseHeaders)
     cpdef _observe_head(self)

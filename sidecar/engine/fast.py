@@ -8,8 +8,10 @@ waits). The exchange rebuilds only the request head (request line, the client's 
 hop-by-hop / ``Connection``-named / ``decision.strip`` / Host / Expect, then Host,
 X-Forwarded-For, X-Forwarded-Proto and ``decision.add``), streams the body as it is parsed to a
 pooled upstream connection (:mod:`sidecar.engine.fast_client`), and relays the response as it
-arrives: upstream body bytes are written unchanged, re-framed as chunked when the upstream did
-not send a length (close-delimited for HTTP/1.0 clients). Per request there is no task, no
+arrives: the status line rebuilt for the client's HTTP version, the upstream's header lines
+copied as received minus hop-by-hop and ``Connection``-named ones (:mod:`sidecar.engine.head`),
+body bytes unchanged, re-framed as chunked when the upstream did not send a length
+(close-delimited for HTTP/1.0 clients). Per request there is no task, no
 future and no timer: everything runs from protocol callbacks, and one watchdog timer per client
 connection enforces the keep-alive, first-byte and idle timeouts (re-armed lazily, so a busy
 connection re-arms it about once per timeout period rather than once per request).
@@ -51,18 +53,24 @@ from sidecar.engine.fast_client import (
     BODY_FRAMED,
     BODY_NONE,
     BODY_UNTIL_EOF,
-    HAS_CONNECTION,
-    HAS_CONTENT_LENGTH,
-    HAS_TRANSFER_ENCODING,
-    HEADER_KEYS,
     RELAY_CHUNKED,
     RELAY_NONE,
     RELAY_RAW,
     STALE_CHECK_AFTER,
-    ResponseHeaders,
     UpstreamConnection,
     UpstreamPool,
+)
+from sidecar.engine.head import (
+    HAS_CONTENT_LENGTH,
+    HAS_TRANSFER_ENCODING,
+    HEADER_KEYS,
+    NAMES_HEADERS,
+    ResponseHeaders,
     header_key,
+    header_values,
+    reason_phrase,
+    relay_block,
+    token_set,
 )
 from sidecar.engine.flow import CLIENT_FULL, PEER_FULL, PIPELINED, STOPPED, WAITING, ReadFlow
 from sidecar.lineage import TurnOutcome
@@ -90,7 +98,8 @@ _XFF = h.X_FORWARDED_FOR.lower()
 _XFP = h.X_FORWARDED_PROTO.lower()
 _HOP = frozenset(n.lower() for n in h.HOP_BY_HOP)
 _REQ_DROP = _HOP | {h.HOST.lower(), _EXPECT, _XFF}
-_PLAIN_CONNECTION = (b"keep-alive", b"close")
+_CONNECTION_B = _CONNECTION.encode()
+_TRANSFER_ENCODING_B = _TRANSFER_ENCODING.encode()
 _CL_DROP = frozenset({_CONTENT_LENGTH})
 # Request headers whose presence takes the head checks and the forwarding off the fast path.
 _SPECIAL = frozenset({_CONNECTION, _TRANSFER_ENCODING, _EXPECT, _UPGRADE, _XFF, _XFP})
@@ -139,16 +148,9 @@ def _headers_too_large(limit: int) -> errors.ProxyError:
     return errors.ProxyError(errors.HEADERS_TOO_LARGE, f"request head exceeds {limit} bytes", limit=limit)
 
 
-def _tokens(headers: list[tuple[str, bytes, bytes]], key: str) -> set[str]:
-    """Lower-cased comma-separated tokens of the values of header ``key`` (``Connection``)."""
-    out = set()
-    for k, _, value in headers:
-        if k == key:
-            for token in value.split(b","):
-                token = token.strip().lower()
-                if token:
-                    out.add(token.decode("latin-1"))
-    return out
+def _tokens(fields: list[tuple[str, bytes, bytes]], key: str) -> set[str]:
+    """Lower-cased comma-separated tokens of the values of request header ``key`` (``Connection``)."""
+    return token_set([value for k, _, value in fields if k == key])
 
 
 def _add_name(name: str) -> tuple[str, bytes]:
@@ -629,7 +631,7 @@ class _Exchange:
         self.resp_status = 0
         self.resp_mode = R_NONE
         # The parsed response head until the router heard of it (see _observe_head).
-        self.resp_head: list[tuple[str, bytes, bytes]] | None = None
+        self.resp_head: ResponseHeaders | None = None
         self.head_at = 0.0
         self.close_after = False
 
@@ -915,10 +917,10 @@ class _Exchange:
         else:
             self.client.flow.resume(PEER_FULL)
 
-    def response_head(self, status: int, reason: bytes, headers: list[tuple[str, bytes, bytes]],
-                      framing: int, now: float) -> int:
-        """The upstream's response head: queue the client's head, set up the relay of the body
-        (flattened: once per request; the router hears of the head in :meth:`_observe_head`)."""
+    def response_head(self, status: int, raw: bytes, start: int, first: int, end: int, now: float) -> int:
+        """The upstream's response head (status line at ``raw[start:first]``, header block
+        ``raw[first:end]``): queue the client's head, set up the relay of the body (flattened:
+        once per request; the router hears of the head in :meth:`_observe_head`)."""
         client = self.client
         engine = client.engine
         self.resp_status = status
@@ -926,14 +928,17 @@ class _Exchange:
         self.last_io = now
         # The router and the metrics hear of the head once its bytes are written (_observe_head):
         # off the latency path, still before anything can finish the turn.
-        self.resp_head = headers
+        self.resp_head = ResponseHeaders(raw, first, end)
         self.head_at = now
-        drop = _HOP
-        if framing & HAS_CONNECTION:
-            values = [v for k, _, v in headers if k == _CONNECTION]
-            # Usually one "keep-alive" or "close": both name nothing beyond the hop-by-hop set.
-            if len(values) != 1 or values[0].lower() not in _PLAIN_CONNECTION:
-                drop = _HOP | _tokens(headers, _CONNECTION)
+        out = client.out
+        out += (_HTTP10 if self.http10 else _HTTP11,
+                _STATUS_CODE[status] if status in _STATUS_CODE else b"%d" % status, b" ",
+                reason_phrase(raw, start, first), b"\r\n")
+        mark = len(out)
+        framing = relay_block(raw, first, end, out, None)  # the header lines minus hop-by-hop ones
+        if framing & NAMES_HEADERS:  # not the usual single "keep-alive" or "close"
+            del out[mark:]
+            relay_block(raw, first, end, out, token_set(header_values(raw, first, end, _CONNECTION_B, False)))
         body = BODY_FRAMED
         if self.method == b"HEAD":
             mode = R_NONE
@@ -944,18 +949,12 @@ class _Exchange:
             mode = R_LENGTH
         else:
             if framing & HAS_TRANSFER_ENCODING:
-                codings = b",".join([v for k, _, v in headers if k == _TRANSFER_ENCODING])
+                codings = b",".join(header_values(raw, first, end, _TRANSFER_ENCODING_B, False))
                 if codings.rsplit(b",", 1)[-1].strip().lower() != b"chunked":
                     body = BODY_UNTIL_EOF
             else:
                 body = BODY_UNTIL_EOF
             mode = R_CLOSE if self.http10 else R_CHUNKED
-        out = client.out
-        out += (_HTTP10 if self.http10 else _HTTP11,
-                _STATUS_CODE[status] if status in _STATUS_CODE else b"%d" % status, b" ", reason, b"\r\n")
-        for key, name, value in headers:
-            if key not in drop:
-                out += (name, b": ", value, b"\r\n")
         if mode == R_CHUNKED:
             out.append(_CHUNKED_LINE)
         if not (self.keep_alive and self.complete and mode != R_CLOSE and not engine.draining):
@@ -992,7 +991,7 @@ class _Exchange:
         stats = decision.deployment.stats
         stats.ttfb.observe(self.head_at - self.t0)  # type: ignore[union-attr]
         router = engine.router
-        router.on_response(decision, self.resp_status, ResponseHeaders(headers))
+        router.on_response(decision, self.resp_status, headers)
 
     def _finish_turn(self, outcome: TurnOutcome) -> None:
         """Finish the router's turn off the success path: after the response head it has not

@@ -2,24 +2,20 @@
 # fields equal to each class's __slots__; C types only where every assignment has that type.
 cimport cython
 from sidecar.engine.flow cimport ReadFlow
-
-cdef class ResponseHeaders:
-    cdef public list _headers
+from sidecar.engine.head cimport locate
 
 cdef class UpstreamConnection:
     cdef public UpstreamPool pool
-    cdef public object transport, parser, ex, _poll, reason
+    cdef public object transport, parser, ex, _poll
     cdef public ReadFlow flow
-    cdef public list headers
-    cdef public long framing
-    cdef public bint lost, counted, in_head, head_seen, informational, done, keep_alive, reusable, eof_ends
-    cdef public bint write_paused
-    cdef public Py_ssize_t head_bytes
+    cdef public bytes raw
+    cdef public Py_ssize_t raw_at
+    cdef public bint lost, counted, head_seen, done, keep_alive, reusable, eof_ends, write_paused
     cdef public double idle_since, stamp
     cdef public long relay
     cdef public list sink
-    @cython.locals(name=bytes, value=bytes, key=str)
-    cpdef on_header(self, name, value)
+    @cython.locals(raw=bytes, start=Py_ssize_t, first=Py_ssize_t, end=Py_ssize_t, status=long, body=long)
+    cpdef on_headers_complete(self)
 
 cdef class UpstreamPool:
     cdef public object loop, host, idle, waiters, tasks

@@ -1,8 +1,9 @@
 """Upstream side of the protocol-level engine: keep-alive connections, pooled per upstream.
 
 An :class:`UpstreamConnection` carries one request at a time (no upstream pipelining). It parses
-responses with ``httptools.HttpResponseParser`` and hands what it parsed to the
-:class:`Exchange` bound to it; it never interprets headers beyond framing. :class:`UpstreamPool`
+responses with ``httptools.HttpResponseParser`` without per-header callbacks (llhttp parses and
+checks the head in C), keeps the raw bytes of the head, and hands the head to the
+:class:`Exchange` bound to it as bytes plus offsets (:mod:`sidecar.engine.head` reads them). :class:`UpstreamPool`
 bounds the connections to one upstream, hands idle ones out most-recently-used first (so the
 ones left idle long enough to be closed by the upstream are the ones that age out), and queues
 requests when the bound is reached.
@@ -24,14 +25,13 @@ from __future__ import annotations
 import asyncio
 import select
 from collections import deque
-from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from time import perf_counter
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import httptools
 
-from sidecar import headers as h
 from sidecar.engine.flow import CLIENT_FULL, ReadFlow
+from sidecar.engine.head import locate
 
 # A connection back from the pool sooner than this is not polled for a close first (saves a
 # syscall per request under load, where reuse is sub-millisecond to a few milliseconds).
@@ -52,93 +52,6 @@ RELAY_NONE = 0  # dropped (no body towards the client, or nothing bound)
 RELAY_RAW = 1  # appended unchanged
 RELAY_CHUNKED = 2  # appended as one chunk each (the upstream sent no length)
 
-# Lower-case ``str`` keys of header names (bytes, as received): the handful of names real
-# traffic uses are looked up without a call; client-chosen names beyond the bound are computed.
-HEADER_KEYS: dict[bytes, str] = {}
-MAX_HEADER_KEYS = 1024
-
-# Response headers the relay's framing depends on, as bits of ``UpstreamConnection.framing``.
-HAS_CONNECTION = 1
-HAS_CONTENT_LENGTH = 2
-HAS_TRANSFER_ENCODING = 4
-_FRAMING_BITS = {h.CONNECTION.lower(): HAS_CONNECTION, h.CONTENT_LENGTH.lower(): HAS_CONTENT_LENGTH,
-                 h.TRANSFER_ENCODING.lower(): HAS_TRANSFER_ENCODING}
-
-
-_MISSING = object()
-
-
-class ResponseHeaders:
-    """A response head as the router reads it, a read-only ``Mapping[str, str]``: lower-case
-    name -> first value, decoded on lookup (the router reads one or two names per response;
-    decoding every header costs more). Not a Mapping subclass (compiled, it is an extension
-    type, which cannot derive from one): registered as one, with the full read-only API."""
-
-    __slots__ = ("_headers",)
-
-    def __init__(self, headers: list[tuple[str, bytes, bytes]]) -> None:
-        self._headers = headers  # (lower-case key, name, value), in arrival order
-
-    def get(self, key: str, default: Any = None) -> Any:
-        for k, _, value in self._headers:
-            if k == key:
-                return value.decode("utf-8", "surrogateescape")
-        return default
-
-    def __getitem__(self, key: str) -> str:
-        value = self.get(key, _MISSING)
-        if value is _MISSING:
-            raise KeyError(key)
-        return value  # type: ignore[no-any-return]
-
-    def __contains__(self, key: object) -> bool:
-        for k, _, _ in self._headers:
-            if k == key:
-                return True
-        return False
-
-    def _first(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for k, _, value in self._headers:
-            if k not in out:
-                out[k] = value.decode("utf-8", "surrogateescape")
-        return out
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._first())
-
-    def __len__(self) -> int:
-        return len(self._first())
-
-    def keys(self) -> KeysView[str]:
-        return self._first().keys()
-
-    def items(self) -> ItemsView[str, str]:
-        return self._first().items()
-
-    def values(self) -> ValuesView[str]:
-        return self._first().values()
-
-    def __eq__(self, other: object) -> bool:
-        return self._first() == (dict(other) if isinstance(other, Mapping) else other)
-
-    def __repr__(self) -> str:
-        return f"ResponseHeaders({self._first()!r})"
-
-    __hash__ = None  # type: ignore[assignment]  # like every Mapping
-
-
-Mapping.register(ResponseHeaders)
-
-
-def header_key(name: bytes) -> str:
-    """The lower-case ``str`` key of a header name (latin-1; llhttp admits token bytes only)."""
-    key = name.decode("latin-1").lower()
-    if len(HEADER_KEYS) < MAX_HEADER_KEYS:
-        HEADER_KEYS[name] = key
-    return key
-
-
 class Exchange(Protocol):
     """What a connection needs from the request it carries (implemented in ``fast.py``)."""
 
@@ -151,24 +64,19 @@ class Exchange(Protocol):
     def attach(self, conn: UpstreamConnection) -> None: ...
     def connect_failed(self, kind: str, exc: BaseException) -> None: ...
     def peer_full(self, full: bool) -> None: ...
-    def response_head(self, status: int, reason: bytes, headers: list[tuple[str, bytes, bytes]],
-                      framing: int, now: float) -> int: ...
+    def response_head(self, status: int, raw: bytes, start: int, first: int, end: int, now: float) -> int: ...
     def response_end(self, now: float) -> None: ...
     def upstream_failed(self, message: str) -> None: ...
     def flush(self) -> None: ...
-
-
-class _HeadTooLarge(Exception):
-    pass
 
 
 class UpstreamConnection:
     """One keep-alive connection to an upstream; relays one response at a time to its exchange
     (an asyncio protocol by duck typing, like :class:`sidecar.engine.fast._ClientConnection`)."""
 
-    __slots__ = ("pool", "transport", "flow", "parser", "ex", "lost", "counted", "_poll", "headers",
-                 "framing", "reason", "head_bytes", "in_head", "head_seen", "informational", "done",
-                 "keep_alive", "reusable", "eof_ends", "write_paused", "idle_since", "relay", "sink", "stamp")
+    __slots__ = ("pool", "transport", "flow", "parser", "ex", "lost", "counted", "_poll", "raw", "raw_at",
+                 "head_seen", "done", "keep_alive", "reusable", "eof_ends", "write_paused", "idle_since", "relay",
+                 "sink", "stamp")
 
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
@@ -177,13 +85,11 @@ class UpstreamConnection:
         self.ex: Exchange | None = None
         self.lost = False
         self.counted = True  # counts towards the pool's bound until lost or dropped
-        self.headers: list[tuple[str, bytes, bytes]] = []  # (lower-case key, name, value)
-        self.framing = 0  # HAS_* bits of the headers seen
-        self.reason = b""
-        self.head_bytes = 0
-        self.in_head = False
+        # Bytes received since the response began, until its (final) head is complete; the head
+        # being parsed starts at ``raw_at`` (after any 1xx interim response).
+        self.raw = b""
+        self.raw_at = 0
         self.head_seen = False
-        self.informational = False
         self.done = False
         self.keep_alive = True
         self.reusable = True
@@ -208,11 +114,9 @@ class UpstreamConnection:
             self.reusable = False
             self.pool.drop(self)
             return
-        if self.in_head:
-            self.head_bytes += len(data)
-            if self.head_bytes > MAX_RESPONSE_HEAD:
-                self._fail(f"response head larger than {MAX_RESPONSE_HEAD} bytes")
-                return
+        if not self.head_seen:
+            raw = self.raw
+            self.raw = raw + data if raw else data
         self.stamp = 0.0
         try:
             self.parser.feed_data(data)
@@ -221,6 +125,9 @@ class UpstreamConnection:
                 self._fail(f"invalid response: {exc}")
                 return
             self.reusable = False  # garbage after a complete response
+        if not self.head_seen and len(self.raw) - self.raw_at > MAX_RESPONSE_HEAD:
+            self._fail(f"response head larger than {MAX_RESPONSE_HEAD} bytes")
+            return
         if self.done:
             self._complete(self.stamp or perf_counter())
         elif self.head_seen:
@@ -316,42 +223,27 @@ class UpstreamConnection:
 
     # -- httptools callbacks ----------------------------------------------------------------
 
-    def on_message_begin(self) -> None:
-        if self.done or self.ex is None:
-            self.reusable = False  # a second response to one request
-            return
-        self.headers = []
-        self.framing = 0
-        self.reason = b""
-        self.head_bytes = 0
-        self.in_head = True
-
-    def on_status(self, reason: bytes) -> None:
-        self.reason += reason
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self.in_head:
-            self.head_bytes += len(name) + len(value) + 4
-            if self.head_bytes > MAX_RESPONSE_HEAD:
-                raise _HeadTooLarge
-            key = HEADER_KEYS[name] if name in HEADER_KEYS else header_key(name)
-            self.headers.append((key, name, value))
-            if key in _FRAMING_BITS:
-                self.framing |= _FRAMING_BITS[key]
+    # No on_status, on_header or on_message_begin: without them llhttp parses the head in C,
+    # and the head is read from its raw bytes (sidecar.engine.head).
 
     def on_headers_complete(self) -> None:
-        self.in_head = False
         ex = self.ex
-        if self.done or ex is None:
+        if self.done or ex is None or self.head_seen:
+            self.reusable = False  # a second response to one request
             return
+        # Every byte fed so far is in ``raw``: the head llhttp just accepted starts at raw_at.
+        raw = self.raw
+        start, first, end = locate(raw, self.raw_at)
         status = self.parser.get_status_code()
         if status < 200:  # 1xx interim responses are not relayed (we never send Expect upstream)
-            self.informational = True
+            self.raw_at = end + 2
             return
+        self.raw = b""
+        self.raw_at = 0
         self.head_seen = True
         self.keep_alive = True  # decided by on_message_complete (or a close for BODY_UNTIL_EOF)
         self.stamp = now = perf_counter()
-        body = ex.response_head(status, self.reason, self.headers, self.framing, now)
+        body = ex.response_head(status, raw, start, first, end, now)
         if body == BODY_NONE:
             # llhttp cannot be told a response answers HEAD and would wait for Content-Length
             # bytes; the response is complete now and the connection is not reused.
@@ -369,10 +261,7 @@ class UpstreamConnection:
             self.sink += (b"%x\r\n" % len(body), body, b"\r\n")
 
     def on_message_complete(self) -> None:
-        if self.informational:
-            self.informational = False
-            return
-        if self.head_seen and not self.done:
+        if self.head_seen and not self.done:  # (not a 1xx interim response)
             self.done = True
             self.relay = RELAY_NONE
             self.keep_alive = self.parser.should_keep_alive()

@@ -343,6 +343,86 @@ async def test_http11_client_gets_chunked_upstream_body_byte_identical(raw_upstr
     assert not closed
 
 
+# -- response heads -----------------------------------------------------------------------------
+
+
+def dribble(*parts: bytes) -> Handler:
+    """Write each part on its own, with a pause between them (one read each at the proxy)."""
+
+    async def handle(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        for part in parts:
+            writer.write(part)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        return True
+
+    return handle
+
+
+SPLIT_HEAD = (b"HTTP/1.1 200 OK\r\nX-A: 1\r\nConnection: keep-alive, X-Private\r\nX-Private: p\r\n"
+              b"Content-Length: 2\r\nX-End:  kept \r\n\r\nok")
+
+
+@FAST
+async def test_interim_response_and_a_head_in_pieces_are_relayed_minus_hop_by_hop(raw_upstream, start_sidecar):
+    """A 103 before the final response (after the CRLF llhttp skips), then the final head cut
+    into pieces: the client gets the final head's end-to-end lines as sent, then the body."""
+    interim = b"\r\nHTTP/1.1 103 Early Hints\r\nLink: </s.css>; rel=preload\r\n\r\n"
+    cut = [SPLIT_HEAD[i:i + 7] for i in range(0, len(SPLIT_HEAD), 7)]
+    up = await raw_upstream({"/split": dribble(interim, *cut), "/after": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await connect(sc)
+    writer.write(b"GET /split HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    body = await asyncio.wait_for(reader.readexactly(2), 5)
+    writer.write(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+    after = await asyncio.wait_for(read_response(reader), 5)
+    writer.close()
+    assert head == b"HTTP/1.1 200 OK\r\nX-A: 1\r\nContent-Length: 2\r\nX-End:  kept \r\n\r\n"
+    assert body == b"ok"
+    assert orjson.loads(after.body)["target"] == "/after"
+    assert up.connections == 1  # the upstream connection went back to the pool
+
+
+@FAST
+async def test_status_line_without_reason_is_relayed_in_full_form(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/r": reply(b"HTTP/1.1 299\r\nContent-Length: 2\r\n\r\nok")})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await connect(sc)
+    writer.write(b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    writer.close()
+    assert head == b"HTTP/1.1 299 \r\nContent-Length: 2\r\n\r\n"
+
+
+@FAST
+async def test_oversized_response_head_is_a_502_and_the_connection_is_dropped(raw_upstream, start_sidecar):
+    big = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (300 * 1024)  # no end of head in sight
+    up = await raw_upstream({"/big": dribble(big[:1000], big[1000:]), "/after": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    [resp], _ = await exchange(port(sc), b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert resp.status == 502
+    assert orjson.loads(resp.body)["error"]["type"] == "upstream_protocol_error"
+    [after], _ = await exchange(port(sc), b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert after.status == 200 and up.connections == 2
+
+
+@FAST
+async def test_a_second_response_to_one_request_retires_the_connection(raw_upstream, start_sidecar):
+    twice = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nbad"
+    up = await raw_upstream({"/twice": reply(twice), "/after": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await connect(sc)
+    writer.write(b"GET /twice HTTP/1.1\r\nHost: x\r\n\r\n")
+    first = await asyncio.wait_for(read_response(reader), 5)
+    writer.write(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+    after = await asyncio.wait_for(read_response(reader), 5)
+    writer.close()
+    assert (first.status, first.body) == (200, b"ok")
+    assert orjson.loads(after.body)["target"] == "/after"
+    assert [(r.target, r.conn) for r in up.received] == [("/twice", 1), ("/after", 2)]
+
+
 async def test_connection_close_is_honoured(raw_upstream, start_sidecar):
     up = await raw_upstream({"/x": echo()})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)

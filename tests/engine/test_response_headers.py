@@ -1,15 +1,29 @@
 """The response-head view the fast engine hands to ``Router.on_response`` and modes: a read-only
-Mapping with the semantics of the dict it replaces (lower-case name -> first value, decoded)."""
+Mapping over the raw header block with the semantics of a dict (lower-case name -> first value,
+decoded), and the raw-block scans the relay uses."""
 
 from collections.abc import Mapping
 
 import pytest
 
-from sidecar.engine.fast_client import ResponseHeaders
+from sidecar.engine.head import (
+    HAS_CONNECTION,
+    HAS_CONTENT_LENGTH,
+    HAS_HOP,
+    HAS_TRANSFER_ENCODING,
+    NAMES_HEADERS,
+    ResponseHeaders,
+    fields,
+    header_values,
+    locate,
+    reason_phrase,
+    relay_block,
+)
 
-HEADERS = [("x-worker", b"X-Worker", b"w1"), ("content-type", b"Content-Type", b"application/json"),
-           ("x-worker", b"x-worker", b"w2"), ("x-raw", b"X-Raw", b"caf\xc3\xa9 \xff")]
-EXPECTED = {"x-worker": "w1", "content-type": "application/json", "x-raw": "caf\u00e9 \udcff"}
+HEADERS = (b"X-Worker: w1\r\nContent-Type:application/json\r\nx-worker: w2\r\n"
+           b"X-Raw: \t caf\xc3\xa9 \xff \r\nX_Under^: u\r\n")
+EXPECTED = {"x-worker": "w1", "content-type": "application/json", "x-raw": "caf\u00e9 \udcff ",
+            "x_under^": "u"}
 
 
 def test_reads_like_the_first_value_dict() -> None:
@@ -20,11 +34,13 @@ def test_reads_like_the_first_value_dict() -> None:
     assert "content-type" in view and "x-missing" not in view and 3 not in view
     with pytest.raises(KeyError):
         view["x-missing"]
-    assert len(view) == 3 and list(view) == list(EXPECTED)
+    assert len(view) == 4 and list(view) == list(EXPECTED)
     assert dict(view) == EXPECTED and view == EXPECTED and view != {"x-worker": "w1"}
     assert list(view.keys()) == list(EXPECTED) and list(view.values()) == list(EXPECTED.values())
     assert list(view.items()) == list(EXPECTED.items())
-    assert view["x-raw"].encode("utf-8", "surrogateescape") == b"caf\xc3\xa9 \xff"  # nothing lost
+    assert view["x-raw"].encode("utf-8", "surrogateescape") == b"caf\xc3\xa9 \xff "  # nothing lost
+    assert "X-Worker" not in view and view.get("x~under^") is None and "x-worke" not in view
+    assert view["x_under^"] == "u"
 
 
 def test_is_read_only_and_unhashable() -> None:
@@ -33,4 +49,61 @@ def test_is_read_only_and_unhashable() -> None:
         view["x-worker"] = "w3"  # type: ignore[index]
     with pytest.raises(TypeError):
         hash(view)
-    assert ResponseHeaders([]) == {} and len(ResponseHeaders([])) == 0
+    assert ResponseHeaders(b"") == {} and len(ResponseHeaders(b"")) == 0
+
+
+def test_reads_a_block_inside_a_larger_buffer() -> None:
+    raw = b"HTTP/1.1 200 OK\r\nX-A: 1\r\nX-B: 2\r\n\r\nbody X-C: 3\r\n"
+    first, end = raw.index(b"\n") + 1, raw.index(b"\r\n\r\n") + 2
+    view = ResponseHeaders(raw, first, end)
+    assert dict(view) == {"x-a": "1", "x-b": "2"} and "x-c" not in view
+    assert fields(raw, first, end) == [(b"X-A", b"1"), (b"X-B", b"2")]
+
+
+BLOCK = (b"Server: up\r\nConnection: keep-alive, X-Private\r\nContent-Length: 2\r\nX-Private: p\r\n"
+         b"keep-ALIVE: timeout=5\r\nTE: trailers\r\nX-End: kept\r\nTransfer-Encoding: chunked\r\n")
+
+
+def test_relay_block_keeps_end_to_end_lines_as_sent() -> None:
+    out: list[bytes] = []
+    bits = relay_block(BLOCK, 0, len(BLOCK), out, None)
+    assert bits == HAS_CONNECTION | NAMES_HEADERS | HAS_CONTENT_LENGTH | HAS_HOP | HAS_TRANSFER_ENCODING
+    assert out == [b"Server: up\r\n", b"Content-Length: 2\r\nX-Private: p\r\n", b"X-End: kept\r\n"]
+    out = [b"status\r\n"]
+    relay_block(BLOCK, 0, len(BLOCK), out, {"x-private"})
+    assert out == [b"status\r\n", b"Server: up\r\n", b"Content-Length: 2\r\n", b"X-End: kept\r\n"]
+    plain = b"A: 1\r\nB: 2\r\n"
+    out = []
+    assert relay_block(plain, 0, len(plain), out, None) == 0 and out == [plain]
+
+
+@pytest.mark.parametrize(("block", "names"), [
+    (b"Connection: keep-alive\r\n", False), (b"connection:  Keep-ALIVE\r\n", False),
+    (b"Connection: close\r\n", False), (b"Connection: keep-alive \r\n", True),
+    (b"Connection: x-a\r\n", True), (b"Connection: keep-alive\r\nConnection: close\r\n", True),
+    (b"Connection: closed\r\n", True), (b"Connection:\r\n", True)])
+def test_a_connection_header_names_more_unless_it_is_one_plain_token(block: bytes, names: bool) -> None:
+    out: list[bytes] = []
+    bits = relay_block(b"A: 1\r\n" + block + b"B: 2\r\n", 0, 1000, out, None)
+    assert bits == HAS_CONNECTION | (NAMES_HEADERS if names else 0)
+    assert out == [b"A: 1\r\n", b"B: 2\r\n"]
+
+
+def test_header_values_in_order() -> None:
+    assert header_values(BLOCK, 0, len(BLOCK), b"connection", False) == [b"keep-alive, X-Private"]
+    assert header_values(HEADERS, 0, len(HEADERS), b"x-worker", False) == [b"w1", b"w2"]
+    assert header_values(HEADERS, 0, len(HEADERS), b"x-worker", True) == [b"w1"]
+    assert header_values(HEADERS, 0, len(HEADERS), b"x-missing", False) == []
+
+
+@pytest.mark.parametrize(("raw", "at", "expected", "phrase"), [
+    (b"HTTP/1.1 200 OK\r\nA: 1\r\n\r\nbody", 0, (0, 17, 23), b"OK"),
+    (b"HTTP/1.1 204 No Content\r\n\r\n", 0, (0, 25, 25), b"No Content"),
+    (b"\r\n\r\nHTTP/1.1 299\r\nA: 1\r\n\r\n", 0, (4, 18, 24), b""),
+    (b"HTTP/1.1 103 Early\r\n\r\nICE/1.0 200 \r\nA: 1\r\n\r\n", 22, (22, 36, 42), b""),
+])
+def test_locate_finds_the_start_line_and_the_block(raw: bytes, at: int, expected: tuple[int, int, int],
+                                                    phrase: bytes) -> None:
+    start, first, end = locate(raw, at)
+    assert (start, first, end) == expected and raw[end:end + 2] == b"\r\n"
+    assert reason_phrase(raw, start, first) == phrase

@@ -1,0 +1,284 @@
+# cython: boundscheck=False
+# (every index below is checked against the block's end, itself clamped to the bytes' length)
+"""Header blocks of HTTP/1.1 heads that llhttp accepted, read from their raw bytes.
+
+The engine runs llhttp strict (no lenient flags): a head it accepts has lines ending in CRLF,
+field names that are tokens followed directly by ``:``, and values without CR, LF or controls
+other than HT. So once llhttp accepted a head, each header line is ``name ":" OWS value CRLF``,
+and the scans here need no validation of their own. Reading the raw bytes instead of taking a
+Python callback per header lets llhttp parse the head in C, and lets the relay copy the lines
+it keeps as a few slices.
+
+A *block* is ``raw[first:end]``: the header lines of one head, each ending in CRLF, without the
+start line and without the blank line that ends the head. Values are as llhttp reports them:
+leading whitespace skipped, trailing whitespace kept.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
+from typing import Any
+
+from sidecar import headers as h
+from sidecar.engine import is_compiled
+
+# Classes of header names, as bits: what the relay drops (hop-by-hop) and what framing reads.
+HAS_CONNECTION = 1
+HAS_CONTENT_LENGTH = 2
+HAS_TRANSFER_ENCODING = 4
+HAS_HOP = 8  # any other hop-by-hop header
+# A Connection header that may name more headers to drop: anything but one line whose value is
+# exactly ``keep-alive`` or ``close`` (in any case).
+NAMES_HEADERS = 16
+# Typed copies for the scans (compiled, module constants would be Python objects).
+_CONNECTION_BIT = HAS_CONNECTION
+_NAMES_BIT = NAMES_HEADERS
+_DROPPED = HAS_CONNECTION | HAS_TRANSFER_ENCODING | HAS_HOP
+
+# Lower-case ``str`` keys of header names (bytes, as received): the handful of names real
+# traffic uses are looked up without a call; client-chosen names beyond the bound are computed.
+HEADER_KEYS: dict[bytes, str] = {}
+MAX_HEADER_KEYS = 1024
+
+
+def _classes() -> list[tuple[tuple[bytes, int], ...]]:
+    """The classified names (lower-case bytes) by length: ``_BY_LENGTH[len(name)]``."""
+    bits = {n: HAS_HOP for n in h.HOP_BY_HOP}
+    bits.update({h.CONNECTION.lower(): HAS_CONNECTION, h.TRANSFER_ENCODING.lower(): HAS_TRANSFER_ENCODING,
+                 h.CONTENT_LENGTH.lower(): HAS_CONTENT_LENGTH})
+    by_length: list[tuple[tuple[bytes, int], ...]] = [() for _ in range(max(map(len, bits)) + 1)]
+    for name, bit in bits.items():
+        by_length[len(name)] += ((name.encode(), bit),)
+    return by_length
+
+
+_BY_LENGTH = tuple(_classes())
+_LONGEST = len(_BY_LENGTH) - 1
+_KEEP_ALIVE = b"keep-alive"
+_CLOSE = b"close"
+
+
+def header_key(name: bytes) -> str:
+    """The lower-case ``str`` key of a header name (latin-1; llhttp admits token bytes only)."""
+    key = name.decode("latin-1").lower()
+    if len(HEADER_KEYS) < MAX_HEADER_KEYS:
+        HEADER_KEYS[name] = key
+    return key
+
+
+def _clamp(raw: bytes, first: int, end: int) -> tuple[int, int]:
+    """``first`` and ``end`` within ``raw`` (the scans index without bounds checks)."""
+    n = len(raw)
+    return (0 if first < 0 else n if first > n else first), (n if end > n or end < 0 else end)
+
+
+def _find(raw: bytes, c: int, i: int, end: int) -> int:
+    """Index of the first byte ``c`` in ``raw[i:end]``, ``end`` if there is none."""
+    if _COMPILED:  # a C loop; bytes.find's argument parsing costs more than a header line
+        while i < end and raw[i] != c:
+            i += 1
+        return i
+    j = raw.find(c, i, end)
+    return end if j < 0 else j
+
+
+def _line(raw: bytes, at: int, end: int) -> tuple[int, int]:
+    """The ``:`` and the LF of the header line that starts at ``at``."""
+    colon = _find(raw, 58, at, end)
+    return colon, _find(raw, 10, colon, end)
+
+
+def _value_at(raw: bytes, colon: int, eol: int) -> int:
+    """Where the value of the line with ``:`` at ``colon`` and LF at ``eol`` starts (after OWS)."""
+    v = colon + 1
+    while v < eol and (raw[v] == 32 or raw[v] == 9):
+        v += 1
+    return v
+
+
+def _same(raw: bytes, at: int, lower: bytes) -> bool:
+    """``raw[at:at + len(lower)]`` is ``lower`` (a lower-case name) but for the case of letters
+    (the caller checked the length)."""
+    for k in range(len(lower)):
+        c = raw[at + k]
+        if 65 <= c <= 90:  # A-Z
+            c += 32
+        if c != lower[k]:
+            return False
+    return True
+
+
+def _class(raw: bytes, at: int, n: int) -> int:
+    """The HAS_* bit of the header name ``raw[at:at + n]``, 0 for an end-to-end header."""
+    if n <= _LONGEST:
+        for name, bit in _BY_LENGTH[n]:
+            if _same(raw, at, name):
+                return bit
+    return 0
+
+
+def _plain_connection(raw: bytes, colon: int, eol: int) -> bool:
+    """The value of this Connection line is exactly ``keep-alive`` or ``close``."""
+    v = _value_at(raw, colon, eol)
+    n = eol - 1 - v  # up to the CR
+    return (n == 10 and _same(raw, v, _KEEP_ALIVE)) or (n == 5 and _same(raw, v, _CLOSE))
+
+
+def locate(raw: bytes, at: int) -> tuple[int, int, int]:
+    """Where the head llhttp accepted in ``raw`` from ``at`` on lies: ``(start, first, end)`` with
+    the start line at ``raw[start:first]`` and the block at ``raw[first:end]``; ``end + 2`` is
+    where the head ends. Before ``start``: the CR/LF llhttp skips before a message."""
+    n = len(raw)
+    start = 0 if at < 0 else at
+    while start < n and (raw[start] == 13 or raw[start] == 10):
+        start += 1
+    first = _find(raw, 10, start, n) + 1
+    end = first
+    while end < n and raw[end] != 13:  # a header line starts with a name, the blank line with CR
+        end = _find(raw, 10, end, n) + 1
+    return start, first, end
+
+
+def reason_phrase(raw: bytes, start: int, first: int) -> bytes:
+    """The reason phrase of the status line ``raw[start:first]`` (llhttp checked its form:
+    ``<version> SP <3 digits> [SP reason] CRLF``)."""
+    return raw[_find(raw, 32, start, first) + 5:first - 2]
+
+
+def relay_block(raw: bytes, first: int, end: int, out: list[bytes], extra: set[str] | None) -> int:
+    """Append the lines of the block ``raw[first:end]`` to ``out`` minus the hop-by-hop ones and
+    those ``extra`` names (lower-case keys), as few slices as possible (each run of kept lines is
+    one); return the HAS_* bits of the names in the block, plus NAMES_HEADERS when a Connection
+    header may name more (then the caller relays again with those names as ``extra``)."""
+    first, end = _clamp(raw, first, end)
+    bits = 0
+    run = first  # start of the current run of kept lines
+    i = first
+    while i < end:
+        at = i
+        colon, eol = _line(raw, i, end)
+        i = eol + 1
+        cls = _class(raw, at, colon - at)
+        if cls == _CONNECTION_BIT and (bits & _CONNECTION_BIT or not _plain_connection(raw, colon, eol)):
+            bits |= _NAMES_BIT
+        bits |= cls
+        if cls & _DROPPED or (extra is not None and raw[at:colon].decode("latin-1").lower() in extra):
+            if at > run:
+                out.append(raw[run:at])
+            run = i
+    if end > run:
+        out.append(raw[run:end])
+    return bits
+
+
+def header_values(raw: bytes, first: int, end: int, lower: bytes, first_only: bool) -> list[bytes]:
+    """The values of the header ``lower`` (a lower-case name) in the block ``raw[first:end]``, in
+    order (only the first with ``first_only``)."""
+    first, end = _clamp(raw, first, end)
+    out: list[bytes] = []
+    n = len(lower)
+    i = first
+    while i < end:
+        at = i
+        colon, eol = _line(raw, i, end)
+        i = eol + 1
+        if colon - at == n and _same(raw, at, lower):
+            out.append(raw[_value_at(raw, colon, eol):eol - 1])
+            if first_only:
+                break
+    return out
+
+
+def fields(raw: bytes, first: int, end: int) -> list[tuple[bytes, bytes]]:
+    """Every ``(name, value)`` of the block ``raw[first:end]``, in order, names as received."""
+    first, end = _clamp(raw, first, end)
+    out: list[tuple[bytes, bytes]] = []
+    i = first
+    while i < end:
+        at = i
+        colon, eol = _line(raw, i, end)
+        i = eol + 1
+        out.append((raw[at:colon], raw[_value_at(raw, colon, eol):eol - 1]))
+    return out
+
+
+def token_set(values: list[bytes]) -> set[str]:
+    """Lower-cased comma-separated tokens of header values (``Connection``)."""
+    out = set()
+    for value in values:
+        for token in value.split(b","):
+            token = token.strip().lower()
+            if token:
+                out.add(token.decode("latin-1"))
+    return out
+
+
+_MISSING = object()
+
+
+class ResponseHeaders:
+    """A response head as the router reads it, a read-only ``Mapping[str, str]`` over the raw
+    block: lower-case name -> first value, decoded on lookup (the router reads one or two names
+    per response; decoding every header costs more). Not a Mapping subclass (compiled, it is an
+    extension type, which cannot derive from one): registered as one, with the full read-only API."""
+
+    __slots__ = ("_raw", "_first", "_end")
+
+    def __init__(self, raw: bytes, first: int = 0, end: int = -1) -> None:
+        self._raw = raw
+        self._first = first
+        self._end = len(raw) if end < 0 else end
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            lower = key.encode("latin-1")
+        except (AttributeError, UnicodeEncodeError):
+            return default  # not a str, or not a name any header can have
+        found = header_values(self._raw, self._first, self._end, lower, True)
+        return found[0].decode("utf-8", "surrogateescape") if found else default
+
+    def __getitem__(self, key: str) -> str:
+        value = self.get(key, _MISSING)
+        if value is _MISSING:
+            raise KeyError(key)
+        return value  # type: ignore[no-any-return]
+
+    def __contains__(self, key: object) -> bool:
+        return self.get(key, _MISSING) is not _MISSING  # type: ignore[arg-type]
+
+    def _dict(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for name, value in fields(self._raw, self._first, self._end):
+            key = name.decode("latin-1").lower()
+            if key not in out:
+                out[key] = value.decode("utf-8", "surrogateescape")
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._dict())
+
+    def __len__(self) -> int:
+        return len(self._dict())
+
+    def keys(self) -> KeysView[str]:
+        return self._dict().keys()
+
+    def items(self) -> ItemsView[str, str]:
+        return self._dict().items()
+
+    def values(self) -> ValuesView[str]:
+        return self._dict().values()
+
+    def __eq__(self, other: object) -> bool:
+        return self._dict() == (dict(other) if isinstance(other, Mapping) else other)
+
+    def __repr__(self) -> str:
+        return f"ResponseHeaders({self._dict()!r})"
+
+    __hash__ = None  # type: ignore[assignment]  # like every Mapping
+
+
+Mapping.register(ResponseHeaders)
+
+_COMPILED = is_compiled(sys.modules[__name__])
