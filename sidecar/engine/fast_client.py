@@ -3,8 +3,8 @@
 An :class:`UpstreamConnection` carries one request at a time (no upstream pipelining). It parses
 responses with ``httptools.HttpResponseParser`` without per-header callbacks (llhttp parses and
 checks the head in C), keeps the raw bytes of the head, and hands the head to the
-:class:`Exchange` bound to it as bytes plus offsets (:mod:`sidecar.engine.head` reads them). :class:`UpstreamPool`
-bounds the connections to one upstream, hands idle ones out most-recently-used first (so the
+:class:`Exchange` bound to it as bytes plus offsets (:mod:`sidecar.engine.head` reads them).
+:class:`UpstreamPool` bounds the connections to one upstream, hands idle ones out most-recently-used first (so the
 ones left idle long enough to be closed by the upstream are the ones that age out), and queues
 requests when the bound is reached.
 

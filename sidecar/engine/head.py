@@ -54,6 +54,8 @@ def _classes() -> list[tuple[tuple[bytes, int], ...]]:
 
 
 _BY_LENGTH = tuple(_classes())
+_CLASS_OF = {name: bit for names in _BY_LENGTH for name, bit in names}  # (uncompiled scans)
+_PLAIN = (b"keep-alive", b"close")
 _LONGEST = len(_BY_LENGTH) - 1
 _KEEP_ALIVE = b"keep-alive"
 _CLOSE = b"close"
@@ -84,9 +86,21 @@ def _find(raw: bytes, c: int, i: int, end: int) -> int:
 
 
 def _line(raw: bytes, at: int, end: int) -> tuple[int, int]:
-    """The ``:`` and the LF of the header line that starts at ``at``."""
-    colon = _find(raw, 58, at, end)
-    return colon, _find(raw, 10, colon, end)
+    """The ``:`` and the LF of the header line that starts at ``at`` (``end`` for one missing)."""
+    if _COMPILED:
+        colon = at
+        while colon < end and raw[colon] != 58:
+            colon += 1
+        eol = colon
+        while eol < end and raw[eol] != 10:
+            eol += 1
+        return colon, eol
+    # Uncompiled, one call here per line (not two to _find) is what the scans cost.
+    colon = raw.find(b":", at, end)
+    if colon < 0:
+        return end, end
+    eol = raw.find(b"\n", colon, end)
+    return colon, (end if eol < 0 else eol)
 
 
 def _value_at(raw: bytes, colon: int, eol: int) -> int:
@@ -100,6 +114,8 @@ def _value_at(raw: bytes, colon: int, eol: int) -> int:
 def _same(raw: bytes, at: int, lower: bytes) -> bool:
     """``raw[at:at + len(lower)]`` is ``lower`` (a lower-case name) but for the case of letters
     (the caller checked the length)."""
+    if not _COMPILED:  # a loop per byte is what costs most in the interpreter
+        return raw[at:at + len(lower)].lower() == lower
     for k in range(len(lower)):
         c = raw[at + k]
         if 65 <= c <= 90:  # A-Z
@@ -110,11 +126,11 @@ def _same(raw: bytes, at: int, lower: bytes) -> bool:
 
 
 def _class(raw: bytes, at: int, n: int) -> int:
-    """The HAS_* bit of the header name ``raw[at:at + n]``, 0 for an end-to-end header."""
-    if n <= _LONGEST:
-        for name, bit in _BY_LENGTH[n]:
-            if _same(raw, at, name):
-                return bit
+    """The HAS_* bit of the header name ``raw[at:at + n]`` (``n <= _LONGEST``), 0 for an
+    end-to-end header."""
+    for name, bit in _BY_LENGTH[n]:
+        if _same(raw, at, name):
+            return bit
     return 0
 
 
@@ -134,9 +150,13 @@ def locate(raw: bytes, at: int) -> tuple[int, int, int]:
     while start < n and (raw[start] == 13 or raw[start] == 10):
         start += 1
     first = _find(raw, 10, start, n) + 1
-    end = first
-    while end < n and raw[end] != 13:  # a header line starts with a name, the blank line with CR
-        end = _find(raw, 10, end, n) + 1
+    if _COMPILED:
+        end = first
+        while end < n and raw[end] != 13:  # a header line starts with a name, the blank line with CR
+            end = _find(raw, 10, end, n) + 1
+    else:
+        blank = raw.find(b"\r\n\r\n", first - 2)
+        end = n if blank < 0 else blank + 2
     return start, first, end
 
 
@@ -152,6 +172,8 @@ def relay_block(raw: bytes, first: int, end: int, out: list[bytes], extra: set[s
     one); return the HAS_* bits of the names in the block, plus NAMES_HEADERS when a Connection
     header may name more (then the caller relays again with those names as ``extra``)."""
     first, end = _clamp(raw, first, end)
+    if not _COMPILED:
+        return _relay_block_py(raw, first, end, out, extra)
     bits = 0
     run = first  # start of the current run of kept lines
     i = first
@@ -159,7 +181,8 @@ def relay_block(raw: bytes, first: int, end: int, out: list[bytes], extra: set[s
         at = i
         colon, eol = _line(raw, i, end)
         i = eol + 1
-        cls = _class(raw, at, colon - at)
+        n = colon - at
+        cls = _class(raw, at, n) if n <= _LONGEST and _BY_LENGTH[n] else 0
         if cls == _CONNECTION_BIT and (bits & _CONNECTION_BIT or not _plain_connection(raw, colon, eol)):
             bits |= _NAMES_BIT
         bits |= cls
@@ -176,6 +199,8 @@ def header_values(raw: bytes, first: int, end: int, lower: bytes, first_only: bo
     """The values of the header ``lower`` (a lower-case name) in the block ``raw[first:end]``, in
     order (only the first with ``first_only``)."""
     first, end = _clamp(raw, first, end)
+    if not _COMPILED:
+        return _header_values_py(raw, first, end, lower, first_only)
     out: list[bytes] = []
     n = len(lower)
     i = first
@@ -200,6 +225,46 @@ def fields(raw: bytes, first: int, end: int) -> list[tuple[bytes, bytes]]:
         colon, eol = _line(raw, i, end)
         i = eol + 1
         out.append((raw[at:colon], raw[_value_at(raw, colon, eol):eol - 1]))
+    return out
+
+
+# Uncompiled, the same scans as above cost one Python call per line: these versions iterate
+# with bytes methods instead (same results; the test suite runs on both builds).
+
+
+def _relay_block_py(raw: bytes, first: int, end: int, out: list[bytes], extra: set[str] | None) -> int:
+    bits = 0
+    run = at = first
+    for line in raw[first:end].split(b"\r\n")[:-1]:
+        colon = line.find(b":")
+        name = line[:colon].lower()
+        cls = _CLASS_OF.get(name, 0)
+        if cls == HAS_CONNECTION and (bits & HAS_CONNECTION or line[colon + 1:].lstrip(b" \t").lower() not in _PLAIN):
+            bits |= NAMES_HEADERS
+        bits |= cls
+        nxt = at + len(line) + 2
+        if cls & _DROPPED or (extra is not None and name.decode("latin-1") in extra):
+            if at > run:
+                out.append(raw[run:at])
+            run = nxt
+        at = nxt
+    if end > run:
+        out.append(raw[run:end])
+    return bits
+
+
+def _header_values_py(raw: bytes, first: int, end: int, lower: bytes, first_only: bool) -> list[bytes]:
+    out = []
+    block = raw[first:end]
+    lowered = block.lower()  # ASCII letters only, as the compiled compare folds them
+    key = lower + b":"
+    i = lowered.find(key)
+    while i >= 0:
+        if i == 0 or lowered[i - 1] == 10:  # at a line start (values hold no LF)
+            out.append(block[i + len(key):block.find(b"\r\n", i)].lstrip(b" \t"))
+            if first_only:
+                break
+        i = lowered.find(key, i + 1)
     return out
 
 
