@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 # Inbound session identity (SPEC section 2).
 X_CORRELATION_ID = "X-Correlation-ID"
 X_SESSION_AFFINITY = "X-Session-Affinity"
@@ -54,11 +56,10 @@ HOP_BY_HOP: frozenset[str] = frozenset(
 )
 
 
-def connection_tokens(value: str | None) -> frozenset[str]:
-    """Lower-cased field names listed in a ``Connection`` header value (they are hop-by-hop too)."""
-    if not value:
-        return frozenset()
-    return frozenset(t.strip().lower() for t in value.split(",") if t.strip())
+def connection_tokens(values: Iterable[str]) -> frozenset[str]:
+    """Lower-cased field names listed in the values of a message's ``Connection`` header lines
+    (they are hop-by-hop too; every line counts, as for any list-valued field)."""
+    return frozenset(t.strip().lower() for value in values for t in value.split(",") if t.strip())
 
 # Session signals of agent clients (issue: real agent clients).
 X_CLAUDE_CODE_SESSION_ID = "x-claude-code-session-id"

@@ -98,7 +98,7 @@ class AiohttpEngine(Engine):
     async def _proxy(self, request: web.BaseRequest, t0: float) -> web.StreamResponse:
         router = self.router
         in_headers = request.headers
-        if h.UPGRADE in in_headers and "upgrade" in h.connection_tokens(in_headers.get(h.CONNECTION)):
+        if h.UPGRADE in in_headers and "upgrade" in h.connection_tokens(in_headers.getall(h.CONNECTION, ())):
             exc = errors.ProxyError(errors.UPGRADE_NOT_SUPPORTED, "the sidecar does not proxy protocol upgrades")
             resp = self._error(exc, router.default.name, router.default.mode_name, "upgrade")
             resp.force_close()  # the rest of the stream belongs to the refused protocol
@@ -242,7 +242,7 @@ def _too_large(dep: str, limit: int) -> errors.ProxyError:
 def _forward_headers(decision: Decision, request: web.BaseRequest) -> CIMultiDict[str]:
     """The client's headers minus hop-by-hop and stripped ones, plus forwarding and mode headers."""
     src = request.headers
-    drop = h.HOP_BY_HOP | h.connection_tokens(src.get(h.CONNECTION)) | decision.strip
+    drop = h.HOP_BY_HOP | h.connection_tokens(src.getall(h.CONNECTION, ())) | decision.strip
     out: CIMultiDict[str] = CIMultiDict()
     xff = None
     for name, value in src.items():
@@ -265,7 +265,7 @@ def _forward_headers(decision: Decision, request: web.BaseRequest) -> CIMultiDic
 
 def _copy_response_headers(upstream: aiohttp.ClientResponse, resp: web.StreamResponse) -> None:
     src = upstream.headers
-    drop = h.HOP_BY_HOP | h.connection_tokens(src.get(h.CONNECTION))
+    drop = h.HOP_BY_HOP | h.connection_tokens(src.getall(h.CONNECTION, ()))
     out = resp.headers
     for name, value in src.items():
         if name.lower() not in drop:

@@ -96,6 +96,8 @@ CORPUS: dict[str, Case] = {
     "hop_by_hop_request_headers_dropped": Case(get(
         b"Connection: keep-alive, X-Hop\r\nX-Hop: 1\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\n"
         b"Proxy-Authorization: Basic eA==\r\nUpgrade: h2c\r\nX-End: kept\r\n")),
+    "connection_header_on_two_lines_names_both": Case(get(
+        b"Connection: X-A\r\nX-A: 1\r\nConnection: x-b, keep-alive\r\nX-B: 2\r\nX-C: kept\r\n")),
     "forwarded_for_appended_proto_kept": Case(get(
         b"X-Forwarded-For: 10.0.0.1\r\nX-Forwarded-For: 10.0.0.2\r\nX-Forwarded-Proto: https\r\n")),
     "repeated_and_odd_case_request_headers": Case(get(
@@ -140,6 +142,11 @@ CORPUS: dict[str, Case] = {
     "hop_by_hop_response_headers_dropped": Case(get(), resp(b"200 OK", [
         (b"Connection", b"X-Private, keep-alive"), (b"X-Private", b"secret"), (b"Keep-Alive", b"timeout=5"),
         (b"Proxy-Authenticate", b"Basic"), (b"X-End-To-End", b"kept"), JSON], b"{}")),
+    "response_header_spacing_and_case": Case(get(), b"HTTP/1.1 200 OK\r\nx-tight:v\r\nX-Spaced: \t v w \t\r\n"
+                                                    b"X-Empty:\r\nCONNECTION: Keep-Alive\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"),
+    "many_response_headers_with_connection_names": Case(get(), resp(b"200 OK", [
+        *[(b"X-H%d" % i, b"v%d" % i) for i in range(40)], (b"Connection", b"x-h3"), (b"Connection", b"X-H7, close"),
+        (b"Trailer", b"X-T"), (b"Upgrade", b"h2c"), JSON], b"{}")),
     "large_response": Case(get(), resp(b"200 OK", [(b"Content-Type", b"application/octet-stream")], BIG_REPLY)),
     "eof_delimited_response": Case(get(), b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil the upstream closes"),
     "upstream_error_status_relayed": Case(get(), resp(b"503 Service Unavailable", [JSON, (b"Retry-After", b"1")],
