@@ -129,6 +129,10 @@ QUEUED, BUFFERING, CONNECTING, SENDING, SENT, DONE = range(6)
 # How the response body is framed towards the client.
 R_NONE, R_LENGTH, R_CHUNKED, R_CLOSE = range(4)
 _RELAY = {R_NONE: RELAY_NONE, R_LENGTH: RELAY_RAW, R_CHUNKED: RELAY_CHUNKED, R_CLOSE: RELAY_RAW}
+# The outcomes of every response, as module constants: an Enum member read from its class goes
+# through EnumType.__getattr__ (hundreds of instructions per read).
+_COMPLETED = TurnOutcome.COMPLETED
+_UPSTREAM_FAILED = TurnOutcome.UPSTREAM_FAILED
 
 
 class _Refused(Exception):
@@ -1028,7 +1032,7 @@ class _Exchange:
         stats.request(status).inc()
         stats.duration.observe(now - self.t0)
         router = engine.router
-        router.finish(decision, TurnOutcome.COMPLETED if status < 500 else TurnOutcome.UPSTREAM_FAILED)
+        router.finish(decision, _COMPLETED if status < 500 else _UPSTREAM_FAILED)
         # Flattened client.done(self).
         queue = client.queue
         if queue and queue[0] is self:
