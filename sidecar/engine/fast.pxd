@@ -4,10 +4,12 @@
 cimport cython
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.fast_client cimport UpstreamConnection
-from sidecar.engine.head cimport ResponseHeaders, header_values, reason_phrase, relay_block
+from sidecar.engine.head cimport ResponseHeaders, header_key, header_values, reason_phrase, relay_block
 from sidecar.metrics cimport DeploymentStats
 from sidecar.deployments cimport Deployment
 from sidecar.router cimport Decision, Router
+
+cdef frozenset _SPECIAL
 
 cdef class _ClientConnection:
     cdef public object engine, loop, parser, transport, peer, xff_xfp, queue, refusal, timer

@@ -63,7 +63,6 @@ from sidecar.engine.fast_client import (
 from sidecar.engine.head import (
     HAS_CONTENT_LENGTH,
     HAS_TRANSFER_ENCODING,
-    HEADER_KEYS,
     NAMES_HEADERS,
     ResponseHeaders,
     header_key,
@@ -388,7 +387,7 @@ class _ClientConnection:
         if self.in_head:
             ex = self.cur
             assert ex is not None
-            key = HEADER_KEYS[name] if name in HEADER_KEYS else header_key(name)
+            key = header_key(name)
             ex.fields.append((key, name, value))
             headers = ex.headers
             if key not in headers:

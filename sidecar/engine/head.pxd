@@ -10,6 +10,11 @@ cdef tuple _BY_LENGTH
 cdef Py_ssize_t _LONGEST
 cdef bytes _KEEP_ALIVE, _CLOSE
 cdef bint _COMPILED
+cdef dict HEADER_KEYS
+cdef Py_ssize_t MAX_HEADER_KEYS
+
+@cython.locals(key=str)
+cpdef str header_key(bytes name)
 cdef long _CONNECTION_BIT, _NAMES_BIT, _DROPPED
 
 cdef (Py_ssize_t, Py_ssize_t) _clamp(bytes raw, Py_ssize_t first, Py_ssize_t end)

@@ -37,7 +37,7 @@ _NAMES_BIT = NAMES_HEADERS
 _DROPPED = HAS_CONNECTION | HAS_TRANSFER_ENCODING | HAS_HOP
 
 # Lower-case ``str`` keys of header names (bytes, as received): the handful of names real
-# traffic uses are looked up without a call; client-chosen names beyond the bound are computed.
+# traffic uses come from this cache; client-chosen names beyond the bound are computed.
 HEADER_KEYS: dict[bytes, str] = {}
 MAX_HEADER_KEYS = 1024
 
@@ -63,9 +63,11 @@ _CLOSE = b"close"
 
 def header_key(name: bytes) -> str:
     """The lower-case ``str`` key of a header name (latin-1; llhttp admits token bytes only)."""
-    key = name.decode("latin-1").lower()
-    if len(HEADER_KEYS) < MAX_HEADER_KEYS:
-        HEADER_KEYS[name] = key
+    key = HEADER_KEYS.get(name)
+    if key is None:
+        key = name.decode("latin-1").lower()
+        if len(HEADER_KEYS) < MAX_HEADER_KEYS:
+            HEADER_KEYS[name] = key
     return key
 
 
