@@ -8,13 +8,13 @@ cdef class UpstreamConnection:
     cdef public UpstreamPool pool
     cdef public object transport, parser, ex, _poll
     cdef public ReadFlow flow
-    cdef public bytes raw
-    cdef public Py_ssize_t raw_at
+    cdef public list pieces
+    cdef public Py_ssize_t piece_bytes, raw_at
     cdef public bint lost, counted, head_seen, done, keep_alive, reusable, eof_ends, write_paused
     cdef public double idle_since, stamp
     cdef public long relay
     cdef public list sink
-    @cython.locals(raw=bytes, start=Py_ssize_t, first=Py_ssize_t, end=Py_ssize_t, status=long, body=long)
+    @cython.locals(pieces=list, raw=bytes, start=Py_ssize_t, first=Py_ssize_t, end=Py_ssize_t, status=long, body=long)
     cpdef on_headers_complete(self)
 
 cdef class UpstreamPool:

@@ -74,9 +74,9 @@ class UpstreamConnection:
     """One keep-alive connection to an upstream; relays one response at a time to its exchange
     (an asyncio protocol by duck typing, like :class:`sidecar.engine.fast._ClientConnection`)."""
 
-    __slots__ = ("pool", "transport", "flow", "parser", "ex", "lost", "counted", "_poll", "raw", "raw_at",
-                 "head_seen", "done", "keep_alive", "reusable", "eof_ends", "write_paused", "idle_since", "relay",
-                 "sink", "stamp")
+    __slots__ = ("pool", "transport", "flow", "parser", "ex", "lost", "counted", "_poll", "pieces",
+                 "piece_bytes", "raw_at", "head_seen", "done", "keep_alive", "reusable", "eof_ends",
+                 "write_paused", "idle_since", "relay", "sink", "stamp")
 
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
@@ -85,9 +85,11 @@ class UpstreamConnection:
         self.ex: Exchange | None = None
         self.lost = False
         self.counted = True  # counts towards the pool's bound until lost or dropped
-        # Bytes received since the response began, until its (final) head is complete; the head
-        # being parsed starts at ``raw_at`` (after any 1xx interim response).
-        self.raw = b""
+        # The reads since the response began, until its (final) head is complete (joined once
+        # then: no copy per read for a head that arrives in pieces); the head being parsed
+        # starts ``raw_at`` bytes in (after any 1xx interim response).
+        self.pieces: list[bytes] = []
+        self.piece_bytes = 0
         self.raw_at = 0
         self.head_seen = False
         self.done = False
@@ -115,8 +117,8 @@ class UpstreamConnection:
             self.pool.drop(self)
             return
         if not self.head_seen:
-            raw = self.raw
-            self.raw = raw + data if raw else data
+            self.pieces.append(data)
+            self.piece_bytes += len(data)
         self.stamp = 0.0
         try:
             self.parser.feed_data(data)
@@ -125,7 +127,7 @@ class UpstreamConnection:
                 self._fail(f"invalid response: {exc}")
                 return
             self.reusable = False  # garbage after a complete response
-        if not self.head_seen and len(self.raw) - self.raw_at > MAX_RESPONSE_HEAD:
+        if not self.head_seen and self.piece_bytes - self.raw_at > MAX_RESPONSE_HEAD:
             self._fail(f"response head larger than {MAX_RESPONSE_HEAD} bytes")
             return
         if self.done:
@@ -232,13 +234,16 @@ class UpstreamConnection:
             self.reusable = False  # a second response to one request
             return
         # Every byte fed so far is in ``raw``: the head llhttp just accepted starts at raw_at.
-        raw = self.raw
+        pieces = self.pieces
+        raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         start, first, end = locate(raw, self.raw_at)
         status = self.parser.get_status_code()
         if status < 200:  # 1xx interim responses are not relayed (we never send Expect upstream)
+            self.pieces = [raw]
             self.raw_at = end + 2
             return
-        self.raw = b""
+        pieces.clear()
+        self.piece_bytes = 0
         self.raw_at = 0
         self.head_seen = True
         self.keep_alive = True  # decided by on_message_complete (or a close for BODY_UNTIL_EOF)

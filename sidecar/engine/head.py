@@ -55,10 +55,10 @@ def _classes() -> list[tuple[tuple[bytes, int], ...]]:
 
 _BY_LENGTH = tuple(_classes())
 _CLASS_OF = {name: bit for names in _BY_LENGTH for name, bit in names}  # (uncompiled scans)
-_PLAIN = (b"keep-alive", b"close")
 _LONGEST = len(_BY_LENGTH) - 1
 _KEEP_ALIVE = b"keep-alive"
 _CLOSE = b"close"
+_PLAIN = (_KEEP_ALIVE, _CLOSE)
 
 
 def header_key(name: bytes) -> str:
@@ -241,7 +241,8 @@ def _relay_block_py(raw: bytes, first: int, end: int, out: list[bytes], extra: s
         colon = line.find(b":")
         name = line[:colon].lower()
         cls = _CLASS_OF.get(name, 0)
-        if cls == HAS_CONNECTION and (bits & HAS_CONNECTION or line[colon + 1:].lstrip(b" \t").lower() not in _PLAIN):
+        if cls == HAS_CONNECTION and (bits & HAS_CONNECTION or
+                                      line[colon + 1:].lstrip(b" \t").lower() not in _PLAIN):
             bits |= NAMES_HEADERS
         bits |= cls
         nxt = at + len(line) + 2
