@@ -233,7 +233,8 @@ class UpstreamConnection:
         if self.done or ex is None or self.head_seen:
             self.reusable = False  # a second response to one request
             return
-        # Every byte fed so far is in ``raw``: the head llhttp just accepted starts at raw_at.
+        # Every byte fed since the response began is in ``pieces``: the head llhttp just accepted
+        # starts raw_at bytes in.
         pieces = self.pieces
         raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         start, first, end = locate(raw, self.raw_at)
