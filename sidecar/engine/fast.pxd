@@ -5,14 +5,24 @@ cimport cython
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.fast_client cimport UpstreamConnection
 from sidecar.engine.head cimport ResponseHeaders, header_key, header_values, reason_phrase, relay_block
-from sidecar.metrics cimport DeploymentStats
+from sidecar.metrics cimport DeploymentStats, _Value
 from sidecar.deployments cimport Deployment
 from sidecar.router cimport Decision, Router
 
 cdef frozenset _SPECIAL
 
+cdef class _Shared:
+    cdef public Router router
+    cdef public dict upstreams, drops
+    cdef public _Value gauge
+    cdef public object health, drained
+    cdef public long in_flight
+    cdef public bint draining
+    cpdef request_done(self)
+
 cdef class _ClientConnection:
     cdef public object engine, loop, parser, transport, peer, xff_xfp, queue, refusal, timer
+    cdef public _Shared shared
     cdef public ReadFlow flow
     cdef public _Exchange cur
     cdef public list out
@@ -40,10 +50,10 @@ cdef class _Exchange:
     cdef public double t0, connect_timeout, first_byte_timeout, idle_timeout, last_io, head_at
     cdef public ResponseHeaders resp_head
     cdef public UpstreamConnection conn
-    @cython.locals(client=_ClientConnection, router=Router, decision=Decision, dep=Deployment)
+    @cython.locals(client=_ClientConnection, shared=_Shared, router=Router, decision=Decision, dep=Deployment)
     cpdef start(self)
-    @cython.locals(client=_ClientConnection, conn=UpstreamConnection, now=double, due=double, stats=DeploymentStats,
-                   dep=Deployment)
+    @cython.locals(client=_ClientConnection, shared=_Shared, conn=UpstreamConnection, now=double, due=double,
+                   stats=DeploymentStats, dep=Deployment)
     cpdef _forward(self, Decision decision, length)
     cpdef _send(self, UpstreamConnection conn, list parts)
     @cython.locals(router=Router, decision=Decision, dep=Deployment)
@@ -51,7 +61,7 @@ cdef class _Exchange:
     @cython.locals(client=_ClientConnection, conn=UpstreamConnection, out=list, mark=Py_ssize_t, framing=long)
     cpdef response_head(self, long status, bytes raw, Py_ssize_t start, Py_ssize_t first, Py_ssize_t end,
                         double now)
-    @cython.locals(client=_ClientConnection, stats=DeploymentStats, decision=Decision, router=Router)
+    @cython.locals(client=_ClientConnection, shared=_Shared, stats=DeploymentStats, decision=Decision, router=Router)
     cpdef response_end(self, double now)
-    @cython.locals(stats=DeploymentStats, decision=Decision, router=Router, headers=ResponseHeaders)
+    @cython.locals(shared=_Shared, stats=DeploymentStats, decision=Decision, router=Router, headers=ResponseHeaders)
     cpdef _observe_head(self)

@@ -163,6 +163,32 @@ def _add_name(name: str) -> tuple[str, bytes]:
     return entry
 
 
+class _Shared:
+    """What every connection of one engine reads or updates per request, in one typed object
+    (compiled, a struct: FastEngine itself is a Python class, whose attributes cost a lookup each)."""
+
+    __slots__ = ("router", "upstreams", "drops", "gauge", "health", "in_flight", "draining", "drained")
+
+    def __init__(self, router: Router, gauge: Any, health: Any) -> None:
+        self.router = router
+        # upstream URL -> (pool, b" " + base path, b" HTTP/1.1\r\nHost: ...\r\n")
+        self.upstreams: dict[str, tuple[UpstreamPool, bytes, bytes]] = {}
+        self.drops: dict[frozenset[str], frozenset[str]] = {}
+        self.gauge = gauge  # the in-flight gauge's child, set from ``in_flight`` (no call per request)
+        self.health = health
+        self.in_flight = 0
+        self.draining = False
+        self.drained: asyncio.Future[None] | None = None  # set while a drain waits for in_flight == 0
+
+    def request_done(self) -> None:
+        """A request left the engine (answered, refused or abandoned)."""
+        self.in_flight -= 1
+        self.gauge.value = self.in_flight
+        drained = self.drained
+        if drained is not None and self.in_flight == 0 and not drained.done():
+            drained.set_result(None)
+
+
 class FastEngine(Engine):
     """Reverse proxy on asyncio Protocols (uvloop in production) with llhttp parsing."""
 
@@ -175,15 +201,8 @@ class FastEngine(Engine):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.clients: set[_ClientConnection] = set()
-        self.in_flight = 0
-        # The in-flight gauge's child, set from ``in_flight`` (no method call per request).
-        self.gauge = self.metrics.in_flight.labels()
-        self.draining = False
-        self._drained: asyncio.Future[None] | None = None
-        # upstream URL -> (pool, b" " + base path, b" HTTP/1.1\r\nHost: ...\r\n")
-        self.upstreams: dict[str, tuple[UpstreamPool, bytes, bytes]] = {}
+        self.shared = _Shared(self.router, self.metrics.in_flight.labels(), self.health)
         self._pools: list[UpstreamPool] = []
-        self.drops: dict[frozenset[str], frozenset[str]] = {}
 
     async def start(self) -> None:
         for dep in self.router.deployments:
@@ -204,7 +223,7 @@ class FastEngine(Engine):
                 key = (up.host, up.port)
                 if key not in pools:
                     pools[key] = UpstreamPool(loop, up.host, up.port, limits[key])
-                self.upstreams[up.url] = (pools[key], b" " + up.base_path.encode(),
+                self.shared.upstreams[up.url] = (pools[key], b" " + up.base_path.encode(),
                                           f" HTTP/1.1\r\n{h.HOST}: {up.host_header}\r\n".encode())
         self._pools = list(pools.values())
         listen = self.config.listen
@@ -216,18 +235,27 @@ class FastEngine(Engine):
     def port(self) -> int:
         return self._port
 
+    @property
+    def in_flight(self) -> int:
+        return self.shared.in_flight
+
+    @property
+    def draining(self) -> bool:
+        return self.shared.draining
+
     async def drain(self, grace: float) -> None:
-        self.draining = True
+        shared = self.shared
+        shared.draining = True
         self._server.close()
         for client in list(self.clients):
             if not client.queue:
                 client.close()
-        if self.in_flight:
-            self._drained = self.loop.create_future()
+        if shared.in_flight:
+            shared.drained = drained = self.loop.create_future()
             try:
-                await asyncio.wait_for(asyncio.shield(self._drained), grace)
+                await asyncio.wait_for(asyncio.shield(drained), grace)
             except asyncio.TimeoutError:
-                log.warning("drain grace expired with %d requests in flight", self.in_flight)
+                log.warning("drain grace expired with %d requests in flight", shared.in_flight)
 
     async def close(self) -> None:
         self._server.close()
@@ -246,7 +274,7 @@ class FastEngine(Engine):
                     up_buffered += ex.conn.transport.get_write_buffer_size()
         return {
             "clients": len(self.clients),
-            "in_flight": self.in_flight,
+            "in_flight": self.shared.in_flight,
             "client_write_buffer": sum(c.transport.get_write_buffer_size() for c in self.clients),
             "upstream_write_buffer": up_buffered,
             "upstream_connections": sum(p.total for p in self._pools),
@@ -258,27 +286,26 @@ class FastEngine(Engine):
     def drop_for(self, strip: frozenset[str]) -> frozenset[str]:
         """Request headers never forwarded for a decision's ``strip`` (cached: one per deployment)."""
         drop = _REQ_DROP | {s.lower() for s in strip}
-        if len(self.drops) < 64:
-            self.drops[strip] = drop
+        drops = self.shared.drops
+        if len(drops) < 64:
+            drops[strip] = drop
         return drop
 
     def request_done(self) -> None:
-        self.in_flight -= 1
-        self.gauge.value = self.in_flight
-        if self._drained is not None and self.in_flight == 0 and not self._drained.done():
-            self._drained.set_result(None)
+        self.shared.request_done()
 
 
 class _ClientConnection:
     """One client connection: parses requests, answers them in order (an asyncio protocol by
     duck typing: compiled, it is an extension type, which cannot derive from ``asyncio.Protocol``)."""
 
-    __slots__ = ("engine", "loop", "parser", "transport", "flow", "peer", "xff_xfp", "queue", "cur", "out",
-                 "in_head", "head_fed", "head_bytes", "max_head", "stopped", "refusal", "write_paused",
+    __slots__ = ("engine", "shared", "loop", "parser", "transport", "flow", "peer", "xff_xfp", "queue", "cur",
+                 "out", "in_head", "head_fed", "head_bytes", "max_head", "stopped", "refusal", "write_paused",
                  "idle_since", "timer", "timer_due", "closing", "advancing")
 
     def __init__(self, engine: FastEngine) -> None:
         self.engine = engine
+        self.shared = engine.shared
         self.loop = engine.loop
         self.parser = httptools.HttpRequestParser(self)
         self.queue: deque[_Exchange] = deque()
@@ -466,8 +493,8 @@ class _ClientConnection:
         queue = self.queue
         if queue and queue[0] is ex:
             queue.popleft()
-        self.engine.request_done()
-        if ex.close_after or self.engine.draining:
+        self.shared.request_done()
+        if ex.close_after or self.shared.draining:
             self.close()
             return
         if not queue:
@@ -676,12 +703,12 @@ class _Exchange:
     def start(self) -> None:
         """Route the request at the head of the queue; forward it unless answered here."""
         client = self.client
-        engine = client.engine
+        shared = client.shared
         self.started = True
         self.state = BUFFERING
-        engine.in_flight += 1
-        engine.gauge.value = engine.in_flight
-        router = engine.router
+        shared.in_flight += 1
+        shared.gauge.value = shared.in_flight
+        router = shared.router
         if self.error is not None:
             exc, reason = self.error
             self.respond_error(exc, router.default.name, router.default.mode_name, reason, close=True)
@@ -719,12 +746,12 @@ class _Exchange:
         Flattened (head building, metrics, connection pick and attach in one method): it runs
         once per forwarded request."""
         client = self.client
-        engine = client.engine
-        pool, base, version_host = engine.upstreams[decision.upstream.url]
+        shared = client.shared
+        pool, base, version_host = shared.upstreams[decision.upstream.url]
         headers = self.headers
         strip = decision.strip
-        drops = engine.drops
-        drop = drops[strip] if strip in drops else engine.drop_for(strip)
+        drops = shared.drops
+        drop = drops[strip] if strip in drops else client.engine.drop_for(strip)
         if self.conn_tokens:
             drop = drop | self.conn_tokens
         add = decision.add
@@ -840,7 +867,7 @@ class _Exchange:
         body = self.body
         raw = body[0] if len(body) == 1 else b"".join(body)
         body.clear()
-        router = self.client.engine.router
+        router = self.client.shared.router
         try:
             new = router.transform_body(decision, raw)
         except errors.ProxyError as exc:
@@ -910,7 +937,7 @@ class _Exchange:
             self._upstream_error("timeout", errors.UPSTREAM_TIMEOUT,
                                  f"upstream of deployment {dep.name!r} ({up.url}) timed out")
         else:
-            self.client.engine.router.upstream_unreachable(decision)  # nothing was sent: fail the tree over
+            self.client.shared.router.upstream_unreachable(decision)  # nothing was sent: fail the tree over
             self._upstream_error("connect", errors.UPSTREAM_UNREACHABLE,
                                  f"upstream of deployment {dep.name!r} ({up.url}) is unreachable: {exc}")
 
@@ -925,7 +952,6 @@ class _Exchange:
         ``raw[first:end]``): queue the client's head, set up the relay of the body (flattened:
         once per request; the router hears of the head in :meth:`_observe_head`)."""
         client = self.client
-        engine = client.engine
         self.resp_status = status
         self.resp_started = True
         self.last_io = now
@@ -960,7 +986,7 @@ class _Exchange:
             mode = R_CLOSE if self.http10 else R_CHUNKED
         if mode == R_CHUNKED:
             out.append(_CHUNKED_LINE)
-        if not (self.keep_alive and self.complete and mode != R_CLOSE and not engine.draining):
+        if not (self.keep_alive and self.complete and mode != R_CLOSE and not client.shared.draining):
             if not self.http10:  # closing is HTTP/1.0's default
                 out.append(_CLOSE_LINE)
             self.close_after = True
@@ -986,14 +1012,15 @@ class _Exchange:
         headers = self.resp_head
         assert headers is not None
         self.resp_head = None
-        engine = self.client.engine
+        shared = self.client.shared
         decision = self.decision
         assert decision is not None
-        if not engine.health.reached:
-            engine.health.mark_reached()
+        health = shared.health
+        if not health.reached:
+            health.mark_reached()
         stats = decision.deployment.stats
         stats.ttfb.observe(self.head_at - self.t0)  # type: ignore[union-attr]
-        router = engine.router
+        router = shared.router
         router.on_response(decision, self.resp_status, headers)
 
     def _finish_turn(self, outcome: TurnOutcome) -> None:
@@ -1003,7 +1030,7 @@ class _Exchange:
             self._observe_head()
         decision = self.decision
         assert decision is not None
-        self.client.engine.router.finish(decision, outcome)
+        self.client.shared.router.finish(decision, outcome)
 
     def response_end(self, now: float) -> None:
         """The last response byte arrived: write it, count, finish the turn, move on
@@ -1022,7 +1049,7 @@ class _Exchange:
         self.state = DONE
         if self.resp_head is not None:
             self._observe_head()
-        engine = client.engine
+        shared = client.shared
         decision = self.decision
         assert decision is not None
         stats = decision.deployment.stats
@@ -1030,17 +1057,14 @@ class _Exchange:
         status = self.resp_status
         stats.request(status).inc()
         stats.duration.observe(now - self.t0)
-        router = engine.router
+        router = shared.router
         router.finish(decision, _COMPLETED if status < 500 else _UPSTREAM_FAILED)
         # Flattened client.done(self).
         queue = client.queue
         if queue and queue[0] is self:
             queue.popleft()
-        engine.in_flight -= 1
-        engine.gauge.value = engine.in_flight
-        if engine._drained is not None and engine.in_flight == 0 and not engine._drained.done():
-            engine._drained.set_result(None)
-        if not self.complete or self.close_after or engine.draining:
+        shared.request_done()
+        if not self.complete or self.close_after or shared.draining:
             client.close()  # (an unread rest of the request body is never read)
             return
         if queue:
@@ -1108,7 +1132,7 @@ class _Exchange:
             engine.metrics.rejected.labels(reason).inc()
         self._release_upstream()
         body = exc.body()
-        keep = not close and self.keep_alive and self.complete and not engine.draining
+        keep = not close and self.keep_alive and self.complete and not client.shared.draining
         parts = [_HTTP10 if self.http10 else _HTTP11,
                  _STATUS_LINE.get(exc.status) or b"%d Error\r\n" % exc.status,
                  _JSON_HEAD, b"%d" % len(body), b"\r\n"]
@@ -1130,7 +1154,7 @@ class _Exchange:
             return
         if self.decision is not None:
             self._finish_turn(TurnOutcome.UPSTREAM_FAILED)
-        d = self.client.engine.router.default
+        d = self.client.shared.router.default
         exc = errors.ProxyError(errors.INTERNAL_ERROR, "the sidecar failed to handle this request")
         self.respond_error(exc, d.name, d.mode_name, None, close=True)
 
@@ -1160,9 +1184,9 @@ class _Exchange:
         decision = self.decision
         assert decision is not None
         dep = decision.deployment
-        engine = self.client.engine
-        engine.metrics.upstream_error(dep.name, kind).inc()
-        engine.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+        client = self.client
+        client.engine.metrics.upstream_error(dep.name, kind).inc()
+        client.shared.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
         exc = errors.ProxyError(type_, message, deployment=dep.name, upstream=decision.upstream.url)
         self.respond_error(exc, dep.name, dep.mode_name, None)
 
@@ -1178,7 +1202,7 @@ class _Exchange:
         client = self.client
         if client.queue and client.queue[0] is self:
             client.queue.popleft()
-        client.engine.request_done()
+        client.shared.request_done()
         client.abort()
 
     def client_gone(self) -> None:
@@ -1189,4 +1213,4 @@ class _Exchange:
         self._release_upstream()
         if self.decision is not None:
             self._finish_turn(TurnOutcome.CLIENT_ABORTED)
-        self.client.engine.request_done()
+        self.client.shared.request_done()
