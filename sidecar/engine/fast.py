@@ -291,9 +291,6 @@ class FastEngine(Engine):
             drops[strip] = drop
         return drop
 
-    def request_done(self) -> None:
-        self.shared.request_done()
-
 
 class _ClientConnection:
     """One client connection: parses requests, answers them in order (an asyncio protocol by
