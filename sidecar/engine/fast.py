@@ -151,11 +151,6 @@ def _headers_too_large(limit: int) -> errors.ProxyError:
     return errors.ProxyError(errors.HEADERS_TOO_LARGE, f"request head exceeds {limit} bytes", limit=limit)
 
 
-def _tokens(fields: list[tuple[str, bytes, bytes]], key: str) -> set[str]:
-    """Lower-cased comma-separated tokens of the values of request header ``key`` (``Connection``)."""
-    return token_set([value for k, _, value in fields if k == key])
-
-
 def _add_name(name: str) -> tuple[str, bytes]:
     entry = (name.lower(), name.encode("latin-1") + b": ")
     if len(_ADD_NAMES) < 256:
@@ -673,7 +668,7 @@ class _Exchange:
             self.error = (_bad_request(f"unsupported HTTP version {version}"), "bad_request")
             return
         if _CONNECTION in headers:
-            self.conn_tokens = _tokens(self.fields, _CONNECTION)
+            self.conn_tokens = token_set([v for k, _, v in self.fields if k == _CONNECTION])
         te = headers.get(_TRANSFER_ENCODING)
         if te is not None:
             count = sum(1 for k, _, _ in self.fields if k == _TRANSFER_ENCODING)
