@@ -2,17 +2,21 @@
 
 The modules in ``COMPILED`` (those with a ``.pxd`` file) are plain Python that also compiles with
 Cython: the ``.pxd`` file beside each one declares its classes as extension types with typed
-fields, which makes the per-request attribute traffic C struct accesses. When Cython or a C compiler is missing (or
-``SIDECAR_PURE_PYTHON=1``), the same modules install and run as pure Python.
+fields, which makes the per-request attribute traffic C struct accesses. One module is compiled
+only: ``sidecar/engine/llhttp_parser.pyx``, the request parser over the vendored llhttp
+(``vendor/llhttp``). When Cython or a C compiler is missing (or ``SIDECAR_PURE_PYTHON=1``), the
+same modules install and run as pure Python, and requests are parsed with httptools
+(:mod:`sidecar.engine.request_parser`).
 """
 
 import os
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 # A module is compiled exactly when it has a .pxd beside it (the declarations it needs).
 COMPILED = sorted(str(p.with_suffix(".py")) for p in Path("sidecar").rglob("*.pxd"))
+LLHTTP_SOURCES = [f"vendor/llhttp/src/{name}.c" for name in ("api", "http", "llhttp")]
 
 
 def extensions() -> list:
@@ -22,7 +26,10 @@ def extensions() -> list:
         from Cython.Build import cythonize
     except ImportError:
         return []
-    exts = cythonize(COMPILED, language_level=3, quiet=True,
+    # The request parser is compiled only: it drives the vendored llhttp with C callbacks.
+    llhttp = Extension("sidecar.engine.llhttp_parser", ["sidecar/engine/llhttp_parser.pyx", *LLHTTP_SOURCES],
+                       include_dirs=["vendor/llhttp/include"])
+    exts = cythonize([*COMPILED, llhttp], language_level=3, quiet=True,
                      compiler_directives={"annotation_typing": False, "binding": False})
     for ext in exts:
         ext.optional = True  # no C compiler: install the pure-Python modules instead

@@ -16,9 +16,16 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 
 
+# Modules that exist only compiled: with sources preferred, they are absent (their importers
+# fall back to pure-Python equivalents).
+COMPILED_ONLY = frozenset({"sidecar.engine.llhttp_parser"})
+
+
 class _SourceFinder(MetaPathFinder):
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> ModuleSpec | None:
+        if fullname in COMPILED_ONLY:
+            raise ModuleNotFoundError(f"{fullname} is compiled only (SIDECAR_PURE_PYTHON=1)", name=fullname)
         if path is None or not fullname.startswith("sidecar."):
             return None
         name = fullname.rpartition(".")[2]

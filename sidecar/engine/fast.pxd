@@ -4,12 +4,13 @@
 cimport cython
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.fast_client cimport UpstreamConnection
-from sidecar.engine.head cimport ResponseHeaders, header_key, header_values, reason_phrase, relay_block
+from sidecar.engine.head cimport (HeaderBlock, copy_block, has_any, has_header, header_values, name_table,
+                                  reason_phrase, relay_block)
 from sidecar.metrics cimport DeploymentStats, _Value
 from sidecar.deployments cimport Deployment
 from sidecar.router cimport Decision, Router
 
-cdef frozenset _SPECIAL
+cdef tuple _SPECIAL
 
 cdef class _Shared:
     cdef public Router router
@@ -21,25 +22,25 @@ cdef class _Shared:
     cpdef request_done(self)
 
 cdef class _ClientConnection:
-    cdef public object engine, loop, parser, transport, peer, xff_xfp, queue, refusal, timer
+    cdef public object engine, loop, parser, transport, peer, xff_xfp, queue, timer
     cdef public _Shared shared
     cdef public ReadFlow flow
     cdef public _Exchange cur
     cdef public list out
-    cdef public bint in_head, stopped, write_paused, closing, advancing
-    cdef public Py_ssize_t head_fed, head_bytes, max_head
+    cdef public bint stopped, write_paused, closing, advancing
+    cdef public Py_ssize_t max_head
     cdef public double idle_since, timer_due
     @cython.locals(ex=_Exchange)
     cpdef advance(self)
     cpdef flush(self)
-    @cython.locals(ex=_Exchange, name=bytes, value=bytes, key=str, headers=dict)
-    cpdef on_header(self, name, value)
+    @cython.locals(ex=_Exchange, special=bint, waits=bint)
+    cpdef on_head(self, bytes raw, Py_ssize_t first, Py_ssize_t end, bytes method, bytes target, long version,
+                  bint keep_alive, length)
 
 cdef class _Exchange:
     cdef public _ClientConnection client
-    cdef public bytes method, target
-    cdef public list fields
-    cdef public dict headers
+    cdef public bytes method, target, raw
+    cdef public Py_ssize_t first, end
     cdef public object length, conn_tokens, error, limit
     cdef public Decision decision
     cdef public bint special, http10, keep_alive, chunked, expect, queued, complete, started
@@ -48,12 +49,12 @@ cdef class _Exchange:
     cdef public Py_ssize_t body_size
     cdef public long state, resp_status, resp_mode
     cdef public double t0, connect_timeout, first_byte_timeout, idle_timeout, last_io, head_at
-    cdef public ResponseHeaders resp_head
+    cdef public HeaderBlock resp_head
     cdef public UpstreamConnection conn
     @cython.locals(client=_ClientConnection, shared=_Shared, router=Router, decision=Decision, dep=Deployment)
     cpdef start(self)
     @cython.locals(client=_ClientConnection, shared=_Shared, conn=UpstreamConnection, now=double, due=double,
-                   stats=DeploymentStats, dep=Deployment)
+                   stats=DeploymentStats, dep=Deployment, raw=bytes, entry=tuple)
     cpdef _forward(self, Decision decision, length)
     cpdef _send(self, UpstreamConnection conn, list parts)
     @cython.locals(router=Router, decision=Decision, dep=Deployment)
@@ -63,5 +64,5 @@ cdef class _Exchange:
                         double now)
     @cython.locals(client=_ClientConnection, shared=_Shared, stats=DeploymentStats, decision=Decision, router=Router)
     cpdef response_end(self, double now)
-    @cython.locals(shared=_Shared, stats=DeploymentStats, decision=Decision, router=Router, headers=ResponseHeaders)
+    @cython.locals(shared=_Shared, stats=DeploymentStats, decision=Decision, router=Router, headers=HeaderBlock)
     cpdef _observe_head(self)

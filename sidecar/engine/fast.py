@@ -1,12 +1,13 @@
 """The protocol-level engine: asyncio Protocols, llhttp parsing, raw byte forwarding.
 
-One :class:`_ClientConnection` per client connection feeds its bytes to
-``httptools.HttpRequestParser`` (llhttp, strict: no lenient flags). Each parsed request head
-becomes an :class:`_Exchange`, queued in arrival order; only the head of the queue is routed and
-forwarded, so pipelined requests are answered in order (reading pauses while a later request
-waits). The exchange rebuilds only the request head (request line, the client's headers minus
-hop-by-hop / ``Connection``-named / ``decision.strip`` / Host / Expect, then Host,
-X-Forwarded-For, X-Forwarded-Proto and ``decision.add``), streams the body as it is parsed to a
+One :class:`_ClientConnection` per client connection feeds its bytes to a request parser
+(:mod:`sidecar.engine.request_parser`: llhttp, strict, no lenient flags), which hands it each
+request head as its raw header block. Each head becomes an :class:`_Exchange`, queued in arrival
+order; only the head of the queue is routed and forwarded, so pipelined requests are answered in
+order (reading pauses while a later request waits). The exchange rebuilds only the request line
+and the headers it changes: the client's header lines are copied as received minus hop-by-hop /
+``Connection``-named / ``decision.strip`` / Host / Expect ones, then come Host,
+X-Forwarded-For, X-Forwarded-Proto and ``decision.add``. It streams the body as it is parsed to a
 pooled upstream connection (:mod:`sidecar.engine.fast_client`), and relays the response as it
 arrives: the status line rebuilt for the client's HTTP version, the upstream's header lines
 copied as received minus hop-by-hop and ``Connection``-named ones (:mod:`sidecar.engine.head`),
@@ -19,8 +20,9 @@ connection re-arms it about once per timeout period rather than once per request
 The request path runs tens of thousands of times a second on one core, so the per-request
 steps are flattened into few methods (parse callbacks, :meth:`_Exchange.start` /
 :meth:`_Exchange._forward`, :meth:`_Exchange.response_head`, :meth:`_Exchange.response_end`)
-and the router gets a plain ``dict`` of the request's headers, built while parsing. Rare paths
-(errors, unusual framing headers, timeouts) stay in their own small methods.
+and the router reads the request's headers through a :class:`~sidecar.engine.head.HeaderBlock`
+view of the raw block (nothing is built per header). Rare paths (errors, unusual framing
+headers, timeouts) stay in their own small methods.
 
 Backpressure (:mod:`sidecar.engine.flow`): a write buffer above its high-water mark on one side
 pauses reading on the other until it drains.
@@ -42,8 +44,6 @@ from http import HTTPStatus
 from time import perf_counter
 from typing import Any, cast
 
-import httptools
-
 from sidecar import errors
 from sidecar import headers as h
 from sidecar.config import ConfigError
@@ -60,18 +60,22 @@ from sidecar.engine.fast_client import (
     UpstreamConnection,
     UpstreamPool,
 )
+from sidecar.engine.flow import CLIENT_FULL, PEER_FULL, PIPELINED, STOPPED, WAITING, ReadFlow
 from sidecar.engine.head import (
     HAS_CONTENT_LENGTH,
     HAS_TRANSFER_ENCODING,
     NAMES_HEADERS,
-    ResponseHeaders,
-    header_key,
+    HeaderBlock,
+    copy_block,
+    has_any,
+    has_header,
     header_values,
+    name_table,
     reason_phrase,
     relay_block,
     token_set,
 )
-from sidecar.engine.flow import CLIENT_FULL, PEER_FULL, PIPELINED, STOPPED, WAITING, ReadFlow
+from sidecar.engine.request_parser import CallbackError, HeadTooLarge, ParseError, RequestParser, UpgradeRequest
 from sidecar.lineage import TurnOutcome
 from sidecar.router import Decision, RequestHead
 
@@ -99,9 +103,13 @@ _HOP = frozenset(n.lower() for n in h.HOP_BY_HOP)
 _REQ_DROP = _HOP | {h.HOST.lower(), _EXPECT, _XFF}
 _CONNECTION_B = _CONNECTION.encode()
 _TRANSFER_ENCODING_B = _TRANSFER_ENCODING.encode()
+_EXPECT_B = _EXPECT.encode()
+_UPGRADE_B = _UPGRADE.encode()
+_XFF_B = _XFF.encode()
+_XFP_B = _XFP.encode()
 _CL_DROP = frozenset({_CONTENT_LENGTH})
 # Request headers whose presence takes the head checks and the forwarding off the fast path.
-_SPECIAL = frozenset({_CONNECTION, _TRANSFER_ENCODING, _EXPECT, _UPGRADE, _XFF, _XFP})
+_SPECIAL = name_table(frozenset({_CONNECTION, _TRANSFER_ENCODING, _EXPECT, _UPGRADE, _XFF, _XFP}))
 
 _XFF_LINE = h.X_FORWARDED_FOR.encode() + b": "
 _XFP_LINE = h.X_FORWARDED_PROTO.encode() + b": http\r\n"
@@ -120,8 +128,8 @@ _NO_EMPTY_LENGTH = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
 _METHODS = {m.encode(): m for m in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")}
 _STATUS_CODE = {s.value: b"%d" % s.value for s in HTTPStatus}
 _STATUS_LINE = {s.value: b"%d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
-# Mode header name -> (lower-case key, b"Name: "); names come from the modes: a handful.
-_ADD_NAMES: dict[str, tuple[str, bytes]] = {}
+# Mode header name -> (lower-case key, b"Name: ", lower-case bytes); names come from the modes: a handful.
+_ADD_NAMES: dict[str, tuple[str, bytes, bytes]] = {}
 
 # Exchange states.
 QUEUED, BUFFERING, CONNECTING, SENDING, SENT, DONE = range(6)
@@ -132,10 +140,6 @@ _RELAY = {R_NONE: RELAY_NONE, R_LENGTH: RELAY_RAW, R_CHUNKED: RELAY_CHUNKED, R_C
 # through EnumType.__getattr__ (hundreds of instructions per read).
 _COMPLETED = TurnOutcome.COMPLETED
 _UPSTREAM_FAILED = TurnOutcome.UPSTREAM_FAILED
-
-
-class _Refused(Exception):
-    """Raised from a parser callback to stop parsing; the reason is on the connection."""
 
 
 def _too_large(dep: str, limit: int) -> errors.ProxyError:
@@ -151,8 +155,8 @@ def _headers_too_large(limit: int) -> errors.ProxyError:
     return errors.ProxyError(errors.HEADERS_TOO_LARGE, f"request head exceeds {limit} bytes", limit=limit)
 
 
-def _add_name(name: str) -> tuple[str, bytes]:
-    entry = (name.lower(), name.encode("latin-1") + b": ")
+def _add_name(name: str) -> tuple[str, bytes, bytes]:
+    entry = (name.lower(), name.encode("latin-1") + b": ", name.lower().encode("latin-1"))
     if len(_ADD_NAMES) < 256:
         _ADD_NAMES[name] = entry
     return entry
@@ -292,23 +296,19 @@ class _ClientConnection:
     duck typing: compiled, it is an extension type, which cannot derive from ``asyncio.Protocol``)."""
 
     __slots__ = ("engine", "shared", "loop", "parser", "transport", "flow", "peer", "xff_xfp", "queue", "cur",
-                 "out", "in_head", "head_fed", "head_bytes", "max_head", "stopped", "refusal", "write_paused",
-                 "idle_since", "timer", "timer_due", "closing", "advancing")
+                 "out", "max_head", "stopped", "write_paused", "idle_since", "timer", "timer_due", "closing",
+                 "advancing")
 
     def __init__(self, engine: FastEngine) -> None:
         self.engine = engine
         self.shared = engine.shared
         self.loop = engine.loop
-        self.parser = httptools.HttpRequestParser(self)
-        self.queue: deque[_Exchange] = deque()
-        self.cur: _Exchange | None = None  # the request being parsed
-        self.out: list[bytes] = []  # bytes for the client, written once per event
-        self.in_head = False
-        self.head_fed = 0
-        self.head_bytes = 0
         self.max_head = engine.config.limits.max_header_bytes
+        self.parser = RequestParser(self, self.max_head)
+        self.queue: deque[_Exchange] = deque()
+        self.cur: _Exchange | None = None  # the request whose body is being parsed
+        self.out: list[bytes] = []  # bytes for the client, written once per event
         self.stopped = False
-        self.refusal: tuple[errors.ProxyError, str] | None = None
         self.write_paused = False
         self.closing = False
         self.advancing = False
@@ -331,23 +331,16 @@ class _ClientConnection:
     def data_received(self, data: bytes) -> None:
         if self.stopped:
             return
-        if self.in_head:
-            self.head_fed += len(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
+        except UpgradeRequest:
             self._stop()  # the upgrade/CONNECT request is queued and refused; nothing after it is read
-        except httptools.HttpParserError as exc:
-            refusal = self.refusal
-            if refusal is None:
-                if isinstance(exc, httptools.HttpParserCallbackError):
-                    log.error("request parser callback failed", exc_info=exc.__context__)
-                refusal = (_bad_request(f"malformed request: {exc}"), "bad_request")
-            self._refuse(*refusal)
-        else:
-            if self.in_head and self.head_fed > self.max_head:
-                # llhttp holds a partial header line until it ends: bound what it can hold.
-                self._refuse(_headers_too_large(self.max_head), "headers_too_large")
+        except HeadTooLarge:
+            self._refuse(_headers_too_large(self.max_head), "headers_too_large")
+        except ParseError as exc:
+            if isinstance(exc, CallbackError):
+                log.error("request parser callback failed", exc_info=exc.__cause__)
+            self._refuse(_bad_request(f"malformed request: {exc}"), "bad_request")
         if self.queue:
             self.advance()
         elif self.out:
@@ -379,58 +372,24 @@ class _ClientConnection:
             if conn is not None:
                 conn.flow.resume(CLIENT_FULL)
 
-    # -- httptools callbacks ----------------------------------------------------------------
+    # -- parser callbacks (see sidecar.engine.request_parser) --------------------------------
 
-    # No on_message_begin: a request's exchange is created by the first piece of its target
-    # (llhttp refuses an empty one), which saves a callback per request.
-
-    def on_url(self, url: bytes) -> None:
-        ex = self.cur
-        if ex is None:  # the first piece of a new request's target
-            self.cur = ex = _Exchange(self)
-            self.in_head = True
-            self.head_fed = 0
-            self.head_bytes = len(url)
-        else:
-            self.head_bytes += len(url)
-        if self.head_bytes > self.max_head:
-            self.refusal = (_headers_too_large(self.max_head), "headers_too_large")
-            raise _Refused
-        ex.target += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.head_bytes += len(name) + len(value) + 4
-        if self.head_bytes > self.max_head:
-            self.refusal = (_headers_too_large(self.max_head), "headers_too_large")
-            raise _Refused
-        if self.in_head:
-            ex = self.cur
-            assert ex is not None
-            key = header_key(name)
-            ex.fields.append((key, name, value))
-            headers = ex.headers
-            if key not in headers:
-                headers[key] = value.decode("utf-8", "surrogateescape")
-                if key in _SPECIAL:
-                    ex.special = True
-        # else: a trailer after a chunked body: counted against the limit, never forwarded
-
-    def on_headers_complete(self) -> None:
-        self.in_head = False
-        self.head_bytes = 0  # trailers get a budget of their own
-        ex = self.cur
-        assert ex is not None
-        parser = self.parser
-        ex.method = method = parser.get_method()
-        ex.keep_alive = keep_alive = parser.should_keep_alive()
+    def on_head(self, raw: bytes, first: int, end: int, method: bytes, target: bytes, version: int,
+                keep_alive: bool, length: int) -> None:
+        self.cur = ex = _Exchange(self)
+        ex.raw = raw
+        ex.first = first
+        ex.end = end
+        ex.method = method
+        ex.target = target
+        ex.keep_alive = keep_alive
+        ex.length = length
+        ex.special = special = has_any(raw, first, end, _SPECIAL)
         # Without a Connection header (``special`` covers it), llhttp keeps a request alive only
         # for HTTP/1.1 (major and minor both > 0; it rejects versions other than 0.9, 1.0, 1.1
-        # and 2.0): the common case needs no version string.
-        if not keep_alive or ex.special or ex.target[:1] != b"/" or method == b"CONNECT":
-            version = parser.get_http_version()
+        # and 2.0): the common case needs no version check.
+        if not keep_alive or special or target[:1] != b"/" or method == b"CONNECT":
             ex.check_head(version)
-        elif _CONTENT_LENGTH in ex.headers:
-            ex.length = int(ex.headers[_CONTENT_LENGTH])  # llhttp accepted exactly one, all digits
         ex.queued = True
         queue = self.queue
         waits = bool(queue)  # an earlier request is still in progress
@@ -612,7 +571,7 @@ class _ClientConnection:
 class _Exchange:
     """One request/response: routed, forwarded, relayed, finished exactly once."""
 
-    __slots__ = ("client", "method", "target", "fields", "headers", "special", "http10", "keep_alive", "length",
+    __slots__ = ("client", "method", "target", "raw", "first", "end", "special", "http10", "keep_alive", "length",
                  "chunked", "expect", "conn_tokens", "error", "queued", "body", "body_size", "complete",
                  "state", "started", "decision", "t0", "limit", "head", "frame_chunked", "conn",
                  "connect_timeout", "first_byte_timeout", "idle_timeout", "last_io", "request_sent",
@@ -622,8 +581,11 @@ class _Exchange:
         self.client = client
         self.method = b""
         self.target = b""
-        self.fields: list[tuple[str, bytes, bytes]] = []  # (lower-case key, name, value), to forward
-        self.headers: dict[str, str] = {}  # lower-case key -> first value (decoded): the router's view
+        # The header block, raw[first:end] (sidecar.engine.head): read by the router through a
+        # HeaderBlock view, forwarded as slices of the lines it keeps.
+        self.raw = b""
+        self.first = 0
+        self.end = 0
         self.special = False  # a header in _SPECIAL is present: take the slow head checks
         self.http10 = False
         self.keep_alive = False
@@ -653,42 +615,40 @@ class _Exchange:
         self.resp_status = 0
         self.resp_mode = R_NONE
         # The parsed response head until the router heard of it (see _observe_head).
-        self.resp_head: ResponseHeaders | None = None
+        self.resp_head: HeaderBlock | None = None
         self.head_at = 0.0
         self.close_after = False
 
     # -- request head -------------------------------------------------------------------------
 
-    def check_head(self, version: str) -> None:
+    def check_head(self, version: int) -> None:
         """Framing and form checks llhttp leaves to the application (run at end of head), for
-        heads off the fast path (HTTP/1.0, framing or forwarding headers, odd targets)."""
-        headers = self.headers
-        self.http10 = version == "1.0"
-        if version != "1.1" and not self.http10:
-            self.error = (_bad_request(f"unsupported HTTP version {version}"), "bad_request")
+        heads off the fast path (HTTP/1.0, framing or forwarding headers, odd targets).
+        ``version`` is ``10 * major + minor``."""
+        raw, first, end = self.raw, self.first, self.end
+        self.http10 = version == 10
+        if version != 11 and not self.http10:
+            self.error = (_bad_request(f"unsupported HTTP version {version // 10}.{version % 10}"), "bad_request")
             return
-        if _CONNECTION in headers:
-            self.conn_tokens = token_set([v for k, _, v in self.fields if k == _CONNECTION])
-        te = headers.get(_TRANSFER_ENCODING)
-        if te is not None:
-            count = sum(1 for k, _, _ in self.fields if k == _TRANSFER_ENCODING)
-            if self.http10 or count > 1 or te.strip().lower() != "chunked":
+        connection = header_values(raw, first, end, _CONNECTION_B, False)
+        if connection:
+            self.conn_tokens = token_set(connection)
+        te = header_values(raw, first, end, _TRANSFER_ENCODING_B, False)
+        if te:
+            if self.http10 or len(te) > 1 or te[0].strip().lower() != b"chunked":
                 self.error = (_bad_request("unsupported Transfer-Encoding (only chunked, on HTTP/1.1)"),
                               "bad_request")
                 return
             self.chunked = True
-        cl = headers.get(_CONTENT_LENGTH)
-        if cl is not None:
-            self.length = int(cl)  # llhttp accepted exactly one, all digits
-        if _UPGRADE in headers and "upgrade" in self.conn_tokens:
+        if "upgrade" in self.conn_tokens and has_header(raw, first, end, _UPGRADE_B):
             self.error = (errors.ProxyError(errors.UPGRADE_NOT_SUPPORTED,
                                             "the sidecar does not proxy protocol upgrades"), "upgrade")
             return
         if self.method == b"CONNECT" or not self.target.startswith(b"/"):
             self.error = (_bad_request("request target must be an absolute path (origin-form)"), "bad_request")
             return
-        expect = headers.get(_EXPECT)
-        self.expect = expect is not None and expect.lower() == "100-continue"
+        expect = header_values(raw, first, end, _EXPECT_B, True)
+        self.expect = bool(expect) and expect[0].lower() == b"100-continue"
 
     # -- request path -------------------------------------------------------------------------
 
@@ -709,7 +669,8 @@ class _Exchange:
         method = self.method
         try:
             decision = router.route(RequestHead(_METHODS[method] if method in _METHODS else method.decode("latin-1"),
-                                                self.target.decode("utf-8", "surrogateescape"), self.headers))
+                                                self.target.decode("utf-8", "surrogateescape"),
+                                                HeaderBlock(self.raw, self.first, self.end)))
         except errors.ProxyError as exc:
             self.respond_error(exc, router.default.name, router.default.mode_name, exc.type)
             return
@@ -740,7 +701,7 @@ class _Exchange:
         client = self.client
         shared = client.shared
         pool, base, version_host = shared.upstreams[decision.upstream.url]
-        headers = self.headers
+        raw = self.raw
         strip = decision.strip
         drops = shared.drops
         drop = drops[strip] if strip in drops else client.engine.drop_for(strip)
@@ -749,15 +710,14 @@ class _Exchange:
         add = decision.add
         if add:
             for name, _ in add:
-                key = (_ADD_NAMES[name] if name in _ADD_NAMES else _add_name(name))[0]
-                if key in headers and key not in drop:
+                entry = _ADD_NAMES[name] if name in _ADD_NAMES else _add_name(name)
+                key = entry[0]
+                if key not in drop and has_header(raw, self.first, self.end, entry[2]):
                     drop = drop | {key}  # the mode's value replaces a client header of the same name
-        if length >= 0 and _CONTENT_LENGTH in headers:
-            drop = drop | _CL_DROP
+        if length >= 0 and self.length >= 0:
+            drop = drop | _CL_DROP  # a Content-Length the transformed body replaces
         parts = [self.method, base, self.target, version_host]
-        for key, name, value in self.fields:
-            if key not in drop:
-                parts += (name, b": ", value, b"\r\n")
+        copy_block(raw, self.first, self.end, parts, name_table(drop))
         if self.special:
             self._forwarded_for(parts, drop, strip)
         else:
@@ -819,12 +779,12 @@ class _Exchange:
     def _forwarded_for(self, parts: list[bytes], drop: frozenset[str] | set[str], strip: frozenset[str]) -> None:
         """X-Forwarded-For / -Proto when the client sent forwarding headers of its own."""
         client = self.client
-        xff_value = self.headers.get(_XFF)
-        xff: bytes | None = None
-        if xff_value is not None and _XFF not in self.conn_tokens and _XFF not in strip:
-            xff = b", ".join([v for k, _, v in self.fields if k == _XFF])
+        raw, first, end = self.raw, self.first, self.end
+        xff = b""
+        if _XFF not in self.conn_tokens and _XFF not in strip:
+            xff = b", ".join(header_values(raw, first, end, _XFF_B, False))
         parts += (_XFF_LINE, xff + b", " + client.peer if xff else client.peer, b"\r\n")
-        if _XFP not in self.headers or _XFP in drop:
+        if _XFP in drop or not has_header(raw, first, end, _XFP_B):
             parts.append(_XFP_LINE)
 
     def pump(self) -> None:
@@ -949,7 +909,7 @@ class _Exchange:
         self.last_io = now
         # The router and the metrics hear of the head once its bytes are written (_observe_head):
         # off the latency path, still before anything can finish the turn.
-        self.resp_head = ResponseHeaders(raw, first, end)
+        self.resp_head = HeaderBlock(raw, first, end)
         self.head_at = now
         out = client.out
         out += (_HTTP10 if self.http10 else _HTTP11,

@@ -1,23 +1,42 @@
 # Compiled layout of head.py (Cython "augmenting" declarations; see setup.py): the scans index the
-# bytes as C chars. Keep the fields equal to ResponseHeaders.__slots__.
+# bytes as C chars. Keep the fields equal to HeaderBlock.__slots__.
 cimport cython
 
-cdef class ResponseHeaders:
+cdef class HeaderBlock:
     cdef public bytes _raw
     cdef public Py_ssize_t _first, _end
+    cdef public unsigned long long _mask
+    @cython.locals(lower=bytes, value=bytes, mask="unsigned long long", one="unsigned long long")
+    cpdef get(self, key, default=*)
+
+cdef inline long _name_bit(bytes raw, Py_ssize_t at, Py_ssize_t n)
+@cython.locals(one="unsigned long long", mask="unsigned long long", i=Py_ssize_t, at=Py_ssize_t,
+               colon=Py_ssize_t, eol=Py_ssize_t)
+cdef unsigned long long _name_mask(bytes raw, Py_ssize_t first, Py_ssize_t end)
 
 cdef tuple _BY_LENGTH
 cdef Py_ssize_t _LONGEST
 cdef bytes _KEEP_ALIVE, _CLOSE
+cdef dict _TABLES
+cdef Py_ssize_t MAX_TABLES
 cdef bint _COMPILED
-cdef dict HEADER_KEYS
-cdef Py_ssize_t MAX_HEADER_KEYS
-
-@cython.locals(key=str)
-cpdef str header_key(bytes name)
+cdef dict _KEY_BYTES
+cdef Py_ssize_t MAX_KEYS
 cdef long _CONNECTION_BIT, _NAMES_BIT, _DROPPED
 
 cdef (Py_ssize_t, Py_ssize_t) _clamp(bytes raw, Py_ssize_t first, Py_ssize_t end)
+
+# _find's compiled body: memchr (vectorized) instead of a loop over the bytes.
+cdef extern from *:
+    """
+    #include <string.h>
+    static CYTHON_INLINE Py_ssize_t sidecar_head_find(PyObject *raw, int c, Py_ssize_t i, Py_ssize_t end) {
+        const char *s = PyBytes_AS_STRING(raw);
+        const char *p = i < end ? (const char *)memchr(s + i, c, (size_t)(end - i)) : NULL;
+        return p ? (Py_ssize_t)(p - s) : end;
+    }
+    """
+    Py_ssize_t _memchr_find "sidecar_head_find" (bytes raw, int c, Py_ssize_t i, Py_ssize_t end)
 cdef inline Py_ssize_t _find(bytes raw, long c, Py_ssize_t i, Py_ssize_t end)
 @cython.locals(colon=Py_ssize_t, eol=Py_ssize_t)
 cdef inline (Py_ssize_t, Py_ssize_t) _line(bytes raw, Py_ssize_t at, Py_ssize_t end)
@@ -38,8 +57,24 @@ cpdef bytes reason_phrase(bytes raw, Py_ssize_t start, Py_ssize_t first)
                n=Py_ssize_t)
 cpdef long relay_block(bytes raw, Py_ssize_t first, Py_ssize_t end, list out, extra) except -1
 
-@cython.locals(out=list, n=Py_ssize_t, i=Py_ssize_t, at=Py_ssize_t, colon=Py_ssize_t, eol=Py_ssize_t)
+@cython.locals(n=Py_ssize_t, at=Py_ssize_t, eol=Py_ssize_t)
+cdef inline (Py_ssize_t, Py_ssize_t) _next_value(bytes raw, Py_ssize_t i, Py_ssize_t end, bytes lower)
+@cython.locals(out=list, v=Py_ssize_t, eol=Py_ssize_t)
 cpdef list header_values(bytes raw, Py_ssize_t first, Py_ssize_t end, bytes lower, bint first_only)
+
+@cython.locals(found=list, v=Py_ssize_t, eol=Py_ssize_t)
+cpdef bytes first_value(bytes raw, Py_ssize_t first, Py_ssize_t end, bytes lower)
 
 @cython.locals(out=list, i=Py_ssize_t, at=Py_ssize_t, colon=Py_ssize_t, eol=Py_ssize_t)
 cpdef list fields(bytes raw, Py_ssize_t first, Py_ssize_t end)
+
+@cython.locals(table=tuple, by_length=list)
+cpdef tuple name_table(frozenset names)
+@cython.locals(names=tuple, name=bytes)
+cdef bint _listed(bytes raw, Py_ssize_t at, Py_ssize_t n, tuple table)
+@cython.locals(at=Py_ssize_t, colon=Py_ssize_t, eol=Py_ssize_t)
+cdef (Py_ssize_t, Py_ssize_t) _next_listed(bytes raw, Py_ssize_t i, Py_ssize_t end, tuple table)
+@cython.locals(run=Py_ssize_t, at=Py_ssize_t, nxt=Py_ssize_t)
+cpdef copy_block(bytes raw, Py_ssize_t first, Py_ssize_t end, list out, tuple table)
+cpdef bint has_any(bytes raw, Py_ssize_t first, Py_ssize_t end, tuple table)
+cpdef bint has_header(bytes raw, Py_ssize_t first, Py_ssize_t end, bytes lower)

@@ -6,8 +6,10 @@ The engine runs llhttp strict (no lenient flags): a head it accepts has lines en
 field names that are tokens followed directly by ``:``, and values without CR, LF or controls
 other than HT. So once llhttp accepted a head, each header line is ``name ":" OWS value CRLF``,
 and the scans here need no validation of their own. Reading the raw bytes instead of taking a
-Python callback per header lets llhttp parse the head in C, and lets the relay copy the lines
-it keeps as a few slices.
+Python callback per header lets llhttp parse the head in C, and lets the engine copy the lines
+it keeps (request and response) as a few slices. (The pure-Python build's request parser
+builds blocks of the same shape from httptools' callbacks: see
+:mod:`sidecar.engine.request_parser`.)
 
 A *block* is ``raw[first:end]``: the header lines of one head, each ending in CRLF, without the
 start line and without the blank line that ends the head. Values are as llhttp reports them:
@@ -36,10 +38,10 @@ _CONNECTION_BIT = HAS_CONNECTION
 _NAMES_BIT = NAMES_HEADERS
 _DROPPED = HAS_CONNECTION | HAS_TRANSFER_ENCODING | HAS_HOP
 
-# Lower-case ``str`` keys of header names (bytes, as received): the handful of names real
-# traffic uses come from this cache; client-chosen names beyond the bound are computed.
-HEADER_KEYS: dict[bytes, str] = {}
-MAX_HEADER_KEYS = 1024
+# The lower-case keys the router and modes look up, as bytes: the handful of names a
+# configuration reads come from this cache; lookups of other names beyond the bound encode.
+_KEY_BYTES: dict[str, bytes] = {}
+MAX_KEYS = 1024
 
 
 def _classes() -> list[tuple[tuple[bytes, int], ...]]:
@@ -59,16 +61,9 @@ _LONGEST = len(_BY_LENGTH) - 1
 _KEEP_ALIVE = b"keep-alive"
 _CLOSE = b"close"
 _PLAIN = (_KEEP_ALIVE, _CLOSE)
-
-
-def header_key(name: bytes) -> str:
-    """The lower-case ``str`` key of a header name (latin-1; llhttp admits token bytes only)."""
-    key = HEADER_KEYS.get(name)
-    if key is None:
-        key = name.decode("latin-1").lower()
-        if len(HEADER_KEYS) < MAX_HEADER_KEYS:
-            HEADER_KEYS[name] = key
-    return key
+# name_table's cache (a handful of sets: one per deployment's strip list, a few variants).
+_TABLES: dict[frozenset[str], tuple[tuple[bytes, ...], ...]] = {}
+MAX_TABLES = 256
 
 
 def _clamp(raw: bytes, first: int, end: int) -> tuple[int, int]:
@@ -79,10 +74,8 @@ def _clamp(raw: bytes, first: int, end: int) -> tuple[int, int]:
 
 def _find(raw: bytes, c: int, i: int, end: int) -> int:
     """Index of the first byte ``c`` in ``raw[i:end]``, ``end`` if there is none."""
-    if _COMPILED:  # a C loop; bytes.find's argument parsing costs more than a header line
-        while i < end and raw[i] != c:
-            i += 1
-        return i
+    if _COMPILED:
+        return _memchr_find(raw, c, i, end)  # noqa: F821  (C: declared in head.pxd)
     j = raw.find(c, i, end)
     return end if j < 0 else j
 
@@ -90,13 +83,8 @@ def _find(raw: bytes, c: int, i: int, end: int) -> int:
 def _line(raw: bytes, at: int, end: int) -> tuple[int, int]:
     """The ``:`` and the LF of the header line that starts at ``at`` (``end`` for one missing)."""
     if _COMPILED:
-        colon = at
-        while colon < end and raw[colon] != 58:
-            colon += 1
-        eol = colon
-        while eol < end and raw[eol] != 10:
-            eol += 1
-        return colon, eol
+        colon = _find(raw, 58, at, end)
+        return colon, _find(raw, 10, colon, end)
     # Uncompiled, one call here per line (not two to _find) is what the scans cost.
     colon = raw.find(b":", at, end)
     if colon < 0:
@@ -197,6 +185,20 @@ def relay_block(raw: bytes, first: int, end: int, out: list[bytes], extra: set[s
     return bits
 
 
+def _next_value(raw: bytes, i: int, end: int, lower: bytes) -> tuple[int, int]:
+    """The first line of ``raw[i:end]`` with the header ``lower``: where its value starts and
+    its LF; ``(-1, end)`` if there is none."""
+    n = len(lower)
+    while i < end:
+        at = i
+        eol = _find(raw, 10, i, end)
+        i = eol + 1
+        # A name is a token (no ":"): the line has this name if ":" follows its first n bytes.
+        if at + n < eol and raw[at + n] == 58 and _same(raw, at, lower):
+            return _value_at(raw, at + n, eol), eol
+    return -1, end
+
+
 def header_values(raw: bytes, first: int, end: int, lower: bytes, first_only: bool) -> list[bytes]:
     """The values of the header ``lower`` (a lower-case name) in the block ``raw[first:end]``, in
     order (only the first with ``first_only``)."""
@@ -204,17 +206,92 @@ def header_values(raw: bytes, first: int, end: int, lower: bytes, first_only: bo
     if not _COMPILED:
         return _header_values_py(raw, first, end, lower, first_only)
     out: list[bytes] = []
-    n = len(lower)
-    i = first
+    v, eol = _next_value(raw, first, end, lower)
+    while v >= 0:
+        out.append(raw[v:eol - 1])
+        if first_only:
+            break
+        v, eol = _next_value(raw, eol + 1, end, lower)
+    return out
+
+
+def first_value(raw: bytes, first: int, end: int, lower: bytes) -> bytes | None:
+    """The first value of the header ``lower`` (a lower-case name) in the block ``raw[first:end]``,
+    None without one."""
+    first, end = _clamp(raw, first, end)
+    if not _COMPILED:
+        found = _header_values_py(raw, first, end, lower, True)
+        return found[0] if found else None
+    v, eol = _next_value(raw, first, end, lower)
+    return raw[v:eol - 1] if v >= 0 else None
+
+
+def name_table(names: frozenset[str]) -> tuple[tuple[bytes, ...], ...]:
+    """``names`` (lower-case keys) as the scans below take them: lower-case bytes by length,
+    ``table[len(name)]`` (cached: the engine asks for a few sets, once per request each)."""
+    table = _TABLES.get(names)
+    if table is None:
+        by_length: list[tuple[bytes, ...]] = [() for _ in range(max(map(len, names), default=0) + 1)]
+        for name in names:
+            by_length[len(name)] += (name.encode("latin-1"),)
+        table = tuple(by_length)
+        if len(_TABLES) < MAX_TABLES:
+            _TABLES[names] = table
+    return table
+
+
+def _listed(raw: bytes, at: int, n: int, table: tuple[tuple[bytes, ...], ...]) -> bool:
+    """The header name ``raw[at:at + n]`` is in ``table``."""
+    if n >= len(table):
+        return False
+    names = table[n]
+    for name in names:
+        if _same(raw, at, name):
+            return True
+    return False
+
+
+def _next_listed(raw: bytes, i: int, end: int, table: tuple[tuple[bytes, ...], ...]) -> tuple[int, int]:
+    """The first line of ``raw[i:end]`` whose name is in ``table``: where it starts and where
+    the next line starts; ``(end, end)`` if there is none."""
     while i < end:
         at = i
         colon, eol = _line(raw, i, end)
         i = eol + 1
-        if colon - at == n and _same(raw, at, lower):
-            out.append(raw[_value_at(raw, colon, eol):eol - 1])
-            if first_only:
-                break
-    return out
+        if _listed(raw, at, colon - at, table):
+            return at, i
+    return end, end
+
+
+def copy_block(raw: bytes, first: int, end: int, out: list[bytes], table: tuple[tuple[bytes, ...], ...]) -> None:
+    """Append the lines of the block ``raw[first:end]`` whose names are not in ``table`` (see
+    :func:`name_table`) to ``out``, byte for byte, one slice per run of kept lines."""
+    first, end = _clamp(raw, first, end)
+    if not _COMPILED:
+        _copy_block_py(raw, first, end, out, table)
+        return
+    run = first
+    at, nxt = _next_listed(raw, first, end, table)
+    while at < end:
+        if at > run:
+            out.append(raw[run:at])
+        run = nxt
+        at, nxt = _next_listed(raw, nxt, end, table)
+    if end > run:
+        out.append(raw[run:end])
+
+
+def has_any(raw: bytes, first: int, end: int, table: tuple[tuple[bytes, ...], ...]) -> bool:
+    """A header of the block ``raw[first:end]`` has a name in ``table``."""
+    first, end = _clamp(raw, first, end)
+    if not _COMPILED:
+        return _has_any_py(raw, first, end, table)
+    return _next_listed(raw, first, end, table)[0] < end
+
+
+def has_header(raw: bytes, first: int, end: int, lower: bytes) -> bool:
+    """The block ``raw[first:end]`` has a header ``lower`` (a lower-case name)."""
+    return bool(header_values(raw, first, end, lower, True))
 
 
 def fields(raw: bytes, first: int, end: int) -> list[tuple[bytes, bytes]]:
@@ -236,7 +313,8 @@ def fields(raw: bytes, first: int, end: int) -> list[tuple[bytes, bytes]]:
 
 def _relay_block_py(raw: bytes, first: int, end: int, out: list[bytes], extra: set[str] | None) -> int:
     bits = 0
-    run = at = first
+    dropped = []
+    at = first
     for line in raw[first:end].split(b"\r\n")[:-1]:
         colon = line.find(b":")
         name = line[:colon].lower()
@@ -247,13 +325,41 @@ def _relay_block_py(raw: bytes, first: int, end: int, out: list[bytes], extra: s
         bits |= cls
         nxt = at + len(line) + 2
         if cls & _DROPPED or (extra is not None and name.decode("latin-1") in extra):
-            if at > run:
-                out.append(raw[run:at])
-            run = nxt
+            dropped.append((at, nxt))
         at = nxt
+    _keep_runs(raw, first, end, out, dropped)
+    return bits
+
+
+def _copy_block_py(raw: bytes, first: int, end: int, out: list[bytes], table: tuple[tuple[bytes, ...], ...]) -> None:
+    dropped = []
+    at = first
+    for line in raw[first:end].split(b"\r\n")[:-1]:
+        name = line[:line.find(b":")].lower()
+        nxt = at + len(line) + 2
+        if len(name) < len(table) and name in table[len(name)]:
+            dropped.append((at, nxt))
+        at = nxt
+    _keep_runs(raw, first, end, out, dropped)
+
+
+def _keep_runs(raw: bytes, first: int, end: int, out: list[bytes], dropped: list[tuple[int, int]]) -> None:
+    """Append ``raw[first:end]`` minus the ``dropped`` spans (in order) to ``out``, a slice per run."""
+    run = first
+    for at, nxt in dropped:
+        if at > run:
+            out.append(raw[run:at])
+        run = nxt
     if end > run:
         out.append(raw[run:end])
-    return bits
+
+
+def _has_any_py(raw: bytes, first: int, end: int, table: tuple[tuple[bytes, ...], ...]) -> bool:
+    for line in raw[first:end].lower().split(b"\r\n")[:-1]:
+        name = line[:line.find(b":")]
+        if len(name) < len(table) and name in table[len(name)]:
+            return True
+    return False
 
 
 def _header_values_py(raw: bytes, first: int, end: int, lower: bytes, first_only: bool) -> list[bytes]:
@@ -285,26 +391,61 @@ def token_set(values: list[bytes]) -> set[str]:
 _MISSING = object()
 
 
-class ResponseHeaders:
-    """A response head as the router reads it, a read-only ``Mapping[str, str]`` over the raw
-    block: lower-case name -> first value, decoded on lookup (the router reads one or two names
-    per response; decoding every header costs more). Not a Mapping subclass (compiled, it is an
-    extension type, which cannot derive from one): registered as one, with the full read-only API."""
+def _name_bit(raw: bytes, at: int, n: int) -> int:
+    """The bit of :meth:`HeaderBlock.get`'s filter for the name ``raw[at:at + n]`` (``n > 0``),
+    from its length and last letter (case folded): bits 0-62."""
+    return (n * 7 + (raw[at + n - 1] | 32)) % 63
 
-    __slots__ = ("_raw", "_first", "_end")
+
+def _name_mask(raw: bytes, first: int, end: int) -> int:
+    """The filter of the block ``raw[first:end]``: the bits of its names, plus bit 63."""
+    one = 1  # (compiled, a 64-bit unsigned: see head.pxd)
+    mask = one << 63
+    i = first
+    while i < end:
+        at = i
+        colon, eol = _line(raw, i, end)
+        i = eol + 1
+        if colon > at:
+            mask |= one << _name_bit(raw, at, colon - at)
+    return mask
+
+
+class HeaderBlock:
+    """A head's headers as the router reads them, a read-only ``Mapping[str, str]`` over the raw
+    block: lower-case name -> first value, decoded on lookup (the router reads a few names per
+    request or response, most of them absent; decoding every header costs more). Compiled, the
+    first lookup also builds a 64-bit filter of the names present, so a name that is absent
+    (usually) costs no scan. Not a Mapping subclass (compiled, it is an extension type, which
+    cannot derive from one): registered as one, with the full read-only API."""
+
+    __slots__ = ("_raw", "_first", "_end", "_mask")
 
     def __init__(self, raw: bytes, first: int = 0, end: int = -1) -> None:
         self._raw = raw
-        self._first = first
-        self._end = len(raw) if end < 0 else end
+        self._first, self._end = _clamp(raw, first, len(raw) if end < 0 else end)
+        self._mask = 0  # _name_mask's filter once built (compiled only)
 
     def get(self, key: str, default: Any = None) -> Any:
-        try:
-            lower = key.encode("latin-1")
-        except (AttributeError, UnicodeEncodeError):
-            return default  # not a str, or not a name any header can have
-        found = header_values(self._raw, self._first, self._end, lower, True)
-        return found[0].decode("utf-8", "surrogateescape") if found else default
+        lower = _KEY_BYTES.get(key) if type(key) is str else None
+        if lower is None:
+            try:
+                lower = key.encode("latin-1")
+            except (AttributeError, UnicodeEncodeError):
+                return default  # not a str, or not a name any header can have
+            if len(_KEY_BYTES) < MAX_KEYS:
+                _KEY_BYTES[key] = lower
+        if _COMPILED:
+            if not lower:
+                return default
+            mask = self._mask
+            if mask == 0:
+                self._mask = mask = _name_mask(self._raw, self._first, self._end)
+            one = 1
+            if not mask & (one << _name_bit(lower, 0, len(lower))):
+                return default  # no name of this length and last letter
+        value = first_value(self._raw, self._first, self._end, lower)
+        return default if value is None else value.decode("utf-8", "surrogateescape")
 
     def __getitem__(self, key: str) -> str:
         value = self.get(key, _MISSING)
@@ -342,11 +483,11 @@ class ResponseHeaders:
         return self._dict() == (dict(other) if isinstance(other, Mapping) else other)
 
     def __repr__(self) -> str:
-        return f"ResponseHeaders({self._dict()!r})"
+        return f"HeaderBlock({self._dict()!r})"
 
     __hash__ = None  # type: ignore[assignment]  # like every Mapping
 
 
-Mapping.register(ResponseHeaders)
+Mapping.register(HeaderBlock)
 
 _COMPILED = is_compiled(sys.modules[__name__])

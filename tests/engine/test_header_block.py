@@ -1,6 +1,7 @@
-"""The response-head view the fast engine hands to ``Router.on_response`` and modes: a read-only
-Mapping over the raw header block with the semantics of a dict (lower-case name -> first value,
-decoded), and the raw-block scans the relay uses."""
+"""The header view the fast engine hands to the router and modes (``Router.route``,
+``Router.on_response``): a read-only Mapping over the raw header block with the semantics of a
+dict (lower-case name -> first value, decoded), and the raw-block scans the engine forwards and
+relays with."""
 
 from collections.abc import Mapping
 
@@ -12,10 +13,15 @@ from sidecar.engine.head import (
     HAS_HOP,
     HAS_TRANSFER_ENCODING,
     NAMES_HEADERS,
-    ResponseHeaders,
+    HeaderBlock,
+    copy_block,
     fields,
+    first_value,
+    has_any,
+    has_header,
     header_values,
     locate,
+    name_table,
     reason_phrase,
     relay_block,
 )
@@ -27,7 +33,7 @@ EXPECTED = {"x-worker": "w1", "content-type": "application/json", "x-raw": "caf\
 
 
 def test_reads_like_the_first_value_dict() -> None:
-    view = ResponseHeaders(HEADERS)
+    view = HeaderBlock(HEADERS)
     assert isinstance(view, Mapping)
     assert view["x-worker"] == "w1" and view.get("x-worker") == "w1"
     assert view.get("x-missing") is None and view.get("x-missing", "d") == "d"
@@ -44,20 +50,63 @@ def test_reads_like_the_first_value_dict() -> None:
 
 
 def test_is_read_only_and_unhashable() -> None:
-    view = ResponseHeaders(HEADERS)
+    view = HeaderBlock(HEADERS)
     with pytest.raises(TypeError):
         view["x-worker"] = "w3"  # type: ignore[index]
     with pytest.raises(TypeError):
         hash(view)
-    assert ResponseHeaders(b"") == {} and len(ResponseHeaders(b"")) == 0
+    assert HeaderBlock(b"") == {} and len(HeaderBlock(b"")) == 0
 
 
 def test_reads_a_block_inside_a_larger_buffer() -> None:
     raw = b"HTTP/1.1 200 OK\r\nX-A: 1\r\nX-B: 2\r\n\r\nbody X-C: 3\r\n"
     first, end = raw.index(b"\n") + 1, raw.index(b"\r\n\r\n") + 2
-    view = ResponseHeaders(raw, first, end)
+    view = HeaderBlock(raw, first, end)
     assert dict(view) == {"x-a": "1", "x-b": "2"} and "x-c" not in view
     assert fields(raw, first, end) == [(b"X-A", b"1"), (b"X-B", b"2")]
+
+
+def test_lookups_agree_with_a_dict_however_many_names_share_a_filter_bit() -> None:
+    # 80 names: every length-and-last-letter bit of the lookup filter is taken by some name, and
+    # many absent names share a bit with a present one (the scan must still tell them apart).
+    names = [b"X-%s-%d" % (b"H" * (i % 23), i) for i in range(80)] + [b"X-AB", b"x-cB", b"Accept"]
+    block = b"".join(b"%s: v%d\r\n" % (n, i) for i, n in enumerate(names))
+    view = HeaderBlock(block)
+    expected = {n.decode().lower(): "v%d" % i for i, n in enumerate(names)}
+    for key, value in expected.items():
+        assert view.get(key) == value
+    for absent in ("x-bb", "x-ab-0", "accepT", "x-h-2", "accepts", "", "x-" + "h" * 22 + "-79"):
+        assert view.get(absent) is None and absent not in view
+    assert view == expected
+    assert first_value(block, 0, len(block), b"x-cb") == b"v81"
+    assert first_value(block, 0, len(block), b"x-c") is None
+
+
+REQUEST_BLOCK = (b"Host: h\r\nX-Keep: 1\r\nconnection: close\r\nX-Strip-Me: s\r\nX-KEEP: 2\r\n"
+                 b"Expect: 100-continue\r\nAccept:  */* \r\n")
+
+
+def test_copy_block_drops_listed_names_and_keeps_the_rest_byte_for_byte() -> None:
+    table = name_table(frozenset({"host", "connection", "x-strip-me", "expect"}))
+    out: list[bytes] = [b"HEAD"]
+    copy_block(REQUEST_BLOCK, 0, len(REQUEST_BLOCK), out, table)
+    assert out[0] == b"HEAD"
+    assert b"".join(out[1:]) == b"X-Keep: 1\r\nX-KEEP: 2\r\nAccept:  */* \r\n"
+    assert len(out) == 4  # one slice per run of kept lines (three runs)
+    out = []
+    copy_block(REQUEST_BLOCK, 0, len(REQUEST_BLOCK), out, name_table(frozenset()))
+    assert out == [REQUEST_BLOCK]
+    assert name_table(frozenset({"te", "connection"})) is name_table(frozenset({"connection", "te"}))
+
+
+def test_has_any_and_has_header_match_whole_names_in_any_case() -> None:
+    block = REQUEST_BLOCK
+    assert has_any(block, 0, len(block), name_table(frozenset({"x-strip-me"})))
+    assert has_any(block, 0, len(block), name_table(frozenset({"upgrade", "expect"})))
+    assert not has_any(block, 0, len(block), name_table(frozenset({"x-strip", "x-keep-", "upgrade"})))
+    assert has_header(block, 0, len(block), b"connection") and has_header(block, 0, len(block), b"x-keep")
+    assert not has_header(block, 0, len(block), b"x-kee") and not has_header(block, 0, len(block), b"transfer")
+    assert header_values(block, 0, len(block), b"x-keep", False) == [b"1", b"2"]
 
 
 BLOCK = (b"Server: up\r\nConnection: keep-alive, X-Private\r\nContent-Length: 2\r\nX-Private: p\r\n"

@@ -1,0 +1,225 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The compiled build's request parser: the vendored llhttp (strict, no lenient flags) driven
+with C callbacks. The contract is in :mod:`sidecar.engine.request_parser`.
+
+The callbacks only note where things are: where the head in progress began (``on_method``), its
+target, and the trailer bytes. When llhttp completes a head, the head is handed to the owner as
+the bytes it arrived in, with :func:`sidecar.engine.head.locate`'s offsets: no copy when it
+arrived in one read (the usual case; ``raw`` is then that read), one join of its reads
+otherwise. So a request costs the owner three Python calls (head, body, end) whatever its
+header count.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from libc.stdint cimport uint8_t, uint16_t, uint64_t
+
+from sidecar.engine.head cimport locate
+
+from sidecar.engine.request_parser import CallbackError, HeadTooLarge, ParseError, UpgradeRequest
+
+
+cdef extern from "llhttp.h":
+    ctypedef enum llhttp_type_t:
+        HTTP_REQUEST
+    ctypedef enum llhttp_errno_t:
+        HPE_OK
+        HPE_PAUSED_UPGRADE
+        HPE_USER
+    ctypedef enum llhttp_flags:
+        F_CONTENT_LENGTH
+    ctypedef enum llhttp_method_t:
+        pass
+    ctypedef struct llhttp_t:
+        uint64_t content_length
+        uint8_t method
+        uint8_t http_major
+        uint8_t http_minor
+        uint8_t upgrade
+        uint16_t flags
+        void* data
+    ctypedef int (*llhttp_data_cb)(llhttp_t*, const char*, size_t) noexcept
+    ctypedef int (*llhttp_cb)(llhttp_t*) noexcept
+    ctypedef struct llhttp_settings_t:
+        llhttp_data_cb on_method
+        llhttp_data_cb on_url
+        llhttp_data_cb on_header_field
+        llhttp_data_cb on_header_value
+        llhttp_cb on_headers_complete
+        llhttp_data_cb on_body
+        llhttp_cb on_message_complete
+    void llhttp_settings_init(llhttp_settings_t* settings)
+    void llhttp_init(llhttp_t* parser, llhttp_type_t type, const llhttp_settings_t* settings)
+    llhttp_errno_t llhttp_execute(llhttp_t* parser, const char* data, size_t len)
+    int llhttp_should_keep_alive(const llhttp_t* parser)
+    void llhttp_resume_after_upgrade(llhttp_t* parser)
+    const char* llhttp_get_error_reason(const llhttp_t* parser)
+    const char* llhttp_method_name(llhttp_method_t method)
+
+
+cdef llhttp_settings_t _SETTINGS
+# Method names as bytes, by llhttp's method number (filled as methods are seen).
+cdef list _METHODS = [None] * 256
+
+
+cdef class LlhttpParser:
+    cdef llhttp_t p
+    cdef object on_head, on_body, on_complete
+    cdef Py_ssize_t max_head
+    cdef bytes data  # the read being parsed (during feed_data)
+    cdef const char* buf  # its bytes
+    cdef list pieces  # earlier reads holding the head in progress, from its first byte
+    cdef Py_ssize_t held  # their size
+    cdef Py_ssize_t start  # where the head in progress starts in data (-1: in an earlier read)
+    cdef bint in_head
+    cdef bytes target
+    cdef Py_ssize_t trailer  # trailer bytes of the current request
+    cdef object error  # what a callback raised, re-raised once llhttp returns
+
+    def __init__(self, owner, Py_ssize_t max_head):
+        self.on_head = owner.on_head
+        self.on_body = owner.on_body
+        self.on_complete = owner.on_message_complete
+        self.max_head = max_head
+        self.pieces = []
+        self.target = b""
+        llhttp_init(&self.p, HTTP_REQUEST, &_SETTINGS)
+        self.p.data = <void*>self
+
+    def feed_data(self, data):
+        cdef llhttp_errno_t err
+        cdef Py_ssize_t size
+        if type(data) is not bytes:
+            data = bytes(data)
+        self.data = data
+        self.buf = PyBytes_AS_STRING(data)
+        err = llhttp_execute(&self.p, self.buf, len(data))
+        self.data = None
+        if err != HPE_OK:
+            if err == HPE_PAUSED_UPGRADE and self.p.upgrade:
+                llhttp_resume_after_upgrade(&self.p)
+                raise UpgradeRequest()
+            error = self.error
+            if error is None:
+                raise ParseError(llhttp_get_error_reason(&self.p).decode("latin-1"))
+            self.error = None
+            if isinstance(error, HeadTooLarge):
+                raise error
+            raise CallbackError(llhttp_get_error_reason(&self.p).decode("latin-1")) from error
+        if self.in_head:  # the head continues in the next read: keep its bytes so far
+            if self.start > 0:
+                data = data[self.start:]
+            size = self.held + len(data)
+            if size > self.max_head:  # llhttp holds a partial header line until it ends: bound it
+                raise HeadTooLarge()
+            self.pieces.append(data)
+            self.held = size
+            self.start = -1
+
+    cdef int head_complete(self) except -1:
+        cdef bytes raw
+        cdef Py_ssize_t start, first, end
+        cdef object length  # a Python int, not inferred as a C integer: llhttp admits any uint64
+        cdef llhttp_t* p = &self.p
+        self.in_head = False
+        if self.held:
+            # The head began in an earlier read; it ends within max_head bytes of this one
+            # (or is too large).
+            self.pieces.append(self.data[:self.max_head + 4])
+            raw = b"".join(self.pieces)
+            self.pieces.clear()
+            self.held = 0
+            start = 0
+        else:
+            raw = self.data
+            start = self.start
+        start, first, end = locate(raw, start)
+        if end + 2 - start > self.max_head:
+            raise HeadTooLarge()
+        method = _METHODS[p.method]
+        if method is None:
+            method = _METHODS[p.method] = <bytes>llhttp_method_name(<llhttp_method_t>p.method)
+        target = self.target
+        self.target = b""
+        length = -1
+        if p.flags & F_CONTENT_LENGTH:
+            length = p.content_length
+        self.on_head(raw, first, end, method, target, p.http_major * 10 + p.http_minor,
+                     llhttp_should_keep_alive(p) != 0, length)
+        return 0
+
+
+cdef inline LlhttpParser _parser(llhttp_t* p):
+    return <LlhttpParser>p.data
+
+
+cdef int _on_method(llhttp_t* p, const char* at, size_t length) noexcept:
+    cdef LlhttpParser self = _parser(p)
+    if not self.in_head:  # the first piece of a new request (llhttp skipped any CR/LF before it)
+        self.in_head = True
+        self.start = at - self.buf
+        self.trailer = 0
+    return 0
+
+
+cdef int _on_url(llhttp_t* p, const char* at, size_t length) noexcept:
+    cdef LlhttpParser self = _parser(p)
+    try:
+        piece = PyBytes_FromStringAndSize(at, length)
+        self.target = piece if not self.target else self.target + piece
+    except BaseException as exc:
+        self.error = exc
+        return HPE_USER
+    return 0
+
+
+cdef int _on_field(llhttp_t* p, const char* at, size_t length) noexcept:
+    cdef LlhttpParser self = _parser(p)
+    if not self.in_head:  # a trailer after a chunked body: counted against the limit, dropped
+        self.trailer += length
+        if self.trailer > self.max_head:
+            try:
+                self.error = HeadTooLarge()
+            except BaseException as exc:
+                self.error = exc
+            return HPE_USER
+    return 0
+
+
+cdef int _on_headers_complete(llhttp_t* p) noexcept:
+    cdef LlhttpParser self = _parser(p)
+    try:
+        self.head_complete()
+    except BaseException as exc:
+        self.error = exc
+        return -1
+    return 1 if p.upgrade else 0  # an upgrade has no body here (llhttp then pauses)
+
+
+cdef int _on_body(llhttp_t* p, const char* at, size_t length) noexcept:
+    cdef LlhttpParser self = _parser(p)
+    try:
+        self.on_body(PyBytes_FromStringAndSize(at, length))
+    except BaseException as exc:
+        self.error = exc
+        return HPE_USER
+    return 0
+
+
+cdef int _on_message_complete(llhttp_t* p) noexcept:
+    cdef LlhttpParser self = _parser(p)
+    try:
+        self.on_complete()
+    except BaseException as exc:
+        self.error = exc
+        return -1
+    return 0
+
+
+llhttp_settings_init(&_SETTINGS)
+_SETTINGS.on_method = _on_method
+_SETTINGS.on_url = _on_url
+_SETTINGS.on_header_field = _on_field
+_SETTINGS.on_header_value = _on_field
+_SETTINGS.on_headers_complete = _on_headers_complete
+_SETTINGS.on_body = _on_body
+_SETTINGS.on_message_complete = _on_message_complete

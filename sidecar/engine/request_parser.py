@@ -1,0 +1,134 @@
+"""Request parsing for the fast engine: llhttp (strict), one call to the owner per request head.
+
+Both builds parse with llhttp at the version httptools vendors (``vendor/llhttp``), so they
+accept and refuse the same bytes. ``RequestParser(owner, max_head)`` is:
+
+- compiled: :class:`sidecar.engine.llhttp_parser.LlhttpParser`, which drives llhttp with C
+  callbacks and hands the owner the head as the raw bytes it arrived in (no Python call and no
+  object per header);
+- pure Python (no compiler, or ``SIDECAR_PURE_PYTHON=1``): :class:`HttptoolsParser` below, on
+  httptools with a callback per header, which joins the header lines into a block of the same
+  shape (``name ": " value CRLF`` per header, values as llhttp reports them).
+
+The owner provides (called from inside :meth:`feed_data`, in stream order):
+
+- ``on_head(raw, first, end, method, target, version, keep_alive, length)``: a request head is
+  complete. ``raw[first:end]`` is its header block (the header lines, each ending in CRLF, see
+  :mod:`sidecar.engine.head`); ``method`` and ``target`` are bytes; ``version`` is
+  ``10 * major + minor``; ``keep_alive`` is llhttp's verdict; ``length`` the declared
+  Content-Length (llhttp accepted exactly one, all digits), -1 without one.
+- ``on_body(data)``: body bytes of the current request, de-chunked.
+- ``on_message_complete()``: the current request ended (trailers are counted against the head
+  limit and dropped).
+
+:meth:`feed_data` raises :class:`HeadTooLarge` when a head (or the trailers) exceeds
+``max_head`` bytes, even before its line ends; :class:`UpgradeRequest` after the head of an
+upgrade or CONNECT request (nothing after it is parsed); :class:`ParseError` for bytes llhttp
+refuses; :class:`CallbackError` when an owner callback raised (its exception is the cause).
+After any of them the parser is unusable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httptools
+
+from sidecar.engine.head import header_values
+
+
+class ParseError(Exception):
+    """llhttp refused the bytes (the message is llhttp's reason)."""
+
+
+class HeadTooLarge(ParseError):
+    """A request head, or a request's trailers, exceeds the head limit."""
+
+
+class CallbackError(ParseError):
+    """An owner callback raised (the cause): a defect, not the client's."""
+
+
+class UpgradeRequest(Exception):
+    """The head just handed to the owner asks for a protocol switch (Upgrade or CONNECT)."""
+
+
+_CONTENT_LENGTH = b"content-length"
+
+
+class HttptoolsParser:
+    """The pure-Python build's request parser: httptools, with one callback per header."""
+
+    __slots__ = ("parser", "on_head", "on_body", "on_message_complete", "max_head", "in_head", "target", "lines",
+                 "size", "fed")
+
+    def __init__(self, owner: Any, max_head: int) -> None:
+        self.on_head = owner.on_head
+        # httptools looks its callbacks up once, here: the owner's are called directly.
+        self.on_body = owner.on_body
+        self.on_message_complete = owner.on_message_complete
+        self.max_head = max_head
+        self.in_head = False
+        self.target = b""
+        self.lines: list[bytes] = []
+        self.size = 0  # head bytes so far as llhttp reported them (target, names, values, separators)
+        self.fed = 0  # bytes fed since the read in which the head began
+        self.parser = httptools.HttpRequestParser(self)
+
+    def feed_data(self, data: bytes) -> None:
+        if self.in_head:
+            self.fed += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            raise UpgradeRequest from None
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, HeadTooLarge):
+                raise HeadTooLarge() from None
+            raise CallbackError(str(exc)) from cause
+        except httptools.HttpParserError as exc:
+            raise ParseError(str(exc)) from None
+        if self.in_head and self.fed > self.max_head:
+            raise HeadTooLarge()  # llhttp holds a partial header line until it ends: bound it
+
+    # No on_message_begin: a head begins with the first piece of its target (llhttp refuses an
+    # empty one), which saves a callback per request.
+
+    def on_url(self, url: bytes) -> None:
+        if self.in_head:
+            self.target += url
+            self.size += len(url)
+        else:
+            self.in_head = True
+            self.target = url
+            self.lines = []
+            self.size = len(url)
+            self.fed = 0
+        if self.size > self.max_head:
+            raise HeadTooLarge()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.size += len(name) + len(value) + 4
+        if self.size > self.max_head:
+            raise HeadTooLarge()
+        if self.in_head:
+            self.lines.append(b"%s: %s\r\n" % (name, value))
+        # else: a trailer after a chunked body: counted against the limit, never forwarded
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        self.size = 0  # trailers get a budget of their own
+        raw = b"".join(self.lines)
+        parser = self.parser
+        major, _, minor = parser.get_http_version().partition(".")
+        found = header_values(raw, 0, len(raw), _CONTENT_LENGTH, True)
+        self.on_head(raw, 0, len(raw), parser.get_method(), self.target, int(major) * 10 + int(minor),
+                     parser.should_keep_alive(), int(found[0]) if found else -1)
+
+
+RequestParser: Any
+try:
+    from sidecar.engine.llhttp_parser import LlhttpParser as RequestParser
+except ImportError:  # not compiled, or SIDECAR_PURE_PYTHON=1
+    RequestParser = HttptoolsParser

@@ -1,0 +1,202 @@
+"""The fast engine's two request parsers (sidecar.engine.request_parser) against each other.
+
+The compiled build parses with the vendored llhttp driven from C (``LlhttpParser``), the
+pure-Python build with httptools (``HttptoolsParser``). Both must hand the engine the same
+requests for the same bytes however the bytes are split into reads, and fail the same way; the
+compiled one must hand over the header lines exactly as they arrived.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar.engine.head import fields
+from sidecar.engine.request_parser import (
+    CallbackError,
+    HeadTooLarge,
+    HttptoolsParser,
+    ParseError,
+    RequestParser,
+    UpgradeRequest,
+)
+
+try:
+    from sidecar.engine.llhttp_parser import LlhttpParser
+except ImportError:  # the pure-Python build (or SIDECAR_PURE_PYTHON=1)
+    LlhttpParser = None
+
+COMPILED_ONLY = pytest.mark.skipif(LlhttpParser is None, reason="the llhttp parser is compiled only")
+PARSERS = [HttptoolsParser] + ([LlhttpParser] if LlhttpParser is not None else [])
+LIMIT = 2048
+
+
+class Recorder:
+    """An owner that records what the parser hands it."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+        self.blocks: list[bytes] = []
+
+    def on_head(self, raw: bytes, first: int, end: int, method: bytes, target: bytes, version: int,
+                keep_alive: bool, length: int) -> None:
+        self.events.append(("head", method, target, version, keep_alive, length, fields(raw, first, end)))
+        self.blocks.append(raw[first:end])
+
+    def on_body(self, data: bytes) -> None:
+        if self.events and self.events[-1][0] == "body":  # reads split bodies anywhere: merge
+            self.events[-1] = ("body", self.events[-1][1] + data)
+        else:
+            self.events.append(("body", data))
+
+    def on_message_complete(self) -> None:
+        self.events.append(("end",))
+
+
+def run(parser_class: Any, reads: list[bytes], limit: int = LIMIT) -> tuple[Recorder, str | None]:
+    """Feed ``reads`` until one raises; the recorder and the exception's class name (or None)."""
+    owner = Recorder()
+    parser = parser_class(owner, limit)
+    for data in reads:
+        try:
+            parser.feed_data(data)
+        except (ParseError, UpgradeRequest) as exc:
+            return owner, type(exc).__name__
+    return owner, None
+
+
+def split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in zip(points, points[1:]) if b > a]
+
+
+def head(target: bytes = b"/", extra: bytes = b"", method: bytes = b"GET") -> bytes:
+    return method + b" " + target + b" HTTP/1.1\r\nHost: h\r\n" + extra + b"\r\n"
+
+
+CORPUS: dict[str, bytes] = {
+    "get": head(b"/v1/models?x=1"),
+    "post_with_length": head(b"/p", b"Content-Type: application/json\r\nContent-Length: 7\r\n", b"POST") + b'{"a":1}',
+    "pipelined": head(b"/1") + head(b"/2", b"Content-Length: 2\r\n", b"POST") + b"hi" + head(b"/3"),
+    "chunked_with_trailers": head(b"/c", b"Transfer-Encoding: chunked\r\n", b"POST")
+    + b"5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n" + head(b"/after"),
+    "spacing_and_empty_values": head(b"/s", b"X-Pad:   a b  \r\nX-Empty:\r\nX-Tab:\tv\r\nx-lower: l\r\n"),
+    "repeated_headers": head(b"/r", b"X-Forwarded-For: 1.1.1.1\r\nX-Forwarded-For: 2.2.2.2\r\nAccept: a\r\n"),
+    "obs_text_value": head(b"/o", "X-Name: caf\u00e9\r\n".encode()),
+    "http10_keepalive": b"GET /old HTTP/1.0\r\nConnection: keep-alive\r\n\r\nGET /old2 HTTP/1.0\r\n\r\n",
+    "connection_close": head(b"/close", b"Connection: close\r\n"),
+    "expect_continue": head(b"/e", b"Expect: 100-continue\r\nContent-Length: 3\r\n", b"PUT") + b"abc",
+    "big_length": head(b"/big", b"Content-Length: 1000000000000000\r\n", b"POST") + b"partial",
+    "leading_crlf": b"\r\n" + head(b"/lead"),
+    "long_target": head(b"/" + b"t" * 1500),
+    "many_headers": head(b"/m", b"".join(b"X-H%d: %d\r\n" % (i, i) for i in range(60))),
+    # refused by llhttp (strict)
+    "length_and_chunked": head(b"/x", b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n", b"POST") + b"abc",
+    "double_length": head(b"/x", b"Content-Length: 3\r\nContent-Length: 4\r\n", b"POST") + b"abcd",
+    "space_before_colon": head(b"/x", b"X-Bad : v\r\n"),
+    "bare_lf": b"GET /x HTTP/1.1\nHost: h\n\n",
+    "bad_chunk_size": head(b"/x", b"Transfer-Encoding: chunked\r\n", b"POST") + b"zz\r\nhello\r\n0\r\n\r\n",
+    "length_overflow": head(b"/x", b"Content-Length: 99999999999999999999\r\n", b"POST"),
+    "control_char_in_value": head(b"/x", b"X-C: a\x01b\r\n"),
+    "unknown_version": b"GET /x HTTP/3.7\r\nHost: h\r\n\r\n",
+    # protocol switches: the head is handed over, then parsing stops
+    "upgrade": head(b"/ws", b"Upgrade: websocket\r\nConnection: Upgrade\r\n") + head(b"/never"),
+    "connect": b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n" + head(b"/never"),
+    # limits (well over, so both parsers' accounting agrees)
+    "oversized_header": head(b"/big", b"X-Big: " + b"a" * 3000 + b"\r\n"),
+    "oversized_trailers": head(b"/t", b"Transfer-Encoding: chunked\r\n", b"POST")
+    + b"1\r\na\r\n0\r\nX-T: " + b"b" * 3000 + b"\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("parser_class", PARSERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_every_split_into_reads_gives_the_same_requests(name: str, parser_class: Any) -> None:
+    data = CORPUS[name]
+    whole, error = run(parser_class, [data])
+    bytewise, bytewise_error = run(parser_class, [data[i:i + 1] for i in range(len(data))])
+    assert bytewise.events == whole.events
+    assert bytewise_error == error
+
+
+@COMPILED_ONLY
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_both_parsers_hand_over_the_same_requests(name: str) -> None:
+    c, c_error = run(LlhttpParser, [CORPUS[name]])
+    py, py_error = run(HttptoolsParser, [CORPUS[name]])
+    assert c.events == py.events
+    assert c_error == py_error
+
+
+def test_corpus_outcomes() -> None:
+    """The corpus exercises what it claims (so the comparisons above compare something)."""
+    outcomes = {name: run(RequestParser, [data]) for name, data in CORPUS.items()}
+    errors = {name: error for name, (_, error) in outcomes.items()}
+    assert errors["oversized_header"] == errors["oversized_trailers"] == "HeadTooLarge"
+    assert errors["upgrade"] == errors["connect"] == "UpgradeRequest"
+    for name in ("length_and_chunked", "double_length", "space_before_colon", "bare_lf", "bad_chunk_size",
+                 "length_overflow", "control_char_in_value", "unknown_version"):
+        assert errors[name] == "ParseError", name
+    heads = {name: [e for e in rec.events if e[0] == "head"] for name, (rec, _) in outcomes.items()}
+    assert [h[2] for h in heads["pipelined"]] == [b"/1", b"/2", b"/3"]
+    assert [h[2] for h in heads["upgrade"]] == [b"/ws"]  # nothing after the switch is parsed
+    assert heads["post_with_length"][0][1:6] == (b"POST", b"/p", 11, True, 7)
+    assert heads["big_length"][0][5] == 10 ** 15
+    assert heads["http10_keepalive"][0][3:5] == (10, True) and heads["http10_keepalive"][1][3:5] == (10, False)
+    assert heads["connection_close"][0][4] is False
+    assert heads["spacing_and_empty_values"][0][6] == [
+        (b"Host", b"h"), (b"X-Pad", b"a b  "), (b"X-Empty", b""), (b"X-Tab", b"v"), (b"x-lower", b"l")]
+    rec, _ = outcomes["chunked_with_trailers"]
+    assert [e[0] for e in rec.events] == ["head", "body", "end", "head", "end"]
+    assert rec.events[1] == ("body", b"hello world")
+
+
+@COMPILED_ONLY
+def test_compiled_parser_hands_over_header_lines_as_they_arrived() -> None:
+    data = CORPUS["spacing_and_empty_values"]
+    block = data[data.index(b"\r\n") + 2:data.index(b"\r\n\r\n") + 2]
+    for reads in ([data], [data[i:i + 1] for i in range(len(data))], [data[:20], data[20:41], data[41:]]):
+        owner, error = run(LlhttpParser, reads)
+        assert error is None
+        assert owner.blocks == [block]
+
+
+@pytest.mark.parametrize("parser_class", PARSERS, ids=lambda c: c.__name__)
+def test_a_header_line_that_never_ends_is_refused_within_the_limit(parser_class: Any) -> None:
+    parser = parser_class(Recorder(), LIMIT)
+    parser.feed_data(b"GET /x HTTP/1.1\r\nX-Endless: ")
+    fed = 0
+    with pytest.raises(HeadTooLarge):
+        while fed <= 4 * LIMIT:
+            parser.feed_data(b"a" * 256)
+            fed += 256
+    assert fed <= LIMIT + 256  # refused within one read of the limit: the parser holds no more
+
+
+@pytest.mark.parametrize("parser_class", PARSERS, ids=lambda c: c.__name__)
+def test_an_exception_in_an_owner_callback_is_a_callback_error_caused_by_it(parser_class: Any) -> None:
+    class Failing(Recorder):
+        def on_head(self, *args: Any) -> None:
+            raise RuntimeError("owner bug")
+
+    parser = parser_class(Failing(), LIMIT)
+    with pytest.raises(CallbackError) as info:
+        parser.feed_data(CORPUS["get"])
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+STREAM = b"".join(CORPUS[n] for n in ("post_with_length", "chunked_with_trailers", "spacing_and_empty_values",
+                                      "repeated_headers", "get"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=len(STREAM)), max_size=12))
+def test_random_reads_of_a_pipelined_stream_give_the_same_requests(cuts: list[int]) -> None:
+    expected, expected_error = run(HttptoolsParser, [STREAM])
+    assert expected_error is None and len([e for e in expected.events if e[0] == "end"]) == 6
+    for parser_class in PARSERS:
+        got, error = run(parser_class, split(STREAM, cuts))
+        assert (got.events, error) == (expected.events, None), parser_class.__name__
