@@ -1,7 +1,7 @@
 """The protocol-level engine: asyncio Protocols, llhttp parsing, raw byte forwarding.
 
 One :class:`_ClientConnection` per client connection feeds its bytes to a request parser
-(:mod:`sidecar.engine.request_parser`: llhttp, strict, no lenient flags), which hands it each
+(:mod:`sidecar.engine.parsers`: llhttp, strict, no lenient flags), which hands it each
 request head as its raw header block. Each head becomes an :class:`_Exchange`, queued in arrival
 order; only the head of the queue is routed and forwarded, so pipelined requests are answered in
 order (reading pauses while a later request waits). The exchange rebuilds only the request line
@@ -75,7 +75,7 @@ from sidecar.engine.head import (
     relay_block,
     token_set,
 )
-from sidecar.engine.request_parser import CallbackError, HeadTooLarge, ParseError, RequestParser, UpgradeRequest
+from sidecar.engine.parsers import CallbackError, HeadTooLarge, ParseError, RequestParser, UpgradeRequest
 from sidecar.lineage import TurnOutcome
 from sidecar.router import Decision, RequestHead
 
@@ -372,7 +372,7 @@ class _ClientConnection:
             if conn is not None:
                 conn.flow.resume(CLIENT_FULL)
 
-    # -- parser callbacks (see sidecar.engine.request_parser) --------------------------------
+    # -- parser callbacks (see sidecar.engine.parsers) --------------------------------
 
     def on_head(self, raw: bytes, first: int, end: int, method: bytes, target: bytes, version: int,
                 keep_alive: bool, length: int) -> None:

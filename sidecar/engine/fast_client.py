@@ -1,8 +1,8 @@
 """Upstream side of the protocol-level engine: keep-alive connections, pooled per upstream.
 
 An :class:`UpstreamConnection` carries one request at a time (no upstream pipelining). It parses
-responses with ``httptools.HttpResponseParser`` without per-header callbacks (llhttp parses and
-checks the head in C), keeps the raw bytes of the head, and hands the head to the
+responses with llhttp without per-header callbacks (:mod:`sidecar.engine.parsers`: llhttp parses
+and checks the head in C), keeps the raw bytes of the head, and hands the head to the
 :class:`Exchange` bound to it as bytes plus offsets (:mod:`sidecar.engine.head` reads them).
 :class:`UpstreamPool` bounds the connections to one upstream, hands idle ones out most-recently-used first (so the
 ones left idle long enough to be closed by the upstream are the ones that age out), and queues
@@ -28,10 +28,10 @@ from collections import deque
 from time import perf_counter
 from typing import Protocol, cast
 
-import httptools
 
 from sidecar.engine.flow import CLIENT_FULL, ReadFlow
 from sidecar.engine.head import locate
+from sidecar.engine.parsers import ParseError, ResponseParser
 
 # A connection back from the pool sooner than this is not polled for a close first (saves a
 # syscall per request under load, where reuse is sub-millisecond to a few milliseconds).
@@ -81,7 +81,7 @@ class UpstreamConnection:
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
+        self.parser = ResponseParser(self)
         self.ex: Exchange | None = None
         self.lost = False
         self.counted = True  # counts towards the pool's bound until lost or dropped
@@ -122,7 +122,7 @@ class UpstreamConnection:
         self.stamp = 0.0
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except ParseError as exc:
             if not self.done:
                 self._fail(f"invalid response: {exc}")
                 return
@@ -223,10 +223,10 @@ class UpstreamConnection:
         if ex is not None:
             ex.upstream_failed(message)
 
-    # -- httptools callbacks ----------------------------------------------------------------
+    # -- parser callbacks (sidecar.engine.parsers) -------------------------------------------
 
-    # No on_status, on_header or on_message_begin: without them llhttp parses the head in C,
-    # and the head is read from its raw bytes (sidecar.engine.head).
+    # No callback per header: llhttp parses the head in C, and the head is read from its raw
+    # bytes (sidecar.engine.head).
 
     def on_headers_complete(self) -> None:
         ex = self.ex

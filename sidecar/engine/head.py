@@ -9,7 +9,7 @@ and the scans here need no validation of their own. Reading the raw bytes instea
 Python callback per header lets llhttp parse the head in C, and lets the engine copy the lines
 it keeps (request and response) as a few slices. (The pure-Python build's request parser
 builds blocks of the same shape from httptools' callbacks: see
-:mod:`sidecar.engine.request_parser`.)
+:mod:`sidecar.engine.parsers`.)
 
 A *block* is ``raw[first:end]``: the header lines of one head, each ending in CRLF, without the
 start line and without the blank line that ends the head. Values are as llhttp reports them:

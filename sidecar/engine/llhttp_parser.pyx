@@ -1,13 +1,14 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""The compiled build's request parser: the vendored llhttp (strict, no lenient flags) driven
-with C callbacks. The contract is in :mod:`sidecar.engine.request_parser`.
+"""The compiled build's parsers: the vendored llhttp (strict, no lenient flags) driven with C
+callbacks. The contracts are in :mod:`sidecar.engine.parsers`.
 
-The callbacks only note where things are: where the head in progress began (``on_method``), its
-target, and the trailer bytes. When llhttp completes a head, the head is handed to the owner as
-the bytes it arrived in, with :func:`sidecar.engine.head.locate`'s offsets: no copy when it
-arrived in one read (the usual case; ``raw`` is then that read), one join of its reads
-otherwise. So a request costs the owner three Python calls (head, body, end) whatever its
-header count.
+For requests, the callbacks only note where things are: where the head in progress began
+(``on_method``), its target, and the trailer bytes. When llhttp completes a head, the head is
+handed to the owner as the bytes it arrived in, with :func:`sidecar.engine.head.locate`'s
+offsets: no copy when it arrived in one read (the usual case; ``raw`` is then that read), one
+join of its reads otherwise. So a request costs the owner three Python calls (head, body, end)
+whatever its header count. Responses take the same three calls; their owner keeps the bytes.
+One llhttp serves both directions, so the engine runs one copy of its code.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
@@ -15,12 +16,13 @@ from libc.stdint cimport uint8_t, uint16_t, uint64_t
 
 from sidecar.engine.head cimport locate
 
-from sidecar.engine.request_parser import CallbackError, HeadTooLarge, ParseError, UpgradeRequest
+from sidecar.engine.parsers import CallbackError, HeadTooLarge, ParseError, UpgradeRequest
 
 
 cdef extern from "llhttp.h":
     ctypedef enum llhttp_type_t:
         HTTP_REQUEST
+        HTTP_RESPONSE
     ctypedef enum llhttp_errno_t:
         HPE_OK
         HPE_PAUSED_UPGRADE
@@ -36,6 +38,7 @@ cdef extern from "llhttp.h":
         uint8_t http_minor
         uint8_t upgrade
         uint16_t flags
+        uint16_t status_code
         void* data
     ctypedef int (*llhttp_data_cb)(llhttp_t*, const char*, size_t) noexcept
     ctypedef int (*llhttp_cb)(llhttp_t*) noexcept
@@ -56,55 +59,72 @@ cdef extern from "llhttp.h":
     const char* llhttp_method_name(llhttp_method_t method)
 
 
-cdef llhttp_settings_t _SETTINGS
+cdef llhttp_settings_t _REQUEST_SETTINGS
+cdef llhttp_settings_t _RESPONSE_SETTINGS
 # Method names as bytes, by llhttp's method number (filled as methods are seen).
 cdef list _METHODS = [None] * 256
 
 
-cdef class LlhttpParser:
+cdef class _Llhttp:
+    """What both directions share: the parser, the body and end callbacks, error reporting."""
+
     cdef llhttp_t p
-    cdef object on_head, on_body, on_complete
-    cdef Py_ssize_t max_head
+    cdef object on_body, on_complete
+    cdef object error  # what a callback raised, re-raised once llhttp returns
     cdef bytes data  # the read being parsed (during feed_data)
     cdef const char* buf  # its bytes
-    cdef list pieces  # earlier reads holding the head in progress, from its first byte
-    cdef Py_ssize_t held  # their size
-    cdef Py_ssize_t start  # where the head in progress starts in data (-1: in an earlier read)
-    cdef bint in_head
-    cdef bytes target
-    cdef Py_ssize_t trailer  # trailer bytes of the current request
-    cdef object error  # what a callback raised, re-raised once llhttp returns
 
-    def __init__(self, owner, Py_ssize_t max_head):
-        self.on_head = owner.on_head
+    cdef int _init(self, owner, llhttp_type_t kind, llhttp_settings_t* settings) except -1:
         self.on_body = owner.on_body
         self.on_complete = owner.on_message_complete
-        self.max_head = max_head
-        self.pieces = []
-        self.target = b""
-        llhttp_init(&self.p, HTTP_REQUEST, &_SETTINGS)
+        llhttp_init(&self.p, kind, settings)
         self.p.data = <void*>self
+        return 0
 
-    def feed_data(self, data):
+    cdef llhttp_errno_t _execute(self, data) except? HPE_USER:
+        """Run llhttp over ``data``; raise what failed (a protocol switch is left to the caller)."""
         cdef llhttp_errno_t err
-        cdef Py_ssize_t size
         if type(data) is not bytes:
             data = bytes(data)
         self.data = data
         self.buf = PyBytes_AS_STRING(data)
         err = llhttp_execute(&self.p, self.buf, len(data))
         self.data = None
-        if err != HPE_OK:
-            if err == HPE_PAUSED_UPGRADE and self.p.upgrade:
-                llhttp_resume_after_upgrade(&self.p)
-                raise UpgradeRequest()
-            error = self.error
-            if error is None:
-                raise ParseError(llhttp_get_error_reason(&self.p).decode("latin-1"))
-            self.error = None
-            if isinstance(error, HeadTooLarge):
-                raise error
-            raise CallbackError(llhttp_get_error_reason(&self.p).decode("latin-1")) from error
+        if err == HPE_OK or (err == HPE_PAUSED_UPGRADE and self.p.upgrade):
+            return err
+        error = self.error
+        if error is None:
+            raise ParseError(llhttp_get_error_reason(&self.p).decode("latin-1"))
+        self.error = None
+        if isinstance(error, HeadTooLarge):
+            raise error
+        raise CallbackError(llhttp_get_error_reason(&self.p).decode("latin-1")) from error
+
+
+cdef class LlhttpParser(_Llhttp):
+    """Requests (see :mod:`sidecar.engine.parsers`)."""
+
+    cdef object on_head
+    cdef Py_ssize_t max_head
+    cdef list pieces  # earlier reads holding the head in progress, from its first byte
+    cdef Py_ssize_t held  # their size
+    cdef Py_ssize_t start  # where the head in progress starts in data (-1: in an earlier read)
+    cdef bint in_head
+    cdef bytes target
+    cdef Py_ssize_t trailer  # trailer bytes of the current request
+
+    def __init__(self, owner, Py_ssize_t max_head):
+        self._init(owner, HTTP_REQUEST, &_REQUEST_SETTINGS)
+        self.on_head = owner.on_head
+        self.max_head = max_head
+        self.pieces = []
+        self.target = b""
+
+    def feed_data(self, data):
+        cdef Py_ssize_t size
+        if self._execute(data) == HPE_PAUSED_UPGRADE:
+            llhttp_resume_after_upgrade(&self.p)
+            raise UpgradeRequest()
         if self.in_head:  # the head continues in the next read: keep its bytes so far
             if self.start > 0:
                 data = data[self.start:]
@@ -148,12 +168,37 @@ cdef class LlhttpParser:
         return 0
 
 
-cdef inline LlhttpParser _parser(llhttp_t* p):
-    return <LlhttpParser>p.data
+cdef class LlhttpResponseParser(_Llhttp):
+    """Responses (see :mod:`sidecar.engine.parsers`)."""
+
+    cdef object on_headers
+
+    def __init__(self, owner):
+        self._init(owner, HTTP_RESPONSE, &_RESPONSE_SETTINGS)
+        self.on_headers = owner.on_headers_complete
+
+    def feed_data(self, data):
+        if self._execute(data) == HPE_PAUSED_UPGRADE:
+            raise ParseError("the response switches protocols")
+
+    def get_status_code(self):
+        return self.p.status_code
+
+    def should_keep_alive(self):
+        return llhttp_should_keep_alive(&self.p) != 0
+
+
+cdef inline _Llhttp _parser(llhttp_t* p):
+    return <_Llhttp>p.data
+
+
+cdef int _fail(_Llhttp self, exc) noexcept:
+    self.error = exc
+    return HPE_USER
 
 
 cdef int _on_method(llhttp_t* p, const char* at, size_t length) noexcept:
-    cdef LlhttpParser self = _parser(p)
+    cdef LlhttpParser self = <LlhttpParser>p.data
     if not self.in_head:  # the first piece of a new request (llhttp skipped any CR/LF before it)
         self.in_head = True
         self.start = at - self.buf
@@ -162,64 +207,74 @@ cdef int _on_method(llhttp_t* p, const char* at, size_t length) noexcept:
 
 
 cdef int _on_url(llhttp_t* p, const char* at, size_t length) noexcept:
-    cdef LlhttpParser self = _parser(p)
+    cdef LlhttpParser self = <LlhttpParser>p.data
     try:
         piece = PyBytes_FromStringAndSize(at, length)
         self.target = piece if not self.target else self.target + piece
     except BaseException as exc:
-        self.error = exc
-        return HPE_USER
+        return _fail(self, exc)
     return 0
 
 
 cdef int _on_field(llhttp_t* p, const char* at, size_t length) noexcept:
-    cdef LlhttpParser self = _parser(p)
+    cdef LlhttpParser self = <LlhttpParser>p.data
     if not self.in_head:  # a trailer after a chunked body: counted against the limit, dropped
         self.trailer += length
         if self.trailer > self.max_head:
             try:
-                self.error = HeadTooLarge()
+                return _fail(self, HeadTooLarge())
             except BaseException as exc:
-                self.error = exc
-            return HPE_USER
+                return _fail(self, exc)
     return 0
 
 
-cdef int _on_headers_complete(llhttp_t* p) noexcept:
-    cdef LlhttpParser self = _parser(p)
+cdef int _on_request_head(llhttp_t* p) noexcept:
     try:
-        self.head_complete()
+        (<LlhttpParser>p.data).head_complete()
     except BaseException as exc:
-        self.error = exc
+        _fail(_parser(p), exc)
         return -1
-    return 1 if p.upgrade else 0  # an upgrade has no body here (llhttp then pauses)
+    return 1 if p.upgrade else 0  # a protocol switch has no body here (llhttp then pauses)
+
+
+cdef int _on_response_head(llhttp_t* p) noexcept:
+    try:
+        (<LlhttpResponseParser>p.data).on_headers()
+    except BaseException as exc:
+        _fail(_parser(p), exc)
+        return -1
+    return 1 if p.upgrade else 0
 
 
 cdef int _on_body(llhttp_t* p, const char* at, size_t length) noexcept:
-    cdef LlhttpParser self = _parser(p)
+    cdef _Llhttp self = _parser(p)
     try:
         self.on_body(PyBytes_FromStringAndSize(at, length))
     except BaseException as exc:
-        self.error = exc
-        return HPE_USER
+        return _fail(self, exc)
     return 0
 
 
 cdef int _on_message_complete(llhttp_t* p) noexcept:
-    cdef LlhttpParser self = _parser(p)
+    cdef _Llhttp self = _parser(p)
     try:
         self.on_complete()
     except BaseException as exc:
-        self.error = exc
+        _fail(self, exc)
         return -1
     return 0
 
 
-llhttp_settings_init(&_SETTINGS)
-_SETTINGS.on_method = _on_method
-_SETTINGS.on_url = _on_url
-_SETTINGS.on_header_field = _on_field
-_SETTINGS.on_header_value = _on_field
-_SETTINGS.on_headers_complete = _on_headers_complete
-_SETTINGS.on_body = _on_body
-_SETTINGS.on_message_complete = _on_message_complete
+llhttp_settings_init(&_REQUEST_SETTINGS)
+_REQUEST_SETTINGS.on_method = _on_method
+_REQUEST_SETTINGS.on_url = _on_url
+_REQUEST_SETTINGS.on_header_field = _on_field
+_REQUEST_SETTINGS.on_header_value = _on_field
+_REQUEST_SETTINGS.on_headers_complete = _on_request_head
+_REQUEST_SETTINGS.on_body = _on_body
+_REQUEST_SETTINGS.on_message_complete = _on_message_complete
+
+llhttp_settings_init(&_RESPONSE_SETTINGS)
+_RESPONSE_SETTINGS.on_headers_complete = _on_response_head
+_RESPONSE_SETTINGS.on_body = _on_body
+_RESPONSE_SETTINGS.on_message_complete = _on_message_complete

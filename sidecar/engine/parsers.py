@@ -1,7 +1,9 @@
-"""Request parsing for the fast engine: llhttp (strict), one call to the owner per request head.
+"""HTTP/1.1 parsing for the fast engine: llhttp (strict, no lenient flags) in both builds.
 
 Both builds parse with llhttp at the version httptools vendors (``vendor/llhttp``), so they
-accept and refuse the same bytes. ``RequestParser(owner, max_head)`` is:
+accept and refuse the same bytes.
+
+**Requests.** ``RequestParser(owner, max_head)`` is:
 
 - compiled: :class:`sidecar.engine.llhttp_parser.LlhttpParser`, which drives llhttp with C
   callbacks and hands the owner the head as the raw bytes it arrived in (no Python call and no
@@ -26,6 +28,13 @@ The owner provides (called from inside :meth:`feed_data`, in stream order):
 upgrade or CONNECT request (nothing after it is parsed); :class:`ParseError` for bytes llhttp
 refuses; :class:`CallbackError` when an owner callback raised (its exception is the cause).
 After any of them the parser is unusable.
+
+**Responses.** ``ResponseParser(owner)`` (compiled: ``LlhttpResponseParser``; pure Python:
+:class:`HttptoolsResponseParser`) calls the owner's ``on_headers_complete()``, ``on_body(data)``
+and ``on_message_complete()`` and answers ``get_status_code()`` and ``should_keep_alive()``
+(llhttp's verdicts for the current response); the owner reads the head from the bytes it fed
+(:func:`sidecar.engine.head.locate`). :meth:`feed_data` raises :class:`ParseError` (a protocol
+switch included: the engine never asks for one) or :class:`CallbackError`.
 """
 
 from __future__ import annotations
@@ -127,8 +136,32 @@ class HttptoolsParser:
                      parser.should_keep_alive(), int(found[0]) if found else -1)
 
 
+class HttptoolsResponseParser:
+    """The pure-Python build's response parser: httptools, without per-header callbacks."""
+
+    __slots__ = ("parser", "get_status_code", "should_keep_alive")
+
+    def __init__(self, owner: Any) -> None:
+        self.parser = parser = httptools.HttpResponseParser(owner)
+        self.get_status_code = parser.get_status_code
+        self.should_keep_alive = parser.should_keep_alive
+
+    def feed_data(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            raise CallbackError(str(exc)) from exc.__context__
+        except httptools.HttpParserError as exc:
+            raise ParseError(str(exc)) from None
+        except httptools.HttpParserUpgrade:
+            raise ParseError("the response switches protocols") from None
+
+
 RequestParser: Any
+ResponseParser: Any
 try:
     from sidecar.engine.llhttp_parser import LlhttpParser as RequestParser
+    from sidecar.engine.llhttp_parser import LlhttpResponseParser as ResponseParser
 except ImportError:  # not compiled, or SIDECAR_PURE_PYTHON=1
     RequestParser = HttptoolsParser
+    ResponseParser = HttptoolsResponseParser

@@ -1,9 +1,10 @@
-"""The fast engine's two request parsers (sidecar.engine.request_parser) against each other.
+"""The fast engine's two sets of parsers (sidecar.engine.parsers) against each other.
 
-The compiled build parses with the vendored llhttp driven from C (``LlhttpParser``), the
-pure-Python build with httptools (``HttptoolsParser``). Both must hand the engine the same
-requests for the same bytes however the bytes are split into reads, and fail the same way; the
-compiled one must hand over the header lines exactly as they arrived.
+The compiled build parses with the vendored llhttp driven from C (``LlhttpParser``,
+``LlhttpResponseParser``), the pure-Python build with httptools (``HttptoolsParser``,
+``HttptoolsResponseParser``). Both must hand the engine the same requests and responses for the
+same bytes however the bytes are split into reads, and fail the same way; the compiled request
+parser must hand over the header lines exactly as they arrived.
 """
 
 from __future__ import annotations
@@ -15,22 +16,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.engine.head import fields
-from sidecar.engine.request_parser import (
+from sidecar.engine.parsers import (
     CallbackError,
     HeadTooLarge,
     HttptoolsParser,
+    HttptoolsResponseParser,
     ParseError,
     RequestParser,
     UpgradeRequest,
 )
 
 try:
-    from sidecar.engine.llhttp_parser import LlhttpParser
+    from sidecar.engine.llhttp_parser import LlhttpParser, LlhttpResponseParser
 except ImportError:  # the pure-Python build (or SIDECAR_PURE_PYTHON=1)
-    LlhttpParser = None
+    LlhttpParser = LlhttpResponseParser = None
 
-COMPILED_ONLY = pytest.mark.skipif(LlhttpParser is None, reason="the llhttp parser is compiled only")
+COMPILED_ONLY = pytest.mark.skipif(LlhttpParser is None, reason="the llhttp parsers are compiled only")
 PARSERS = [HttptoolsParser] + ([LlhttpParser] if LlhttpParser is not None else [])
+RESPONSE_PARSERS = [HttptoolsResponseParser] + ([LlhttpResponseParser] if LlhttpResponseParser is not None else [])
 LIMIT = 2048
 
 
@@ -200,3 +203,66 @@ def test_random_reads_of_a_pipelined_stream_give_the_same_requests(cuts: list[in
     for parser_class in PARSERS:
         got, error = run(parser_class, split(STREAM, cuts))
         assert (got.events, error) == (expected.events, None), parser_class.__name__
+
+
+class ResponseRecorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+        self.parser: Any = None
+
+    def on_headers_complete(self) -> None:
+        self.events.append(("head", self.parser.get_status_code()))
+
+    def on_body(self, data: bytes) -> None:
+        if self.events and self.events[-1][0] == "body":
+            self.events[-1] = ("body", self.events[-1][1] + data)
+        else:
+            self.events.append(("body", data))
+
+    def on_message_complete(self) -> None:
+        self.events.append(("end", self.parser.should_keep_alive()))
+
+
+def run_responses(parser_class: Any, reads: list[bytes]) -> tuple[list[tuple[Any, ...]], str | None]:
+    owner = ResponseRecorder()
+    owner.parser = parser_class(owner)
+    for data in reads:
+        try:
+            owner.parser.feed_data(data)
+        except ParseError as exc:
+            return owner.events, type(exc).__name__
+    return owner.events, None
+
+
+RESPONSES: dict[str, bytes] = {
+    "length": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: 1\r\n\r\nhello",
+    "chunked_then_close": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+    b"HTTP/1.1 503 Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    "interim_then_final": b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n",
+    "until_eof": b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nstreamed without a length",
+    "http10": b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    "bad_status_line": b"HTTP/1.1 2000 OK\r\n\r\n",
+    "length_and_chunked": b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "switching_protocols": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("parser_class", RESPONSE_PARSERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("name", sorted(RESPONSES))
+def test_response_parsers_agree_for_every_split(name: str, parser_class: Any) -> None:
+    data = RESPONSES[name]
+    expected = run_responses(HttptoolsResponseParser, [data])
+    assert run_responses(parser_class, [data]) == expected
+    assert run_responses(parser_class, [data[i:i + 1] for i in range(len(data))]) == expected
+
+
+def test_response_corpus_outcomes() -> None:
+    outcomes = {name: run_responses(HttptoolsResponseParser, [data]) for name, data in RESPONSES.items()}
+    assert outcomes["length"] == ([("head", 200), ("body", b"hello"), ("end", True)], None)
+    assert outcomes["chunked_then_close"][0] == [("head", 200), ("body", b"abc"), ("end", True), ("head", 503),
+                                                 ("end", False)]
+    assert outcomes["interim_then_final"][0] == [("head", 100), ("end", True), ("head", 204), ("end", True)]
+    assert outcomes["until_eof"] == ([("head", 200), ("body", b"streamed without a length")], None)
+    assert outcomes["http10"][0][-1] == ("end", False)
+    for name in ("bad_status_line", "length_and_chunked", "switching_protocols"):
+        assert outcomes[name][1] == "ParseError", name
