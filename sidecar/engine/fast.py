@@ -67,6 +67,7 @@ from sidecar.engine.head import (
     NAMES_HEADERS,
     HeaderBlock,
     copy_block,
+    first_value,
     has_any,
     has_header,
     header_values,
@@ -647,8 +648,8 @@ class _Exchange:
         if self.method == b"CONNECT" or not self.target.startswith(b"/"):
             self.error = (_bad_request("request target must be an absolute path (origin-form)"), "bad_request")
             return
-        expect = header_values(raw, first, end, _EXPECT_B, True)
-        self.expect = bool(expect) and expect[0].lower() == b"100-continue"
+        expect = first_value(raw, first, end, _EXPECT_B)
+        self.expect = expect is not None and expect.lower() == b"100-continue"
 
     # -- request path -------------------------------------------------------------------------
 

@@ -291,7 +291,7 @@ def has_any(raw: bytes, first: int, end: int, table: tuple[tuple[bytes, ...], ..
 
 def has_header(raw: bytes, first: int, end: int, lower: bytes) -> bool:
     """The block ``raw[first:end]`` has a header ``lower`` (a lower-case name)."""
-    return bool(header_values(raw, first, end, lower, True))
+    return first_value(raw, first, end, lower) is not None
 
 
 def fields(raw: bytes, first: int, end: int) -> list[tuple[bytes, bytes]]:
