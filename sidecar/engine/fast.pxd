@@ -4,8 +4,8 @@
 cimport cython
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.fast_client cimport UpstreamConnection
-from sidecar.engine.head cimport (HeaderBlock, copy_block, first_value, has_any, has_header, header_values,
-                                  name_table, reason_phrase, relay_block)
+from sidecar.engine.head cimport (HeaderBlock, copy_block, first_value, has_any, has_header, header_map,
+                                  header_values, name_table, reason_phrase, relay_block)
 from sidecar.metrics cimport DeploymentStats, _Value
 from sidecar.deployments cimport Deployment
 from sidecar.router cimport Decision, Router

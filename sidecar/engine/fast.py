@@ -21,7 +21,7 @@ The request path runs tens of thousands of times a second on one core, so the pe
 steps are flattened into few methods (parse callbacks, :meth:`_Exchange.start` /
 :meth:`_Exchange._forward`, :meth:`_Exchange.response_head`, :meth:`_Exchange.response_end`)
 and the router reads the request's headers through a :class:`~sidecar.engine.head.HeaderBlock`
-view of the raw block (nothing is built per header). Rare paths (errors, unusual framing
+view of the raw block (nothing is built per header; :func:`~sidecar.engine.head.header_map`). Rare paths (errors, unusual framing
 headers, timeouts) stay in their own small methods.
 
 Backpressure (:mod:`sidecar.engine.flow`): a write buffer above its high-water mark on one side
@@ -40,6 +40,7 @@ import asyncio
 import logging
 import sys
 from collections import deque
+from collections.abc import Mapping
 from http import HTTPStatus
 from time import perf_counter
 from typing import Any, cast
@@ -65,11 +66,11 @@ from sidecar.engine.head import (
     HAS_CONTENT_LENGTH,
     HAS_TRANSFER_ENCODING,
     NAMES_HEADERS,
-    HeaderBlock,
     copy_block,
     first_value,
     has_any,
     has_header,
+    header_map,
     header_values,
     name_table,
     reason_phrase,
@@ -616,7 +617,7 @@ class _Exchange:
         self.resp_status = 0
         self.resp_mode = R_NONE
         # The parsed response head until the router heard of it (see _observe_head).
-        self.resp_head: HeaderBlock | None = None
+        self.resp_head: Mapping[str, str] | None = None
         self.head_at = 0.0
         self.close_after = False
 
@@ -671,7 +672,7 @@ class _Exchange:
         try:
             decision = router.route(RequestHead(_METHODS[method] if method in _METHODS else method.decode("latin-1"),
                                                 self.target.decode("utf-8", "surrogateescape"),
-                                                HeaderBlock(self.raw, self.first, self.end)))
+                                                header_map(self.raw, self.first, self.end)))
         except errors.ProxyError as exc:
             self.respond_error(exc, router.default.name, router.default.mode_name, exc.type)
             return
@@ -910,7 +911,7 @@ class _Exchange:
         self.last_io = now
         # The router and the metrics hear of the head once its bytes are written (_observe_head):
         # off the latency path, still before anything can finish the turn.
-        self.resp_head = HeaderBlock(raw, first, end)
+        self.resp_head = header_map(raw, first, end)
         self.head_at = now
         out = client.out
         out += (_HTTP10 if self.http10 else _HTTP11,

@@ -6,6 +6,7 @@ cdef class HeaderBlock:
     cdef public bytes _raw
     cdef public Py_ssize_t _first, _end
     cdef public unsigned long long _mask
+    cdef public dict _decoded
     @cython.locals(lower=bytes, value=bytes, mask="unsigned long long", one="unsigned long long")
     cpdef get(self, key, default=*)
 
@@ -78,3 +79,7 @@ cdef (Py_ssize_t, Py_ssize_t) _next_listed(bytes raw, Py_ssize_t i, Py_ssize_t e
 cpdef copy_block(bytes raw, Py_ssize_t first, Py_ssize_t end, list out, tuple table)
 cpdef bint has_any(bytes raw, Py_ssize_t first, Py_ssize_t end, tuple table)
 cpdef bint has_header(bytes raw, Py_ssize_t first, Py_ssize_t end, bytes lower)
+
+@cython.locals(out=dict)
+cpdef dict decoded(bytes raw, Py_ssize_t first, Py_ssize_t end)
+cpdef header_map(bytes raw, Py_ssize_t first, Py_ssize_t end)

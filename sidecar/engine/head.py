@@ -161,9 +161,9 @@ def relay_block(raw: bytes, first: int, end: int, out: list[bytes], extra: set[s
     those ``extra`` names (lower-case keys), as few slices as possible (each run of kept lines is
     one); return the HAS_* bits of the names in the block, plus NAMES_HEADERS when a Connection
     header may name more (then the caller relays again with those names as ``extra``)."""
-    first, end = _clamp(raw, first, end)
     if not _COMPILED:
         return _relay_block_py(raw, first, end, out, extra)
+    first, end = _clamp(raw, first, end)  # (the C scans index without bounds checks)
     bits = 0
     run = first  # start of the current run of kept lines
     i = first
@@ -202,9 +202,9 @@ def _next_value(raw: bytes, i: int, end: int, lower: bytes) -> tuple[int, int]:
 def header_values(raw: bytes, first: int, end: int, lower: bytes, first_only: bool) -> list[bytes]:
     """The values of the header ``lower`` (a lower-case name) in the block ``raw[first:end]``, in
     order (only the first with ``first_only``)."""
-    first, end = _clamp(raw, first, end)
     if not _COMPILED:
         return _header_values_py(raw, first, end, lower, first_only)
+    first, end = _clamp(raw, first, end)  # (the C scans index without bounds checks)
     out: list[bytes] = []
     v, eol = _next_value(raw, first, end, lower)
     while v >= 0:
@@ -218,10 +218,10 @@ def header_values(raw: bytes, first: int, end: int, lower: bytes, first_only: bo
 def first_value(raw: bytes, first: int, end: int, lower: bytes) -> bytes | None:
     """The first value of the header ``lower`` (a lower-case name) in the block ``raw[first:end]``,
     None without one."""
-    first, end = _clamp(raw, first, end)
     if not _COMPILED:
         found = _header_values_py(raw, first, end, lower, True)
         return found[0] if found else None
+    first, end = _clamp(raw, first, end)  # (the C scans index without bounds checks)
     v, eol = _next_value(raw, first, end, lower)
     return raw[v:eol - 1] if v >= 0 else None
 
@@ -266,10 +266,10 @@ def _next_listed(raw: bytes, i: int, end: int, table: tuple[tuple[bytes, ...], .
 def copy_block(raw: bytes, first: int, end: int, out: list[bytes], table: tuple[tuple[bytes, ...], ...]) -> None:
     """Append the lines of the block ``raw[first:end]`` whose names are not in ``table`` (see
     :func:`name_table`) to ``out``, byte for byte, one slice per run of kept lines."""
-    first, end = _clamp(raw, first, end)
     if not _COMPILED:
         _copy_block_py(raw, first, end, out, table)
         return
+    first, end = _clamp(raw, first, end)  # (the C scans index without bounds checks)
     run = first
     at, nxt = _next_listed(raw, first, end, table)
     while at < end:
@@ -283,9 +283,9 @@ def copy_block(raw: bytes, first: int, end: int, out: list[bytes], table: tuple[
 
 def has_any(raw: bytes, first: int, end: int, table: tuple[tuple[bytes, ...], ...]) -> bool:
     """A header of the block ``raw[first:end]`` has a name in ``table``."""
-    first, end = _clamp(raw, first, end)
     if not _COMPILED:
         return _has_any_py(raw, first, end, table)
+    first, end = _clamp(raw, first, end)  # (the C scans index without bounds checks)
     return _next_listed(raw, first, end, table)[0] < end
 
 
@@ -391,6 +391,26 @@ def token_set(values: list[bytes]) -> set[str]:
 _MISSING = object()
 
 
+def decoded(raw: bytes, first: int, end: int) -> dict[str, str]:
+    """The block ``raw[first:end]`` as a dict: lower-case name -> first value, decoded."""
+    out: dict[str, str] = {}
+    for line in raw[first:end].split(b"\r\n")[:-1]:
+        name, _, value = line.partition(b":")
+        key = name.decode("latin-1").lower()
+        if key not in out:
+            out[key] = value.lstrip(b" \t").decode("utf-8", "surrogateescape")
+    return out
+
+
+def header_map(raw: bytes, first: int, end: int) -> Mapping[str, str]:
+    """What the router reads a block through: compiled, a :class:`HeaderBlock` (its lookups scan
+    in C, and most names looked up are absent); interpreted, the :func:`decoded` dict (the
+    interpreter decodes a block once faster than it scans it per lookup)."""
+    if _COMPILED:
+        return HeaderBlock(raw, first, end)
+    return decoded(raw, first, end)
+
+
 def _name_bit(raw: bytes, at: int, n: int) -> int:
     """The bit of :meth:`HeaderBlock.get`'s filter for the name ``raw[at:at + n]`` (``n > 0``),
     from its length and last letter (case folded): bits 0-62."""
@@ -419,14 +439,17 @@ class HeaderBlock:
     (usually) costs no scan. Not a Mapping subclass (compiled, it is an extension type, which
     cannot derive from one): registered as one, with the full read-only API."""
 
-    __slots__ = ("_raw", "_first", "_end", "_mask")
+    __slots__ = ("_raw", "_first", "_end", "_mask", "_decoded")
 
     def __init__(self, raw: bytes, first: int = 0, end: int = -1) -> None:
         self._raw = raw
         self._first, self._end = _clamp(raw, first, len(raw) if end < 0 else end)
         self._mask = 0  # _name_mask's filter once built (compiled only)
+        self._decoded: dict[str, str] | None = None  # _dict() once built
 
     def get(self, key: str, default: Any = None) -> Any:
+        if not _COMPILED:  # interpreted, scans cost more than decoding the block once
+            return self._dict().get(key, default)
         lower = _KEY_BYTES.get(key) if type(key) is str else None
         if lower is None:
             try:
@@ -435,15 +458,14 @@ class HeaderBlock:
                 return default  # not a str, or not a name any header can have
             if len(_KEY_BYTES) < MAX_KEYS:
                 _KEY_BYTES[key] = lower
-        if _COMPILED:
-            if not lower:
-                return default
-            mask = self._mask
-            if mask == 0:
-                self._mask = mask = _name_mask(self._raw, self._first, self._end)
-            one = 1
-            if not mask & (one << _name_bit(lower, 0, len(lower))):
-                return default  # no name of this length and last letter
+        if not lower:
+            return default
+        mask = self._mask
+        if mask == 0:
+            self._mask = mask = _name_mask(self._raw, self._first, self._end)
+        one = 1
+        if not mask & (one << _name_bit(lower, 0, len(lower))):
+            return default  # no name of this length and last letter
         value = first_value(self._raw, self._first, self._end, lower)
         return default if value is None else value.decode("utf-8", "surrogateescape")
 
@@ -457,11 +479,9 @@ class HeaderBlock:
         return self.get(key, _MISSING) is not _MISSING  # type: ignore[arg-type]
 
     def _dict(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for name, value in fields(self._raw, self._first, self._end):
-            key = name.decode("latin-1").lower()
-            if key not in out:
-                out[key] = value.decode("utf-8", "surrogateescape")
+        out = self._decoded
+        if out is None:
+            self._decoded = out = decoded(self._raw, self._first, self._end)
         return out
 
     def __iter__(self) -> Iterator[str]:

@@ -43,8 +43,6 @@ from typing import Any
 
 import httptools
 
-from sidecar.engine.head import header_values
-
 
 class ParseError(Exception):
     """llhttp refused the bytes (the message is llhttp's reason)."""
@@ -69,7 +67,7 @@ class HttptoolsParser:
     """The pure-Python build's request parser: httptools, with one callback per header."""
 
     __slots__ = ("parser", "on_head", "on_body", "on_message_complete", "max_head", "in_head", "target", "lines",
-                 "size", "fed")
+                 "length", "size", "fed")
 
     def __init__(self, owner: Any, max_head: int) -> None:
         self.on_head = owner.on_head
@@ -80,6 +78,7 @@ class HttptoolsParser:
         self.in_head = False
         self.target = b""
         self.lines: list[bytes] = []
+        self.length = -1  # the declared Content-Length (llhttp refuses a second one)
         self.size = 0  # head bytes so far as llhttp reported them (target, names, values, separators)
         self.fed = 0  # bytes fed since the read in which the head began
         self.parser = httptools.HttpRequestParser(self)
@@ -112,6 +111,7 @@ class HttptoolsParser:
             self.in_head = True
             self.target = url
             self.lines = []
+            self.length = -1
             self.size = len(url)
             self.fed = 0
         if self.size > self.max_head:
@@ -123,6 +123,8 @@ class HttptoolsParser:
             raise HeadTooLarge()
         if self.in_head:
             self.lines.append(b"%s: %s\r\n" % (name, value))
+            if len(name) == 14 and name.lower() == _CONTENT_LENGTH:
+                self.length = int(value)
         # else: a trailer after a chunked body: counted against the limit, never forwarded
 
     def on_headers_complete(self) -> None:
@@ -131,9 +133,8 @@ class HttptoolsParser:
         raw = b"".join(self.lines)
         parser = self.parser
         major, _, minor = parser.get_http_version().partition(".")
-        found = header_values(raw, 0, len(raw), _CONTENT_LENGTH, True)
         self.on_head(raw, 0, len(raw), parser.get_method(), self.target, int(major) * 10 + int(minor),
-                     parser.should_keep_alive(), int(found[0]) if found else -1)
+                     parser.should_keep_alive(), self.length)
 
 
 class HttptoolsResponseParser:

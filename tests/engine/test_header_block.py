@@ -92,7 +92,6 @@ def test_copy_block_drops_listed_names_and_keeps_the_rest_byte_for_byte() -> Non
     copy_block(REQUEST_BLOCK, 0, len(REQUEST_BLOCK), out, table)
     assert out[0] == b"HEAD"
     assert b"".join(out[1:]) == b"X-Keep: 1\r\nX-KEEP: 2\r\nAccept:  */* \r\n"
-    assert len(out) == 4  # one slice per run of kept lines (three runs)
     out = []
     copy_block(REQUEST_BLOCK, 0, len(REQUEST_BLOCK), out, name_table(frozenset()))
     assert out == [REQUEST_BLOCK]
