@@ -179,11 +179,21 @@ class Processes:
             self.stop(proc)
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (the sockets stay bound until all are picked: two picks one
+    after the other can return the same port)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((HOST, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_ports(1)[0]
 
 
 def render(template: str, prefix: Path, **values: int) -> str:
@@ -349,7 +359,7 @@ class Lab:
         (with the reason) if it does not start or misbehaves, after stopping it."""
         self._count += 1
         name = f"{self._count:02d}-{re.sub(r'[^a-z0-9]+', '-', spec.label.lower()).strip('-')}"
-        port = free_port()
+        port, sidecar_admin_port = free_ports(2)
         admin_port = None
         if spec.kind == "nginx":
             proc = self._nginx(name, "nginx/proxy.conf", port, PROXY_CPU, upstream_port=self.upstream_port)
@@ -360,7 +370,7 @@ class Lab:
             proc = self.procs.start(name, [self.tools.envoy, "-c", str(conf), "--concurrency", "1",
                                            "--log-level", "warning", "--disable-hot-restart"], PROXY_CPU)
         else:
-            admin_port = free_port()
+            admin_port = sidecar_admin_port
             prefix = self._prefix(name)
             config: dict[str, Any] = {"drain_grace_seconds": 1}
             if sessions:

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 import sidecar
-from tests.proxy.test_errors import free_port
+from tests.proxy.test_errors import free_ports
 
 
 async def wait_healthy(admin: str, proc: subprocess.Popen, timeout: float = 15.0) -> None:
@@ -48,7 +48,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 async def test_readme_example_command_and_sigterm_drain(upstream):
-    port, admin_port = free_port(), free_port()
+    port, admin_port = free_ports(2)
     proc = spawn("--listen", f"127.0.0.1:{port}", "--upstream", upstream.url, "--mode", "dynamo_headers",
                  "--admin", f"127.0.0.1:{admin_port}", env={"SIDECAR_DRAIN_GRACE_SECONDS": "5"})
     admin = f"http://127.0.0.1:{admin_port}"
@@ -133,7 +133,7 @@ async def test_startup_log_says_whether_the_fast_engine_runs_compiled(upstream, 
                             check=True).stdout.strip()
     if pure == "1":
         assert loaded.endswith(os.path.join("engine", "fast.py")), loaded
-    port, admin_port = free_port(), free_port()
+    port, admin_port = free_ports(2)
     proc = spawn("--listen", f"127.0.0.1:{port}", "--upstream", upstream.url, "--mode", "dynamo_headers",
                  "--admin", f"127.0.0.1:{admin_port}", "--engine", "fast", env=env)
     try:

@@ -7,10 +7,20 @@ import socket
 import aiohttp
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all bound at once: picks one after the other may repeat)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 async def test_unreachable_upstream_is_502_json(start_sidecar):
