@@ -110,6 +110,7 @@ _UPGRADE_B = _UPGRADE.encode()
 _XFF_B = _XFF.encode()
 _XFP_B = _XFP.encode()
 _CL_DROP = frozenset({_CONTENT_LENGTH})
+_WITH_CL: dict[frozenset[str], frozenset[str]] = {}  # drop set -> the same plus Content-Length
 # Request headers whose presence takes the head checks and the forwarding off the fast path.
 _SPECIAL = name_table(frozenset({_CONNECTION, _TRANSFER_ENCODING, _EXPECT, _UPGRADE, _XFF, _XFP}))
 
@@ -717,7 +718,14 @@ class _Exchange:
                 if key not in drop and has_header(raw, self.first, self.end, entry[2]):
                     drop = drop | {key}  # the mode's value replaces a client header of the same name
         if length >= 0 and self.length >= 0:
-            drop = drop | _CL_DROP  # a Content-Length the transformed body replaces
+            # A Content-Length the transformed body replaces (the union cached: body modes take
+            # this path on every request).
+            with_cl = _WITH_CL.get(drop)
+            if with_cl is None:
+                with_cl = drop | _CL_DROP
+                if len(_WITH_CL) < 64:
+                    _WITH_CL[drop] = with_cl
+            drop = with_cl
         parts = [self.method, base, self.target, version_host]
         copy_block(raw, self.first, self.end, parts, name_table(drop))
         if self.special:
