@@ -408,6 +408,22 @@ async def test_oversized_response_head_is_a_502_and_the_connection_is_dropped(ra
 
 
 @FAST
+async def test_a_protocol_switch_in_a_response_is_a_502_and_the_connection_dropped(raw_upstream, start_sidecar):
+    # The sidecar never asks an upstream for an upgrade: a 101 is a broken upstream, not a tunnel.
+    switch = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\nraw bytes"
+    up = await raw_upstream({"/switch": reply(switch), "/after": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    [resp, after], _ = await exchange(port(sc), b"GET /switch HTTP/1.1\r\nHost: x\r\n\r\n"
+                                               b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n", responses=2)
+    assert resp.status == 502
+    err = orjson.loads(resp.body)["error"]
+    assert err["type"] == "upstream_protocol_error" and "switches protocols" in err["message"]
+    # The client's connection stays usable; the switched upstream connection is not reused.
+    assert after.status == 200 and orjson.loads(after.body)["target"] == "/after"
+    assert [(r.target, r.conn) for r in up.received] == [("/switch", 1), ("/after", 2)]
+
+
+@FAST
 async def test_a_second_response_to_one_request_retires_the_connection(raw_upstream, start_sidecar):
     twice = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nbad"
     up = await raw_upstream({"/twice": reply(twice), "/after": echo()})
