@@ -28,7 +28,6 @@ from collections import deque
 from time import perf_counter
 from typing import Protocol, cast
 
-
 from sidecar.engine.flow import CLIENT_FULL, ReadFlow
 from sidecar.engine.head import locate
 from sidecar.engine.parsers import ParseError, ResponseParser

@@ -66,8 +66,6 @@ cpdef list header_values(bytes raw, Py_ssize_t first, Py_ssize_t end, bytes lowe
 @cython.locals(found=list, v=Py_ssize_t, eol=Py_ssize_t)
 cpdef bytes first_value(bytes raw, Py_ssize_t first, Py_ssize_t end, bytes lower)
 
-@cython.locals(out=list, i=Py_ssize_t, at=Py_ssize_t, colon=Py_ssize_t, eol=Py_ssize_t)
-cpdef list fields(bytes raw, Py_ssize_t first, Py_ssize_t end)
 
 @cython.locals(table=tuple, by_length=list)
 cpdef tuple name_table(frozenset names)

@@ -294,19 +294,6 @@ def has_header(raw: bytes, first: int, end: int, lower: bytes) -> bool:
     return first_value(raw, first, end, lower) is not None
 
 
-def fields(raw: bytes, first: int, end: int) -> list[tuple[bytes, bytes]]:
-    """Every ``(name, value)`` of the block ``raw[first:end]``, in order, names as received."""
-    first, end = _clamp(raw, first, end)
-    out: list[tuple[bytes, bytes]] = []
-    i = first
-    while i < end:
-        at = i
-        colon, eol = _line(raw, i, end)
-        i = eol + 1
-        out.append((raw[at:colon], raw[_value_at(raw, colon, eol):eol - 1]))
-    return out
-
-
 # Uncompiled, the same scans as above cost one Python call per line: these versions iterate
 # with bytes methods instead (same results; the test suite runs on both builds).
 

@@ -81,6 +81,10 @@ cdef class _Llhttp:
         self.p.data = <void*>self
         return 0
 
+    cdef int head(self) except -1:
+        """llhttp completed a head: hand it to the owner (per direction)."""
+        return 0
+
     cdef llhttp_errno_t _execute(self, data) except? HPE_USER:
         """Run llhttp over ``data``; raise what failed (a protocol switch is left to the caller)."""
         cdef llhttp_errno_t err
@@ -135,7 +139,7 @@ cdef class LlhttpParser(_Llhttp):
             self.held = size
             self.start = -1
 
-    cdef int head_complete(self) except -1:
+    cdef int head(self) except -1:
         cdef bytes raw
         cdef Py_ssize_t start, first, end
         cdef object length  # a Python int, not inferred as a C integer: llhttp admits any uint64
@@ -176,6 +180,10 @@ cdef class LlhttpResponseParser(_Llhttp):
     def __init__(self, owner):
         self._init(owner, HTTP_RESPONSE, &_RESPONSE_SETTINGS)
         self.on_headers = owner.on_headers_complete
+
+    cdef int head(self) except -1:
+        self.on_headers()
+        return 0
 
     def feed_data(self, data):
         if self._execute(data) == HPE_PAUSED_UPGRADE:
@@ -228,22 +236,14 @@ cdef int _on_field(llhttp_t* p, const char* at, size_t length) noexcept:
     return 0
 
 
-cdef int _on_request_head(llhttp_t* p) noexcept:
+cdef int _on_headers_complete(llhttp_t* p) noexcept:
+    cdef _Llhttp self = _parser(p)
     try:
-        (<LlhttpParser>p.data).head_complete()
+        self.head()
     except BaseException as exc:
-        _fail(_parser(p), exc)
+        _fail(self, exc)
         return -1
     return 1 if p.upgrade else 0  # a protocol switch has no body here (llhttp then pauses)
-
-
-cdef int _on_response_head(llhttp_t* p) noexcept:
-    try:
-        (<LlhttpResponseParser>p.data).on_headers()
-    except BaseException as exc:
-        _fail(_parser(p), exc)
-        return -1
-    return 1 if p.upgrade else 0
 
 
 cdef int _on_body(llhttp_t* p, const char* at, size_t length) noexcept:
@@ -270,11 +270,11 @@ _REQUEST_SETTINGS.on_method = _on_method
 _REQUEST_SETTINGS.on_url = _on_url
 _REQUEST_SETTINGS.on_header_field = _on_field
 _REQUEST_SETTINGS.on_header_value = _on_field
-_REQUEST_SETTINGS.on_headers_complete = _on_request_head
+_REQUEST_SETTINGS.on_headers_complete = _on_headers_complete
 _REQUEST_SETTINGS.on_body = _on_body
 _REQUEST_SETTINGS.on_message_complete = _on_message_complete
 
 llhttp_settings_init(&_RESPONSE_SETTINGS)
-_RESPONSE_SETTINGS.on_headers_complete = _on_response_head
+_RESPONSE_SETTINGS.on_headers_complete = _on_headers_complete
 _RESPONSE_SETTINGS.on_body = _on_body
 _RESPONSE_SETTINGS.on_message_complete = _on_message_complete

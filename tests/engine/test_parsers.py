@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.engine.head import fields
 from sidecar.engine.parsers import (
     CallbackError,
     HeadTooLarge,
@@ -35,6 +34,12 @@ COMPILED_ONLY = pytest.mark.skipif(LlhttpParser is None, reason="the llhttp pars
 PARSERS = [HttptoolsParser] + ([LlhttpParser] if LlhttpParser is not None else [])
 RESPONSE_PARSERS = [HttptoolsResponseParser] + ([LlhttpResponseParser] if LlhttpResponseParser is not None else [])
 LIMIT = 2048
+
+
+def fields(raw: bytes, first: int, end: int) -> list[tuple[bytes, bytes]]:
+    """The (name, value) pairs of a header block, values without the leading OWS llhttp skips."""
+    return [(name, value.lstrip(b" \t")) for name, _, value in
+            (line.partition(b":") for line in raw[first:end].split(b"\r\n")[:-1])]
 
 
 class Recorder:
