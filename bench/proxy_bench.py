@@ -244,6 +244,7 @@ class Spec:
     prefill: int = 0
     baseline_of: str | None = None  # group whose subject is compared with this one (c, e)
     subject_of: str | None = None
+    idle_poll_us: int | None = None  # the sidecar's idle_poll_us setting; None: its default
 
 
 @dataclass
@@ -375,6 +376,8 @@ class Lab:
             config: dict[str, Any] = {"drain_grace_seconds": 1}
             if sessions:
                 config["sessions"] = sessions
+            if spec.idle_poll_us is not None:
+                config["idle_poll_us"] = spec.idle_poll_us
             conf = prefix / "sidecar.yaml"
             conf.write_text(json.dumps(config))  # JSON is YAML
             proc = self.procs.start(name, [
@@ -540,7 +543,11 @@ def specs_for(case: Case, engines: Sequence[str], prefill_n: int) -> list[Spec]:
         return [spec for e in engines for spec in (
             Spec(f"{sidecar(e)} 1k sessions", "sidecar", e, baseline_of=e),
             Spec(f"{sidecar(e)} {human(prefill_n)} sessions", "sidecar", e, prefill=prefill_n, subject_of=e))]
-    return [*(Spec(sidecar(e), "sidecar", e) for e in engines), Spec("nginx", "nginx"), Spec("envoy", "envoy")]
+    # At one connection, also the fast engine with idle polling off: what polling buys, at what CPU.
+    no_poll = [Spec(f"{sidecar('fast')} idle poll off", "sidecar", "fast", idle_poll_us=0)] if (
+        case.key == "b" and "fast" in engines) else []
+    return [*(Spec(sidecar(e), "sidecar", e) for e in engines), *no_poll, Spec("nginx", "nginx"),
+            Spec("envoy", "envoy")]
 
 
 @dataclass

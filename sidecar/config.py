@@ -32,7 +32,7 @@ TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 ENV_PREFIX = "SIDECAR_"
 # Flag / env name -> top-level config key. Env vars are SIDECAR_<NAME>.
 SCALAR_KEYS = ("listen", "admin", "upstream", "mode", "engine", "log_level", "drain_grace_seconds",
-               "admin_tokens_file", "admin_insecure")
+               "admin_tokens_file", "admin_insecure", "idle_poll_us")
 
 
 class ConfigError(Exception):
@@ -255,6 +255,10 @@ class Config(_Strict):
     listen: Address = HostPort(host="127.0.0.1", port=8080)
     admin: Address = HostPort(host="127.0.0.1", port=9091)
     engine: Literal["aiohttp", "fast"] = "fast"
+    # Fast engine: keep polling this long after an I/O event instead of sleeping, while events
+    # arrive closer together than this (sidecar.engine.idle_poll). 0: never poll. Unset: 200,
+    # or 0 when the container's CPU quota is below one CPU (polling would spend it).
+    idle_poll_us: int | None = Field(None, ge=0, le=10_000)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     drain_grace_seconds: float = Field(25.0, ge=0)
     # /readyz answers 200 only once an upstream was reached, unless this is false.

@@ -245,6 +245,10 @@ class Metrics:
         """Expose the session tree's gauges and counters, read at scrape time (no hot-path cost)."""
         self.registry.register(_TreeCollector(tree))
 
+    def watch_poller(self, poller: Any) -> None:
+        """Expose the fast engine's idle polling time (``sidecar.engine.idle_poll``), read at scrape time."""
+        self.registry.register(_PollerCollector(poller))
+
     def watch_deployments(self, deployments: Any, store: Any) -> None:
         """Expose upstream health, failovers and the API session store, read at scrape time."""
         self.registry.register(_DeploymentCollector(deployments, store))
@@ -270,6 +274,19 @@ class _TreeCollector(Collector):
         yield CounterMetricFamily("sidecar_root_conflicts",
                                   "Client root headers that contradicted the derived root (derived root kept).",
                                   value=t.root_conflicts)
+
+
+class _PollerCollector(Collector):
+    def __init__(self, poller: Any) -> None:
+        self.poller = poller
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        yield CounterMetricFamily("sidecar_idle_poll_seconds",
+                                  "Time the fast engine's event loop polled for I/O instead of sleeping "
+                                  "(work done meanwhile included).", value=self.poller.polled_seconds())
 
 
 class _DeploymentCollector(Collector):

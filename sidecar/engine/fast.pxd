@@ -4,6 +4,7 @@
 cimport cython
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.fast_client cimport UpstreamConnection
+from sidecar.engine.idle_poll cimport IdlePoller
 from sidecar.engine.head cimport (HeaderBlock, copy_block, first_value, has_any, has_header, header_map,
                                   header_values, name_table, reason_phrase, relay_block)
 from sidecar.metrics cimport DeploymentStats, _Value
@@ -20,6 +21,7 @@ cdef class _Shared:
     cdef public object health, drained
     cdef public long in_flight
     cdef public bint draining
+    cdef public IdlePoller poller
     cpdef request_done(self)
 
 cdef class _ClientConnection:

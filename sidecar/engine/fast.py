@@ -77,9 +77,10 @@ from sidecar.engine.head import (
     relay_block,
     token_set,
 )
+from sidecar.engine.idle_poll import IdlePoller, window_seconds
 from sidecar.engine.parsers import CallbackError, HeadTooLarge, ParseError, RequestParser, UpgradeRequest
 from sidecar.lineage import TurnOutcome
-from sidecar.router import Decision, RequestHead
+from sidecar.router import Decision, RequestHead, Router
 
 log = logging.getLogger("sidecar.engine")
 
@@ -169,7 +170,7 @@ class _Shared:
     """What every connection of one engine reads or updates per request, in one typed object
     (compiled, a struct: FastEngine itself is a Python class, whose attributes cost a lookup each)."""
 
-    __slots__ = ("router", "upstreams", "drops", "gauge", "health", "in_flight", "draining", "drained")
+    __slots__ = ("router", "upstreams", "drops", "gauge", "health", "in_flight", "draining", "drained", "poller")
 
     def __init__(self, router: Router, gauge: Any, health: Any) -> None:
         self.router = router
@@ -181,6 +182,7 @@ class _Shared:
         self.in_flight = 0
         self.draining = False
         self.drained: asyncio.Future[None] | None = None  # set while a drain waits for in_flight == 0
+        self.poller: IdlePoller | None = None  # set by start(); told of every read
 
     def request_done(self) -> None:
         """A request left the engine (answered, refused or abandoned)."""
@@ -214,6 +216,8 @@ class FastEngine(Engine):
                         f"deployment {dep.name!r}: upstream {up.url} is {up.scheme}; the fast engine forwards "
                         "plain HTTP/1.1 only (use engine: aiohttp for https upstreams)")
         self.loop = loop = asyncio.get_running_loop()
+        self.shared.poller = poller = IdlePoller(loop, window_seconds(self.config.idle_poll_us))
+        self.metrics.watch_poller(poller)
         limits: dict[tuple[str, int], int] = {}
         for dep in self.router.deployments:
             for up in dep.upstreams:
@@ -224,7 +228,7 @@ class FastEngine(Engine):
             for up in dep.upstreams:
                 key = (up.host, up.port)
                 if key not in pools:
-                    pools[key] = UpstreamPool(loop, up.host, up.port, limits[key])
+                    pools[key] = UpstreamPool(loop, up.host, up.port, limits[key], poller)
                 self.shared.upstreams[up.url] = (pools[key], b" " + up.base_path.encode(),
                                           f" HTTP/1.1\r\n{h.HOST}: {up.host_header}\r\n".encode())
         self._pools = list(pools.values())
@@ -260,6 +264,8 @@ class FastEngine(Engine):
                 log.warning("drain grace expired with %d requests in flight", shared.in_flight)
 
     async def close(self) -> None:
+        if self.shared.poller is not None:
+            self.shared.poller.stop()
         self._server.close()
         for client in list(self.clients):
             client.abort_all()
@@ -332,6 +338,7 @@ class _ClientConnection:
         self._arm(now + KEEPALIVE_TIMEOUT, now)
 
     def data_received(self, data: bytes) -> None:
+        self.shared.poller.note()
         if self.stopped:
             return
         try:

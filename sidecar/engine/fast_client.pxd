@@ -3,6 +3,7 @@
 cimport cython
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.head cimport locate
+from sidecar.engine.idle_poll cimport IdlePoller
 
 cdef class UpstreamConnection:
     cdef public UpstreamPool pool
@@ -21,3 +22,4 @@ cdef class UpstreamPool:
     cdef public object loop, host, idle, waiters, tasks
     cdef public long port, limit, total
     cdef public bint closed
+    cdef public IdlePoller poller

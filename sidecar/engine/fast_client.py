@@ -30,6 +30,7 @@ from typing import Protocol, cast
 
 from sidecar.engine.flow import CLIENT_FULL, ReadFlow
 from sidecar.engine.head import locate
+from sidecar.engine.idle_poll import IdlePoller
 from sidecar.engine.parsers import ParseError, ResponseParser
 
 # A connection back from the pool sooner than this is not polled for a close first (saves a
@@ -110,6 +111,7 @@ class UpstreamConnection:
         self._poll.register(transport.get_extra_info("socket").fileno(), select.POLLIN)
 
     def data_received(self, data: bytes) -> None:
+        self.pool.poller.note()
         ex = self.ex
         if ex is None:  # bytes on an idle connection: nothing to pair them with, never reuse it
             self.reusable = False
@@ -275,10 +277,12 @@ class UpstreamConnection:
 class UpstreamPool:
     """Keep-alive connections to one upstream ``host:port``, at most ``limit`` of them."""
 
-    __slots__ = ("loop", "host", "port", "limit", "idle", "waiters", "total", "tasks", "closed")
+    __slots__ = ("loop", "host", "port", "limit", "idle", "waiters", "total", "tasks", "closed", "poller")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int, limit: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int, limit: int,
+                 poller: IdlePoller) -> None:
         self.loop = loop
+        self.poller = poller  # told of every read (see sidecar.engine.idle_poll)
         self.host = host
         self.port = port
         self.limit = limit
