@@ -6,7 +6,7 @@ fields, which makes the per-request attribute traffic C struct accesses. One mod
 only: ``sidecar/engine/llhttp_parser.pyx``, the request parser over the vendored llhttp
 (``vendor/llhttp``). When Cython or a C compiler is missing (or ``SIDECAR_PURE_PYTHON=1``), the
 same modules install and run as pure Python, and requests are parsed with httptools
-(:mod:`sidecar.engine.request_parser`).
+(:mod:`sidecar.engine.parsers`).
 """
 
 import os

@@ -1,0 +1,110 @@
+"""What idle polling costs: CPU of an event loop fed synthetic I/O events, polling off and on.
+
+    python bench/idle_poll_cost.py [--duration 3]
+
+A sender process on core 1 writes one byte to a socket pair at random (exponential) gaps; the
+event loop on core 0 (uvloop) reads them, and each read calls the fast engine's
+:class:`sidecar.engine.idle_poll.IdlePoller` and then busy-works for a fixed time, like a request.
+For each traffic shape the loop runs with ``idle_poll_us`` 0 and with the default, and the table
+shows the loop thread's CPU time over wall time, next to the share its work alone needs.
+Run it alone on the machine (like ``proxy_bench.py``); it binds no port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import random
+import socket
+import sys
+import time
+from pathlib import Path
+
+import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sidecar.engine.idle_poll import DEFAULT_WINDOW_US, IdlePoller  # noqa: E402
+
+LOOP_CPU, SENDER_CPU = 0, 1
+# (mean gap between events in us, work per event in us, what it stands for)
+SHAPES = [
+    (2000, 15, "sparse: a few streams, a token every few ms"),
+    (1000, 15, "tokens of a few dozen streams"),
+    (150, 15, "tokens of hundreds of streams"),
+    (300, 60, "requests at moderate load"),
+    (100, 40, "requests near saturation"),
+]
+END = b"q"
+
+
+def spin(seconds: float) -> None:
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+def send(sock: socket.socket, mean_gap: float, duration: float) -> None:
+    os.sched_setaffinity(0, {SENDER_CPU})
+    end = time.perf_counter() + duration
+    while time.perf_counter() < end:
+        spin(random.expovariate(1 / mean_gap))  # a busy wait: sleeping is too coarse for these gaps
+        sock.send(b"x")
+    sock.send(END)
+
+
+class Reader(asyncio.Protocol):
+    def __init__(self, poller: IdlePoller, work: float, done: asyncio.Future[None]) -> None:
+        self.poller, self.work, self.done, self.events = poller, work, done, 0
+
+    def data_received(self, data: bytes) -> None:
+        self.poller.note()
+        spin(self.work * len(data))
+        self.events += len(data)
+        if END in data and not self.done.done():
+            self.done.set_result(None)
+
+
+async def measure(sock: socket.socket, work: float, window: float) -> tuple[float, float, float]:
+    """(loop CPU share, work share, polled share) until the sender's end byte."""
+    loop = asyncio.get_running_loop()
+    poller = IdlePoller(loop, window)
+    done: asyncio.Future[None] = loop.create_future()
+    transport, reader = await loop.create_connection(lambda: Reader(poller, work, done), sock=sock)
+    cpu0, wall0 = time.thread_time(), time.perf_counter()
+    await done
+    cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+    poller.stop()
+    transport.close()
+    return cpu / wall, reader.events * work / wall, poller.polled_seconds() / wall
+
+
+def run(mean_gap_us: float, work_us: float, window_us: float, duration: float) -> tuple[float, float, float]:
+    ours, theirs = socket.socketpair()
+    sender = multiprocessing.Process(target=send, args=(theirs, mean_gap_us * 1e-6, duration))
+    sender.start()
+    try:
+        return uvloop.run(measure(ours, work_us * 1e-6, window_us * 1e-6))
+    finally:
+        sender.join()
+        theirs.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=3.0, help="seconds per measurement (default 3)")
+    args = p.parse_args()
+    os.sched_setaffinity(0, {LOOP_CPU})
+    print(f"| traffic | mean gap | work per event | work share | loop CPU, polling off | "
+          f"loop CPU, idle_poll_us {DEFAULT_WINDOW_US} | time polled (work included) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for gap, work, what in SHAPES:
+        off, share, _ = run(gap, work, 0, args.duration)
+        on, _, polled = run(gap, work, DEFAULT_WINDOW_US, args.duration)
+        print(f"| {what} | {gap} us | {work} us | {share:.0%} | {off:.0%} | {on:.0%} | {polled:.0%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
