@@ -1,6 +1,6 @@
 """Proxy benchmark: the sidecar against nginx and Envoy doing the same header injection.
 
-    python bench/proxy_bench.py [--cases a,b,c,d,e] [--engines fast,aiohttp] [--rounds 3]
+    python bench/proxy_bench.py [--cases a,b,c,d,e] [--engines fast,aiohttp] [--rounds 5]
                                 [--duration 5] [--warmup 1] [--prefill 1000000]
 
 Run it with the project's interpreter (.venv/bin/python); scripts/install_bench_tools.sh
@@ -799,7 +799,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cases", default="a,b,c,d,e", help="comma-separated case letters or names (default: all)")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help="sidecar engines, comma-separated (default: fast,aiohttp)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per case (default 3)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (default 5)")
     p.add_argument("--duration", type=float, default=5, help="seconds per measured run (default 5)")
     p.add_argument("--warmup", type=float, default=1, help="seconds of warm-up per contender and case (default 1)")
     p.add_argument("--prefill", type=int, default=1_000_000, help="live sessions for case e (default 1000000)")
