@@ -21,8 +21,10 @@ The request path runs tens of thousands of times a second on one core, so the pe
 steps are flattened into few methods (parse callbacks, :meth:`_Exchange.start` /
 :meth:`_Exchange._forward`, :meth:`_Exchange.response_head`, :meth:`_Exchange.response_end`)
 and the router reads the request's headers through a :class:`~sidecar.engine.head.HeaderBlock`
-view of the raw block (nothing is built per header; :func:`~sidecar.engine.head.header_map`). Rare paths (errors, unusual framing
-headers, timeouts) stay in their own small methods.
+view of the raw block (nothing is built per header; :func:`~sidecar.engine.head.header_map`).
+Rare paths (errors, unusual framing headers, timeouts) stay in their own small methods. Every
+read also tells the engine's :class:`~sidecar.engine.idle_poll.IdlePoller`, which keeps the
+loop polling instead of sleeping while events come close together.
 
 Backpressure (:mod:`sidecar.engine.flow`): a write buffer above its high-water mark on one side
 pauses reading on the other until it drains.
@@ -216,7 +218,10 @@ class FastEngine(Engine):
                         f"deployment {dep.name!r}: upstream {up.url} is {up.scheme}; the fast engine forwards "
                         "plain HTTP/1.1 only (use engine: aiohttp for https upstreams)")
         self.loop = loop = asyncio.get_running_loop()
-        self.shared.poller = poller = IdlePoller(loop, window_seconds(self.config.idle_poll_us))
+        window = window_seconds(self.config.idle_poll_us)
+        if not window and self.config.idle_poll_us is None:
+            log.info("idle polling off: the container's CPU quota is below one CPU (idle_poll_us overrides)")
+        self.shared.poller = poller = IdlePoller(loop, window)
         self.metrics.watch_poller(poller)
         limits: dict[tuple[str, int], int] = {}
         for dep in self.router.deployments:

@@ -10,7 +10,7 @@ of blocking; once ``window`` passes without an event, it stops and the loop slee
 Like a network driver switching from interrupts to polling under load (NAPI), it polls only
 while the sidecar is busy: an event that comes more than ``window`` after the previous one does
 not start it, and a :data:`PERIOD` of polling in which less than :data:`MIN_BUSY` of the time went
-to work stops it for :data:`COOLDOWN`. So a sidecar serving sparse traffic never polls, and
+to work stops it for :data:`COOLDOWN`. So a sidecar serving sparse traffic seldom polls, and
 polling at most quadruples the CPU time the sidecar spends anyway. The engine sets ``window``
 from the ``idle_poll_us`` setting (:func:`window_seconds`); :func:`cpu_quota` keeps it off by
 default in a container allowed less than one CPU, which polling would spend and then be throttled.

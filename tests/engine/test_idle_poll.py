@@ -7,6 +7,7 @@ timing); the wire tests run the engine with it and read ``sidecar_idle_poll_seco
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -219,9 +220,10 @@ async def polled_seconds(sc: Any) -> float:
     return float(values[0])
 
 
-async def proxied_burst(start_sidecar: StartSidecar, upstream: RecordingUpstream, idle_poll_us: int) -> Any:
-    """A sidecar with ``idle_poll_us`` that proxied 30 requests in a row, each one checked."""
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers", idle_poll_us=idle_poll_us)
+async def proxied_burst(start_sidecar: StartSidecar, upstream: RecordingUpstream, idle_poll_us: int | None) -> Any:
+    """A sidecar with ``idle_poll_us`` (None: unset) that proxied 30 requests in a row, each one checked."""
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers",
+                             **({} if idle_poll_us is None else {"idle_poll_us": idle_poll_us}))
     async with aiohttp.ClientSession() as s:
         for i in range(30):
             async with s.post(f"{sc.proxy_url}/v1/chat/completions", json={"model": "m", "messages": [], "i": i},
@@ -247,6 +249,19 @@ async def test_engine_polls_during_traffic_then_sleeps(start_sidecar: StartSidec
     assert await polled_seconds(sc) == polled  # nothing polled while idle
     await sc.stop()
     assert poller.stopped
+
+
+@pytest.mark.parametrize("engine", ["fast"])
+async def test_engine_under_a_small_cpu_quota_never_polls_and_says_so(
+        start_sidecar: StartSidecar, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "cpu.max").write_text("50000 100000\n")
+    monkeypatch.setattr(idle_poll, "_CPU_MAX", tmp_path / "cpu.max")
+    with caplog.at_level(logging.INFO, logger="sidecar.engine"):
+        sc = await proxied_burst(start_sidecar, upstream, None)
+    assert any("idle polling off" in r.getMessage() for r in caplog.records)
+    assert sc.engine.shared.poller.window == 0
+    assert await polled_seconds(sc) == 0.0
 
 
 @pytest.mark.parametrize("engine", ["fast"])
