@@ -147,6 +147,9 @@ class IdentityConfig(_Strict):
             check_token(name)
         if h.X_REQUEST_ID.lower() in (n.lower() for n in v):
             raise ValueError("X-Request-ID is a per-request id and can never identify a session")
+        owned = [n for n in v if n.lower() in h.PROXY_OWNED]
+        if owned:
+            raise ValueError(f"{owned[0]!r} frames or routes the message itself and cannot carry a session signal")
         return v
 
 

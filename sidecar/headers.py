@@ -56,6 +56,20 @@ HOP_BY_HOP: frozenset[str] = frozenset(
 )
 
 
+# Fields the proxy writes itself, from what it parsed or decided: no routing mode, identity
+# signal or Connection token may add, remove or replace them (a mode emitting Content-Length
+# would reframe the message; one emitting Connection would change hop-by-hop handling).
+FRAMING: frozenset[str] = frozenset({"content-length", "transfer-encoding"})
+PROXY_OWNED: frozenset[str] = HOP_BY_HOP | FRAMING | frozenset(
+    {"host", "content-type", "content-encoding", "expect"})
+
+
+def is_field_value(value: str) -> bool:
+    """``value`` can be sent as a header field value: no CR, LF or NUL (which would end the
+    field, or the head, early: header injection)."""
+    return "\r" not in value and "\n" not in value and "\0" not in value
+
+
 def connection_tokens(values: Iterable[str]) -> frozenset[str]:
     """Lower-cased field names listed in the values of a message's ``Connection`` header lines
     (they are hop-by-hop too; every line counts, as for any list-valued field)."""

@@ -29,7 +29,7 @@ import orjson
 
 from sidecar import errors
 from sidecar import headers as h
-from sidecar.config import Config
+from sidecar.config import TOKEN_RE, Config
 from sidecar.deployments import Deployment, Upstream
 from sidecar.identity import Identity, IdentityReader
 from sidecar.lineage import EndReason, Ended, SessionTree, Turn, TurnOutcome
@@ -314,6 +314,8 @@ class Router:
             return decision
         try:
             add = tuple(mode.request_headers(ctx))  # no copy when the mode returned a tuple
+            if add:
+                _check_added(add)
         except Exception as exc:
             self._mode_failed(decision, "request_headers", exc)
         if add and dep.trust_client_headers:
@@ -483,6 +485,21 @@ class Router:
                 dep.balancer.forget(e.root)  # the tree is gone
 
 
+def _check_added(add: tuple[tuple[str, str], ...]) -> None:
+    """Refuse mode output the engines must never write: a name that is not a token or that the
+    proxy writes itself (framing, Host, hop-by-hop), a value that would end the field early."""
+    for name, value in add:
+        ok = _ADDABLE.get(name)
+        if ok is None:
+            ok = type(name) is str and TOKEN_RE.match(name) is not None and name.lower() not in h.PROXY_OWNED
+            if len(_ADDABLE) < MAX_ADDABLE:
+                _ADDABLE[name] = ok
+        if not ok:
+            raise ValueError(f"header name {str(name)[:64]!r} cannot be added by a mode")
+        if type(value) is not str or not h.is_field_value(value):
+            raise ValueError(f"the value of header {name!r} is not a valid field value")
+
+
 def _parse(body: bytes) -> Any:
     try:
         return orjson.loads(body)
@@ -515,3 +532,6 @@ _REQUEST_ID = h.X_REQUEST_ID.lower()
 _TRANSFER_ENCODING = h.TRANSFER_ENCODING.lower()
 _INVALID = object()
 _UNPARSED = object()
+# Header names modes asked to add, checked once each (_check_added); bounded.
+_ADDABLE: dict[str, bool] = {}
+MAX_ADDABLE = 256

@@ -75,6 +75,8 @@ def test_mode_replaced_by_higher_layer_drops_lower_options(tmp_path):
         ({"upstream": UP}, "bogus_key: 1", "bogus_key: unknown setting"),
         ({"upstream": UP}, "identity: {session: 'X-Correlation-ID, bad name'}", "identity.session: Value error"),
         ({"upstream": UP}, "identity: {session: X-Request-ID}", "X-Request-ID is a per-request id"),
+        ({"upstream": UP}, "identity: {parent: [X-Parent, content-length]}",
+         "identity.parent: 'content-length' frames or routes the message itself"),
         ({}, "deployments: [{name: a, upstreams: []}]", "deployments[0].upstreams: List should have at least 1 item"),
         ({}, "deployments: [{name: a, upstreams: ['http://x:1'], mode: dynamo_headers, mode_options: {k: 1}}]",
          "deployments[0].mode_options.k: unknown setting"),

@@ -137,9 +137,13 @@ class AiohttpEngine(Engine):
             elif request.body_exists:
                 body = _stream_bounded(request, limit)
         out = _forward_headers(decision, request)
+        # The framing, from what the parser found (never from the client's header lines): a
+        # rewritten body's length, the declared length, or chunked (the client's default for a
+        # streamed body without a length).
         if isinstance(body, bytes):
-            out.popall(h.CONTENT_LENGTH, None)
             out[h.CONTENT_LENGTH] = str(len(body))
+        elif request.content_length is not None and not request.headers.get(h.TRANSFER_ENCODING):
+            out[h.CONTENT_LENGTH] = str(request.content_length)
         return await self._exchange(request, decision, out, body, t0)
 
     async def _exchange(self, request: web.BaseRequest, decision: Decision, out: CIMultiDict[str],
@@ -240,9 +244,10 @@ def _too_large(dep: str, limit: int) -> errors.ProxyError:
 
 
 def _forward_headers(decision: Decision, request: web.BaseRequest) -> CIMultiDict[str]:
-    """The client's headers minus hop-by-hop and stripped ones, plus forwarding and mode headers."""
+    """The client's headers minus hop-by-hop and stripped ones, plus forwarding and mode headers.
+    The framing fields are never copied: the caller writes them from the parsed message."""
     src = request.headers
-    drop = h.HOP_BY_HOP | h.connection_tokens(src.getall(h.CONNECTION, ())) | decision.strip
+    drop = h.HOP_BY_HOP | h.FRAMING | h.connection_tokens(src.getall(h.CONNECTION, ())) | decision.strip
     out: CIMultiDict[str] = CIMultiDict()
     xff = None
     for name, value in src.items():
@@ -265,7 +270,8 @@ def _forward_headers(decision: Decision, request: web.BaseRequest) -> CIMultiDic
 
 def _copy_response_headers(upstream: aiohttp.ClientResponse, resp: web.StreamResponse) -> None:
     src = upstream.headers
-    drop = h.HOP_BY_HOP | h.connection_tokens(src.getall(h.CONNECTION, ()))
+    # A Connection header may name end-to-end fields to drop, never the framing.
+    drop = h.HOP_BY_HOP | (h.connection_tokens(src.getall(h.CONNECTION, ())) - h.FRAMING)
     out = resp.headers
     for name, value in src.items():
         if name.lower() not in drop:

@@ -12,7 +12,6 @@ from sidecar.deployments cimport Deployment
 from sidecar.router cimport Decision, Router
 
 cdef tuple _SPECIAL
-cdef dict _WITH_CL
 
 cdef class _Shared:
     cdef public Router router
@@ -57,7 +56,7 @@ cdef class _Exchange:
     @cython.locals(client=_ClientConnection, shared=_Shared, router=Router, decision=Decision, dep=Deployment)
     cpdef start(self)
     @cython.locals(client=_ClientConnection, shared=_Shared, conn=UpstreamConnection, now=double, due=double,
-                   stats=DeploymentStats, dep=Deployment, raw=bytes, entry=tuple, with_cl=frozenset)
+                   stats=DeploymentStats, dep=Deployment, raw=bytes, entry=tuple)
     cpdef _forward(self, Decision decision, length)
     cpdef _send(self, UpstreamConnection conn, list parts)
     @cython.locals(router=Router, decision=Decision, dep=Deployment)

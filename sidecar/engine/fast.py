@@ -6,8 +6,9 @@ request head as its raw header block. Each head becomes an :class:`_Exchange`, q
 order; only the head of the queue is routed and forwarded, so pipelined requests are answered in
 order (reading pauses while a later request waits). The exchange rebuilds only the request line
 and the headers it changes: the client's header lines are copied as received minus hop-by-hop /
-``Connection``-named / ``decision.strip`` / Host / Expect ones, then come Host,
-X-Forwarded-For, X-Forwarded-Proto and ``decision.add``. It streams the body as it is parsed to a
+``Connection``-named / ``decision.strip`` / Host / Expect / framing ones, then come Host,
+X-Forwarded-For, X-Forwarded-Proto, ``decision.add`` and the framing the parser found
+(Content-Length or chunked): no header filter can remove or change a message's framing. It streams the body as it is parsed to a
 pooled upstream connection (:mod:`sidecar.engine.fast_client`), and relays the response as it
 arrives: the status line rebuilt for the client's HTTP version, the upstream's header lines
 copied as received minus hop-by-hop and ``Connection``-named ones (:mod:`sidecar.engine.head`),
@@ -105,15 +106,16 @@ _UPGRADE = h.UPGRADE.lower()
 _XFF = h.X_FORWARDED_FOR.lower()
 _XFP = h.X_FORWARDED_PROTO.lower()
 _HOP = frozenset(n.lower() for n in h.HOP_BY_HOP)
-_REQ_DROP = _HOP | {h.HOST.lower(), _EXPECT, _XFF}
+# Never copied from the client: hop-by-hop fields, and the fields the engine writes itself from
+# what it parsed (Host, the framing: Content-Length / Transfer-Encoding), so that no header
+# filter (Connection tokens, a mode's strip list) can ever remove or change a message's framing.
+_REQ_DROP = _HOP | {h.HOST.lower(), _CONTENT_LENGTH, _EXPECT, _XFF}
 _CONNECTION_B = _CONNECTION.encode()
 _TRANSFER_ENCODING_B = _TRANSFER_ENCODING.encode()
 _EXPECT_B = _EXPECT.encode()
 _UPGRADE_B = _UPGRADE.encode()
 _XFF_B = _XFF.encode()
 _XFP_B = _XFP.encode()
-_CL_DROP = frozenset({_CONTENT_LENGTH})
-_WITH_CL: dict[frozenset[str], frozenset[str]] = {}  # drop set -> the same plus Content-Length
 # Request headers whose presence takes the head checks and the forwarding off the fast path.
 _SPECIAL = name_table(frozenset({_CONNECTION, _TRANSFER_ENCODING, _EXPECT, _UPGRADE, _XFF, _XFP}))
 
@@ -729,15 +731,6 @@ class _Exchange:
                 key = entry[0]
                 if key not in drop and has_header(raw, self.first, self.end, entry[2]):
                     drop = drop | {key}  # the mode's value replaces a client header of the same name
-        if length >= 0 and self.length >= 0:
-            # A Content-Length the transformed body replaces (the union cached: body modes take
-            # this path on every request).
-            with_cl = _WITH_CL.get(drop)
-            if with_cl is None:
-                with_cl = drop | _CL_DROP
-                if len(_WITH_CL) < 64:
-                    _WITH_CL[drop] = with_cl
-            drop = with_cl
         parts = [self.method, base, self.target, version_host]
         copy_block(raw, self.first, self.end, parts, name_table(drop))
         if self.special:
@@ -747,12 +740,15 @@ class _Exchange:
         for name, value in add:
             parts += ((_ADD_NAMES[name] if name in _ADD_NAMES else _add_name(name))[1],
                       value.encode("utf-8", "surrogateescape"), b"\r\n")
+        # The framing, from what the parser found (never from the client's header lines).
         if length >= 0:
             parts += (_CL_LINE, b"%d" % length, b"\r\n\r\n")
         elif self.chunked:
             parts += (_CHUNKED_LINE, b"\r\n")
             self.frame_chunked = True
-        elif self.length < 0 and self.method not in _NO_EMPTY_LENGTH:
+        elif self.length >= 0:
+            parts += (_CL_LINE, b"%d" % self.length, b"\r\n\r\n")
+        elif self.method not in _NO_EMPTY_LENGTH:
             parts += (_CL_ZERO, b"\r\n")
         else:
             parts.append(b"\r\n")

@@ -158,7 +158,8 @@ def reason_phrase(raw: bytes, start: int, first: int) -> bytes:
 
 def relay_block(raw: bytes, first: int, end: int, out: list[bytes], extra: set[str] | None) -> int:
     """Append the lines of the block ``raw[first:end]`` to ``out`` minus the hop-by-hop ones and
-    those ``extra`` names (lower-case keys), as few slices as possible (each run of kept lines is
+    the end-to-end ones ``extra`` names (lower-case keys; a name that frames the message, such as
+    Content-Length, is never dropped through ``extra``), as few slices as possible (each run of kept lines is
     one); return the HAS_* bits of the names in the block, plus NAMES_HEADERS when a Connection
     header may name more (then the caller relays again with those names as ``extra``)."""
     if not _COMPILED:
@@ -176,7 +177,9 @@ def relay_block(raw: bytes, first: int, end: int, out: list[bytes], extra: set[s
         if cls == _CONNECTION_BIT and (bits & _CONNECTION_BIT or not _plain_connection(raw, colon, eol)):
             bits |= _NAMES_BIT
         bits |= cls
-        if cls & _DROPPED or (extra is not None and raw[at:colon].decode("latin-1").lower() in extra):
+        # ``extra`` (the names a Connection header lists) drops end-to-end fields only: the
+        # classified ones, framing among them, are decided by their class alone.
+        if cls & _DROPPED or (cls == 0 and extra is not None and raw[at:colon].decode("latin-1").lower() in extra):
             if at > run:
                 out.append(raw[run:at])
             run = i
@@ -311,7 +314,7 @@ def _relay_block_py(raw: bytes, first: int, end: int, out: list[bytes], extra: s
             bits |= NAMES_HEADERS
         bits |= cls
         nxt = at + len(line) + 2
-        if cls & _DROPPED or (extra is not None and name.decode("latin-1") in extra):
+        if cls & _DROPPED or (cls == 0 and extra is not None and name.decode("latin-1") in extra):
             dropped.append((at, nxt))
         at = nxt
     _keep_runs(raw, first, end, out, dropped)

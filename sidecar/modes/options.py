@@ -27,18 +27,12 @@ def _no_bool(value: Any) -> Any:
     return value
 
 
-# Header fields the proxy itself owns: a mode emitting one would corrupt message framing or routing.
-_PROXY_OWNED = h.HOP_BY_HOP | frozenset(
-    n.lower() for n in (h.HOST, h.CONTENT_LENGTH, h.CONTENT_TYPE, h.CONTENT_ENCODING, h.EXPECT)
-)
-
-
 def header_name(value: str) -> str:
     """An RFC 9110 token that the proxy does not manage itself."""
     if not value:
         raise ValueError("header name must not be empty")
     check_token(value)
-    if value.lower() in _PROXY_OWNED:
+    if value.lower() in h.PROXY_OWNED:
         raise ValueError(f"{value!r} is managed by the proxy and cannot be set by a mode")
     return value
 

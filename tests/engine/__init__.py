@@ -11,6 +11,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import orjson
+
 
 @dataclass
 class RawMessage:
@@ -155,6 +157,21 @@ def reply(data: bytes, *, keep: bool = True) -> Handler:
         writer.write(data)
         await writer.drain()
         return keep
+
+    return handle
+
+
+def echo(delay: float = 0.0) -> Handler:
+    """Answer with the request target and body size, after ``delay`` seconds."""
+
+    async def handle(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if delay:
+            await asyncio.sleep(delay)
+        body = orjson.dumps({"target": req.target, "bytes": len(req.body)})
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        await writer.drain()
+        return True
 
     return handle
 

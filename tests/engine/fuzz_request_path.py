@@ -154,10 +154,14 @@ VALUES = {
     "Content-Length": ["0", "1", "3", "5", "10", "-1", "+3", "3 3", "0x3", "99999999999999999999", "", " 3"],
     "Transfer-Encoding": ["chunked", "CHUNKED", "gzip, chunked", "chunked, gzip", "identity", "xchunked",
                           " chunked", "chunked\x00", ""],
-    "Connection": ["close", "keep-alive", "upgrade", "Upgrade, X-A", "X-A", "close, keep-alive"],
+    "Connection": ["close", "keep-alive", "upgrade", "Upgrade, X-A", "X-A", "close, keep-alive",
+                   # naming the framing (or Host) must never unframe the forwarded message
+                   "content-length", "keep-alive, Transfer-Encoding", "Host", "CONTENT-LENGTH, close"],
     "Upgrade": ["websocket", "h2c"],
     "Expect": ["100-continue", "nothing"],
 }
+FRAMING_NOMINATIONS = [b"content-length", b"Content-Length, keep-alive", b"keep-alive, TRANSFER-ENCODING",
+                       b"Host, Content-Length", b"transfer-encoding, content-length"]
 GENERIC_VALUE = st.text(alphabet=st.sampled_from(list("abcXYZ019 ,;=\t\x00\x7f\x80\xff\r\n")), max_size=12)
 
 
@@ -191,6 +195,8 @@ def request(draw: st.DrawFn) -> bytes:
         values = VALUES.get(name.strip())
         value = draw(st.sampled_from(values)) if values and draw(st.integers(0, 4)) else draw(GENERIC_VALUE)
         lines.append(name.encode("latin-1") + b": " + value.encode("latin-1"))
+    if draw(st.integers(0, 5)) == 0:  # often enough to matter: a Connection line naming the framing
+        lines.append(b"Connection: " + draw(st.sampled_from(FRAMING_NOMINATIONS)))
     head = eol.join(lines) + eol + eol
     kind = draw(st.sampled_from(["none", "length", "length", "chunked", "chunked", "raw"]))
     if kind == "length":

@@ -98,6 +98,14 @@ CORPUS: dict[str, Case] = {
         b"Proxy-Authorization: Basic eA==\r\nUpgrade: h2c\r\nX-End: kept\r\n")),
     "connection_header_on_two_lines_names_both": Case(get(
         b"Connection: X-A\r\nX-A: 1\r\nConnection: x-b, keep-alive\r\nX-B: 2\r\nX-C: kept\r\n")),
+    # A Connection token naming a framing field (or Host) never unframes the message.
+    "connection_names_content_length": Case(b"POST /d HTTP/1.1\r\nHost: c\r\nConnection: keep-alive, Content-Length\r\n"
+                                            b"Content-Length: 5\r\n\r\nhello"),
+    "connection_names_transfer_encoding": Case(b"POST /d HTTP/1.1\r\nHost: c\r\nConnection: TRANSFER-ENCODING\r\n"
+                                               b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"),
+    "connection_names_host": Case(get(b"Connection: Host, X-A\r\nX-A: 1\r\n")),
+    "response_connection_names_content_length": Case(get(), resp(b"200 OK", [(b"Connection", b"content-length"),
+                                                                             JSON], b'{"a":1}')),
     "forwarded_for_appended_proto_kept": Case(get(
         b"X-Forwarded-For: 10.0.0.1\r\nX-Forwarded-For: 10.0.0.2\r\nX-Forwarded-Proto: https\r\n")),
     "repeated_and_odd_case_request_headers": Case(get(

@@ -26,6 +26,7 @@ from sidecar.metrics import Metrics
 from sidecar.router import Router
 from tests.engine import (
     OK,
+    echo,
     Handler,
     RawMessage,
     RawUpstream,
@@ -38,37 +39,6 @@ from tests.engine import (
 from tests.engine.fuzz_request_path import fuzz
 
 FAST = pytest.mark.parametrize("engine", ["fast"])
-
-StartUpstream = Callable[..., Awaitable[RawUpstream]]
-
-
-@pytest.fixture
-async def raw_upstream() -> AsyncIterator[StartUpstream]:
-    started: list[RawUpstream] = []
-
-    async def start(routes: dict[str, Handler] | None = None, **kw: Any) -> RawUpstream:
-        up = await RawUpstream(routes, **kw).start()
-        started.append(up)
-        return up
-
-    yield start
-    for up in started:
-        await up.stop()
-
-
-def echo(delay: float = 0.0) -> Handler:
-    """Answer with the request target and body size, after ``delay`` seconds."""
-
-    async def handle(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        if delay:
-            await asyncio.sleep(delay)
-        body = orjson.dumps({"target": req.target, "bytes": len(req.body)})
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                     % (len(body), body))
-        await writer.drain()
-        return True
-
-    return handle
 
 
 async def hang(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:

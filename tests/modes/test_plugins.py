@@ -80,6 +80,22 @@ PLUGIN_SOURCE = textwrap.dedent('''
     class DeclaredButNoBody(Mode):
         name = "acme_declared_no_body"
         mutates_body = True
+
+
+    class Reframer(Mode):
+        """Tries to set the message's framing."""
+        name = "acme_reframer"
+
+        def request_headers(self, ctx):
+            return (("Content-Length", "0"),)
+
+
+    class Injector(Mode):
+        """Puts the session id into a value with a line break in it."""
+        name = "acme_injector"
+
+        def request_headers(self, ctx):
+            return (("X-Acme", ctx.session + "\\r\\nTransfer-Encoding: chunked"),)
 ''')
 ENTRY_POINTS = textwrap.dedent(f"""
     [sidecar.modes]
@@ -89,6 +105,8 @@ ENTRY_POINTS = textwrap.dedent(f"""
     acme_end_boom = {PLUGIN_MODULE}:EndBoom
     acme_undeclared_body = {PLUGIN_MODULE}:UndeclaredBody
     acme_declared_no_body = {PLUGIN_MODULE}:DeclaredButNoBody
+    acme_reframer = {PLUGIN_MODULE}:Reframer
+    acme_injector = {PLUGIN_MODULE}:Injector
 """)
 
 
@@ -174,7 +192,8 @@ def test_check_contract_directly() -> None:
         check_contract(dict)
 
 
-@pytest.mark.parametrize("mode,hook", [("acme_request_boom", "request_headers"), ("acme_body_boom", "transform_body")])
+@pytest.mark.parametrize("mode,hook", [("acme_request_boom", "request_headers"), ("acme_body_boom", "transform_body"),
+                                       ("acme_reframer", "request_headers"), ("acme_injector", "request_headers")])
 async def test_failing_request_hook_is_a_mode_error_naming_the_mode(plugin: Path, upstream, start_sidecar,
                                                                     mode: str, hook: str) -> None:
     sc = await start_sidecar(upstream=upstream.url, mode=mode)
