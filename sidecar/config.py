@@ -32,7 +32,7 @@ TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 ENV_PREFIX = "SIDECAR_"
 # Flag / env name -> top-level config key. Env vars are SIDECAR_<NAME>.
 SCALAR_KEYS = ("listen", "admin", "upstream", "mode", "engine", "log_level", "drain_grace_seconds",
-               "admin_tokens_file", "admin_insecure", "idle_poll_us")
+               "head_timeout_seconds", "admin_tokens_file", "admin_insecure", "idle_poll_us")
 
 
 class ConfigError(Exception):
@@ -247,6 +247,10 @@ class SessionsConfig(_Strict):
 
     idle_ttl_seconds: float = Field(900.0, gt=0)
     max_live_sessions: int = Field(100_000, ge=1)
+    # Session, parent and root ids longer than this (UTF-8 bytes) are kept and forwarded in a
+    # stable fitted form (a prefix and a digest of the whole id): the cap bounds the memory one
+    # session costs, whatever a client sends.
+    max_id_bytes: int = Field(512, ge=64, le=65536)
     tombstone_max: int = Field(100_000, ge=0)
     tombstone_ttl_seconds: float = Field(600.0, ge=0)
     api: ApiSessionsConfig = ApiSessionsConfig()
@@ -264,6 +268,9 @@ class Config(_Strict):
     idle_poll_us: int | None = Field(None, ge=0, le=10_000)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     drain_grace_seconds: float = Field(25.0, ge=0)
+    # A client's request head must arrive completely within this long (slow-header attacks hold a
+    # connection and a parser buffer for as long as the head lasts): 408 and close.
+    head_timeout_seconds: float = Field(15.0, gt=0)
     # /readyz answers 200 only once an upstream was reached, unless this is false.
     readiness_check_upstream: bool = True
     identity: IdentityConfig = IdentityConfig()

@@ -24,9 +24,17 @@ class Upstream:
     port: int
     base_path: str  # "" or "/prefix" without a trailing slash
     host_header: str  # value of the Host header sent upstream
+    # Its position in the deployment's ``upstreams``: how client-facing errors name it (never by URL).
+    index: int = 0
+
+    @property
+    def display(self) -> str:
+        """The URL without credentials (for operators' logs)."""
+        u = URL(self.url)
+        return str(u.with_user(None)) if u.user is not None or u.password is not None else self.url
 
     @classmethod
-    def parse(cls, url: str) -> Upstream:
+    def parse(cls, url: str, index: int = 0) -> Upstream:
         u = URL(url)
         assert u.host is not None and u.port is not None
         default_port = 443 if u.scheme == "https" else 80
@@ -34,7 +42,7 @@ class Upstream:
         if ":" in u.host:
             host_header = f"[{u.host}]" if u.port == default_port else f"[{u.host}]:{u.port}"
         return cls(url=url, scheme=u.scheme, host=u.host, port=u.port,
-                   base_path=u.raw_path.rstrip("/"), host_header=host_header)
+                   base_path=u.raw_path.rstrip("/"), host_header=host_header, index=index)
 
 
 # No slots=True: compiled (deployments.pxd), it is an extension type with fixed fields.
@@ -77,7 +85,7 @@ class Deployment:
         """Build the runtime deployment. ``selector_header`` and ``identity_headers`` (every
         header the identity reader consumes) feed the never-forward sets."""
         mode = load_mode(cfg.mode).from_options(cfg.mode_options) if cfg.mode else None
-        upstreams = tuple(Upstream.parse(u) for u in cfg.upstreams)
+        upstreams = tuple(Upstream.parse(u, i) for i, u in enumerate(cfg.upstreams))
         session_strip, sessionless_strip = never_forward(cfg, mode, selector_header, identity_headers)
         return cls(
             name=cfg.name,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import ssl
 from typing import Any
 
 import orjson
@@ -17,8 +20,9 @@ MODE_ERROR = "mode_error"
 UPGRADE_NOT_SUPPORTED = "upgrade_not_supported"
 SHUTTING_DOWN = "shutting_down"
 HEADERS_TOO_LARGE = "headers_too_large"
+REQUEST_TIMEOUT = "request_timeout"
 INTERNAL_ERROR = "internal_error"
-# Deployment selection and API sessions on the request path (issue 5).
+# Deployment selection and API sessions on the request path.
 UNKNOWN_DEPLOYMENT = "unknown_deployment"
 DEPLOYMENT_CONFLICT = "deployment_conflict"
 SESSION_REQUIRED = "session_required"
@@ -46,6 +50,7 @@ STATUS: dict[str, int] = {
     UPGRADE_NOT_SUPPORTED: 501,
     SHUTTING_DOWN: 503,
     HEADERS_TOO_LARGE: 431,
+    REQUEST_TIMEOUT: 408,
     INTERNAL_ERROR: 500,
     UNKNOWN_DEPLOYMENT: 400,
     DEPLOYMENT_CONFLICT: 409,
@@ -89,3 +94,68 @@ class ProxyError(Exception):
 def error_body(type_: str, message: str, **fields: Any) -> bytes:
     """JSON error body without raising (admin handlers)."""
     return ProxyError(type_, message, **fields).body()
+
+
+# -- the errors both engines and the router answer with ------------------------------------------
+# Client-facing bodies name the deployment and the upstream's index in its ``upstreams`` list,
+# never a URL (it may carry credentials or internal addresses) and never the request's headers.
+
+
+def request_too_large(deployment: str, limit: int) -> ProxyError:
+    return ProxyError(REQUEST_TOO_LARGE, f"request body exceeds {limit} bytes (deployment {deployment!r})",
+                      deployment=deployment, limit=limit)
+
+
+def headers_too_large(limit: int) -> ProxyError:
+    return ProxyError(HEADERS_TOO_LARGE, f"request head exceeds {limit} bytes", limit=limit)
+
+
+def bad_request(message: str) -> ProxyError:
+    return ProxyError(BAD_REQUEST, message)
+
+
+def request_timeout(message: str) -> ProxyError:
+    return ProxyError(REQUEST_TIMEOUT, message)
+
+
+def upgrade_not_supported() -> ProxyError:
+    return ProxyError(UPGRADE_NOT_SUPPORTED, "the sidecar does not proxy protocol upgrades")
+
+
+def internal_error() -> ProxyError:
+    return ProxyError(INTERNAL_ERROR, "the sidecar failed to handle this request")
+
+
+def upstream_unreachable(deployment: str, upstream: int, reason: str) -> ProxyError:
+    return ProxyError(UPSTREAM_UNREACHABLE,
+                      f"upstream {upstream} of deployment {deployment!r} is unreachable: {reason}",
+                      deployment=deployment, upstream=upstream)
+
+
+def upstream_timeout(deployment: str, upstream: int) -> ProxyError:
+    return ProxyError(UPSTREAM_TIMEOUT, f"upstream {upstream} of deployment {deployment!r} timed out",
+                      deployment=deployment, upstream=upstream)
+
+
+def upstream_protocol_error(deployment: str, upstream: int, reason: str) -> ProxyError:
+    return ProxyError(UPSTREAM_PROTOCOL_ERROR, f"upstream {upstream} of deployment {deployment!r} failed: {reason}",
+                      deployment=deployment, upstream=upstream)
+
+
+def mode_error(mode: str, deployment: str, hook: str, exc: BaseException) -> ProxyError:
+    return ProxyError(MODE_ERROR, f"routing mode {mode!r} failed in {hook}: {exc}", mode=mode, deployment=deployment)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """A short, client-safe reason for a failed upstream connection or exchange (no addresses,
+    no request data): ``connection refused``, ``timed out``, ``TLS: CERTIFICATE_VERIFY_FAILED``..."""
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS: {exc.reason or type(exc).__name__}"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, socket.gaierror):
+        return f"name resolution failed: {exc.strerror}".lower()
+    if isinstance(exc, OSError) and exc.errno:
+        # The errno's text, not the exception's: asyncio's messages name the address.
+        return os.strerror(exc.errno).lower()
+    return type(exc).__name__

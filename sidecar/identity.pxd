@@ -10,5 +10,7 @@ cdef class IdentityReader:
     cdef public tuple _session, _parent, _root, _final, _lineage, _body
     cdef public bint _fingerprint, reads_body
     cdef public frozenset header_names
+    cdef public Py_ssize_t _max_id_bytes, _fits
+    cpdef str _bounded(self, str value)
     cpdef Identity read(self, headers)
     cpdef Identity _with_session(self, headers, str session)

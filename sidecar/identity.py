@@ -23,7 +23,9 @@ from typing import Any
 
 import orjson
 
+from sidecar import headers as h
 from sidecar.config import IdentityConfig
+from sidecar.modes.ids import fit_id, opaque_id
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
 
@@ -48,9 +50,13 @@ class IdentityReader:
     """Reads :class:`Identity` from a request's headers, by the configured ordered signals."""
 
     __slots__ = ("_session", "_parent", "_root", "_final", "_lineage", "_body", "_fingerprint",
-                 "header_names", "reads_body")
+                 "header_names", "reads_body", "_max_id_bytes", "_fits")
 
-    def __init__(self, cfg: IdentityConfig) -> None:
+    def __init__(self, cfg: IdentityConfig, max_id_bytes: int = 512) -> None:
+        # Ids longer than this many UTF-8 bytes are fitted (sidecar.modes.ids): up to _fits
+        # characters every id fits, and the common id costs one length check.
+        self._max_id_bytes = max_id_bytes
+        self._fits = max_id_bytes // 4
         self._body = tuple(cfg.body)
         self._fingerprint = cfg.fingerprint
         # Whether a request whose headers name no session must have its body parsed.
@@ -64,16 +70,24 @@ class IdentityReader:
         # Every header the reader consumes (lower-case), for engines that index only these.
         self.header_names = frozenset(self._session + self._parent + self._root + self._final)
 
-    @staticmethod
-    def _first(headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    def _first(self, headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:
         get = headers.get
         for name in names:
             value = get(name)
             if value:
                 value = value.strip()
                 if value:
-                    return value
+                    return self._bounded(value)
         return None
+
+    def _bounded(self, value: str) -> str:
+        """``value`` as the sidecar keeps and forwards it: ids over the byte cap fitted, ids that
+        cannot travel in a header (control characters, from a body signal) made opaque."""
+        if len(value) > self._fits:
+            value = fit_id(value, self._max_id_bytes)
+        if not h.is_field_value(value):
+            value = opaque_id(value)
+        return value
 
     def read(self, headers: Mapping[str, str]) -> Identity:
         """``headers`` maps lower-case names to values (first occurrence)."""
@@ -105,6 +119,7 @@ class IdentityReader:
     def _with_session(self, headers: Mapping[str, str], session: str) -> Identity:
         # Flattened: most requests carry no lineage header, and one scan settles that without a
         # call per signal (Identity is built positionally: cheaper than by keyword).
+        session = self._bounded(session)
         get = headers.get
         for name in self._lineage:
             if get(name):

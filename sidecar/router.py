@@ -107,7 +107,7 @@ class Router:
                  store: SessionStore | None = None, effects: EffectSink | None = None) -> None:
         self.config = config
         self.metrics = metrics
-        self.identity = IdentityReader(config.identity)
+        self.identity = IdentityReader(config.identity, config.sessions.max_id_bytes)
         s = config.sessions
         self.deployments = [
             Deployment.from_config(d, selector_header=config.deployment_header,

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.app import Sidecar
 from sidecar.config import build_config
+from tests.engine import Handler, RawUpstream
 from tests.upstream import RecordingUpstream, start_upstream
 
 # Every proxy test runs against both engines (as uvicorn tests its two protocol implementations).
@@ -28,6 +29,23 @@ async def upstream() -> AsyncIterator[RecordingUpstream]:
     runner = await start_upstream(up)
     yield up
     await runner.cleanup()
+
+
+StartUpstream = Callable[..., Awaitable[RawUpstream]]
+
+
+@pytest.fixture
+async def raw_upstream() -> AsyncIterator[StartUpstream]:
+    started: list[RawUpstream] = []
+
+    async def start(routes: dict[str, Handler] | None = None, **kw: Any) -> RawUpstream:
+        up = await RawUpstream(routes, **kw).start()
+        started.append(up)
+        return up
+
+    yield start
+    for up in started:
+        await up.stop()
 
 
 StartSidecar = Callable[..., Awaitable[Sidecar]]

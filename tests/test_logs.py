@@ -3,6 +3,7 @@ session ids only at debug level, never tokens or bodies."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 
@@ -64,3 +65,27 @@ async def test_debug_access_log_names_the_session(upstream, start_sidecar, captu
     assert (access["request_id"], access["session"], access["status"], access["outcome"]) == (
         "r-42", "sess-d", 201, "completed")
     assert access["deployment"] == "default" and access["mode"] == "dynamo_headers"
+
+
+MALFORMED = [
+    b"POST /v1/chat HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-secret-token-0123456789\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\nzz\r\nboom\r\n0\r\n\r\n",
+    b"GET /v1/chat HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-secret-token-0123456789\r\nBad Header: x\r\n\r\n",
+    b"GET /v1/chat HTTP/1.1\r\nHost: user@sk-secret-token-0123456789\r\n\r\n",
+    b"GET /v1/chat HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-secret-token-0123456789\x01\r\n\r\n",
+]
+
+
+@pytest.mark.parametrize("data", MALFORMED)
+async def test_malformed_requests_never_log_their_bytes(data, upstream, start_sidecar, capture):
+    buf = capture("debug")  # not even at debug: the refusal names the error class only
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
+    reader, writer = await asyncio.open_connection("127.0.0.1", sc.engine.port)
+    writer.write(data)
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.") and b" 400 " in answer.split(b"\r\n", 1)[0]
+    assert b"sk-secret-token" not in answer  # the error body never echoes the request
+    logged = buf.getvalue()
+    assert "sk-secret-token" not in logged
+    assert upstream.received == []

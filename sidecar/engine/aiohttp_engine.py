@@ -1,7 +1,11 @@
 """The reference engine: aiohttp's low-level server and one pooled ``ClientSession``.
 
 Slower than the protocol-level engine but built entirely on aiohttp's well-tested HTTP code;
-the proxy test suite runs against both.
+the proxy test suite runs against both. What it adds to aiohttp, in :class:`_Connection` (one per
+client connection) and module helpers: a request head must complete within
+``head_timeout_seconds`` (408), malformed requests are answered in the JSON error format and
+logged without their bytes, and header bytes that are not UTF-8 travel unchanged in both
+directions (:func:`_install_raw_header_serializer`).
 """
 
 from __future__ import annotations
@@ -10,15 +14,19 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import http_writer, web, web_protocol
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from multidict import CIMultiDict
 from yarl import URL
 
 from sidecar import errors
 from sidecar import headers as h
 from sidecar.engine.base import Engine
+from sidecar.engine.head import origin_form, valid_host
+from sidecar.errors import failure_reason
 from sidecar.lineage import TurnOutcome
 from sidecar.router import Decision, RequestHead
 
@@ -26,10 +34,112 @@ log = logging.getLogger("sidecar.engine")
 
 _SKIP_AUTO = frozenset({"User-Agent", "Accept", "Accept-Encoding", "Content-Type"})
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# An idle keep-alive client connection is closed after this long, and unread request bytes are
+# read and discarded for at most this long after an answer before closing (as the fast engine does).
+KEEPALIVE_TIMEOUT = 75.0
+LINGER_SECONDS = 2.0
 
 
 class _TooLarge(Exception):
     pass
+
+
+class _ClientTimeout(Exception):
+    """The client stopped sending a request body it had begun."""
+
+
+def _install_raw_header_serializer() -> None:
+    """Make aiohttp's writer send header bytes exactly as they were received.
+
+    aiohttp's parsers decode header bytes as UTF-8 with ``surrogateescape``; its C serializer then
+    drops the lone surrogates that bytes which are not UTF-8 became, so such a header reached the
+    upstream altered. This serializer (aiohttp's own pure-Python one, encoding with
+    ``surrogateescape``) turns them back into the original bytes; it keeps aiohttp's refusal of
+    control characters (header injection)."""
+    if getattr(http_writer._serialize_headers, "raw_bytes", False):
+        return
+
+    def serialize(status_line: str, headers: CIMultiDict[str]) -> bytes:
+        safe = http_writer._safe_header
+        lines = "\r\n".join(safe(k) + ": " + safe(v) for k, v in headers.items())
+        return (safe(status_line) + "\r\n" + lines + "\r\n\r\n").encode("utf-8", "surrogateescape")
+
+    serialize.raw_bytes = True  # type: ignore[attr-defined]
+    http_writer._serialize_headers = serialize
+
+
+class _Connection(web_protocol.RequestHandler):
+    """aiohttp's handler of one client connection, with a head timeout and quiet, JSON refusals."""
+
+    __slots__ = ("_head_timer", "_head_timeout", "_on_refused")
+
+    def __init__(self, manager: Any, *, head_timeout: float, on_refused: Any, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_timeout = head_timeout
+        self._on_refused = on_refused  # counts a refusal: on_refused(reason)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # Bytes that complete no request while none is being handled: a head in progress. It
+        # must complete within the head timeout (a head dribbled byte by byte holds a
+        # connection and a parser buffer for as long as it lasts).
+        waiting = self._current_request is None and not self._messages
+        if waiting and data and self._head_timer is None and not (self._force_close or self._close):
+            self._head_timer = self._loop.call_later(self._head_timeout, self._head_expired)
+        elif not waiting and self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self.transport is None or self._current_request is not None or self._messages:
+            return
+        self._on_refused("request_timeout")
+        body = errors.request_timeout(f"the request head did not arrive within {self._head_timeout:g} s").body()
+        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        self.force_close()
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """Answer in the JSON error format. A malformed request is logged without its bytes
+        (aiohttp's message quotes them: headers, bearer tokens); a failure of the sidecar's own
+        handler keeps its traceback."""
+        if isinstance(exc, HttpProcessingError):
+            log.debug("refused a malformed request: %s", type(exc).__name__)
+            if isinstance(exc, LineTooLong):
+                err = errors.headers_too_large(self.max_field_size)
+            else:
+                err = errors.bad_request(f"malformed request ({type(exc).__name__})")
+            self._on_refused(err.type)
+        elif status >= 500:
+            log.error("request handling failed: %s", type(exc).__name__ if exc else status, exc_info=exc)
+            err = errors.internal_error()
+        else:
+            err = errors.ProxyError(errors.BAD_REQUEST, message or "bad request", status=status)
+        resp = web.Response(status=err.status, body=err.body(), content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+class _Server(web.Server):
+    """``web.Server`` whose connections are :class:`_Connection`."""
+
+    def __init__(self, handler: Any, *, head_timeout: float, on_refused: Any, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self._head_timeout = head_timeout
+        self._on_refused = on_refused
+
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _Connection(self, loop=self._loop, head_timeout=self._head_timeout, on_refused=self._on_refused,
+                           **self._kwargs)
 
 
 class AiohttpEngine(Engine):
@@ -40,19 +150,27 @@ class AiohttpEngine(Engine):
     _session: aiohttp.ClientSession
 
     async def start(self) -> None:
-        limit = max(d.limits.max_connections_per_upstream for d in self.router.deployments)
+        _install_raw_header_serializer()
+        deps = self.router.deployments
+        limit = max(d.limits.max_connections_per_upstream for d in deps)
+        head_cap = max(d.limits.max_header_bytes for d in deps)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=limit, enable_cleanup_closed=False),
             auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=None),
+            max_line_size=head_cap,
+            max_field_size=head_cap,
         )
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        server = web.Server(self._handle, handler_cancellation=True,
-                            max_field_size=self.config.limits.max_header_bytes,
-                            max_line_size=self.config.limits.max_header_bytes)
+        server = _Server(self._handle, head_timeout=self.config.head_timeout_seconds,
+                         on_refused=lambda reason: self.metrics.rejected.labels(reason).inc(),
+                         handler_cancellation=True, keepalive_timeout=KEEPALIVE_TIMEOUT,
+                         lingering_time=LINGER_SECONDS,
+                         max_field_size=self.config.limits.max_header_bytes,
+                         max_line_size=self.config.limits.max_header_bytes)
         self._runner = web.ServerRunner(server, handle_signals=False)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.config.listen.host, self.config.listen.port,
@@ -95,21 +213,43 @@ class AiohttpEngine(Engine):
             self.metrics.rejected.labels(reason).inc()
         return web.Response(status=exc.status, body=exc.body(), content_type="application/json")
 
+    def _refuse(self, request: web.BaseRequest, exc: errors.ProxyError, reason: str) -> web.Response:
+        """Answer a request whose stream cannot be trusted any further, and close."""
+        router = self.router
+        if request.version < (1, 0):
+            # aiohttp answers in the request's version; an HTTP/0.9 client gets an HTTP/1.0 status line.
+            request._message = request._message._replace(version=aiohttp.HttpVersion10)
+        resp = self._error(exc, router.default.name, router.default.mode_name, reason)
+        resp.force_close()
+        return resp
+
     async def _proxy(self, request: web.BaseRequest, t0: float) -> web.StreamResponse:
         router = self.router
         in_headers = request.headers
+        if request.version < (1, 0) or request.version > (1, 1):
+            return self._refuse(request, errors.bad_request(
+                f"unsupported HTTP version {request.version[0]}.{request.version[1]}"), "bad_request")
+        hosts = in_headers.getall(h.HOST, ())
+        if len(hosts) > 1 or (not hosts and request.version >= (1, 1)) or \
+                (hosts and not valid_host(hosts[0].encode("utf-8", "surrogateescape"), 0, len(hosts[0].encode(
+                    "utf-8", "surrogateescape")))):
+            problem = "more than one Host header" if len(hosts) > 1 else \
+                "missing Host header (required in HTTP/1.1)" if not hosts else \
+                "invalid Host header (uri-host[:port] expected)"
+            return self._refuse(request, errors.bad_request(problem), "bad_request")
         if h.UPGRADE in in_headers and "upgrade" in h.connection_tokens(in_headers.getall(h.CONNECTION, ())):
-            exc = errors.ProxyError(errors.UPGRADE_NOT_SUPPORTED, "the sidecar does not proxy protocol upgrades")
-            resp = self._error(exc, router.default.name, router.default.mode_name, "upgrade")
-            resp.force_close()  # the rest of the stream belongs to the refused protocol
-            return resp
-        if request.method == "CONNECT" or not request.raw_path.startswith("/"):
-            exc = errors.ProxyError(errors.BAD_REQUEST, "request target must be an absolute path (origin-form)")
-            resp = self._error(exc, router.default.name, router.default.mode_name, "bad_request")
-            resp.force_close()
-            return resp
+            # The rest of the stream belongs to the refused protocol.
+            return self._refuse(request, errors.upgrade_not_supported(), "upgrade")
+        target = request.raw_path
+        if request.method != "CONNECT" and not target.startswith("/"):
+            origin = origin_form(target.encode("utf-8", "surrogateescape"))  # absolute-form
+            if origin is not None:
+                target = origin.decode("utf-8", "surrogateescape")
+        if request.method == "CONNECT" or not target.startswith("/"):
+            return self._refuse(request, errors.bad_request(
+                "request target must be origin-form (/path) or absolute-form (http://host/path)"), "bad_request")
         try:
-            decision = router.route(RequestHead(request.method, request.raw_path, in_headers))
+            decision = router.route(RequestHead(request.method, target, in_headers))
         except errors.ProxyError as exc:
             return self._error(exc, router.default.name, router.default.mode_name, exc.type)
         dep = decision.deployment
@@ -117,7 +257,7 @@ class AiohttpEngine(Engine):
         declared = request.content_length
         if declared is not None and declared > limit:
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-            return self._error(_too_large(dep.name, limit), dep.name, dep.mode_name, "body_too_large")
+            return self._error(errors.request_too_large(dep.name, limit), dep.name, dep.mode_name, "body_too_large")
 
         body: bytes | AsyncIterator[bytes] | None = None
         if request.method not in ("GET", "HEAD") or request.body_exists:
@@ -125,11 +265,19 @@ class AiohttpEngine(Engine):
                 await request.writer.write(_CONTINUE)
             if decision.needs_body:
                 try:
-                    raw = await _read_bounded(request, limit)
+                    raw = await _read_bounded(request, limit, dep.timeouts.idle)
                     body = router.transform_body(decision, raw)
                 except _TooLarge:
                     router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-                    return self._error(_too_large(dep.name, limit), dep.name, dep.mode_name, "body_too_large")
+                    return self._error(errors.request_too_large(dep.name, limit), dep.name, dep.mode_name,
+                                       "body_too_large")
+                except _ClientTimeout:
+                    router.finish(decision, TurnOutcome.CLIENT_ABORTED)
+                    resp = self._error(errors.request_timeout(
+                        f"the request body stalled for {dep.timeouts.idle:g} s"), dep.name, dep.mode_name,
+                        errors.REQUEST_TIMEOUT)
+                    resp.force_close()
+                    return resp
                 except errors.ProxyError as exc:
                     router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
                     dep = decision.deployment
@@ -144,16 +292,16 @@ class AiohttpEngine(Engine):
             out[h.CONTENT_LENGTH] = str(len(body))
         elif request.content_length is not None and not request.headers.get(h.TRANSFER_ENCODING):
             out[h.CONTENT_LENGTH] = str(request.content_length)
-        return await self._exchange(request, decision, out, body, t0)
+        return await self._exchange(request, target, decision, out, body, t0)
 
-    async def _exchange(self, request: web.BaseRequest, decision: Decision, out: CIMultiDict[str],
+    async def _exchange(self, request: web.BaseRequest, target: str, decision: Decision, out: CIMultiDict[str],
                         body: bytes | AsyncIterator[bytes] | None, t0: float) -> web.StreamResponse:
         router = self.router
         dep = decision.deployment
         up = decision.upstream
         m = self.metrics
         t = dep.timeouts
-        url = URL(up.url + request.raw_path, encoded=True)
+        url = URL(up.url + target, encoded=True)
         m.added_hist(dep.name).observe(time.perf_counter() - t0)
         resp: web.StreamResponse | None = None
         try:
@@ -165,25 +313,34 @@ class AiohttpEngine(Engine):
                 )
         except _TooLarge:
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-            return self._error(_too_large(dep.name, dep.limits.max_body_bytes), dep.name, dep.mode_name,
-                               "body_too_large")
+            return self._error(errors.request_too_large(dep.name, dep.limits.max_body_bytes), dep.name,
+                               dep.mode_name, "body_too_large")
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
-            return self._upstream_failed(decision, "timeout", errors.UPSTREAM_TIMEOUT,
-                                         f"upstream of deployment {dep.name!r} ({up.url}) timed out")
+            return self._upstream_failed(decision, "timeout", errors.upstream_timeout(dep.name, up.index))
         except aiohttp.ClientConnectorError as exc:
             router.upstream_unreachable(decision)
-            return self._upstream_failed(decision, "connect", errors.UPSTREAM_UNREACHABLE,
-                                         f"upstream of deployment {dep.name!r} ({up.url}) is unreachable: {exc.os_error}")
+            return self._upstream_failed(decision, "connect", errors.upstream_unreachable(
+                dep.name, up.index, failure_reason(exc.os_error)))
         except aiohttp.ClientError as exc:
             if _caused_by(exc, _TooLarge):  # raised in the body iterator, wrapped by the client
                 router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-                return self._error(_too_large(dep.name, decision.max_body_bytes), dep.name, dep.mode_name,
-                                   "body_too_large")
-            return self._upstream_failed(decision, "protocol", errors.UPSTREAM_PROTOCOL_ERROR,
-                                         f"upstream of deployment {dep.name!r} ({up.url}) failed: {exc!r}")
+                return self._error(errors.request_too_large(dep.name, decision.max_body_bytes), dep.name,
+                                   dep.mode_name, "body_too_large")
+            return self._upstream_failed(decision, "protocol", errors.upstream_protocol_error(
+                dep.name, up.index, _client_error_reason(exc)))
         except asyncio.CancelledError:
             router.finish(decision, TurnOutcome.CLIENT_ABORTED)
             raise
+        if upstream.status == 101:
+            # The sidecar never asks for a protocol switch: this upstream is broken.
+            upstream.close()
+            return self._upstream_failed(decision, "protocol", errors.upstream_protocol_error(
+                dep.name, up.index, "the response switches protocols"))
+        head_size = sum(len(k) + len(v) + 4 for k, v in upstream.raw_headers)
+        if head_size > dep.limits.max_header_bytes:
+            upstream.close()
+            return self._upstream_failed(decision, "protocol", errors.upstream_protocol_error(
+                dep.name, up.index, f"response head larger than {dep.limits.max_header_bytes} bytes"))
         self.health.mark_reached()
         m.ttfb_hist(dep.name, dep.mode_name).observe(time.perf_counter() - t0)
         router.on_response(decision, upstream.status, upstream.headers)
@@ -212,7 +369,7 @@ class AiohttpEngine(Engine):
             kind = "timeout" if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)) else "reset"
             m.upstream_error(dep.name, kind).inc()
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-            log.warning("upstream failed mid-response: %r", exc, extra=decision.log_fields())
+            log.warning("upstream failed mid-response: %s", _client_error_reason(exc), extra=decision.log_fields())
             if request.transport is not None:
                 request.transport.abort()
             raise
@@ -222,12 +379,25 @@ class AiohttpEngine(Engine):
         router.finish(decision, TurnOutcome.COMPLETED if upstream.status < 500 else TurnOutcome.UPSTREAM_FAILED)
         return resp
 
-    def _upstream_failed(self, decision: Decision, kind: str, type_: str, message: str) -> web.Response:
+    def _upstream_failed(self, decision: Decision, kind: str, exc: errors.ProxyError) -> web.Response:
         dep = decision.deployment
         self.metrics.upstream_error(dep.name, kind).inc()
         self.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-        exc = errors.ProxyError(type_, message, deployment=dep.name, upstream=decision.upstream.url)
         return self._error(exc, dep.name, dep.mode_name)
+
+
+def _client_error_reason(exc: BaseException) -> str:
+    """A client-safe reason for an aiohttp client failure: never its repr, which carries the
+    request's URL and headers."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed out"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the upstream closed the connection"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return "invalid response"
+    if isinstance(exc, aiohttp.ClientOSError):
+        return failure_reason(exc)
+    return type(exc).__name__
 
 
 def _caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
@@ -236,11 +406,6 @@ def _caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-def _too_large(dep: str, limit: int) -> errors.ProxyError:
-    return errors.ProxyError(errors.REQUEST_TOO_LARGE, f"request body exceeds {limit} bytes (deployment {dep!r})",
-                             deployment=dep, limit=limit)
 
 
 def _forward_headers(decision: Decision, request: web.BaseRequest) -> CIMultiDict[str]:
@@ -278,12 +443,20 @@ def _copy_response_headers(upstream: aiohttp.ClientResponse, resp: web.StreamRes
             out.add(name, value)
 
 
-async def _read_bounded(request: web.BaseRequest, limit: int) -> bytes:
+async def _read_bounded(request: web.BaseRequest, limit: int, idle: float) -> bytes:
+    """The whole request body, at most ``limit`` bytes, with at most ``idle`` seconds between reads."""
     buf = bytearray()
-    async for chunk in request.content.iter_any():
-        buf += chunk
-        if len(buf) > limit:
-            raise _TooLarge
+    content = request.content
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout_at(loop.time() + idle) as deadline:
+            while chunk := await content.readany():
+                buf += chunk
+                if len(buf) > limit:
+                    raise _TooLarge
+                deadline.reschedule(loop.time() + idle)
+    except TimeoutError:
+        raise _ClientTimeout from None
     return bytes(buf)
 
 

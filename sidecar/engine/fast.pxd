@@ -5,7 +5,7 @@ cimport cython
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.fast_client cimport UpstreamConnection
 from sidecar.engine.idle_poll cimport IdlePoller
-from sidecar.engine.head cimport (HeaderBlock, copy_block, first_value, has_any, has_header, header_map,
+from sidecar.engine.head cimport (HeaderBlock, copy_block, first_value, has_header, header_map, scan_request,
                                   header_values, name_table, reason_phrase, relay_block)
 from sidecar.metrics cimport DeploymentStats, _Value
 from sidecar.deployments cimport Deployment
@@ -31,11 +31,11 @@ cdef class _ClientConnection:
     cdef public list out
     cdef public bint stopped, write_paused, closing, advancing
     cdef public Py_ssize_t max_head
-    cdef public double idle_since, timer_due
+    cdef public double idle_since, timer_due, head_since, head_timeout
     @cython.locals(ex=_Exchange)
     cpdef advance(self)
     cpdef flush(self)
-    @cython.locals(ex=_Exchange, special=bint, waits=bint)
+    @cython.locals(ex=_Exchange, special=bint, waits=bint, facts=long)
     cpdef on_head(self, bytes raw, Py_ssize_t first, Py_ssize_t end, bytes method, bytes target, long version,
                   bint keep_alive, length)
 

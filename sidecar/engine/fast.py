@@ -49,6 +49,7 @@ from time import perf_counter
 from typing import Any, cast
 
 from sidecar import errors
+from sidecar.errors import failure_reason
 from sidecar import headers as h
 from sidecar.config import ConfigError
 from sidecar.engine import is_compiled
@@ -68,16 +69,21 @@ from sidecar.engine.flow import CLIENT_FULL, PEER_FULL, PIPELINED, STOPPED, WAIT
 from sidecar.engine.head import (
     HAS_CONTENT_LENGTH,
     HAS_TRANSFER_ENCODING,
+    HOST_INVALID,
+    HOST_REPEATED,
+    HOST_SEEN,
+    LISTED,
     NAMES_HEADERS,
     copy_block,
     first_value,
-    has_any,
     has_header,
     header_map,
     header_values,
     name_table,
+    origin_form,
     reason_phrase,
     relay_block,
+    scan_request,
     token_set,
 )
 from sidecar.engine.idle_poll import IdlePoller, window_seconds
@@ -116,6 +122,7 @@ _EXPECT_B = _EXPECT.encode()
 _UPGRADE_B = _UPGRADE.encode()
 _XFF_B = _XFF.encode()
 _XFP_B = _XFP.encode()
+_HOST_FACTS = HOST_SEEN | HOST_REPEATED | HOST_INVALID
 # Request headers whose presence takes the head checks and the forwarding off the fast path.
 _SPECIAL = name_table(frozenset({_CONNECTION, _TRANSFER_ENCODING, _EXPECT, _UPGRADE, _XFF, _XFP}))
 
@@ -148,19 +155,6 @@ _RELAY = {R_NONE: RELAY_NONE, R_LENGTH: RELAY_RAW, R_CHUNKED: RELAY_CHUNKED, R_C
 # through EnumType.__getattr__ (hundreds of instructions per read).
 _COMPLETED = TurnOutcome.COMPLETED
 _UPSTREAM_FAILED = TurnOutcome.UPSTREAM_FAILED
-
-
-def _too_large(dep: str, limit: int) -> errors.ProxyError:
-    return errors.ProxyError(errors.REQUEST_TOO_LARGE, f"request body exceeds {limit} bytes (deployment {dep!r})",
-                             deployment=dep, limit=limit)
-
-
-def _bad_request(message: str) -> errors.ProxyError:
-    return errors.ProxyError(errors.BAD_REQUEST, message)
-
-
-def _headers_too_large(limit: int) -> errors.ProxyError:
-    return errors.ProxyError(errors.HEADERS_TOO_LARGE, f"request head exceeds {limit} bytes", limit=limit)
 
 
 def _add_name(name: str) -> tuple[str, bytes, bytes]:
@@ -225,17 +219,20 @@ class FastEngine(Engine):
             log.info("idle polling off: the container's CPU quota is below one CPU (idle_poll_us overrides)")
         self.shared.poller = poller = IdlePoller(loop, window)
         self.metrics.watch_poller(poller)
-        limits: dict[tuple[str, int], int] = {}
+        # One pool per upstream address, bounded by the largest limits of the deployments using it.
+        limits: dict[tuple[str, int], tuple[int, int]] = {}
         for dep in self.router.deployments:
             for up in dep.upstreams:
                 key = (up.host, up.port)
-                limits[key] = max(limits.get(key, 0), dep.limits.max_connections_per_upstream)
+                conns, head = limits.get(key, (0, 0))
+                limits[key] = (max(conns, dep.limits.max_connections_per_upstream),
+                               max(head, dep.limits.max_header_bytes))
         pools: dict[tuple[str, int], UpstreamPool] = {}
         for dep in self.router.deployments:
             for up in dep.upstreams:
                 key = (up.host, up.port)
                 if key not in pools:
-                    pools[key] = UpstreamPool(loop, up.host, up.port, limits[key], poller)
+                    pools[key] = UpstreamPool(loop, up.host, up.port, *limits[key], poller)
                 self.shared.upstreams[up.url] = (pools[key], b" " + up.base_path.encode(),
                                           f" HTTP/1.1\r\n{h.HOST}: {up.host_header}\r\n".encode())
         self._pools = list(pools.values())
@@ -313,7 +310,7 @@ class _ClientConnection:
 
     __slots__ = ("engine", "shared", "loop", "parser", "transport", "flow", "peer", "xff_xfp", "queue", "cur",
                  "out", "max_head", "stopped", "write_paused", "idle_since", "timer", "timer_due", "closing",
-                 "advancing")
+                 "advancing", "head_since", "head_timeout")
 
     def __init__(self, engine: FastEngine) -> None:
         self.engine = engine
@@ -330,6 +327,8 @@ class _ClientConnection:
         self.advancing = False
         self.timer: asyncio.TimerHandle | None = None  # the watchdog (see _watch)
         self.timer_due = _INF  # when it fires (perf_counter time)
+        self.head_since = 0.0  # when the head in progress began (0: none)
+        self.head_timeout = engine.config.head_timeout_seconds
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -353,11 +352,20 @@ class _ClientConnection:
         except UpgradeRequest:
             self._stop()  # the upgrade/CONNECT request is queued and refused; nothing after it is read
         except HeadTooLarge:
-            self._refuse(_headers_too_large(self.max_head), "headers_too_large")
+            self._refuse(errors.headers_too_large(self.max_head), "headers_too_large")
         except ParseError as exc:
             if isinstance(exc, CallbackError):
                 log.error("request parser callback failed", exc_info=exc.__cause__)
-            self._refuse(_bad_request(f"malformed request: {exc}"), "bad_request")
+            self._refuse(errors.bad_request(f"malformed request: {exc}"), "bad_request")
+        if self.parser.in_head:  # a head is in progress: it must complete in time (see _watch)
+            if not self.head_since:
+                now = perf_counter()
+                self.head_since = now
+                due = now + self.head_timeout
+                if due < self.timer_due:
+                    self._arm(due, now)
+        elif self.head_since:
+            self.head_since = 0.0
         if self.queue:
             self.advance()
         elif self.out:
@@ -401,12 +409,14 @@ class _ClientConnection:
         ex.target = target
         ex.keep_alive = keep_alive
         ex.length = length
-        ex.special = special = has_any(raw, first, end, _SPECIAL)
+        facts = scan_request(raw, first, end, _SPECIAL)
+        ex.special = special = facts & LISTED != 0
         # Without a Connection header (``special`` covers it), llhttp keeps a request alive only
         # for HTTP/1.1 (major and minor both > 0; it rejects versions other than 0.9, 1.0, 1.1
-        # and 2.0): the common case needs no version check.
-        if not keep_alive or special or target[:1] != b"/" or method == b"CONNECT":
-            ex.check_head(version)
+        # and 2.0): the common case (one valid Host, origin-form) needs no further check.
+        if not keep_alive or special or facts & _HOST_FACTS != HOST_SEEN or target[:1] != b"/" \
+                or method == b"CONNECT":
+            ex.check_head(version, facts)
         ex.queued = True
         queue = self.queue
         waits = bool(queue)  # an earlier request is still in progress
@@ -533,10 +543,11 @@ class _ClientConnection:
         else:
             ex.refused(exc, reason)
 
-    # -- the watchdog: keep-alive, first-byte and idle timeouts ---------------------------------
+    # -- the watchdog: keep-alive, head, first-byte and idle timeouts ---------------------------
     # One timer per connection, always armed while it is open, firing no later than the earliest
-    # deadline: the keep-alive timeout when no request is in progress, else the first-byte or idle
-    # deadline of the request at the head of the queue. Requests only re-arm it when their
+    # deadline: the keep-alive or head timeout when no request is in progress, else the deadline
+    # of the request at the head of the queue (its body's arrival, the upstream's first byte or
+    # the silence between chunks). Requests only re-arm it when their
     # deadline is earlier than the armed one (on a busy connection: almost never); when it fires
     # early it re-arms for the deadline that applies then.
 
@@ -566,10 +577,20 @@ class _ClientConnection:
         now = perf_counter()
         queue = self.queue
         if not queue:
+            head_since = self.head_since
+            if head_since and now - head_since >= self.head_timeout:
+                self.head_since = 0.0
+                self._refuse(errors.request_timeout(
+                    f"the request head did not arrive within {self.head_timeout:g} s"), errors.REQUEST_TIMEOUT)
+                self.advance()
+                return
             if now - self.idle_since >= KEEPALIVE_TIMEOUT:
                 self.close()
                 return
-            self._arm(self.idle_since + KEEPALIVE_TIMEOUT, now)
+            due = self.idle_since + KEEPALIVE_TIMEOUT
+            if head_since and head_since + self.head_timeout < due:
+                due = head_since + self.head_timeout
+            self._arm(due, now)
             return
         ex = queue[0]
         if ex.deadline() <= now:
@@ -638,14 +659,22 @@ class _Exchange:
 
     # -- request head -------------------------------------------------------------------------
 
-    def check_head(self, version: int) -> None:
+    def check_head(self, version: int, facts: int) -> None:
         """Framing and form checks llhttp leaves to the application (run at end of head), for
-        heads off the fast path (HTTP/1.0, framing or forwarding headers, odd targets).
-        ``version`` is ``10 * major + minor``."""
+        heads off the fast path (HTTP/1.0, framing or forwarding headers, Host issues, odd
+        targets). ``version`` is ``10 * major + minor``; ``facts`` are the head's
+        :func:`~sidecar.engine.head.scan_request` bits."""
         raw, first, end = self.raw, self.first, self.end
         self.http10 = version == 10
         if version != 11 and not self.http10:
-            self.error = (_bad_request(f"unsupported HTTP version {version // 10}.{version % 10}"), "bad_request")
+            self.error = (errors.bad_request(f"unsupported HTTP version {version // 10}.{version % 10}"), "bad_request")
+            return
+        # RFC 9112 3.2: one valid Host, required in HTTP/1.1.
+        if facts & HOST_REPEATED or facts & HOST_INVALID or not (facts & HOST_SEEN or self.http10):
+            problem = "more than one Host header" if facts & HOST_REPEATED else \
+                "invalid Host header (uri-host[:port] expected)" if facts & HOST_INVALID else \
+                "missing Host header (required in HTTP/1.1)"
+            self.error = (errors.bad_request(problem), "bad_request")
             return
         connection = header_values(raw, first, end, _CONNECTION_B, False)
         if connection:
@@ -653,16 +682,20 @@ class _Exchange:
         te = header_values(raw, first, end, _TRANSFER_ENCODING_B, False)
         if te:
             if self.http10 or len(te) > 1 or te[0].strip().lower() != b"chunked":
-                self.error = (_bad_request("unsupported Transfer-Encoding (only chunked, on HTTP/1.1)"),
+                self.error = (errors.bad_request("unsupported Transfer-Encoding (only chunked, on HTTP/1.1)"),
                               "bad_request")
                 return
             self.chunked = True
         if "upgrade" in self.conn_tokens and has_header(raw, first, end, _UPGRADE_B):
-            self.error = (errors.ProxyError(errors.UPGRADE_NOT_SUPPORTED,
-                                            "the sidecar does not proxy protocol upgrades"), "upgrade")
+            self.error = (errors.upgrade_not_supported(), "upgrade")
             return
+        if self.method != b"CONNECT" and not self.target.startswith(b"/"):
+            origin = origin_form(self.target)  # absolute-form: forwarded in origin-form
+            if origin is not None:
+                self.target = origin
         if self.method == b"CONNECT" or not self.target.startswith(b"/"):
-            self.error = (_bad_request("request target must be an absolute path (origin-form)"), "bad_request")
+            self.error = (errors.bad_request("request target must be origin-form (/path) or absolute-form "
+                                             "(http://host/path)"), "bad_request")
             return
         expect = first_value(raw, first, end, _EXPECT_B)
         self.expect = expect is not None and expect.lower() == b"100-continue"
@@ -698,7 +731,7 @@ class _Exchange:
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
             # A declared length whose body is already parsed leaves nothing to skip: keep the
             # connection. A chunked body over the limit, or one still arriving, ends it.
-            self.respond_error(_too_large(dep.name, limit), dep.name, dep.mode_name, "body_too_large",
+            self.respond_error(errors.request_too_large(dep.name, limit), dep.name, dep.mode_name, "body_too_large",
                                close=self.chunked or not self.complete)
             return
         if self.expect and not self.complete and not self.http10:
@@ -706,8 +739,22 @@ class _Exchange:
         if decision.needs_body:
             if self.complete:
                 self._send_transformed()
+            else:
+                self._await_body(decision)
             return
         self._forward(decision, -1)
+
+    def _await_body(self, decision: Decision) -> None:
+        """The body a mode reads is still arriving: bound its arrival like a response's (the
+        deployment's first-byte timeout for all of it, its idle timeout between reads)."""
+        t = decision.deployment.timeouts
+        self.first_byte_timeout = t.first_byte
+        self.idle_timeout = t.idle
+        self.last_io = now = self.t0
+        due = self.deadline()
+        client = self.client
+        if due < client.timer_due:
+            client._arm(due, now)
 
     def _forward(self, decision: Decision, length: int) -> None:
         """Build the upstream request head and send it with the body parsed so far on a pooled
@@ -828,6 +875,8 @@ class _Exchange:
         elif state == BUFFERING:
             if self.complete:
                 self._send_transformed()
+            else:
+                self.last_io = perf_counter()  # body bytes arrived (see deadline)
         elif state == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
             self.client.flow.pause(WAITING)
 
@@ -904,12 +953,10 @@ class _Exchange:
         assert decision is not None
         dep, up = decision.deployment, decision.upstream
         if kind == "timeout":
-            self._upstream_error("timeout", errors.UPSTREAM_TIMEOUT,
-                                 f"upstream of deployment {dep.name!r} ({up.url}) timed out")
+            self._upstream_error("timeout", errors.upstream_timeout(dep.name, up.index))
         else:
             self.client.shared.router.upstream_unreachable(decision)  # nothing was sent: fail the tree over
-            self._upstream_error("connect", errors.UPSTREAM_UNREACHABLE,
-                                 f"upstream of deployment {dep.name!r} ({up.url}) is unreachable: {exc}")
+            self._upstream_error("connect", errors.upstream_unreachable(dep.name, up.index, failure_reason(exc)))
 
     def peer_full(self, full: bool) -> None:
         if full:
@@ -1053,8 +1100,7 @@ class _Exchange:
         assert decision is not None
         dep, up = decision.deployment, decision.upstream
         if not self.resp_started:
-            self._upstream_error("protocol", errors.UPSTREAM_PROTOCOL_ERROR,
-                                 f"upstream of deployment {dep.name!r} ({up.url}) failed: {message}")
+            self._upstream_error("protocol", errors.upstream_protocol_error(dep.name, up.index, message))
             return
         self._fail_mid_response("reset", f"upstream failed mid-response: {message}")
 
@@ -1063,6 +1109,10 @@ class _Exchange:
     def deadline(self) -> float:
         """When this request times out as things stand (perf_counter time; inf: no timeout)."""
         state = self.state
+        if state == BUFFERING and self.decision is not None and self.idle_timeout:
+            body_due = self.last_io + self.idle_timeout
+            whole = self.t0 + self.first_byte_timeout
+            return body_due if body_due < whole else whole
         if state < CONNECTING or state == DONE:
             return _INF
         if not self.resp_started:
@@ -1073,9 +1123,13 @@ class _Exchange:
         decision = self.decision
         assert decision is not None
         dep, up = decision.deployment, decision.upstream
+        if self.state == BUFFERING:  # the client stopped sending the body a mode reads
+            self._finish_turn(TurnOutcome.CLIENT_ABORTED)
+            self.respond_error(errors.request_timeout(f"the request body stalled (deployment {dep.name!r})"),
+                               dep.name, dep.mode_name, errors.REQUEST_TIMEOUT, close=True)
+            return
         if not self.resp_started:
-            self._upstream_error("timeout", errors.UPSTREAM_TIMEOUT,
-                                 f"upstream of deployment {dep.name!r} ({up.url}) timed out")
+            self._upstream_error("timeout", errors.upstream_timeout(dep.name, up.index))
             return
         self._fail_mid_response("timeout", f"upstream idle for {now - self.last_io:.1f}s mid-response")
 
@@ -1125,7 +1179,7 @@ class _Exchange:
         if self.decision is not None:
             self._finish_turn(TurnOutcome.UPSTREAM_FAILED)
         d = self.client.shared.router.default
-        exc = errors.ProxyError(errors.INTERNAL_ERROR, "the sidecar failed to handle this request")
+        exc = errors.internal_error()
         self.respond_error(exc, d.name, d.mode_name, None, close=True)
 
     def refused(self, exc: errors.ProxyError, reason: str) -> None:
@@ -1138,7 +1192,7 @@ class _Exchange:
         decision = self.decision
         assert decision is not None
         dep = decision.deployment
-        self._fail_started(_too_large(dep.name, self.limit), "body_too_large")
+        self._fail_started(errors.request_too_large(dep.name, self.limit), "body_too_large")
 
     def _fail_started(self, exc: errors.ProxyError, reason: str) -> None:
         decision = self.decision
@@ -1150,14 +1204,13 @@ class _Exchange:
         else:
             self.respond_error(exc, dep.name, dep.mode_name, reason, close=True)
 
-    def _upstream_error(self, kind: str, type_: str, message: str) -> None:
+    def _upstream_error(self, kind: str, exc: errors.ProxyError) -> None:
         decision = self.decision
         assert decision is not None
         dep = decision.deployment
         client = self.client
         client.engine.metrics.upstream_error(dep.name, kind).inc()
         client.shared.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-        exc = errors.ProxyError(type_, message, deployment=dep.name, upstream=decision.upstream.url)
         self.respond_error(exc, dep.name, dep.mode_name, None)
 
     def _release_upstream(self) -> None:

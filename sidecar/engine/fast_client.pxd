@@ -21,5 +21,6 @@ cdef class UpstreamConnection:
 cdef class UpstreamPool:
     cdef public object loop, host, idle, waiters, tasks
     cdef public long port, limit, total
+    cdef public Py_ssize_t max_head
     cdef public bint closed
     cdef public IdlePoller poller

@@ -39,8 +39,6 @@ from sidecar.engine.parsers import ParseError, ResponseParser
 # window and in the same loop iteration as the reuse is the one race left uncovered, and it is
 # answered as an upstream failure (never replayed), like any close after sending.
 STALE_CHECK_AFTER = 0.05
-# Upstream response heads larger than this are a protocol error (they are a few hundred bytes).
-MAX_RESPONSE_HEAD = 256 * 1024
 
 # What Exchange.response_head tells the connection about the body that follows.
 BODY_FRAMED = 0  # the parser finds the end (Content-Length, chunked, or no body by status)
@@ -128,8 +126,8 @@ class UpstreamConnection:
                 self._fail(f"invalid response: {exc}")
                 return
             self.reusable = False  # garbage after a complete response
-        if not self.head_seen and self.piece_bytes - self.raw_at > MAX_RESPONSE_HEAD:
-            self._fail(f"response head larger than {MAX_RESPONSE_HEAD} bytes")
+        if not self.head_seen and self.piece_bytes - self.raw_at > self.pool.max_head:
+            self._fail(f"response head larger than {self.pool.max_head} bytes")
             return
         if self.done:
             self._complete(self.stamp or perf_counter())
@@ -277,15 +275,18 @@ class UpstreamConnection:
 class UpstreamPool:
     """Keep-alive connections to one upstream ``host:port``, at most ``limit`` of them."""
 
-    __slots__ = ("loop", "host", "port", "limit", "idle", "waiters", "total", "tasks", "closed", "poller")
+    __slots__ = ("loop", "host", "port", "limit", "max_head", "idle", "waiters", "total", "tasks", "closed",
+                 "poller")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int, limit: int,
+    def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int, limit: int, max_head: int,
                  poller: IdlePoller) -> None:
         self.loop = loop
         self.poller = poller  # told of every read (see sidecar.engine.idle_poll)
         self.host = host
         self.port = port
         self.limit = limit
+        # A response head larger than this is a protocol error (502), never relayed.
+        self.max_head = max_head
         self.idle: deque[UpstreamConnection] = deque()
         self.waiters: deque[Exchange] = deque()
         self.total = 0  # connecting + open

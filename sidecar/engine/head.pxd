@@ -17,7 +17,8 @@ cdef unsigned long long _name_mask(bytes raw, Py_ssize_t first, Py_ssize_t end)
 
 cdef tuple _BY_LENGTH
 cdef Py_ssize_t _LONGEST
-cdef bytes _KEEP_ALIVE, _CLOSE
+cdef bytes _HOST, _KEEP_ALIVE, _CLOSE, _HOST_CLASS
+cdef long _REG_NAME, _IP_LITERAL, _HEX
 cdef dict _TABLES
 cdef Py_ssize_t MAX_TABLES
 cdef bint _COMPILED
@@ -75,7 +76,11 @@ cdef bint _listed(bytes raw, Py_ssize_t at, Py_ssize_t n, tuple table)
 cdef (Py_ssize_t, Py_ssize_t) _next_listed(bytes raw, Py_ssize_t i, Py_ssize_t end, tuple table)
 @cython.locals(run=Py_ssize_t, at=Py_ssize_t, nxt=Py_ssize_t)
 cpdef copy_block(bytes raw, Py_ssize_t first, Py_ssize_t end, list out, tuple table)
-cpdef bint has_any(bytes raw, Py_ssize_t first, Py_ssize_t end, tuple table)
+@cython.locals(bits=long, i=Py_ssize_t, at=Py_ssize_t, colon=Py_ssize_t, eol=Py_ssize_t, n=Py_ssize_t)
+cpdef long scan_request(bytes raw, Py_ssize_t first, Py_ssize_t end, tuple table) except -1
+cpdef origin_form(bytes target)
+@cython.locals(i=Py_ssize_t)
+cpdef bint valid_host(bytes raw, Py_ssize_t start, Py_ssize_t stop)
 cpdef bint has_header(bytes raw, Py_ssize_t first, Py_ssize_t end, bytes lower)
 
 @cython.locals(out=dict)

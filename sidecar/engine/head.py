@@ -58,9 +58,26 @@ def _classes() -> list[tuple[tuple[bytes, int], ...]]:
 _BY_LENGTH = tuple(_classes())
 _CLASS_OF = {name: bit for names in _BY_LENGTH for name, bit in names}  # (uncompiled scans)
 _LONGEST = len(_BY_LENGTH) - 1
+_HOST = b"host"
 _KEEP_ALIVE = b"keep-alive"
 _CLOSE = b"close"
 _PLAIN = (_KEEP_ALIVE, _CLOSE)
+# Character classes of Host values (valid_host), one byte of bits per byte value.
+_REG_NAME, _IP_LITERAL, _HEX = 1, 2, 4
+
+
+def _host_classes() -> bytes:
+    classes = bytearray(256)
+    for c in b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~!$&'()*+,;=%":
+        classes[c] |= _REG_NAME
+    for c in b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~!$&'()*+,;=:":
+        classes[c] |= _IP_LITERAL  # IPv6 and IPvFuture addresses in brackets
+    for c in b"0123456789ABCDEFabcdef":
+        classes[c] |= _HEX
+    return bytes(classes)
+
+
+_HOST_CLASS = _host_classes()
 # name_table's cache (a handful of sets: one per deployment's strip list, a few variants).
 _TABLES: dict[frozenset[str], tuple[tuple[bytes, ...], ...]] = {}
 MAX_TABLES = 256
@@ -284,12 +301,89 @@ def copy_block(raw: bytes, first: int, end: int, out: list[bytes], table: tuple[
         out.append(raw[run:end])
 
 
-def has_any(raw: bytes, first: int, end: int, table: tuple[tuple[bytes, ...], ...]) -> bool:
-    """A header of the block ``raw[first:end]`` has a name in ``table``."""
+# What scan_request reports, as bits.
+LISTED = 1  # a header whose name is in the table
+HOST_SEEN = 2  # a Host line
+HOST_REPEATED = 4  # more than one Host line
+HOST_INVALID = 8  # a Host value that is not ``uri-host [":" port]``
+
+
+def scan_request(raw: bytes, first: int, end: int, table: tuple[tuple[bytes, ...], ...]) -> int:
+    """The request-level facts of the block ``raw[first:end]`` in one scan, as bits: LISTED when a
+    header's name is in ``table`` (see :func:`name_table`), HOST_SEEN / HOST_REPEATED for one or
+    more Host lines, HOST_INVALID when a Host value is not a valid ``uri-host [":" port]``."""
     if not _COMPILED:
-        return _has_any_py(raw, first, end, table)
+        return _scan_request_py(raw, first, end, table)
     first, end = _clamp(raw, first, end)  # (the C scans index without bounds checks)
-    return _next_listed(raw, first, end, table)[0] < end
+    bits = 0
+    i = first
+    while i < end:
+        at = i
+        colon, eol = _line(raw, i, end)
+        i = eol + 1
+        n = colon - at
+        if n == 4 and _same(raw, at, _HOST):
+            bits |= HOST_REPEATED if bits & HOST_SEEN else HOST_SEEN
+            if not valid_host(raw, _value_at(raw, colon, eol), eol - 1):
+                bits |= HOST_INVALID
+        elif not bits & LISTED and _listed(raw, at, n, table):
+            bits |= LISTED
+    return bits
+
+
+def origin_form(target: bytes) -> bytes | None:
+    """The origin-form (``/path?query``) of an absolute-form request target
+    (``http://authority/path?query``, scheme in any case), None when ``target`` is not one or its
+    authority is not a valid ``uri-host[:port]`` (userinfo included: RFC 9110 4.2.4)."""
+    scheme = target[:8].lower()
+    if scheme.startswith(b"http://"):
+        rest = target[7:]
+    elif scheme.startswith(b"https://"):
+        rest = target[8:]
+    else:
+        return None
+    cut = len(rest)
+    for sep in (b"/", b"?", b"#"):
+        j = rest.find(sep)
+        if 0 <= j < cut:
+            cut = j
+    path = rest[cut:]
+    if cut == 0 or not valid_host(rest, 0, cut) or b"#" in path:
+        return None
+    return path if path.startswith(b"/") else b"/" + path
+
+
+def valid_host(raw: bytes, start: int, stop: int) -> bool:
+    """``raw[start:stop]`` (trailing whitespace ignored) is a Host value: empty, or ``uri-host
+    [":" port]`` where uri-host is an IP literal in brackets or a reg-name / IPv4 address
+    (unreserved, sub-delims and percent-encoded characters): no userinfo (``@``), path, query,
+    whitespace or non-ASCII (RFC 9112 3.2, RFC 3986 3.2.2)."""
+    while stop > start and (raw[stop - 1] == 32 or raw[stop - 1] == 9):
+        stop -= 1
+    i = start
+    if i < stop and raw[i] == 91:  # "[" IP-literal "]"
+        i += 1
+        while i < stop and _HOST_CLASS[raw[i]] & _IP_LITERAL:
+            i += 1
+        if i >= stop or raw[i] != 93 or i == start + 1:
+            return False
+        i += 1
+    else:
+        while i < stop and _HOST_CLASS[raw[i]] & _REG_NAME:
+            if raw[i] == 37:  # "%" HEXDIG HEXDIG
+                if i + 2 >= stop or not _HOST_CLASS[raw[i + 1]] & _HEX or not _HOST_CLASS[raw[i + 2]] & _HEX:
+                    return False
+                i += 2
+            i += 1
+    if i < stop:
+        if raw[i] != 58:  # ":" port
+            return False
+        i += 1
+        while i < stop:
+            if not 48 <= raw[i] <= 57:
+                return False
+            i += 1
+    return True
 
 
 def has_header(raw: bytes, first: int, end: int, lower: bytes) -> bool:
@@ -344,12 +438,19 @@ def _keep_runs(raw: bytes, first: int, end: int, out: list[bytes], dropped: list
         out.append(raw[run:end])
 
 
-def _has_any_py(raw: bytes, first: int, end: int, table: tuple[tuple[bytes, ...], ...]) -> bool:
-    for line in raw[first:end].lower().split(b"\r\n")[:-1]:
-        name = line[:line.find(b":")]
-        if len(name) < len(table) and name in table[len(name)]:
-            return True
-    return False
+def _scan_request_py(raw: bytes, first: int, end: int, table: tuple[tuple[bytes, ...], ...]) -> int:
+    bits = 0
+    for line in raw[first:end].split(b"\r\n")[:-1]:
+        colon = line.find(b":")
+        name = line[:colon].lower()
+        if name == _HOST:
+            bits |= HOST_REPEATED if bits & HOST_SEEN else HOST_SEEN
+            value = line[colon + 1:].lstrip(b" \t")
+            if not valid_host(value, 0, len(value)):
+                bits |= HOST_INVALID
+        elif len(name) < len(table) and name in table[len(name)]:
+            bits |= LISTED
+    return bits
 
 
 def _header_values_py(raw: bytes, first: int, end: int, lower: bytes, first_only: bool) -> list[bytes]:

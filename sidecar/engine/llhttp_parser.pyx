@@ -113,7 +113,7 @@ cdef class LlhttpParser(_Llhttp):
     cdef list pieces  # earlier reads holding the head in progress, from its first byte
     cdef Py_ssize_t held  # their size
     cdef Py_ssize_t start  # where the head in progress starts in data (-1: in an earlier read)
-    cdef bint in_head
+    cdef public bint in_head  # a request head is in progress (the engine times it)
     cdef bytes target
     cdef Py_ssize_t trailer  # trailer bytes of the current request
 

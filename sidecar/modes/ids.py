@@ -44,6 +44,12 @@ def always_fits(max_bytes: int) -> int:
 DYNAMO_ALWAYS_FITS = always_fits(DYNAMO_MAX_ID_BYTES)
 
 
+def opaque_id(value: str) -> str:
+    """A stable form of an id that cannot travel in a header as it is (it holds CR, LF, NUL or
+    other control characters): ``"~"`` and the digest of the whole id."""
+    return "~" + _digest(value.encode("utf-8", "surrogateescape"))
+
+
 def fit_id(value: str, max_bytes: int) -> str:
     """``value`` if its UTF-8 encoding has at most ``max_bytes`` bytes, else its stable fitted form.
 

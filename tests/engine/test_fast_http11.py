@@ -153,16 +153,72 @@ async def test_fast_refuses_transfer_codings_it_cannot_forward(raw_upstream, sta
     for data in (b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
                  b"POST /s HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
                  b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n"
-                 b"0\r\n\r\n",
-                 b"GET /s HTTP/2.0\r\nHost: x\r\n\r\n",
-                 b"GET /s HTTP/2.0\r\nHost: x\r\nConnection: keep-alive\r\n\r\n",
-                 b"GET /s HTTP/0.9\r\nHost: x\r\n\r\n",
-                 b"GET /s HTTP/0.9\r\nHost: x\r\nConnection: keep-alive\r\n\r\n",
-                 b"GET http://other.example/s HTTP/1.1\r\nHost: x\r\n\r\n"):
+                 b"0\r\n\r\n"):
         resp, closed = await refused_or_closed(port(sc), data)
         assert resp is not None and resp.status == 400 and closed, data
         assert orjson.loads(resp.body)["error"]["type"] == "bad_request"
     assert up.connections == 0
+
+
+REFUSED_HEADS = {
+    "http_2_0": b"GET /s HTTP/2.0\r\nHost: x\r\n\r\n",
+    "http_2_0_keepalive": b"GET /s HTTP/2.0\r\nHost: x\r\nConnection: keep-alive\r\n\r\n",
+    "http_0_9_with_version": b"GET /s HTTP/0.9\r\nHost: x\r\n\r\n",
+    "http_0_9_keepalive": b"GET /s HTTP/0.9\r\nHost: x\r\nConnection: keep-alive\r\n\r\n",
+    "http_0_9_simple_request": b"GET /s\r\n\r\n",
+    "missing_host_http11": b"GET /s HTTP/1.1\r\nX-A: 1\r\n\r\n",
+    "two_hosts": b"GET /s HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+    "two_hosts_http10": b"GET /s HTTP/1.0\r\nHost: a\r\nhost: a\r\n\r\n",
+    "host_with_userinfo": b"GET /s HTTP/1.1\r\nHost: user@evil.example\r\n\r\n",
+    "host_with_path": b"GET /s HTTP/1.1\r\nHost: a.example/b\r\n\r\n",
+    "host_with_space": b"GET /s HTTP/1.1\r\nHost: a b\r\n\r\n",
+    "absolute_form_with_userinfo": b"GET http://u:p@a.example/s HTTP/1.1\r\nHost: a.example\r\n\r\n",
+    "authority_form": b"GET a.example:443 HTTP/1.1\r\nHost: a.example\r\n\r\n",
+    "asterisk_form": b"OPTIONS * HTTP/1.1\r\nHost: a.example\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_HEADS))
+async def test_invalid_versions_hosts_and_targets_are_400_and_never_forwarded(case, raw_upstream, start_sidecar):
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    resp, closed = await refused_or_closed(port(sc), REFUSED_HEADS[case])
+    assert resp is not None and resp.status == 400 and closed, case
+    assert orjson.loads(resp.body)["error"]["type"] == "bad_request"
+    assert up.connections == 0 and up.received == []
+
+
+async def test_absolute_form_target_is_forwarded_in_origin_form(raw_upstream, start_sidecar):
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    responses, closed = await exchange(port(sc), b"GET http://other.example/v1/models?x=1 HTTP/1.1\r\n"
+                                                 b"Host: other.example\r\n\r\n"
+                                                 b"POST HTTPS://other.example HTTP/1.1\r\nHost: other.example\r\n"
+                                                 b"Content-Length: 2\r\n\r\nhi", responses=2)
+    assert [r.status for r in responses] == [200, 200] and not closed
+    assert [(r.start, r.body) for r in up.received] == [("GET /v1/models?x=1 HTTP/1.1", b""), ("POST / HTTP/1.1", b"hi")]
+    assert up.received[0].all("Host") == [f"127.0.0.1:{up.port}"]
+
+
+async def test_http10_request_without_host_is_accepted(raw_upstream, start_sidecar):
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    responses, _ = await exchange(port(sc), b"GET /old HTTP/1.0\r\n\r\n")
+    assert responses[0].status == 200
+    assert [r.target for r in up.received] == ["/old"]
+
+
+async def test_header_bytes_that_are_not_utf8_reach_the_upstream_unchanged(raw_upstream, start_sidecar):
+    raw = b"caf\xe9 \xff\xfe \x80 \xc3\xa9"
+    reply_head = b"HTTP/1.1 200 OK\r\nX-Back: \xfe\xff ok\r\nContent-Length: 0\r\n\r\n"
+    up = await raw_upstream({"/bin": reply(reply_head)})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await connect(sc)
+    writer.write(b"GET /bin HTTP/1.1\r\nHost: x\r\nX-Bin: " + raw + b"\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    writer.close()
+    assert up.received[0].header("X-Bin").encode("latin-1") == raw
+    assert b"\r\nX-Back: \xfe\xff ok\r\n" in head
 
 
 # -- limits -----------------------------------------------------------------------------------
@@ -173,7 +229,8 @@ async def test_oversized_head_is_refused_and_never_forwarded(raw_upstream, start
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, limits={"max_header_bytes": 2048})
     resp, closed = await refused_or_closed(port(sc), b"GET /h HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 4000 + b"\r\n\r\n")
     assert resp is not None and closed
-    assert resp.status == (431 if engine == "fast" else 400)
+    assert resp.status == 431
+    assert orjson.loads(resp.body)["error"]["type"] == "headers_too_large"
     assert up.received == []
 
 

@@ -12,17 +12,23 @@ from sidecar.engine.head import (
     HAS_CONTENT_LENGTH,
     HAS_HOP,
     HAS_TRANSFER_ENCODING,
+    HOST_INVALID,
+    HOST_REPEATED,
+    HOST_SEEN,
+    LISTED,
     NAMES_HEADERS,
     HeaderBlock,
     copy_block,
     first_value,
-    has_any,
     has_header,
     header_values,
     locate,
     name_table,
+    origin_form,
     reason_phrase,
     relay_block,
+    scan_request,
+    valid_host,
 )
 
 HEADERS = (b"X-Worker: w1\r\nContent-Type:application/json\r\nx-worker: w2\r\n"
@@ -97,11 +103,11 @@ def test_copy_block_drops_listed_names_and_keeps_the_rest_byte_for_byte() -> Non
     assert name_table(frozenset({"te", "connection"})) is name_table(frozenset({"connection", "te"}))
 
 
-def test_has_any_and_has_header_match_whole_names_in_any_case() -> None:
+def test_scan_request_and_has_header_match_whole_names_in_any_case() -> None:
     block = REQUEST_BLOCK
-    assert has_any(block, 0, len(block), name_table(frozenset({"x-strip-me"})))
-    assert has_any(block, 0, len(block), name_table(frozenset({"upgrade", "expect"})))
-    assert not has_any(block, 0, len(block), name_table(frozenset({"x-strip", "x-keep-", "upgrade"})))
+    assert scan_request(block, 0, len(block), name_table(frozenset({"x-strip-me"}))) & LISTED
+    assert scan_request(block, 0, len(block), name_table(frozenset({"upgrade", "expect"}))) & LISTED
+    assert not scan_request(block, 0, len(block), name_table(frozenset({"x-strip", "x-keep-", "upgrade"}))) & LISTED
     assert has_header(block, 0, len(block), b"connection") and has_header(block, 0, len(block), b"x-keep")
     assert not has_header(block, 0, len(block), b"x-kee") and not has_header(block, 0, len(block), b"transfer")
     assert header_values(block, 0, len(block), b"x-keep", False) == [b"1", b"2"]
@@ -154,3 +160,42 @@ def test_locate_finds_the_start_line_and_the_block(raw: bytes, at: int, expected
     start, first, end = locate(raw, at)
     assert (start, first, end) == expected and raw[end:end + 2] == b"\r\n"
     assert reason_phrase(raw, start, first) == phrase
+
+
+HOSTS_VALID = [b"", b"example.com", b"example.com:8080", b"EXAMPLE.com:", b"10.0.0.1", b"10.0.0.1:80", b"[::1]",
+               b"[::1]:443", b"[v1.fe80::a+en1]", b"a-b_c.~d", b"%41bc", b"x!$&'()*+,;=y", b"localhost  ", b"h\t"]
+HOSTS_INVALID = [b"user@example.com", b"user:pw@h", b"a/b", b"a?b", b"a#b", b"a b", b"[::1", b"[]", b"[::1]x",
+                 b"h:80:90", b"h:8o", b"%4", b"%zz", b"caf\xc3\xa9", b"a\\b", b'"h"', b"<h>", b"h:-1"]
+
+
+@pytest.mark.parametrize("value", HOSTS_VALID)
+def test_valid_host_accepts_uri_host_and_port(value: bytes) -> None:
+    assert valid_host(value, 0, len(value))
+    block = b"Host: " + value + b"\r\nX-A: 1\r\n"
+    assert scan_request(block, 0, len(block), name_table(frozenset({"x-b"}))) == HOST_SEEN
+
+
+@pytest.mark.parametrize("value", HOSTS_INVALID)
+def test_valid_host_refuses_userinfo_paths_and_odd_bytes(value: bytes) -> None:
+    assert not valid_host(value, 0, len(value))
+    block = b"X-A: 1\r\nhost: " + value + b"\r\n"
+    assert scan_request(block, 0, len(block), name_table(frozenset({"x-a"}))) == LISTED | HOST_SEEN | HOST_INVALID
+
+
+def test_scan_request_counts_host_lines() -> None:
+    table = name_table(frozenset({"connection"}))
+    assert scan_request(b"X-A: 1\r\n", 0, 8, table) == 0
+    two = b"Host: a\r\nHOST: b\r\n"
+    assert scan_request(two, 0, len(two), table) == HOST_SEEN | HOST_REPEATED
+    # A name that only starts like Host is another header.
+    other = b"Hostname: a\r\nX-Host: b\r\nHost: c\r\n"
+    assert scan_request(other, 0, len(other), table) == HOST_SEEN
+
+
+@pytest.mark.parametrize(("target", "origin"), [
+    (b"http://h.example/v1/chat?x=1", b"/v1/chat?x=1"), (b"HTTPS://h.example:443", b"/"),
+    (b"http://h.example?q", b"/?q"), (b"http://[::1]:8080/a", b"/a"),
+    (b"http://user@h.example/a", None), (b"http:///a", None), (b"ftp://h/a", None), (b"h.example:443", None),
+    (b"*", None), (b"http://h.example/a#frag", None), (b"http://h example/a", None)])
+def test_origin_form_of_absolute_targets(target: bytes, origin: bytes | None) -> None:
+    assert origin_form(target) == origin

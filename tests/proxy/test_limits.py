@@ -1,0 +1,117 @@
+"""Every resource a client can hold is bounded in bytes and in time, on both engines: a request
+head must arrive within ``head_timeout_seconds``, a body a mode reads within the deployment's
+timeouts, and session ids are kept and forwarded in at most ``sessions.max_id_bytes``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from tests.engine import closed_soon, read_response
+
+ONE_TURN = {"readiness_check_upstream": False}
+
+
+async def _response_or_close(reader: asyncio.StreamReader) -> tuple[int, dict, bool]:
+    """The proxy's answer, and whether it then closed (after lingering over unread bytes)."""
+    async with asyncio.timeout(10):
+        resp = await read_response(reader)
+    return resp.status, orjson.loads(resp.body), await closed_soon(reader, 5)
+
+
+@pytest.mark.parametrize("head", [b"GET /slow HTTP/1.1\r\nHost: x\r\nX-A: ", b"GET /p"])
+async def test_a_head_dribbled_byte_by_byte_is_timed_out(head, upstream, start_sidecar):
+    sc = await start_sidecar(upstream=upstream.url, head_timeout_seconds=0.5, **ONE_TURN)
+    reader, writer = await asyncio.open_connection("127.0.0.1", sc.engine.port)
+    writer.write(head)
+
+    async def dribble() -> None:
+        try:
+            while True:
+                await asyncio.sleep(0.1)
+                writer.write(b"a")
+        except (ConnectionError, RuntimeError):
+            return
+
+    task = asyncio.create_task(dribble())
+    try:
+        status, body, closed = await _response_or_close(reader)
+    finally:
+        task.cancel()
+        writer.close()
+    assert status == 408 and closed
+    assert body["error"]["type"] == "request_timeout"
+    assert upstream.received == []
+    reg = sc.metrics.registry
+    assert reg.get_sample_value("sidecar_rejected_requests_total", {"reason": "request_timeout"}) == 1
+
+
+async def test_a_kept_alive_connection_gets_a_fresh_head_timeout_per_request(upstream, start_sidecar):
+    sc = await start_sidecar(upstream=upstream.url, head_timeout_seconds=0.6, **ONE_TURN)
+    reader, writer = await asyncio.open_connection("127.0.0.1", sc.engine.port)
+    for i in range(3):  # each head in two pieces, the whole exchange longer than one timeout
+        writer.write(b"GET /a%d HTTP/1.1\r\nHo" % i)
+        await asyncio.sleep(0.25)
+        writer.write(b"st: x\r\n\r\n")
+        async with asyncio.timeout(5):
+            assert (await read_response(reader)).status == 200
+    writer.close()
+    assert [r.path for r in upstream.received] == ["/a0", "/a1", "/a2"]
+
+
+async def test_a_stalled_body_of_a_body_mode_is_timed_out_and_releases_the_session(upstream, start_sidecar):
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", timeouts={"idle": 0.5}, **ONE_TURN)
+    reader, writer = await asyncio.open_connection("127.0.0.1", sc.engine.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: stall-1\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": \"m\",")
+    try:
+        status, body, closed = await _response_or_close(reader)
+    finally:
+        writer.close()
+    assert status == 408 and closed
+    assert body["error"]["type"] == "request_timeout"
+    assert upstream.received == []
+    node = sc.router.tree.get("stall-1")
+    assert node is None or node["in_flight"] == 0
+
+
+async def test_long_session_ids_are_kept_and_forwarded_fitted(raw_upstream, start_sidecar):
+    upstream = await raw_upstream()
+    sc = await start_sidecar(upstream=upstream.url, mode="session_id_header", sessions={"max_id_bytes": 256},
+                             **ONE_TURN)
+    long_id = "agent/" + "x" * 30_000
+    long_parent = "parent/" + "y" * 30_000
+    reader, writer = await asyncio.open_connection("127.0.0.1", sc.engine.port)
+    for _ in range(2):
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: %s\r\nX-Parent-Session-ID: %s\r\n\r\n"
+                     % (long_id.encode(), long_parent.encode()))
+        async with asyncio.timeout(5):
+            assert (await read_response(reader)).status == 200
+    writer.close()
+    sent = [r.header("X-Session-ID") for r in upstream.received]
+    assert sent[0] == sent[1] and len(sent[0].encode()) <= 256 and sent[0].startswith("agent/xxx")
+    tree = sc.router.tree
+    node = tree.get(sent[0])
+    assert node is not None and node["turns"] == 2
+    assert len(node["parent"].encode()) <= 256 and node["parent"].startswith("parent/yyy")
+    assert all(len(s.encode()) <= 256 for s in tree._nodes)
+
+
+async def test_a_body_signal_id_with_a_line_break_is_forwarded_opaque_never_injected(upstream, start_sidecar):
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers",
+                             identity={"body": ["prompt_cache_key"]}, **ONE_TURN)
+    body = orjson.dumps({"model": "m", "prompt_cache_key": "conv-1\r\nX-Injected: yes\r\n\r\nGET /evil HTTP/1.1"})
+    reader, writer = await asyncio.open_connection("127.0.0.1", sc.engine.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    async with asyncio.timeout(5):
+        assert (await read_response(reader)).status == 200
+    writer.close()
+    await asyncio.sleep(0.1)
+    assert len(upstream.received) == 1
+    got = upstream.received[0]
+    assert got.header("X-Injected") is None
+    session = got.header("X-Dynamo-Session-ID")
+    assert session is not None and session.startswith("~") and "\r" not in session and "\n" not in session
