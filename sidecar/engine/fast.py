@@ -31,10 +31,14 @@ Backpressure (:mod:`sidecar.engine.flow`): a write buffer above its high-water m
 pauses reading on the other until it drains.
 
 Framing the engine refuses with ``400 bad_request`` and a close (never forwarded): anything
-llhttp rejects (Content-Length with Transfer-Encoding, duplicate Content-Length, bad chunk
-sizes, bare LF, whitespace before colons, ...), a Transfer-Encoding other than exactly
-``chunked``, Transfer-Encoding on HTTP/1.0, HTTP versions other than 1.0 / 1.1, and request
-targets that are not origin-form (``/path``). Upstreams must be plain ``http://``.
+llhttp rejects (Content-Length with Transfer-Encoding, duplicate Content-Length, bare LF,
+whitespace before colons, ...), malformed chunks, a Transfer-Encoding other than ``chunked``
+(optional whitespace around it allowed), Transfer-Encoding on HTTP/1.0, HTTP versions other
+than 1.0 / 1.1, a missing (HTTP/1.1), repeated or invalid Host, and request targets that are
+neither origin-form (``/path``) nor absolute-form (``http://host/path``, forwarded in
+origin-form). The compiled build decodes chunked request bodies itself
+(:mod:`sidecar.engine.llhttp_parser`), so it accepts the whitespace RFC 9112 allows in chunk
+extensions, which llhttp refuses. Upstreams must be plain ``http://``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,16 @@ offsets: no copy when it arrived in one read (the usual case; ``raw`` is then th
 join of its reads otherwise. So a request costs the owner three Python calls (head, body, end)
 whatever its header count. Responses take the same three calls; their owner keeps the bytes.
 One llhttp serves both directions, so the engine runs one copy of its code.
+
+Request bodies with a Transfer-Encoding are decoded here, not by llhttp (:class:`_Chunked`): llhttp
+refuses the whitespace RFC 9112 7.1.1 allows around ``;`` and ``=`` in chunk extensions and around
+the Transfer-Encoding value. The head callback tells llhttp to skip such a body, the message-complete
+callback then pauses llhttp, and this module decodes the chunks and resumes llhttp at the next
+request. The engine re-frames every body it forwards, so its reading of the chunks is the only one
+the upstream sees.
 """
+
+import re
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport uint8_t, uint16_t, uint64_t
@@ -18,6 +27,16 @@ from sidecar.engine.head cimport locate
 
 from sidecar.engine.parsers import CallbackError, HeadTooLarge, ParseError, UpgradeRequest
 
+# RFC 9112 7.1.1 chunk extensions (after the size), bad whitespace included; RFC 9112 7.1.2 trailer
+# field lines. Both are checked only when present.
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_QUOTED = rb'"(?:[\t !#-\[\]-~\x80-\xff]|\\[\t -~\x80-\xff])*"'
+_CHUNK_EXT = re.compile(rb"(?:[ \t]*;[ \t]*" + _TOKEN + rb"(?:[ \t]*=[ \t]*(?:" + _TOKEN + rb"|" + _QUOTED +
+                        rb"))?)*[ \t]*")
+_TRAILER = re.compile(_TOKEN + rb":[\t \x21-\x7e\x80-\xff]*")
+_MAX_SIZE_LINE = 4096  # a chunk-size line, extensions included
+_MAX_SIZE_DIGITS = 15  # hex digits of a chunk size (below 2**60)
+
 
 cdef extern from "llhttp.h":
     ctypedef enum llhttp_type_t:
@@ -25,10 +44,12 @@ cdef extern from "llhttp.h":
         HTTP_RESPONSE
     ctypedef enum llhttp_errno_t:
         HPE_OK
+        HPE_PAUSED
         HPE_PAUSED_UPGRADE
         HPE_USER
     ctypedef enum llhttp_flags:
         F_CONTENT_LENGTH
+        F_TRANSFER_ENCODING
     ctypedef enum llhttp_method_t:
         pass
     ctypedef struct llhttp_t:
@@ -55,9 +76,23 @@ cdef extern from "llhttp.h":
     llhttp_errno_t llhttp_execute(llhttp_t* parser, const char* data, size_t len)
     int llhttp_should_keep_alive(const llhttp_t* parser)
     void llhttp_resume_after_upgrade(llhttp_t* parser)
+    void llhttp_resume(llhttp_t* parser)
     const char* llhttp_get_error_reason(const llhttp_t* parser)
+    const char* llhttp_get_error_pos(const llhttp_t* parser)
     const char* llhttp_method_name(llhttp_method_t method)
 
+
+# _Chunked states
+cdef enum:
+    SIZE = 0  # chunk-size digits
+    SIZE_LINE = 1  # the rest of the size line (extensions) up to CRLF
+    DATA = 2  # chunk data
+    DATA_CR = 3  # the CRLF after chunk data
+    DATA_LF = 4
+    TRAILER = 5  # trailer field lines up to an empty line
+    DONE = 6
+
+cdef class _Chunked
 
 cdef llhttp_settings_t _REQUEST_SETTINGS
 cdef llhttp_settings_t _RESPONSE_SETTINGS
@@ -73,6 +108,8 @@ cdef class _Llhttp:
     cdef object error  # what a callback raised, re-raised once llhttp returns
     cdef bytes data  # the read being parsed (during feed_data)
     cdef const char* buf  # its bytes
+    cdef bint own_body  # the message's body is decoded by this module: pause llhttp at its end
+    cdef Py_ssize_t paused_at  # where llhttp paused in the last _execute's data
 
     cdef int _init(self, owner, llhttp_type_t kind, llhttp_settings_t* settings) except -1:
         self.on_body = owner.on_body
@@ -96,6 +133,9 @@ cdef class _Llhttp:
         self.data = None
         if err == HPE_OK or (err == HPE_PAUSED_UPGRADE and self.p.upgrade):
             return err
+        if err == HPE_PAUSED and self.own_body and self.error is None:
+            self.paused_at = llhttp_get_error_pos(&self.p) - self.buf
+            return err
         error = self.error
         if error is None:
             raise ParseError(llhttp_get_error_reason(&self.p).decode("latin-1"))
@@ -116,6 +156,7 @@ cdef class LlhttpParser(_Llhttp):
     cdef public bint in_head  # a request head is in progress (the engine times it)
     cdef bytes target
     cdef Py_ssize_t trailer  # trailer bytes of the current request
+    cdef _Chunked chunks  # the body being decoded here (own_body), else None
 
     def __init__(self, owner, Py_ssize_t max_head):
         self._init(owner, HTTP_REQUEST, &_REQUEST_SETTINGS)
@@ -123,12 +164,36 @@ cdef class LlhttpParser(_Llhttp):
         self.max_head = max_head
         self.pieces = []
         self.target = b""
+        self.chunks = None
 
     def feed_data(self, data):
-        cdef Py_ssize_t size
-        if self._execute(data) == HPE_PAUSED_UPGRADE:
-            llhttp_resume_after_upgrade(&self.p)
-            raise UpgradeRequest()
+        cdef Py_ssize_t size, pos = 0
+        cdef llhttp_errno_t err
+        if type(data) is not bytes:
+            data = bytes(data)
+        while True:
+            if self.chunks is not None:  # a body decoded here: its bytes first
+                pos = self.chunks.feed(data, pos)
+                if not self.chunks.done:
+                    return
+                self.chunks = None
+                self.own_body = False
+                try:
+                    self.on_complete()
+                except BaseException as exc:
+                    raise CallbackError("on_message_complete failed") from exc
+                llhttp_resume(&self.p)
+                if pos >= len(data):
+                    return
+                data = data[pos:]
+                pos = 0
+            err = self._execute(data)
+            if err == HPE_PAUSED_UPGRADE:
+                llhttp_resume_after_upgrade(&self.p)
+                raise UpgradeRequest()
+            if err != HPE_PAUSED:
+                break
+            pos = self.paused_at  # the head of a body decoded here ended there
         if self.in_head:  # the head continues in the next read: keep its bytes so far
             if self.start > 0:
                 data = data[self.start:]
@@ -169,6 +234,112 @@ cdef class LlhttpParser(_Llhttp):
             length = p.content_length
         self.on_head(raw, first, end, method, target, p.http_major * 10 + p.http_minor,
                      llhttp_should_keep_alive(p) != 0, length)
+        if p.flags & F_TRANSFER_ENCODING and not p.upgrade:
+            # Decoded here (see the module docstring): llhttp skips it and pauses at its end.
+            self.own_body = True
+            self.chunks = _Chunked(self.on_body, self.max_head)
+            return 1
+        return 0
+
+
+cdef class _Chunked:
+    """Decodes one chunked request body (RFC 9112 7.1), whitespace in extensions allowed,
+    extensions and trailers checked and dropped. Trailers count against ``budget`` bytes."""
+
+    cdef object on_body
+    cdef int state
+    cdef unsigned long long left  # data bytes left in the current chunk
+    cdef int digits
+    cdef bytearray line  # the size line (after the digits) or trailer line in progress
+    cdef Py_ssize_t budget
+    cdef readonly bint done
+
+    def __init__(self, on_body, Py_ssize_t budget):
+        self.on_body = on_body
+        self.state = SIZE
+        self.line = bytearray()
+        self.budget = budget
+
+    cdef Py_ssize_t feed(self, bytes data, Py_ssize_t pos) except -1:
+        """Decode from ``data[pos:]``; return where this body ends in ``data`` (``len(data)``
+        when it continues in the next read)."""
+        cdef const unsigned char* b = <const unsigned char*>PyBytes_AS_STRING(data)
+        cdef Py_ssize_t n = len(data), take, eol
+        cdef unsigned char c
+        while pos < n and self.state != DONE:
+            c = b[pos]
+            if self.state == SIZE:
+                if 48 <= c <= 57 or 65 <= c <= 70 or 97 <= c <= 102:  # HEXDIG
+                    if self.digits == _MAX_SIZE_DIGITS:
+                        raise ParseError("chunk size too large")
+                    self.left = self.left * 16 + (c - 48 if c <= 57 else (c | 32) - 87)
+                    self.digits += 1
+                    pos += 1
+                    continue
+                if self.digits == 0:
+                    raise ParseError("invalid character in chunk size")
+                self.state = SIZE_LINE
+            elif self.state == SIZE_LINE or self.state == TRAILER:
+                eol = pos
+                while eol < n and b[eol] != 10:
+                    eol += 1
+                self.line += data[pos:eol]
+                if self.state == TRAILER and len(self.line) > self.budget:
+                    raise HeadTooLarge()  # trailers count against the head limit, as llhttp's did
+                if len(self.line) > _MAX_SIZE_LINE and self.state == SIZE_LINE:
+                    raise ParseError("chunk size line too long")
+                if eol == n:
+                    return n
+                pos = eol + 1
+                self._line_done()
+            elif self.state == DATA:
+                take = n - pos
+                if <unsigned long long>take > self.left:
+                    take = <Py_ssize_t>self.left
+                self.left -= take
+                try:
+                    self.on_body(data[pos:pos + take])
+                except BaseException as exc:
+                    raise CallbackError("on_body failed") from exc
+                pos += take
+                if self.left == 0:
+                    self.state = DATA_CR
+            elif self.state == DATA_CR:
+                if c != 13:
+                    raise ParseError("chunk data not followed by CRLF")
+                self.state = DATA_LF
+                pos += 1
+            else:  # DATA_LF
+                if c != 10:
+                    raise ParseError("chunk data not followed by CRLF")
+                self.state = SIZE
+                self.digits = 0
+                pos += 1
+        return pos
+
+    cdef int _line_done(self) except -1:
+        """A size line's rest or a trailer line ended with LF (``line`` holds it without)."""
+        cdef bytes line = bytes(self.line)
+        self.line.clear()
+        if not line.endswith(b"\r"):
+            raise ParseError("line not ended by CRLF")
+        line = line[:-1]
+        if self.state == SIZE_LINE:
+            if _CHUNK_EXT.fullmatch(line) is None:
+                raise ParseError("invalid chunk extension")
+            self.state = DATA if self.left else TRAILER
+            if self.left == 0:
+                self.digits = 0
+            return 0
+        if not line:
+            self.state = DONE
+            self.done = True
+            return 0
+        self.budget -= len(line) + 2
+        if self.budget < 0:
+            raise HeadTooLarge()
+        if _TRAILER.fullmatch(line) is None:
+            raise ParseError("invalid trailer field")
         return 0
 
 
@@ -238,12 +409,14 @@ cdef int _on_field(llhttp_t* p, const char* at, size_t length) noexcept:
 
 cdef int _on_headers_complete(llhttp_t* p) noexcept:
     cdef _Llhttp self = _parser(p)
+    cdef int skip
     try:
-        self.head()
+        skip = self.head()
     except BaseException as exc:
         _fail(self, exc)
         return -1
-    return 1 if p.upgrade else 0  # a protocol switch has no body here (llhttp then pauses)
+    # A protocol switch has no body here (llhttp then pauses); 1 also skips a body decoded here.
+    return 1 if p.upgrade or skip else 0
 
 
 cdef int _on_body(llhttp_t* p, const char* at, size_t length) noexcept:
@@ -257,6 +430,8 @@ cdef int _on_body(llhttp_t* p, const char* at, size_t length) noexcept:
 
 cdef int _on_message_complete(llhttp_t* p) noexcept:
     cdef _Llhttp self = _parser(p)
+    if self.own_body:  # only the head is complete: pause while this module decodes the body
+        return HPE_PAUSED
     try:
         self.on_complete()
     except BaseException as exc:

@@ -46,7 +46,11 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.app import Sidecar
 from sidecar.config import build_config
+from sidecar.engine.fast import FastEngine
 from tests.engine import RawUpstream
+
+# The compiled engine decodes chunked request bodies itself (whitespace in extensions allowed).
+COMPILED = FastEngine.compiled
 
 # -- the oracle -------------------------------------------------------------------------------
 
@@ -137,11 +141,24 @@ def _refused(m: Parsed) -> bool:
     return m.method == "CONNECT" or forwarded_target(m.target) is None
 
 
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_EXT = rb"(?:[ \t]*;[ \t]*" + _TOKEN + rb"(?:[ \t]*=[ \t]*" + _TOKEN + rb")?)*"
+_SIZE_LINE = re.compile(rb"(?<=\n)([0-9A-Fa-f]+)(" + _EXT + rb")[ \t]*(?=\r\n)")
+
+
+def _without_bws(data: bytes) -> bytes:
+    """``data`` with the bad whitespace RFC 9112 7.1.1 allows in chunk-size lines removed: the
+    compiled engine accepts it, llhttp (this oracle's parser) does not."""
+    return _SIZE_LINE.sub(lambda m: m.group(1) + re.sub(rb"[ \t]", b"", m.group(2)), data)
+
+
 def oracle(data: bytes) -> Verdict:
     c = _Collector()
     parser = httptools.HttpRequestParser(c)
     c.parser = parser
     error = False
+    if COMPILED:
+        data = _without_bws(data)
     try:
         parser.feed_data(data)
     except httptools.HttpParserUpgrade:
@@ -197,7 +214,7 @@ def chunked_body(draw: st.DrawFn) -> bytes:
         size = draw(st.sampled_from(["hex", "hex", "hex", "wrong", "garbage"]))
         size_b = b"%x" % len(payload) if size == "hex" else (
             b"%x" % (len(payload) + 1) if size == "wrong" else draw(st.sampled_from([b"zz", b"-1", b"", b"1 1"])))
-        ext = draw(st.sampled_from([b"", b"", b";ext=1", b"; bad"]))
+        ext = draw(st.sampled_from([b"", b"", b";ext=1", b"; bad", b" ; e = v", b";\x01"]))
         end = draw(st.sampled_from([b"\r\n", b"\r\n", b"\r\n", b"\n", b""]))
         out += size_b + ext + b"\r\n" + payload + end
     if draw(st.booleans()):

@@ -188,6 +188,22 @@ async def test_invalid_versions_hosts_and_targets_are_400_and_never_forwarded(ca
     assert up.connections == 0 and up.received == []
 
 
+@FAST
+@pytest.mark.skipif(not FastEngine.compiled, reason="the pure-Python build parses chunks with httptools")
+async def test_whitespace_rfc9112_allows_in_chunked_framing_is_accepted_and_reframed(raw_upstream, start_sidecar):
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    data = (b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding:\tchunked \r\n\r\n3 ; ext = \"v w\"\r\nabc\r\n"
+            b"2;x\r\nde\r\n0\r\nX-Trailer: t\r\n\r\n"
+            b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+    responses, closed = await exchange(port(sc), data, responses=2)
+    assert [r.status for r in responses] == [200, 200] and not closed
+    first, second = up.received
+    assert (first.target, first.body, first.framing) == ("/a", b"abcde", "chunked")
+    assert first.all("Transfer-Encoding") == ["chunked"] and first.header("X-Trailer") is None
+    assert (second.target, second.body) == ("/b", b"hi")
+
+
 async def test_absolute_form_target_is_forwarded_in_origin_form(raw_upstream, start_sidecar):
     up = await raw_upstream()
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)

@@ -271,3 +271,53 @@ def test_response_corpus_outcomes() -> None:
     assert outcomes["http10"][0][-1] == ("end", False)
     for name in ("bad_status_line", "length_and_chunked", "switching_protocols"):
         assert outcomes[name][1] == "ParseError", name
+
+
+# RFC 9112 7.1.1 allows bad whitespace (BWS) around ";" and "=" in chunk extensions, and OWS around
+# a Transfer-Encoding value; llhttp refuses both, so the compiled parser decodes request bodies
+# with a Transfer-Encoding itself. httptools (the pure-Python build) still refuses them.
+BWS_CHUNKED: dict[str, tuple[bytes, bytes]] = {
+    "space_before_semicolon": (b"Transfer-Encoding: chunked\r\n", b"3 ;ext=1\r\nabc\r\n0\r\n\r\n"),
+    "spaces_around_equals": (b"Transfer-Encoding: chunked\r\n", b"3 ; ext = 1\r\nabc\r\n0\r\n\r\n"),
+    "tabs_and_quoted_value": (b"Transfer-Encoding: chunked\r\n", b"3\t;\tx\t=\t\"a \\\" b\"\r\nabc\r\n0 ; last\r\n\r\n"),
+    "several_extensions": (b"Transfer-Encoding: chunked\r\n", b"3;a;b=c ; d=\"e\"\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"),
+    "spaces_after_size": (b"Transfer-Encoding: chunked\r\n", b"3  \r\nabc\r\n0\r\n\r\n"),
+    "te_value_with_tabs": (b"Transfer-Encoding:\tchunked\t\r\n", b"3\r\nabc\r\n0\r\n\r\n"),
+    "te_value_with_spaces": (b"Transfer-Encoding:  chunked  \r\n", b"3\r\nabc\r\n0\r\nX-T: v\r\n\r\n"),
+    "leading_zeros_and_upper_hex": (b"Transfer-Encoding: chunked\r\n", b"000A\r\n0123456789\r\n0\r\n\r\n"),
+}
+BAD_CHUNKED: dict[str, bytes] = {
+    "control_char_in_extension": b"3;x=\x01\r\nabc\r\n0\r\n\r\n",
+    "unterminated_quoted_value": b"3;x=\"abc\r\nabc\r\n0\r\n\r\n",
+    "no_crlf_after_data": b"3\r\nabcX\r\n0\r\n\r\n",
+    "bare_lf_after_size": b"3\nabc\r\n0\r\n\r\n",
+    "size_too_large": b"1000000000000000\r\na\r\n0\r\n\r\n",
+    "no_size": b";ext\r\nabc\r\n0\r\n\r\n",
+    "bad_trailer": b"3\r\nabc\r\n0\r\nBad Trailer: x\r\n\r\n",
+    "oversized_size_line": b"3;" + b"a" * 5000 + b"\r\nabc\r\n0\r\n\r\n",
+}
+
+
+@COMPILED_ONLY
+@pytest.mark.parametrize("name", sorted(BWS_CHUNKED))
+def test_compiled_parser_accepts_whitespace_rfc9112_allows_in_chunked_framing(name: str) -> None:
+    framing, body = BWS_CHUNKED[name]
+    data = head(b"/c", framing, b"POST") + body + head(b"/after")
+    whole, error = run(LlhttpParser, [data])
+    bytewise, bytewise_error = run(LlhttpParser, [data[i:i + 1] for i in range(len(data))])
+    assert error is None and bytewise_error is None
+    assert bytewise.events == whole.events
+    decoded = b"0123456789" if name.startswith("leading") else b"abcde" if name == "several_extensions" else b"abc"
+    assert [e[0] for e in whole.events] == ["head", "body", "end", "head", "end"]
+    assert whole.events[1] == ("body", decoded)
+    assert whole.events[3][2] == b"/after"
+
+
+@COMPILED_ONLY
+@pytest.mark.parametrize("name", sorted(BAD_CHUNKED))
+def test_compiled_parser_refuses_malformed_chunked_framing(name: str) -> None:
+    data = head(b"/c", b"Transfer-Encoding: chunked\r\n", b"POST") + BAD_CHUNKED[name] + head(b"/never")
+    for reads in ([data], [data[i:i + 1] for i in range(len(data))]):
+        owner, error = run(LlhttpParser, reads)
+        assert error == "ParseError", reads
+        assert ("end",) not in owner.events  # the request never completes
