@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from sidecar.lineage import EndReason, Ended, SessionTree, Turn, TurnFacts, TurnOutcome
+from sidecar.lineage import EndReason, Ended, SessionTree, Turn, TurnFacts, TurnOutcome, VIEW_STEP, exhaust
 
 COMPLETED = TurnOutcome.COMPLETED
 FAILED = TurnOutcome.UPSTREAM_FAILED
@@ -75,6 +75,16 @@ def tree_size(node: dict | None) -> int:
     if node is None:
         return 0
     return 1 + sum(tree_size(c) for c in node["children"])
+
+
+def walk(view: dict | None) -> list[dict]:
+    """Node dicts of a nested view, any order."""
+    out, stack = [], [view] if view is not None else []
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node["children"])
+    return out
 
 
 # -- finality ----------------------------------------------------------------------------------
@@ -497,6 +507,131 @@ def test_children_listed_oldest_first() -> None:
     h.turn("y", "r", final=True)
     view = h.tree.tree("r")
     assert view is not None and [c["session"] for c in view["children"]] == ["x", "z"]
+
+
+def test_view_cuts_depth_and_count_with_omitted_markers() -> None:
+    h = Harness()
+    h.turn("s0")
+    for i in range(1, 20_000):  # one chain, far deeper than any JSON encoder nests
+        h.turn(f"s{i}", f"s{i - 1}")
+    view = exhaust(h.tree.view("s123", max_depth=48))
+    assert view is not None and (view.sessions, view.live, view.shown, view.omitted) == (20_000, 20_000, 49, 19_951)
+    chain = walk(view.tree)
+    assert [n["session"] for n in chain] == [f"s{i}" for i in range(49)]
+    assert chain[-1]["children"] == [] and chain[-1]["omitted"] == 19_951
+    assert all("omitted" not in n for n in chain[:-1])
+    full = h.tree.tree("s0")
+    assert len(walk(full)) == 20_000 and "omitted" not in walk(full)[-1]
+
+
+def test_view_of_a_100k_session_tree_builds_only_what_it_shows() -> None:
+    h = Harness(max_live=200_000)
+    h.turn("root")
+    for i in range(300):
+        h.turn(f"a{i}", "root")
+    for i in range(99_699):
+        h.turn(f"b{i}", f"a{i % 300}")
+    h.turn("a0", "root", final=True)  # ended, held for its children
+    view = exhaust(h.tree.view("b5", max_depth=48, max_nodes=2000))
+    assert view is not None
+    assert (view.sessions, view.live, view.shown, view.omitted) == (100_000, 99_999, 2000, 98_000)
+    assert view.final is False and view.in_flight == 0
+    top = view.tree
+    assert [c["session"] for c in top["children"]] == [f"a{i}" for i in range(300)]  # shallower levels win
+    assert "omitted" not in top and top["children"][0]["ended"] is True
+    a = top["children"]
+    assert [c["session"] for c in a[0]["children"]] == [f"b{i}" for i in range(0, 99_699, 300)]
+    # 1999 below the root: the 300 a's, then the b's of the earliest a's (333 each) while they last
+    assert [len(x["children"]) for x in a[:7]] == [333, 333, 333, 333, 333, 34, 0]
+    assert [x.get("omitted", 0) for x in a[:7]] == [0, 0, 0, 0, 0, 299, 333]
+    assert a[-1]["children"] == [] and a[-1]["omitted"] == 332
+    nodes = walk(top)
+    assert len(nodes) == 2000 and sum(n.get("omitted", 0) for n in nodes) == 98_000
+
+
+def test_view_pauses_every_few_hundred_nodes() -> None:
+    h = Harness(max_live=200_000)
+    h.turn("root")
+    for i in range(20_000):
+        h.turn(f"c{i}", "root")  # one child list: the walk pauses inside it too
+    steps = h.tree.view("root", max_nodes=20_001)
+    pauses = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            view = done.value
+            break
+        pauses += 1
+    assert view.shown == 20_001 and pauses >= 2 * 20_000 // VIEW_STEP
+    roots = h.tree.recent_roots(10)
+    pauses = 0
+    while True:
+        try:
+            next(roots)
+        except StopIteration as done:
+            assert done.value == ["root"]
+            break
+        pauses += 1
+    assert pauses >= 20_000 // VIEW_STEP
+
+
+def test_long_root_link_chain_of_promoted_placeholders() -> None:
+    h = Harness()
+    h.turn("c", "p1")
+    for i in range(1, 20_000):  # each placeholder's own request names the next one as its parent
+        h.turn(f"p{i}", f"p{i + 1}")
+    assert h.tree.live_trees == 1 and h.tree.root_of("c") == "p20000"
+    assert exhaust(h.tree.recent_roots(5)) == ["p20000"]
+    view = exhaust(h.tree.view("c", max_depth=48))
+    assert view is not None and (view.sessions, view.shown, view.omitted) == (20_001, 49, 19_952)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_views_stay_well_formed_while_the_tree_changes_between_pauses(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    h = Harness(max_live=5000, idle_ttl=5.0)
+    pool = [f"s{i}" for i in range(3000)]
+    for session in pool[:2000]:
+        h.turn(session, rng.choice([None, *pool[:50]]))
+    open_turns: list[Turn] = []
+
+    def mutate() -> None:
+        for _ in range(20):
+            op = rng.random()
+            if op < 0.5:
+                session = rng.choice(pool)
+                open_turns.append(h.begin(session, rng.choice([None, *pool[:100]]), final=rng.random() < 0.3))
+            elif op < 0.85 and open_turns:
+                h.end(open_turns.pop(rng.randrange(len(open_turns))))
+            elif op < 0.95:
+                h.close(rng.choice(pool))
+            else:
+                h.clock.now += 3
+                h.expire()
+
+    for builder in (lambda: h.tree.recent_roots(50), lambda: h.tree.view(rng.choice(pool[:50]), max_depth=6,
+                                                                          max_nodes=300)):
+        for _ in range(10):
+            steps = builder()
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    result = done.value
+                    break
+                mutate()
+            if isinstance(result, list):
+                assert len(result) == len(set(result)) <= 50
+            elif result is not None:
+                nodes = walk(result.tree)
+                assert len(nodes) == result.shown <= 300
+                assert result.omitted == sum(n.get("omitted", 0) for n in nodes)
+                assert all(isinstance(n["children"], list) for n in nodes)
+    h.shutdown()
+    assert h.tree.live_sessions == 0 and h.tree.live_trees == 0
 
 
 def test_stats() -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from sidecar import __version__
 from sidecar.admin.sessions_api import CURSOR_PATTERN, LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT, SESSION_ID_PATTERN
+from sidecar.admin.views import MAX_DEPTH, MAX_NODES
 from sidecar.config import Config
 
 _JSON = "application/json"
@@ -126,8 +127,8 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "parent": {"type": ["string", "null"]},
                 "root": {"type": "string"},
                 "deployment": {"type": "string"},
-                "created_at": {"type": "number", "description": "seconds on the sidecar's monotonic clock"},
-                "last_active_at": {"type": "number", "description": "seconds on the sidecar's monotonic clock"},
+                "created_at": _TIMESTAMP,
+                "last_active_at": _TIMESTAMP,
                 "turns": {"type": "integer"},
                 "in_flight": {"type": "integer"},
                 "final_turn_seen": {"type": "boolean"},
@@ -137,7 +138,11 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "placeholder": {"type": "boolean"},
                 "workers": _ref("WorkerRuns"),
                 "affinity": _ref("Affinity"),
-                "children": {"type": "array", "items": _ref("TreeNode")},
+                "children": {"type": "array", "items": _ref("TreeNode"),
+                             "description": "oldest first; cut by the view's bounds (see `omitted`)"},
+                "omitted": {"type": "integer", "minimum": 0,
+                            "description": "present when the view cut sessions below this node: how many "
+                                           "are not shown"},
             },
         },
         "Status": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
@@ -221,6 +226,10 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
             "get": {
                 "operationId": "getTree",
                 "summary": "The lineage tree a session belongs to",
+                "description": "The tree from its root, whichever of its sessions is named. At most "
+                               f"{MAX_NODES} sessions are shown, nested at most {MAX_DEPTH} levels below the "
+                               "root; a node whose descendants were cut carries `omitted`. The tree may "
+                               "change while the view is built: it is then a slightly inconsistent snapshot.",
                 "security": secured,
                 "parameters": [{"name": "root", "in": "path", "required": True,
                                 "schema": {"type": "string", "minLength": 1, "maxLength": 256}}],
