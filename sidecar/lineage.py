@@ -26,6 +26,15 @@ tree (placed under its root, still reported with ``parent=None``). A root hint t
 the root derived from the parent chain is counted in ``root_conflicts`` and the derived root is
 kept. A later ``parent`` on an existing session is ignored.
 
+One node per id is linked in the trees, the one :meth:`SessionTree.get` returns, so the newest
+session of every id is reachable from its tree's root id. The lineage of an id is fixed while
+its node is held: a new session on the id of a node still in a tree (ended but held for live
+descendants, or closed and still draining) takes that node's place, with the same parent and
+children and fresh per-session fields; the parent and root hint its first request declares are
+ignored (the descendants' root, which picks their upstream, must not change under them). A
+draining node so replaced is detached: linked nowhere (no view shows it), it still counts in its
+tree's live and in-flight counters until its last request ends it, exactly once.
+
 Memory is bounded. ``max_live`` caps the nodes held in trees: live sessions, placeholders, and
 ended sessions kept because live descendants still hang below them (shown with ``ended=True``).
 Above the cap the least recently active idle session is evicted; sessions with requests in
@@ -167,6 +176,9 @@ _CLOSED = 4  # closed through the API; its id was tombstoned at that moment
 _ENDED = 8
 _HINTED = 16  # placed under its tree's root by a root hint; has no declared parent
 _CONFLICT = 32  # a root-hint conflict was already counted for this session
+# closed and draining, its place taken by a newer session of its id: in no child list and
+# childless; ``parent`` is kept only to report it when it ends
+_DETACHED = 64
 _NOT_JOINABLE = _PLACEHOLDER | _CLOSED | _ENDED  # begin() on such a node starts a session
 _DONE = _PLACEHOLDER | _ENDED  # held only while descendants are
 
@@ -258,7 +270,8 @@ class SessionTree:
         self._lru.lru_prev = self._lru.lru_next = self._lru
         # ended id -> clock value when it was tombstoned, oldest first
         self._tombs: OrderedDict[str, float] = OrderedDict()
-        # closed sessions still draining whose id a newer session has taken over
+        # closed sessions still draining whose place a newer session of their id took over
+        # (flagged _DETACHED; only shutdown needs to find them)
         self._detached: set[_Node] = set()
         self._live = 0  # live sessions, placeholders included
         self._held_ended = 0  # ended nodes kept as ancestors of live ones
@@ -615,18 +628,21 @@ class SessionTree:
 
     def _admit(self, session: str, old: _Node | None, parent: str | None, root_hint: str | None,
                deployment: str, now: float) -> _Node:
-        """Place the first request of a session: a new id, a placeholder, or an ended id."""
+        """Place the first request of a session: a new id, a placeholder, or the id of a node
+        still held (ended with live descendants, or closed and draining)."""
         reused = self._tombs.pop(session, None) is not None
         if old is not None:
             if old.flags & _PLACEHOLDER:
                 if reused:
                     self.tombstone_reuses += 1
                 return self._promote(old, parent, root_hint, deployment, now)
-            # closed or ended: a new session takes the id; the old node stays in its tree
-            # until it drains or its descendants leave
-            reused = True
-            if not old.flags & _ENDED:
-                self._detached.add(old)
+            self.tombstone_reuses += 1
+            if parent is not None and (old.parent is None or old.parent.session != parent):
+                log.debug("session %s reuses the id of a node still in its tree; its declared parent %s "
+                          "is ignored", session, parent)
+            if old.flags & _ENDED:
+                return self._revive(old, deployment, now)
+            return self._take_over(old, deployment, now)
         if reused:
             self.tombstone_reuses += 1
         node = _Node(session, deployment, now, 0)
@@ -674,6 +690,64 @@ class SessionTree:
         self._trees -= 1
         return node
 
+    def _revive(self, node: _Node, deployment: str, now: float) -> _Node:
+        """A new session takes the id of an ended node held for its live descendants: it takes
+        the node over in place (parent, children and root stay), with fresh per-session fields.
+        An ended node has nothing in flight (only shutdown ends sessions with requests in
+        flight, and no request begins after it), so no older turn can reach the new session."""
+        node.flags &= _HINTED
+        node.deployment = deployment
+        node.created_at = node.last_active_at = now
+        node.turns = 0
+        node.end_reason = None
+        node.mode_state = None
+        node.workers = None
+        node.worker_turns = node.moves = 0
+        self._held_ended -= 1
+        self._live += 1
+        self._find(node).tree_live += 1
+        return node
+
+    def _take_over(self, old: _Node, deployment: str, now: float) -> _Node:
+        """A new session takes the id of a closed session still draining: a new node takes the
+        old one's place (parent link, children, and the tree's counters when it was the root),
+        and the old node is detached to drain alone; it still counts in its tree until it ends.
+        Costs one step per child of the old node (a rare path: a close, then the id reused
+        while the closed session's requests are still in flight)."""
+        node = _Node(old.session, deployment, now, old.flags & _HINTED)
+        self._nodes[old.session] = node
+        self._detached.add(old)
+        self._live += 1
+        parent = old.parent
+        if parent is None:  # the old node was its tree's root: the new one becomes the root
+            node.tree_live = old.tree_live + 1
+            node.tree_in_flight = old.tree_in_flight
+            old.tree_live = old.tree_in_flight = 0
+            old.root = node  # every union-find path into the old root now leads to the new one
+        else:
+            root = self._find(old)
+            node.root = root
+            node.tree_live = 0
+            root.tree_live += 1
+            node.parent = parent
+            prev, nxt = old.prev_sibling, old.next_sibling
+            node.prev_sibling = prev
+            node.next_sibling = nxt
+            if prev is None:
+                parent.first_child = node
+            else:
+                prev.next_sibling = node
+            if nxt is not None:
+                nxt.prev_sibling = node
+            old.prev_sibling = old.next_sibling = None
+        child = node.first_child = old.first_child
+        old.first_child = None
+        while child is not None:
+            child.parent = node
+            child = child.next_sibling
+        old.flags |= _DETACHED
+        return node
+
     def _known_or_placeholder(self, session: str, deployment: str, now: float) -> _Node:
         node = self._nodes.get(session)
         if node is None:
@@ -698,9 +772,10 @@ class SessionTree:
         node.in_flight = 0
         self._live -= 1
         self.ended_by_reason[reason] += 1
-        if self._nodes.get(node.session) is not node:
+        if flags & _DETACHED:  # linked nowhere, and its id belongs to a newer session
             self._detached.discard(node)
-        elif not flags & _CLOSED:
+            return ended
+        if not flags & _CLOSED:
             self._tombstone(node.session, now)
         if node.first_child is None:
             self._release(node)

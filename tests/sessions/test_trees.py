@@ -1,5 +1,6 @@
-"""``GET /v1/trees/{root}`` and the live view on a real sidecar: deep and huge trees render with
-``omitted`` markers, node timestamps are RFC 3339."""
+"""``GET /v1/trees/{root}`` and the live view on a real sidecar: a live session stays reachable
+from its tree when its ancestor's id is reused, deep and huge trees render with ``omitted``
+markers, node timestamps are RFC 3339."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import aiohttp
 from sidecar.admin import build_admin_app
 from sidecar.admin.views import MAX_DEPTH, MAX_NODES, VIEWS_LOCK
 from sidecar.lineage import SessionTree, TurnOutcome
+from tests.sessions.support import metrics_text
 from tests.upstream import RecordingUpstream
 
 FINAL = {"X-Session-Final": "true"}
@@ -34,6 +36,12 @@ async def get_json(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
         return resp.status, await resp.json()
 
 
+def gauge(text: str, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert match is not None, name
+    return float(match.group(1))
+
+
 def walk(node: dict[str, Any]) -> list[dict[str, Any]]:
     out, stack = [], [node]
     while stack:
@@ -41,6 +49,32 @@ def walk(node: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(n)
         stack.extend(n["children"])
     return out
+
+
+async def test_reused_root_id_keeps_its_live_child_reachable(upstream: RecordingUpstream, start_sidecar, http):
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
+    await send(http, sc, "R")
+    await send(http, sc, "C", parent="R")
+    await send(http, sc, "R", final=True)  # R ends; held as C's ancestor
+    await send(http, sc, "R", final=True)  # a new session R on the same id, ended at once
+    assert (await get_json(http, f"{sc.admin_url}/v1/sessions/C"))[0] == 200
+    status, tree = await get_json(http, f"{sc.admin_url}/v1/trees/R")
+    assert status == 200, tree
+    assert tree["session"] == "R" and tree["ended"] is True and tree["turns"] == 1  # the newer R
+    assert [(c["session"], c["parent"], c["root"], c["ended"]) for c in tree["children"]] == [("C", "R", "R", False)]
+    status, child_view = await get_json(http, f"{sc.admin_url}/v1/trees/C")
+    assert status == 200 and child_view == tree
+    status, data = await get_json(http, f"{sc.admin_url}/ui/data.json")
+    assert status == 200
+    assert [(t["root"], [n["session"] for n in walk(t["tree"])]) for t in data["trees"]] == [("R", ["R", "C"])]
+    assert data["live_sessions"] == 1 and data["live_trees"] == 1
+    text = await metrics_text(http, sc.admin_url)
+    assert gauge(text, "sidecar_live_trees") == 1 and gauge(text, "sidecar_live_sessions") == 1
+    # C's final turn ends the tree: nothing is left held
+    await send(http, sc, "C", parent="R", final=True)
+    assert (await get_json(http, f"{sc.admin_url}/v1/trees/R"))[0] == 404
+    text = await metrics_text(http, sc.admin_url)
+    assert gauge(text, "sidecar_live_trees") == 0 and gauge(text, "sidecar_live_sessions") == 0
 
 
 async def test_deep_chain_renders_cut_with_markers_and_rfc3339_times(upstream: RecordingUpstream, start_sidecar,
