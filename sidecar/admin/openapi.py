@@ -62,7 +62,11 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "deployment": {"type": "string", "enum": deployments,
                                "description": "the deployment to bind the session to"},
                 "session_id": {"type": "string", "pattern": SESSION_ID_PATTERN,
-                               "description": "default: a generated UUID"},
+                               "description": "default: a generated UUID. A workspace token chooses ids in its "
+                                              "own namespace only: `<workspace>:` and at least one more "
+                                              "character (any other id is refused with 400 `invalid_request`, "
+                                              "whether or not it exists); admin tokens and an open API choose "
+                                              "any id"},
                 "ttl_seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": api.max_ttl_seconds,
                                 "description": "expire after this long without a request (default "
                                                f"{api.default_ttl_seconds})"},
@@ -167,7 +171,8 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "responses": {
                     "201": _json_body(_ref("Session"), "Created.",
                                       {"Location": {"schema": {"type": "string"}, "required": True}}),
-                    "400": _error("Invalid body (`invalid_request`) or unknown deployment (`unknown_deployment`)."),
+                    "400": _error("Invalid body, or a `session_id` outside the workspace token's namespace "
+                                  "(`invalid_request`), or unknown deployment (`unknown_deployment`)."),
                     "401": _UNAUTHORIZED,
                     "404": _error("`parent` names no active session of the deployment that the caller "
                                   "created (`parent_not_found`)."),

@@ -6,6 +6,11 @@ workspace sees and closes only that workspace's sessions, an admin token sees ev
 everything is open (allowed only on a loopback admin address, see ``admin_insecure``). A session
 the caller may not see answers 404 exactly like an unknown one.
 
+A workspace token chooses a ``session_id`` only inside its own namespace, ``<workspace>:...``
+(workspace names have no ``:``); any other id is refused with 400 whether it exists or not, so
+that creating a session tells a workspace nothing about another workspace's ids. Admin tokens
+and the open API choose any id.
+
 Handlers call the router synchronously (no await between a check and its effect), so a close
 is ordered with every request admission on the event loop. The tree view is the exception: it
 is built in slices that let the proxy run in between (:mod:`sidecar.admin.views`). The shapes
@@ -182,6 +187,12 @@ async def create_session(request: web.Request) -> web.Response:
         body = CreateSession.model_validate(raw)
     except ValidationError as exc:
         raise ApiError(errors.INVALID_REQUEST, format_validation_error(exc).replace("\n", "; ")) from None
+    if body.session_id is not None and not who.admin:
+        # Before anything looks the id up: the answer must not depend on what exists.
+        prefix = f"{who.workspace}:"
+        if not body.session_id.startswith(prefix) or len(body.session_id) == len(prefix):
+            raise ApiError(errors.INVALID_REQUEST, f"session_id: must start with {prefix!r} followed by at least "
+                           "one character (a workspace token chooses ids in its own namespace)")
     dep = router.deployment(body.deployment)
     if dep is None:
         raise ApiError(errors.UNKNOWN_DEPLOYMENT, f"no deployment named {body.deployment!r}",
