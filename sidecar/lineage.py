@@ -26,6 +26,15 @@ tree (placed under its root, still reported with ``parent=None``). A root hint t
 the root derived from the parent chain is counted in ``root_conflicts`` and the derived root is
 kept. A later ``parent`` on an existing session is ignored.
 
+One node per id is linked in the trees, the one :meth:`SessionTree.get` returns, so the newest
+session of every id is reachable from its tree's root id. The lineage of an id is fixed while
+its node is held: a new session on the id of a node still in a tree (ended but held for live
+descendants, or closed and still draining) takes that node's place, with the same parent and
+children and fresh per-session fields; the parent and root hint its first request declares are
+ignored (the descendants' root, which picks their upstream, must not change under them). A
+draining node so replaced is detached: linked nowhere (no view shows it), it still counts in its
+tree's live and in-flight counters until its last request ends it, exactly once.
+
 Memory is bounded. ``max_live`` caps the nodes held in trees: live sessions, placeholders, and
 ended sessions kept because live descendants still hang below them (shown with ``ended=True``).
 Above the cap the least recently active idle session is evicted; sessions with requests in
@@ -39,12 +48,13 @@ from __future__ import annotations
 
 import heapq
 import logging
+import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "Clock",
@@ -53,7 +63,10 @@ __all__ = [
     "SessionTree",
     "Turn",
     "TurnFacts",
+    "TreeView",
     "TurnOutcome",
+    "VIEW_STEP",
+    "exhaust",
 ]
 
 Clock = Callable[[], float]
@@ -122,6 +135,36 @@ class TurnFacts:
     mode_state: str | None = None
 
 
+@dataclass(slots=True)
+class TreeView:
+    """One tree as :meth:`SessionTree.view` built it, with counts over the whole tree."""
+
+    tree: dict[str, Any]  # the root's node dict, shown descendants nested under "children"
+    sessions: int  # nodes of the tree: sessions, placeholders, ended sessions held for descendants
+    live: int  # sessions neither ended nor placeholders
+    final: bool  # every one of those has begun its final turn
+    in_flight: int
+    last_active_at: float  # the newest activity of any node
+    shown: int
+    omitted: int  # how many nodes the view cut (sessions - shown)
+
+
+T = TypeVar("T")
+
+
+def exhaust(steps: Generator[None, None, T]) -> T:
+    """Run a view builder of :class:`SessionTree` to its end without pausing; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+# Nodes a view builder touches between two pauses.
+VIEW_STEP = 128
+_SHOW, _CUT = 0, 1  # how a view builder's walk treats a node: shown, or only counted
+
 # Runs of consecutive turns on one worker kept per session for the affinity history (most recent
 # last). A session whose affinity holds has one run, so the common case costs one short list.
 WORKER_RUNS = 8
@@ -133,6 +176,9 @@ _CLOSED = 4  # closed through the API; its id was tombstoned at that moment
 _ENDED = 8
 _HINTED = 16  # placed under its tree's root by a root hint; has no declared parent
 _CONFLICT = 32  # a root-hint conflict was already counted for this session
+# closed and draining, its place taken by a newer session of its id: in no child list and
+# childless; ``parent`` is kept only to report it when it ends
+_DETACHED = 64
 _NOT_JOINABLE = _PLACEHOLDER | _CLOSED | _ENDED  # begin() on such a node starts a session
 _DONE = _PLACEHOLDER | _ENDED  # held only while descendants are
 
@@ -224,7 +270,8 @@ class SessionTree:
         self._lru.lru_prev = self._lru.lru_next = self._lru
         # ended id -> clock value when it was tombstoned, oldest first
         self._tombs: OrderedDict[str, float] = OrderedDict()
-        # closed sessions still draining whose id a newer session has taken over
+        # closed sessions still draining whose place a newer session of their id took over
+        # (flagged _DETACHED; only shutdown needs to find them)
         self._detached: set[_Node] = set()
         self._live = 0  # live sessions, placeholders included
         self._held_ended = 0  # ended nodes kept as ancestors of live ones
@@ -420,45 +467,146 @@ class SessionTree:
         node = self._nodes.get(session)
         return None if node is None else self._as_dict(node)
 
-    def tree(self, root: str) -> dict[str, Any] | None:
-        """The whole tree ``root`` belongs to, as nested node dicts with ``children`` (oldest
-        first); None if no tree holds that id."""
-        node = self._nodes.get(root)
+    def root_of(self, session: str) -> str | None:
+        """The root id of the tree holding ``session``; None if no tree holds it."""
+        node = self._nodes.get(session)
+        return None if node is None else self._find(node).session
+
+    # The two builders below are generators: they pause (yield None) every ``step`` nodes they
+    # touch, so that a caller on the event loop can let requests run in between (the admin
+    # listener does, see sidecar/admin/views.py), and return their result (``yield from`` hands it
+    # over; :func:`exhaust` runs one without pausing). The tree may change during a pause: the
+    # result is then a slightly inconsistent snapshot (a node released meanwhile may still be
+    # shown or counted, one added meanwhile may be missed). The walks only follow child lists
+    # and root links, which never form cycles, so they end.
+
+    def view(self, session: str, *, max_depth: int | None = None, max_nodes: int | None = None,
+             step: int = VIEW_STEP) -> Generator[None, None, TreeView | None]:
+        """The tree ``session`` belongs to, from its root: node dicts (as :meth:`get` returns them)
+        nested under ``children``, oldest first; at most ``max_nodes`` of them (the root is always
+        shown), at most ``max_depth`` levels below the root. A node whose descendants were cut
+        carries ``omitted``: how many sessions below it are not shown. A node's shown children are
+        chosen together, so earlier siblings and shallower levels win. Returns None when no tree
+        holds ``session``.
+
+        Touches every node of the tree once (to count what it cuts) and builds only what it
+        shows; without limits it builds the whole tree.
+        """
+        node = self._nodes.get(session)
         if node is None:
             return None
         top = self._find(node)
+        depth_limit = sys.maxsize if max_depth is None else max_depth
+        budget = (sys.maxsize if max_nodes is None else max_nodes) - 1  # the root is always shown
         out = self._as_dict(top)
-        stack = [(top, out)]
-        while stack:  # iterative: a chain of sessions may be deeper than the recursion limit
-            parent, parent_dict = stack.pop()
-            children = []
-            child = parent.first_child
+        out["children"] = []
+        sessions = live = final = in_flight = omitted = 0
+        newest = top.last_active_at
+        shown = 1
+        touched = 0
+        pause = step
+        # (node, dict, n, how): _SHOW: the node's own dict, n its depth; _CUT: the dict of the
+        # shown node it is counted in, n how many of it and its next siblings are cut
+        stack: list[tuple[_Node, dict[str, Any], int, int]] = [(top, out, 0, _SHOW)]
+        while stack:
+            node, d, n, how = stack.pop()
+            touched += 1
+            if touched >= pause:
+                pause += step
+                yield
+            flags = node.flags
+            sessions += 1
+            if not flags & _DONE:
+                live += 1
+                if flags & _FINAL_SEEN:
+                    final += 1
+            in_flight += node.in_flight
+            if node.last_active_at > newest:
+                newest = node.last_active_at
+            child = node.first_child
+            if how == _CUT:
+                d["omitted"] += 1
+                omitted += 1
+                sibling = node.next_sibling
+                if n > 1 and sibling is not None:
+                    stack.append((sibling, d, n - 1, _CUT))
+                if child is not None:
+                    stack.append((child, d, sys.maxsize, _CUT))
+                continue
+            if child is None:
+                continue
+            if n >= depth_limit:
+                d["omitted"] = 0
+                stack.append((child, d, sys.maxsize, _CUT))
+                continue
+            kids = []
             while child is not None:
-                child_dict = self._as_dict(child)
-                children.append(child_dict)
-                stack.append((child, child_dict))
+                kids.append(child)
                 child = child.next_sibling
-            children.reverse()  # linked newest first
-            parent_dict["children"] = children
-        return out
+                touched += 1
+                if touched >= pause:
+                    pause += step
+                    yield
+            keep = min(len(kids), max(budget, 0))
+            budget -= keep
+            shown += keep
+            if keep < len(kids):  # the newest children (first in the list) are cut
+                d["omitted"] = 0
+                stack.append((kids[0], d, len(kids) - keep, _CUT))
+            children = d["children"]
+            for i in range(len(kids) - 1, len(kids) - 1 - keep, -1):  # oldest first
+                child_dict = self._as_dict(kids[i])
+                child_dict["children"] = []
+                children.append(child_dict)
+                touched += 1
+                if touched >= pause:
+                    pause += step
+                    yield
+            for i in range(keep - 1, -1, -1):  # the oldest child is walked first
+                stack.append((kids[len(kids) - 1 - i], children[i], n + 1, _SHOW))
+        return TreeView(out, sessions, live, final == live, in_flight, newest, shown, omitted)
 
-    def recent_roots(self, limit: int) -> list[str]:
-        """Root ids of the held trees, the most recently active tree first, at most ``limit``.
+    def tree(self, session: str, *, max_depth: int | None = None,
+             max_nodes: int | None = None) -> dict[str, Any] | None:
+        """:meth:`view`'s nested node dicts built in one go (whole trees by default): for tests
+        and tools. The admin listener runs :meth:`view` in slices instead."""
+        view = exhaust(self.view(session, max_depth=max_depth, max_nodes=max_nodes))
+        return None if view is None else view.tree
 
-        O(live sessions): for views (the live UI caches it), never on the request path.
-        """
+    def recent_roots(self, limit: int, *, step: int = VIEW_STEP) -> Generator[None, None, list[str]]:
+        """Root ids of the held trees, the most recently active tree first (a tree's activity is
+        the newest ``last_active_at`` of its nodes), at most ``limit``. A builder like
+        :meth:`view`; touches every held node once."""
         nodes = self._nodes
-        newest: dict[int, tuple[float, _Node]] = {}  # id(root node) -> (tree's newest activity, root)
-        for node in nodes.values():
-            top = node.root
-            while top.root is not top:  # read-only walk: no path compression from a view
-                top = top.root
-            seen = newest.get(id(top))
-            if seen is None or node.last_active_at > seen[0]:
-                newest[id(top)] = (node.last_active_at, top)
-        # a root whose id a newer session took over is not reachable through tree(): skip it
-        reachable = [(at, top.session) for at, top in newest.values() if nodes.get(top.session) is top]
-        return [session for _, session in heapq.nlargest(limit, reachable)]
+        held = list(nodes.values())  # one C-level copy: the dict may change while the walk pauses
+        newest: dict[_Node, float] = {}  # tree root -> the tree's newest activity
+        countdown = step
+        for node in held:
+            countdown -= 1
+            if not countdown:
+                countdown = step
+                yield
+            if nodes.get(node.session) is not node:
+                continue  # released during a pause
+            top = self._find(node)  # path compression only shortens links: safe from a view
+            at = node.last_active_at
+            seen = newest.get(top)
+            if seen is None or at > seen:
+                newest[top] = at
+        heap: list[tuple[float, str]] = []
+        for top, at in newest.items():
+            countdown -= 1
+            if not countdown:
+                countdown = step
+                yield
+            if nodes.get(top.session) is not top or top.root is not top:
+                continue  # released, or joined another tree, during a pause
+            if len(heap) < limit:
+                heapq.heappush(heap, (at, top.session))
+            elif (at, top.session) > heap[0]:
+                heapq.heapreplace(heap, (at, top.session))
+        heap.sort(reverse=True)
+        return [session for _, session in heap]
 
     def now(self) -> float:
         """The tree's clock (node timestamps are on it)."""
@@ -480,18 +628,21 @@ class SessionTree:
 
     def _admit(self, session: str, old: _Node | None, parent: str | None, root_hint: str | None,
                deployment: str, now: float) -> _Node:
-        """Place the first request of a session: a new id, a placeholder, or an ended id."""
+        """Place the first request of a session: a new id, a placeholder, or the id of a node
+        still held (ended with live descendants, or closed and draining)."""
         reused = self._tombs.pop(session, None) is not None
         if old is not None:
             if old.flags & _PLACEHOLDER:
                 if reused:
                     self.tombstone_reuses += 1
                 return self._promote(old, parent, root_hint, deployment, now)
-            # closed or ended: a new session takes the id; the old node stays in its tree
-            # until it drains or its descendants leave
-            reused = True
-            if not old.flags & _ENDED:
-                self._detached.add(old)
+            self.tombstone_reuses += 1
+            if parent is not None and (old.parent is None or old.parent.session != parent):
+                log.debug("session %s reuses the id of a node still in its tree; its declared parent %s "
+                          "is ignored", session, parent)
+            if old.flags & _ENDED:
+                return self._revive(old, deployment, now)
+            return self._take_over(old, deployment, now)
         if reused:
             self.tombstone_reuses += 1
         node = _Node(session, deployment, now, 0)
@@ -539,6 +690,64 @@ class SessionTree:
         self._trees -= 1
         return node
 
+    def _revive(self, node: _Node, deployment: str, now: float) -> _Node:
+        """A new session takes the id of an ended node held for its live descendants: it takes
+        the node over in place (parent, children and root stay), with fresh per-session fields.
+        An ended node has nothing in flight (only shutdown ends sessions with requests in
+        flight, and no request begins after it), so no older turn can reach the new session."""
+        node.flags &= _HINTED
+        node.deployment = deployment
+        node.created_at = node.last_active_at = now
+        node.turns = 0
+        node.end_reason = None
+        node.mode_state = None
+        node.workers = None
+        node.worker_turns = node.moves = 0
+        self._held_ended -= 1
+        self._live += 1
+        self._find(node).tree_live += 1
+        return node
+
+    def _take_over(self, old: _Node, deployment: str, now: float) -> _Node:
+        """A new session takes the id of a closed session still draining: a new node takes the
+        old one's place (parent link, children, and the tree's counters when it was the root),
+        and the old node is detached to drain alone; it still counts in its tree until it ends.
+        Costs one step per child of the old node (a rare path: a close, then the id reused
+        while the closed session's requests are still in flight)."""
+        node = _Node(old.session, deployment, now, old.flags & _HINTED)
+        self._nodes[old.session] = node
+        self._detached.add(old)
+        self._live += 1
+        parent = old.parent
+        if parent is None:  # the old node was its tree's root: the new one becomes the root
+            node.tree_live = old.tree_live + 1
+            node.tree_in_flight = old.tree_in_flight
+            old.tree_live = old.tree_in_flight = 0
+            old.root = node  # every union-find path into the old root now leads to the new one
+        else:
+            root = self._find(old)
+            node.root = root
+            node.tree_live = 0
+            root.tree_live += 1
+            node.parent = parent
+            prev, nxt = old.prev_sibling, old.next_sibling
+            node.prev_sibling = prev
+            node.next_sibling = nxt
+            if prev is None:
+                parent.first_child = node
+            else:
+                prev.next_sibling = node
+            if nxt is not None:
+                nxt.prev_sibling = node
+            old.prev_sibling = old.next_sibling = None
+        child = node.first_child = old.first_child
+        old.first_child = None
+        while child is not None:
+            child.parent = node
+            child = child.next_sibling
+        old.flags |= _DETACHED
+        return node
+
     def _known_or_placeholder(self, session: str, deployment: str, now: float) -> _Node:
         node = self._nodes.get(session)
         if node is None:
@@ -563,9 +772,10 @@ class SessionTree:
         node.in_flight = 0
         self._live -= 1
         self.ended_by_reason[reason] += 1
-        if self._nodes.get(node.session) is not node:
+        if flags & _DETACHED:  # linked nowhere, and its id belongs to a newer session
             self._detached.discard(node)
-        elif not flags & _CLOSED:
+            return ended
+        if not flags & _CLOSED:
             self._tombstone(node.session, now)
         if node.first_child is None:
             self._release(node)

@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from sidecar.lineage import EndReason, Ended, SessionTree, Turn, TurnFacts, TurnOutcome
+from sidecar import lineage
+from sidecar.lineage import EndReason, Ended, SessionTree, Turn, TurnFacts, TurnOutcome, VIEW_STEP, exhaust
 
 COMPLETED = TurnOutcome.COMPLETED
 FAILED = TurnOutcome.UPSTREAM_FAILED
@@ -75,6 +76,16 @@ def tree_size(node: dict | None) -> int:
     if node is None:
         return 0
     return 1 + sum(tree_size(c) for c in node["children"])
+
+
+def walk(view: dict | None) -> list[dict]:
+    """Node dicts of a nested view, any order."""
+    out, stack = [], [view] if view is not None else []
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node["children"])
+    return out
 
 
 # -- finality ----------------------------------------------------------------------------------
@@ -375,6 +386,226 @@ def test_shutdown_ends_every_live_session_once() -> None:
     assert h.tree.live_sessions == 0 and h.tree.live_trees == 0 and h.tree.get("unknown-parent") is None
 
 
+# -- a held node's id reused -------------------------------------------------------------------
+
+
+def ids(view: dict | None) -> list[str]:
+    """Session ids of a nested view, depth first, oldest child first."""
+    out, stack = [], [view] if view is not None else []
+    while stack:
+        node = stack.pop()
+        out.append(node["session"])
+        stack.extend(reversed(node["children"]))
+    return out
+
+
+def test_reused_id_of_an_ended_ancestor_takes_its_place() -> None:
+    h = Harness(max_live=3)
+    h.turn("r")
+    h.turn("c", "r")
+    h.turn("r", final=True)  # r ends, held for c
+    facts = h.turn("r", "elsewhere")  # a new r: its declared parent is ignored
+    assert (facts.turn, facts.parent, facts.root) == (1, None, "r") and h.tree.tombstone_reuses == 1
+    assert h.tree.get("elsewhere") is None  # no placeholder for the ignored parent
+    view = h.tree.tree("c")
+    assert ids(view) == ["r", "c"] and view is not None
+    assert (view["turns"], view["ended"], view["end_reason"], view["final_turn_seen"]) == (1, False, None, False)
+    assert h.tree.live_sessions == 2 and h.tree.live_trees == 1
+    assert h.tree.bound_deployment("r") == "dep"
+    # the new r is live again: its child's parent is not final, the tree is not final without it
+    assert h.turn("c", "r").is_parent_final is False
+    # r is counted once against the cap (live, no longer held as ended): room for one more
+    h.turn("x")
+    assert h.ended == [Ended("r", None, "r", "dep", EndReason.FINAL_TURN_COMPLETED, 2)]
+    assert h.turn("r", final=True).is_tree_final is False  # the new r ends, held for c again
+    assert ids(h.tree.tree("r")) == ["r", "c"] and h.tree.get("r")["ended"] is True  # type: ignore[index]
+    assert h.turn("c", "r", final=True).is_tree_final is True
+    assert [(e.session, e.turns) for e in h.ended] == [("r", 2), ("r", 2), ("c", 3)]
+    assert h.tree.get("r") is None and h.tree.get("c") is None
+    assert h.tree.live_sessions == 1 and h.tree.live_trees == 1  # x
+
+
+def test_reused_id_of_an_ended_inner_node_takes_its_place() -> None:
+    h = Harness()
+    h.turn("r")
+    h.turn("s", "r")
+    h.turn("g", "s")
+    h.turn("s", "r", final=True)  # s ends, held for g
+    facts = h.turn("s")  # a new s, naming no parent: it stays under r
+    assert (facts.turn, facts.parent, facts.root, facts.is_parent_final) == (1, "r", "r", False)
+    assert ids(h.tree.tree("r")) == ["r", "s", "g"]
+    assert h.turn("g", "s").is_parent_final is False
+    assert h.tree.live_sessions == 3 and h.tree.live_trees == 1
+    h.shutdown()
+    assert sorted(e.session for e in h.ended) == ["g", "r", "s", "s"]
+    assert h.tree.live_sessions == 0 and h.tree.live_trees == 0
+
+
+def test_reused_id_of_a_closed_root_still_draining_takes_its_place() -> None:
+    h = Harness()
+    old = h.begin("r")
+    h.turn("c", "r")
+    assert h.close("r") == []  # draining
+    new = h.begin("r", "elsewhere")
+    assert (new.facts.turn, new.facts.parent, new.facts.root) == (1, None, "r")
+    assert h.tree.get("elsewhere") is None and h.tree.tombstone_reuses == 1
+    view = h.tree.tree("c")
+    assert ids(view) == ["r", "c"] and view is not None
+    assert (view["in_flight"], view["closed"], view["turns"]) == (1, False, 1)  # the new r
+    assert h.tree.live_sessions == 3 and h.tree.live_trees == 1  # old r, new r, c
+    assert h.turn("c", "r").is_parent_final is False
+    # the old r drains alone and ends once, with its own facts
+    assert h.end(old) == [Ended("r", None, "r", "dep", EndReason.API_CLOSED, 1)]
+    assert h.end(old) == []
+    assert h.tree.live_sessions == 2 and h.tree.live_trees == 1 and ids(h.tree.tree("r")) == ["r", "c"]
+    assert h.tree.get("r")["in_flight"] == 1  # type: ignore[index]
+    h.end(new)
+    assert h.turn("c", "r", final=True).is_tree_final is False  # the new r is live
+    assert h.turn("r", final=True).is_tree_final is True
+    assert [e.session for e in h.ended] == ["r", "c", "r"]
+    assert h.tree.live_sessions == 0 and h.tree.live_trees == 0 and h.tree.get("r") is None
+
+
+def test_a_draining_session_counts_in_its_tree_until_it_ends() -> None:
+    h = Harness()
+    old = h.begin("r")
+    h.close("r")
+    h.begin("r", final=True)  # a new r: alone in the tree but for the old r, still draining
+    assert h.tree.live_trees == 1 and h.tree.live_sessions == 2
+    final = h.begin("r", final=True)
+    assert final.facts.is_tree_final is False
+    h.end(old)
+    assert h.turn("r", final=True).is_tree_final is False  # the new r's first turn is in flight
+    h.shutdown()
+    assert [e.session for e in h.ended] == ["r", "r"]
+    assert h.end(final) == [] and h.tree.live_sessions == 0 and h.tree.live_trees == 0
+
+
+def test_reused_id_of_a_closed_inner_node_still_draining_takes_its_place() -> None:
+    h = Harness()
+    h.turn("p")
+    h.turn("a", "p")
+    old = h.begin("s", "p")
+    h.turn("b", "p")
+    h.turn("g1", "s")
+    h.turn("g2", "s")
+    h.close("s")
+    h.turn("s")  # takes the old s's place among p's children, with its children
+    assert ids(h.tree.tree("p")) == ["p", "a", "s", "g1", "g2", "b"]
+    assert h.turn("g1", "s").is_parent_final is False
+    assert h.end(old) == [Ended("s", "p", "p", "dep", EndReason.API_CLOSED, 1)]
+    assert ids(h.tree.tree("p")) == ["p", "a", "s", "g1", "g2", "b"]
+    assert h.tree.live_sessions == 6 and h.tree.live_trees == 1
+    for s, parent in (("a", "p"), ("b", "p"), ("g1", "s"), ("g2", "s"), ("p", None)):
+        h.turn(s, parent, final=True)
+    assert h.turn("s", final=True).is_tree_final is True
+    assert h.tree.live_sessions == 0 and h.tree.live_trees == 0
+
+
+def test_shutdown_ends_a_detached_draining_session_once() -> None:
+    h = Harness()
+    old = h.begin("r")
+    h.turn("c", "r")
+    h.close("r")
+    h.turn("r")
+    h.shutdown()
+    assert sorted((e.session, e.turns) for e in h.ended) == [("c", 1), ("r", 1), ("r", 1)]
+    assert h.end(old) == [] and h.tree.live_sessions == 0 and h.tree.live_trees == 0
+
+
+def check_counters(tree: SessionTree) -> None:
+    """White-box: the tree's counters are what its nodes say (one linked node per id, each live
+    session, placeholder and draining detached session counted in its tree, each held ended node
+    once)."""
+    def top(node):  # no path compression: only look
+        while node.root is not node:
+            node = node.root
+        return node
+
+    live = held = 0
+    per_root: dict[int, list[int]] = {}
+    roots = [n for n in tree._nodes.values() if n.parent is None]
+    assert all(top(n) is n for n in roots) and tree._trees == len(roots)
+    members = list(tree._detached)
+    for node in tree._nodes.values():
+        if node.parent is not None:
+            sibling = node.parent.first_child
+            while sibling is not None and sibling is not node:
+                sibling = sibling.next_sibling
+            assert sibling is node, f"{node.session} is not among its parent's children"
+        if node.flags & lineage._ENDED:
+            assert node.first_child is not None and node.in_flight == 0
+            held += 1
+        else:
+            members.append(node)
+    for node in members:
+        assert not node.flags & lineage._ENDED
+        live += 1
+        counts = per_root.setdefault(id(top(node)), [0, 0])
+        counts[0] += 1
+        counts[1] += node.in_flight
+    assert (tree._live, tree._held_ended) == (live, held)
+    for root in roots:
+        assert [root.tree_live, root.tree_in_flight] == per_root.get(id(root), [0, 0]), root.session
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workload_keeps_every_live_session_reachable_and_ends_each_once(seed: int) -> None:
+    """Random requests, finals, closes, expiry and eviction over a few reused ids. After every step:
+    each live session's id is reachable from its tree's root id, the counters match what the
+    views show, and every session (an id's first turn starts one) ends at most once; at
+    shutdown, all."""
+    import random
+
+    rng = random.Random(seed)
+    pool = [f"s{i}" for i in range(7)]
+    h = Harness(max_live=6, idle_ttl=50.0)
+    open_turns: list[Turn] = []
+    live: dict[str, int] = {}  # id -> sessions of that id not ended yet
+
+    def account() -> None:
+        for e in h.ended:
+            live[e.session] -= 1
+            assert live[e.session] >= 0, f"{e.session} ended more often than it started"
+        h.ended.clear()
+
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.5 or not open_turns:
+            session = rng.choice(pool)
+            parent = rng.choice([None, *pool])
+            turn = h.begin(session, parent, final=rng.random() < 0.25)
+            if turn.facts.turn == 1:
+                live[session] = live.get(session, 0) + 1
+            open_turns.append(turn)
+        elif op < 0.85:
+            h.end(open_turns.pop(rng.randrange(len(open_turns))), rng.choice(list(TurnOutcome)))
+        elif op < 0.95:
+            h.close(rng.choice(pool))
+        else:
+            h.clock.now += 30
+            h.expire()
+        account()
+        check_counters(h.tree)
+        roots = exhaust(h.tree.recent_roots(1000))
+        assert len(roots) == len(set(roots)) == h.tree.live_trees
+        views = [h.tree.tree(r) for r in roots]
+        shown = [n for v in views for n in walk(v)]
+        placeholders = sum(1 for n in shown if n["placeholder"])
+        assert h.tree.live_sessions == sum(live.values()) + placeholders
+        for session, count in live.items():
+            if not count:
+                continue
+            root = h.tree.root_of(session)
+            if root is None:  # only a closed session still draining, whose successor left, is linked nowhere
+                assert any(t.facts.session == session for t in open_turns), session
+            else:
+                assert session in ids(h.tree.tree(root)), session
+    h.shutdown()
+    account()
+    assert not any(live.values()) and h.tree.live_sessions == 0 and h.tree.live_trees == 0
+
+
 # -- tombstones ----------------------------------------------------------------------------------
 
 
@@ -497,6 +728,131 @@ def test_children_listed_oldest_first() -> None:
     h.turn("y", "r", final=True)
     view = h.tree.tree("r")
     assert view is not None and [c["session"] for c in view["children"]] == ["x", "z"]
+
+
+def test_view_cuts_depth_and_count_with_omitted_markers() -> None:
+    h = Harness()
+    h.turn("s0")
+    for i in range(1, 20_000):  # one chain, far deeper than any JSON encoder nests
+        h.turn(f"s{i}", f"s{i - 1}")
+    view = exhaust(h.tree.view("s123", max_depth=48))
+    assert view is not None and (view.sessions, view.live, view.shown, view.omitted) == (20_000, 20_000, 49, 19_951)
+    chain = walk(view.tree)
+    assert [n["session"] for n in chain] == [f"s{i}" for i in range(49)]
+    assert chain[-1]["children"] == [] and chain[-1]["omitted"] == 19_951
+    assert all("omitted" not in n for n in chain[:-1])
+    full = h.tree.tree("s0")
+    assert len(walk(full)) == 20_000 and "omitted" not in walk(full)[-1]
+
+
+def test_view_of_a_100k_session_tree_builds_only_what_it_shows() -> None:
+    h = Harness(max_live=200_000)
+    h.turn("root")
+    for i in range(300):
+        h.turn(f"a{i}", "root")
+    for i in range(99_699):
+        h.turn(f"b{i}", f"a{i % 300}")
+    h.turn("a0", "root", final=True)  # ended, held for its children
+    view = exhaust(h.tree.view("b5", max_depth=48, max_nodes=2000))
+    assert view is not None
+    assert (view.sessions, view.live, view.shown, view.omitted) == (100_000, 99_999, 2000, 98_000)
+    assert view.final is False and view.in_flight == 0
+    top = view.tree
+    assert [c["session"] for c in top["children"]] == [f"a{i}" for i in range(300)]  # shallower levels win
+    assert "omitted" not in top and top["children"][0]["ended"] is True
+    a = top["children"]
+    assert [c["session"] for c in a[0]["children"]] == [f"b{i}" for i in range(0, 99_699, 300)]
+    # 1999 below the root: the 300 a's, then the b's of the earliest a's (333 each) while they last
+    assert [len(x["children"]) for x in a[:7]] == [333, 333, 333, 333, 333, 34, 0]
+    assert [x.get("omitted", 0) for x in a[:7]] == [0, 0, 0, 0, 0, 299, 333]
+    assert a[-1]["children"] == [] and a[-1]["omitted"] == 332
+    nodes = walk(top)
+    assert len(nodes) == 2000 and sum(n.get("omitted", 0) for n in nodes) == 98_000
+
+
+def test_view_pauses_every_few_hundred_nodes() -> None:
+    h = Harness(max_live=200_000)
+    h.turn("root")
+    for i in range(20_000):
+        h.turn(f"c{i}", "root")  # one child list: the walk pauses inside it too
+    steps = h.tree.view("root", max_nodes=20_001)
+    pauses = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            view = done.value
+            break
+        pauses += 1
+    assert view.shown == 20_001 and pauses >= 2 * 20_000 // VIEW_STEP
+    roots = h.tree.recent_roots(10)
+    pauses = 0
+    while True:
+        try:
+            next(roots)
+        except StopIteration as done:
+            assert done.value == ["root"]
+            break
+        pauses += 1
+    assert pauses >= 20_000 // VIEW_STEP
+
+
+def test_long_root_link_chain_of_promoted_placeholders() -> None:
+    h = Harness()
+    h.turn("c", "p1")
+    for i in range(1, 20_000):  # each placeholder's own request names the next one as its parent
+        h.turn(f"p{i}", f"p{i + 1}")
+    assert h.tree.live_trees == 1 and h.tree.root_of("c") == "p20000"
+    assert exhaust(h.tree.recent_roots(5)) == ["p20000"]
+    view = exhaust(h.tree.view("c", max_depth=48))
+    assert view is not None and (view.sessions, view.shown, view.omitted) == (20_001, 49, 19_952)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_views_stay_well_formed_while_the_tree_changes_between_pauses(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    h = Harness(max_live=5000, idle_ttl=5.0)
+    pool = [f"s{i}" for i in range(3000)]
+    for session in pool[:2000]:
+        h.turn(session, rng.choice([None, *pool[:50]]))
+    open_turns: list[Turn] = []
+
+    def mutate() -> None:
+        for _ in range(20):
+            op = rng.random()
+            if op < 0.5:
+                session = rng.choice(pool)
+                open_turns.append(h.begin(session, rng.choice([None, *pool[:100]]), final=rng.random() < 0.3))
+            elif op < 0.85 and open_turns:
+                h.end(open_turns.pop(rng.randrange(len(open_turns))))
+            elif op < 0.95:
+                h.close(rng.choice(pool))
+            else:
+                h.clock.now += 3
+                h.expire()
+
+    for builder in (lambda: h.tree.recent_roots(50), lambda: h.tree.view(rng.choice(pool[:50]), max_depth=6,
+                                                                          max_nodes=300)):
+        for _ in range(10):
+            steps = builder()
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    result = done.value
+                    break
+                mutate()
+            if isinstance(result, list):
+                assert len(result) == len(set(result)) <= 50
+            elif result is not None:
+                nodes = walk(result.tree)
+                assert len(nodes) == result.shown <= 300
+                assert result.omitted == sum(n.get("omitted", 0) for n in nodes)
+                assert all(isinstance(n["children"], list) for n in nodes)
+    h.shutdown()
+    assert h.tree.live_sessions == 0 and h.tree.live_trees == 0
 
 
 def test_stats() -> None:

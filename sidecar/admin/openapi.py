@@ -6,6 +6,7 @@ from typing import Any
 
 from sidecar import __version__
 from sidecar.admin.sessions_api import CURSOR_PATTERN, LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT, SESSION_ID_PATTERN
+from sidecar.admin.views import MAX_DEPTH, MAX_NODES
 from sidecar.config import Config
 
 _JSON = "application/json"
@@ -61,7 +62,11 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "deployment": {"type": "string", "enum": deployments,
                                "description": "the deployment to bind the session to"},
                 "session_id": {"type": "string", "pattern": SESSION_ID_PATTERN,
-                               "description": "default: a generated UUID"},
+                               "description": "default: a generated UUID. A workspace token chooses ids in its "
+                                              "own namespace only: `<workspace>:` and at least one more "
+                                              "character (any other id is refused with 400 `invalid_request`, "
+                                              "whether or not it exists); admin tokens and an open API choose "
+                                              "any id"},
                 "ttl_seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": api.max_ttl_seconds,
                                 "description": "expire after this long without a request (default "
                                                f"{api.default_ttl_seconds})"},
@@ -126,8 +131,8 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "parent": {"type": ["string", "null"]},
                 "root": {"type": "string"},
                 "deployment": {"type": "string"},
-                "created_at": {"type": "number", "description": "seconds on the sidecar's monotonic clock"},
-                "last_active_at": {"type": "number", "description": "seconds on the sidecar's monotonic clock"},
+                "created_at": _TIMESTAMP,
+                "last_active_at": _TIMESTAMP,
                 "turns": {"type": "integer"},
                 "in_flight": {"type": "integer"},
                 "final_turn_seen": {"type": "boolean"},
@@ -137,7 +142,11 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "placeholder": {"type": "boolean"},
                 "workers": _ref("WorkerRuns"),
                 "affinity": _ref("Affinity"),
-                "children": {"type": "array", "items": _ref("TreeNode")},
+                "children": {"type": "array", "items": _ref("TreeNode"),
+                             "description": "oldest first; cut by the view's bounds (see `omitted`)"},
+                "omitted": {"type": "integer", "minimum": 0,
+                            "description": "present when the view cut sessions below this node: how many "
+                                           "are not shown"},
             },
         },
         "Status": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
@@ -162,7 +171,8 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "responses": {
                     "201": _json_body(_ref("Session"), "Created.",
                                       {"Location": {"schema": {"type": "string"}, "required": True}}),
-                    "400": _error("Invalid body (`invalid_request`) or unknown deployment (`unknown_deployment`)."),
+                    "400": _error("Invalid body, or a `session_id` outside the workspace token's namespace "
+                                  "(`invalid_request`), or unknown deployment (`unknown_deployment`)."),
                     "401": _UNAUTHORIZED,
                     "404": _error("`parent` names no active session of the deployment that the caller "
                                   "created (`parent_not_found`)."),
@@ -221,6 +231,10 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
             "get": {
                 "operationId": "getTree",
                 "summary": "The lineage tree a session belongs to",
+                "description": "The tree from its root, whichever of its sessions is named. At most "
+                               f"{MAX_NODES} sessions are shown, nested at most {MAX_DEPTH} levels below the "
+                               "root; a node whose descendants were cut carries `omitted`. The tree may "
+                               "change while the view is built: it is then a slightly inconsistent snapshot.",
                 "security": secured,
                 "parameters": [{"name": "root", "in": "path", "required": True,
                                 "schema": {"type": "string", "minLength": 1, "maxLength": 256}}],

@@ -6,15 +6,22 @@ workspace sees and closes only that workspace's sessions, an admin token sees ev
 everything is open (allowed only on a loopback admin address, see ``admin_insecure``). A session
 the caller may not see answers 404 exactly like an unknown one.
 
+A workspace token chooses a ``session_id`` only inside its own namespace, ``<workspace>:...``
+(workspace names have no ``:``); any other id is refused with 400 whether it exists or not, so
+that creating a session tells a workspace nothing about another workspace's ids. Admin tokens
+and the open API choose any id.
+
 Handlers call the router synchronously (no await between a check and its effect), so a close
-is ordered with every request admission on the event loop. The shapes are documented by
-:mod:`sidecar.admin.openapi`, served at ``/openapi.json``.
+is ordered with every request admission on the event loop. The tree view is the exception: it
+is built in slices that let the proxy run in between (:mod:`sidecar.admin.views`). The shapes
+are documented by :mod:`sidecar.admin.openapi`, served at ``/openapi.json``.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from collections.abc import Generator
 from typing import Any
 
 import orjson
@@ -23,8 +30,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sidecar import errors
 from sidecar import headers as h
+from sidecar.admin.views import MAX_DEPTH, MAX_NODES, VIEWS_LOCK, run_sliced, views_lock
 from sidecar.auth import Principal, TokenSet, OPEN
 from sidecar.config import format_validation_error
+from sidecar.lineage import VIEW_STEP, TreeView
 from sidecar.router import Router
 from sidecar.sessions import ApiSession, SessionExists, SessionLimitReached, SessionStatus, rfc3339
 
@@ -86,8 +95,9 @@ def caller(request: web.Request) -> Principal:
 
 # -- resources -------------------------------------------------------------------------------
 
-def _wall(monotonic_ts: float) -> float:
-    return time.time() - (time.monotonic() - monotonic_ts)
+def _wall_offset(router: Router) -> float:
+    """What to add to a lineage tree clock value to get wall-clock seconds."""
+    return time.time() - router.tree.now()
 
 
 _LINEAGE_DEFAULTS = {"root": None, "turns": 0, "in_flight": 0, "final_turn_seen": False, "workers": [],
@@ -115,7 +125,8 @@ def api_resource(router: Router, rec: ApiSession) -> dict[str, Any]:
 def traffic_resource(router: Router, node: dict[str, Any]) -> dict[str, Any]:
     """A session learned from traffic (a lineage node): no workspace, idle expiry of the tree."""
     closed = node["closed"] or node["ended"]
-    last = _wall(node["last_active_at"])
+    offset = _wall_offset(router)
+    last = offset + node["last_active_at"]
     idle = router.config.sessions.idle_ttl_seconds
     return {
         "id": node["session"],
@@ -125,7 +136,7 @@ def traffic_resource(router: Router, node: dict[str, Any]) -> dict[str, Any]:
         "origin": "traffic",
         "parent": node["parent"],
         "ttl_seconds": idle,
-        "created_at": rfc3339(_wall(node["created_at"])),
+        "created_at": rfc3339(offset + node["created_at"]),
         "last_active_at": rfc3339(last),
         "expires_at": None if closed else rfc3339(last + idle),
         "ended_at": None,
@@ -176,6 +187,12 @@ async def create_session(request: web.Request) -> web.Response:
         body = CreateSession.model_validate(raw)
     except ValidationError as exc:
         raise ApiError(errors.INVALID_REQUEST, format_validation_error(exc).replace("\n", "; ")) from None
+    if body.session_id is not None and not who.admin:
+        # Before anything looks the id up: the answer must not depend on what exists.
+        prefix = f"{who.workspace}:"
+        if not body.session_id.startswith(prefix) or len(body.session_id) == len(prefix):
+            raise ApiError(errors.INVALID_REQUEST, f"session_id: must start with {prefix!r} followed by at least "
+                           "one character (a workspace token chooses ids in its own namespace)")
     dep = router.deployment(body.deployment)
     if dep is None:
         raise ApiError(errors.UNKNOWN_DEPLOYMENT, f"no deployment named {body.deployment!r}",
@@ -276,21 +293,48 @@ def _traffic_node(router: Router, who: Principal, sid: str) -> dict[str, Any] | 
 
 
 async def get_tree(request: web.Request) -> web.Response:
+    """The tree a session belongs to, from its root, cut like the live view (``omitted``
+    markers); node timestamps in RFC 3339. Built in slices: see :mod:`sidecar.admin.views`."""
     router = request.app[ROUTER_KEY]
     who = caller(request)
-    root = request.match_info["root"]
-    tree = router.tree.tree(root)
-    if tree is not None and not who.admin and _visible(router, who, tree["session"]) is None:
-        tree = None  # only the workspace owning the tree's root session sees it
-    if tree is None:
+    view = None
+    async with request.app[VIEWS_LOCK]:
+        root = router.tree.root_of(request.match_info["root"])
+        # Only the workspace owning the tree's root session sees it. No await between this check
+        # and the builder's first step, which fixes the root it walks down from.
+        if root is not None and (who.admin or _visible(router, who, root) is not None):
+            view, _ = await run_sliced(_stamped(router, router.tree.view(root, max_depth=MAX_DEPTH,
+                                                                          max_nodes=MAX_NODES)))
+    if view is None:
         raise ApiError(errors.TREE_NOT_FOUND, "no such session tree")
-    return _json(tree)
+    return _json(view.tree)
+
+
+def _stamped(router: Router, steps: Generator[None, None, TreeView | None]) -> Generator[None, None, TreeView | None]:
+    """The view of ``steps`` with its nodes' clock values as RFC 3339 times."""
+    view = yield from steps
+    if view is None:
+        return None
+    offset = _wall_offset(router)
+    stack = [view.tree]
+    countdown = VIEW_STEP
+    while stack:
+        node = stack.pop()
+        node["created_at"] = rfc3339(offset + node["created_at"])
+        node["last_active_at"] = rfc3339(offset + node["last_active_at"])
+        stack.extend(node["children"])
+        countdown -= 1
+        if not countdown:
+            countdown = VIEW_STEP
+            yield
+    return view
 
 
 def add_routes(app: web.Application, router: Router, tokens: TokenSet | None) -> None:
     """Mount the sessions API and the tree view on ``app``."""
     app[ROUTER_KEY] = router
     app[AUTH_KEY] = Auth(tokens)
+    views_lock(app)
     app.router.add_post("/v1/sessions", create_session)
     app.router.add_get("/v1/sessions", list_sessions)
     app.router.add_get("/v1/sessions/{session}", get_session)

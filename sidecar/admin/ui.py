@@ -14,7 +14,7 @@ ever puts them in the DOM through ``textContent`` and attributes, never as marku
   cut, the node whose children were dropped carries ``omitted`` (how many sessions below it
   are not shown) and the tree entry carries the total in its own ``omitted``;
 - nesting at most ``MAX_DEPTH`` levels, cut the same way (keeps deep chains JSON- and
-  browser-safe).
+  browser-safe). ``GET /v1/trees/{root}`` cuts trees with the same bounds and markers.
 
 Shape::
 
@@ -23,39 +23,42 @@ Shape::
      "truncated": bool,
      "trees": [{"root": id, "last_active_at": float, "sessions": int, "live": int,
                 "in_flight": int, "final": bool, "omitted": int,
-                "tree": {<node dict as SessionTree.tree() returns it>, "children": [...]}}]}
+                "tree": {<node dict as SessionTree.get() returns it>, "children": [...]}}]}
 
 ``sessions`` counts every node of the tree (placeholders and held ended sessions included),
 ``live`` the ones neither ended nor placeholders, ``final`` is True when every such session
-has seen its final turn or ended. ``now`` is on the same clock as the node timestamps, so
-``now - last_active_at`` is a session's idle time.
+has seen its final turn or ended. Timestamps here are seconds on the tree's clock, and ``now``
+is on it too, so ``now - last_active_at`` is a session's idle time.
 
-Building a snapshot walks every held node once to order the trees, and each shown tree whole
-(``SessionTree.tree()``): about 60 ms for 100,000 sessions in 10,000 trees, but about 0.7 s when
-one tree holds them all. Snapshots are therefore cached for ``CACHE_SECONDS`` or ten times what
-the last one cost (at most ``CACHE_MAX_SECONDS``), so the view never takes more than about a
-tenth of the event loop it shares with the proxy, however many pages poll it.
+A snapshot touches every held node once to order the trees and once more per shown tree to
+count what it cuts, and builds only the node dicts it shows. It is built in slices of about
+2 ms with the event loop serving requests in between (:mod:`sidecar.admin.views`), so it is a
+slightly inconsistent snapshot when requests change the tree meanwhile: a tree, or a session,
+may appear as it was a few milliseconds apart from another, and counts are what the walk saw.
+One view is built at a time (a snapshot or a ``/v1/trees`` view), and each snapshot is reused
+for ``CACHE_SECONDS`` or ten times what it cost the loop (at most ``CACHE_MAX_SECONDS``), so the
+view takes at most about a tenth of the event loop it shares with the proxy, however many
+pages poll it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from sidecar.admin.views import MAX_DEPTH, MAX_NODES, run_sliced, views_lock
 from sidecar.lineage import SessionTree
 
-__all__ = ["DEFAULT_LIMIT", "MAX_DEPTH", "MAX_LIMIT", "MAX_NODES", "add_ui_routes", "snapshot"]
+__all__ = ["DEFAULT_LIMIT", "MAX_DEPTH", "MAX_LIMIT", "MAX_NODES", "add_ui_routes", "snapshot", "snapshot_steps"]
 
 DEFAULT_LIMIT = 200
 MAX_LIMIT = 1000
-MAX_NODES = 5000
-MAX_DEPTH = 48
 CACHE_SECONDS = 1.0
-CACHE_COST_FACTOR = 10.0  # a snapshot that took t seconds is reused for 10 t: at most ~10% of the loop
+CACHE_COST_FACTOR = 10.0  # a snapshot that cost the loop t seconds is reused for 10 t: at most ~10% of it
 CACHE_MAX_SECONDS = 30.0
 
 _SECURITY_HEADERS = {
@@ -77,6 +80,8 @@ def add_ui_routes(app: web.Application, tree_getter: Callable[[], SessionTree],
     The page itself holds no data; it sends the token given as ``/ui#token=<token>``.
     """
     cache: dict[int, tuple[float, bytes]] = {}  # limit -> (valid until, body)
+    # one view at a time (this snapshot or a tree view); pollers arriving meanwhile reuse it
+    building = views_lock(app)
 
     async def page(request: web.Request) -> web.Response:
         return web.Response(text=PAGE, content_type="text/html", charset="utf-8",
@@ -84,6 +89,10 @@ def add_ui_routes(app: web.Application, tree_getter: Callable[[], SessionTree],
 
     async def page_slash(request: web.Request) -> web.Response:
         raise web.HTTPFound("../ui")
+
+    def cached(limit: int) -> bytes | None:
+        hit = cache.get(limit)
+        return hit[1] if hit is not None and time.monotonic() < hit[0] else None
 
     async def data(request: web.Request) -> web.Response:
         if authorize is not None:
@@ -93,15 +102,19 @@ def add_ui_routes(app: web.Application, tree_getter: Callable[[], SessionTree],
         except ValueError:
             limit = DEFAULT_LIMIT
         limit = max(1, min(limit, MAX_LIMIT))
-        now = time.monotonic()
-        hit = cache.get(limit)
-        if hit is not None and now < hit[0]:
-            body = hit[1]
-        else:
-            body = orjson.dumps(snapshot(tree_getter(), limit=limit))
-            cost = time.monotonic() - now
-            cache.clear()
-            cache[limit] = (now + min(max(CACHE_SECONDS, cost * CACHE_COST_FACTOR), CACHE_MAX_SECONDS), body)
+        body = cached(limit)
+        if body is None:
+            async with building:
+                body = cached(limit)
+                if body is None:
+                    snap, cost = await run_sliced(snapshot_steps(tree_getter(), limit=limit))
+                    started = time.monotonic()
+                    body = orjson.dumps(snap)
+                    now = time.monotonic()
+                    cost += now - started
+                    cache.clear()
+                    cache[limit] = (now + min(max(CACHE_SECONDS, cost * CACHE_COST_FACTOR), CACHE_MAX_SECONDS),
+                                    body)
         return web.Response(body=body, content_type="application/json", headers=_SECURITY_HEADERS)
 
     app.router.add_get("/ui", page)
@@ -109,21 +122,29 @@ def add_ui_routes(app: web.Application, tree_getter: Callable[[], SessionTree],
     app.router.add_get("/ui/data.json", data)
 
 
-def snapshot(tree: SessionTree, *, limit: int = DEFAULT_LIMIT, max_nodes: int = MAX_NODES,
-             max_depth: int = MAX_DEPTH) -> dict[str, Any]:
-    """The bounded view of ``tree`` that ``/ui/data.json`` serves (shape in the module doc)."""
+async def snapshot(tree: SessionTree, *, limit: int = DEFAULT_LIMIT, max_nodes: int = MAX_NODES,
+                   max_depth: int = MAX_DEPTH) -> dict[str, Any]:
+    """The bounded view of ``tree`` that ``/ui/data.json`` serves (shape in the module doc),
+    built in slices that let the event loop run in between."""
+    snap, _ = await run_sliced(snapshot_steps(tree, limit=limit, max_nodes=max_nodes, max_depth=max_depth))
+    return snap
+
+
+def snapshot_steps(tree: SessionTree, *, limit: int = DEFAULT_LIMIT, max_nodes: int = MAX_NODES,
+                   max_depth: int = MAX_DEPTH) -> Generator[None, None, dict[str, Any]]:
+    """:func:`snapshot` as a view builder (see :mod:`sidecar.lineage`): pauses every few
+    hundred nodes, returns the snapshot."""
     budget = max(max_nodes, 1)
     trees: list[dict[str, Any]] = []
-    for root in tree.recent_roots(limit):
-        nested = tree.tree(root)
-        if nested is None:
+    for root in (yield from tree.recent_roots(limit)):
+        yield  # a pause between trees too: hundreds of small trees make no pause of their own
+        view = yield from tree.view(root, max_depth=max_depth, max_nodes=max(budget, 1))
+        if view is None:  # gone while the snapshot was being built
             continue
-        entry = _summarize(nested)
-        budget -= 1  # the root is always shown
-        budget, omitted = _prune(nested, budget, max_depth)
-        entry["omitted"] = omitted
-        entry["tree"] = nested
-        trees.append(entry)
+        budget -= view.shown
+        trees.append({"root": view.tree["session"], "last_active_at": view.last_active_at,
+                      "sessions": view.sessions, "live": view.live, "in_flight": view.in_flight,
+                      "final": view.final, "omitted": view.omitted, "tree": view.tree})
     return {
         "now": tree.now(),
         "generated_at": time.time(),
@@ -134,61 +155,6 @@ def snapshot(tree: SessionTree, *, limit: int = DEFAULT_LIMIT, max_nodes: int = 
         "truncated": len(trees) < tree.live_trees or any(t["omitted"] for t in trees),
         "trees": trees,
     }
-
-
-# -- shaping -------------------------------------------------------------------------------------
-
-
-def _summarize(root: dict[str, Any]) -> dict[str, Any]:
-    """Counters over the whole tree, before any pruning."""
-    sessions = live = in_flight = final = 0
-    newest = root["last_active_at"]
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        sessions += 1
-        in_flight += node["in_flight"]
-        newest = max(newest, node["last_active_at"])
-        if not node["placeholder"] and not node["ended"]:
-            live += 1
-            final += bool(node["final_turn_seen"])
-        stack.extend(node["children"])
-    return {"root": root["session"], "last_active_at": newest, "sessions": sessions, "live": live,
-            "in_flight": in_flight, "final": final == live}
-
-
-def _prune(root: dict[str, Any], budget: int, max_depth: int) -> tuple[int, int]:
-    """Cut ``root``'s nested children to ``budget`` nodes and ``max_depth`` levels, in place.
-
-    A node's kept children are reserved together, so earlier siblings and shallower levels win.
-    Returns the budget left and how many nodes were cut.
-    """
-    cut = 0
-    stack = [(root, 0)]
-    while stack:
-        node, depth = stack.pop()
-        children = node["children"]
-        if not children:
-            continue
-        keep = 0 if depth + 1 > max_depth else min(len(children), max(budget, 0))
-        budget -= keep
-        if keep < len(children):
-            dropped = _count(children[keep:])
-            node["omitted"] = dropped
-            cut += dropped
-            node["children"] = children = children[:keep]
-        stack.extend((child, depth + 1) for child in reversed(children))
-    return budget, cut
-
-
-def _count(nodes: list[dict[str, Any]]) -> int:
-    n = 0
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
-        n += 1
-        stack.extend(node["children"])
-    return n
 
 
 PAGE = r"""<!doctype html>

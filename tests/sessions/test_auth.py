@@ -47,34 +47,74 @@ async def test_health_metrics_openapi_need_no_token(launch_api, http):
 
 async def test_workspaces_are_isolated_and_admin_sees_all(launch_api, http, upstream: RecordingUpstream):
     sc, a, b, admin, _ = await two_workspaces(launch_api, http, upstream.url)
-    _, sa = await a.create(deployment="agents", session_id="sess-a")
-    _, sb = await b.create(deployment="agents", session_id="sess-b")
+    _, sa = await a.create(deployment="agents", session_id="ws-a:sess-a")
+    _, sb = await b.create(deployment="agents", session_id="ws-b:sess-b")
     assert sa["workspace"] == "ws-a" and sb["workspace"] == "ws-b"
     # another workspace's session answers exactly like an unknown one
-    status, err = await b.get("sess-a")
-    unknown_status, unknown = await b.get("sess-x")
+    status, err = await b.get("ws-a:sess-a")
+    unknown_status, unknown = await b.get("ws-a:sess-x")
     assert status == unknown_status == 404 and err["error"]["type"] == "session_not_found"
     assert err["error"]["message"] == unknown["error"]["message"]
-    status, err = await b.close("sess-a")
+    status, err = await b.close("ws-a:sess-a")
     assert status == 404
-    assert (await a.get("sess-a"))[1]["status"] == "active"  # untouched by ws-b's attempt
-    assert [s["id"] for s in (await a.list())[1]["data"]] == ["sess-a"]
-    assert [s["id"] for s in (await b.list())[1]["data"]] == ["sess-b"]
-    assert [s["id"] for s in (await admin.list())[1]["data"]] == ["sess-a", "sess-b"]
-    assert (await admin.get("sess-b"))[0] == 200
+    assert (await a.get("ws-a:sess-a"))[1]["status"] == "active"  # untouched by ws-b's attempt
+    assert [s["id"] for s in (await a.list())[1]["data"]] == ["ws-a:sess-a"]
+    assert [s["id"] for s in (await b.list())[1]["data"]] == ["ws-b:sess-b"]
+    assert [s["id"] for s in (await admin.list())[1]["data"]] == ["ws-a:sess-a", "ws-b:sess-b"]
+    assert (await admin.get("ws-b:sess-b"))[0] == 200
     # a parent must be the caller's own session
-    status, err = await b.create(deployment="agents", parent="sess-a")
+    status, err = await b.create(deployment="agents", parent="ws-a:sess-a")
     assert status == 404 and err["error"]["type"] == "parent_not_found"
     # trees: visible to the workspace owning the root, and to admins
-    async with http.get(sc.proxy_url + "/x", headers={"X-Correlation-ID": "sess-a"}) as resp:
+    async with http.get(sc.proxy_url + "/x", headers={"X-Correlation-ID": "ws-a:sess-a"}) as resp:
         assert resp.status == 200
-    assert (await a.tree("sess-a"))[0] == 200
-    assert (await b.tree("sess-a"))[0] == 404
-    assert (await admin.tree("sess-a"))[0] == 200
+    assert (await a.tree("ws-a:sess-a"))[0] == 200
+    assert (await b.tree("ws-a:sess-a"))[0] == 404
+    assert (await admin.tree("ws-a:sess-a"))[0] == 200
     # the admin closes anyone's session
-    status, closed = await admin.close("sess-b")
+    status, closed = await admin.close("ws-b:sess-b")
     assert status == 200 and closed["status"] == "closed"
-    assert (await b.get("sess-b"))[1]["status"] == "closed"
+    assert (await b.get("ws-b:sess-b"))[1]["status"] == "closed"
+
+
+async def test_workspace_tokens_choose_ids_in_their_own_namespace(launch_api, http, upstream: RecordingUpstream):
+    sc, a, b, admin, _ = await two_workspaces(launch_api, http, upstream.url)
+    assert (await a.create(deployment="agents", session_id="ws-a:mine"))[0] == 201
+    assert (await a.create(deployment="agents", session_id="ws-a:mine"))[0] == 409  # its own id: taken
+    for sid in ("mine", "ws-a", "ws-a:", "ws-ab:x", "WS-A:x", "x:ws-a:y"):
+        status, err = await a.create(deployment="agents", session_id=sid)
+        assert status == 400 and err["error"]["type"] == "invalid_request", sid
+        assert "'ws-a:'" in err["error"]["message"]
+    # admin tokens choose any id, inside a workspace's namespace too
+    assert (await admin.create(deployment="agents", session_id="free-id"))[0] == 201
+    assert (await admin.create(deployment="agents", session_id="ws-b:made-by-admin"))[0] == 201
+    # generated ids are unchanged
+    status, generated = await b.create(deployment="agents")
+    assert status == 201 and ":" not in generated["id"]
+
+
+async def test_creating_a_session_reveals_nothing_about_other_workspaces(launch_api, http,
+                                                                        upstream: RecordingUpstream):
+    sc = await launch_api(deployments=[deployment("chat", upstream.url, mode="dynamo_headers"),
+                                       deployment("agents", upstream.url, strict=True)],
+                          readiness_check_upstream=False, admin_tokens_file=tokens_file())
+    spec = await fetch_spec(http, sc.admin_url)
+    a, b, admin = (Api(http, sc.admin_url, spec, token) for token in (TOKEN_A, TOKEN_B, TOKEN_ADMIN))
+    assert (await a.create(deployment="agents", session_id="ws-a:secret"))[0] == 201
+    assert (await admin.create(deployment="agents", session_id="admin-made"))[0] == 201
+    async with http.get(sc.proxy_url + "/x", headers={"X-Correlation-ID": "ws-a:learned"}) as resp:
+        assert resp.status == 200
+    async with http.get(sc.proxy_url + "/x", headers={"X-Correlation-ID": "learned"}) as resp:
+        assert resp.status == 200
+    # existing ids (ws-a's, an admin's, learned from traffic) and unknown ones answer alike
+    answers = []
+    for sid in ("ws-a:secret", "ws-a:unknown", "admin-made", "admin-unknown", "ws-a:learned", "learned",
+                "never-seen"):
+        async with http.post(sc.admin_url + "/v1/sessions", headers=b.headers,
+                             json={"deployment": "agents", "session_id": sid}) as resp:
+            answers.append((resp.status, await resp.read()))
+    assert answers[0][0] == 400 and answers.count(answers[0]) == len(answers), answers
+    assert b"ws-a" not in answers[0][1] and b"secret" not in answers[0][1]
 
 
 async def test_traffic_sessions_visible_to_admin_only(launch_api, http, upstream: RecordingUpstream):

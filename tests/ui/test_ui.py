@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sidecar.admin.ui import PAGE, add_ui_routes, snapshot
+from sidecar.admin.ui import MAX_DEPTH, MAX_NODES, PAGE, add_ui_routes, snapshot, snapshot_steps
 from sidecar.lineage import SessionTree, TurnOutcome
 
 ROOT_A = "agent-run-2f9c1e7a-77d4-4c1b-9a0e-planner"  # long: drawn truncated, full id on hover
@@ -183,7 +183,7 @@ def _one(tree: SessionTree, session: str, *, worker: str | None = None, **kw: An
     tree.end_turn(turn, TurnOutcome.COMPLETED)
 
 
-def test_order_is_by_newest_activity_in_the_tree():
+async def test_order_is_by_newest_activity_in_the_tree():
     clock = Clock()
     tree = SessionTree(clock=clock)
     for i, root in enumerate(["r0", "r1", "r2"]):
@@ -191,23 +191,23 @@ def test_order_is_by_newest_activity_in_the_tree():
         _one(tree, root)
     clock.t += 1
     _one(tree, "r0-kid", parent="r0")  # a child's turn makes r0's tree the newest
-    snap = snapshot(tree)
+    snap = await snapshot(tree)
     assert [t["root"] for t in snap["trees"]] == ["r0", "r2", "r1"]
     assert snap["now"] == clock.t and snap["trees"][0]["last_active_at"] == clock.t
-    assert [t["root"] for t in snapshot(tree, limit=1)["trees"]] == ["r0"]
+    assert [t["root"] for t in (await snapshot(tree, limit=1))["trees"]] == ["r0"]
 
 
-def test_tree_final_when_every_live_session_saw_its_final_turn():
+async def test_tree_final_when_every_live_session_saw_its_final_turn():
     tree = SessionTree(clock=Clock())
     _one(tree, "root")
     turn, _ = tree.begin("kid", parent="root", root_hint=None, final=True, deployment="default")
-    assert snapshot(tree)["trees"][0]["final"] is False
+    assert (await snapshot(tree))["trees"][0]["final"] is False
     tree.begin("root", parent=None, root_hint=None, final=True, deployment="default")
-    assert snapshot(tree)["trees"][0]["final"] is True
+    assert (await snapshot(tree))["trees"][0]["final"] is True
     tree.end_turn(turn, TurnOutcome.COMPLETED)
 
 
-def test_node_budget_and_depth_cut_are_reported():
+async def test_node_budget_and_depth_cut_are_reported():
     clock = Clock()
     tree = SessionTree(clock=clock)
     _one(tree, "wide")
@@ -217,7 +217,7 @@ def test_node_budget_and_depth_cut_are_reported():
     _one(tree, "deep0")
     for i in range(1, 3000):  # far deeper than JSON encoders or browsers nest comfortably
         _one(tree, f"deep{i}", parent=f"deep{i - 1}")
-    snap = snapshot(tree, max_nodes=20, max_depth=10)
+    snap = await snapshot(tree, max_nodes=20, max_depth=10)
     by_root = {t["root"]: t for t in snap["trees"]}
     deep, wide = by_root["deep0"], by_root["wide"]
     assert snap["truncated"] is True
@@ -229,25 +229,96 @@ def test_node_budget_and_depth_cut_are_reported():
         assert len(_walk(t["tree"])) + t["omitted"] == t["sessions"]
         assert t["omitted"] == sum(n.get("omitted", 0) for n in _walk(t["tree"]))
     # every shown tree keeps its root, even past the budget
-    tight = snapshot(tree, max_nodes=5, max_depth=10)
+    tight = await snapshot(tree, max_nodes=5, max_depth=10)
     assert [len(_walk(t["tree"])) for t in tight["trees"]] == [5, 1]
     # defaults: a 3000-deep chain is cut at MAX_DEPTH and serializes
-    full = snapshot(tree)
+    full = await snapshot(tree)
     chain = next(t for t in full["trees"] if t["root"] == "deep0")
     assert 1 < len(_walk(chain["tree"])) < 100 and chain["omitted"] == 3000 - len(_walk(chain["tree"]))
 
 
-def test_snapshot_cost_is_bounded_at_scale():
+async def test_snapshot_cost_is_bounded_at_scale():
     tree = SessionTree(clock=Clock())
     for r in range(2000):
         _one(tree, f"root{r}")
         for k in range(9):
             _one(tree, f"root{r}-k{k}", parent=f"root{r}")
     start = time.perf_counter()
-    snap = snapshot(tree)
+    snap = await snapshot(tree)
     elapsed = time.perf_counter() - start
     assert snap["live_sessions"] == 20_000 and snap["shown_trees"] == 200
     assert elapsed < 1.0, elapsed
+
+
+def _huge_tree(clock: Clock | None = None) -> SessionTree:
+    """100,000 sessions in one tree: a root, 300 children, 99,699 grandchildren."""
+    tree = SessionTree(clock=clock or Clock(), max_live=200_000)
+    _one(tree, "root")
+    for i in range(300):
+        _one(tree, f"a{i}", parent="root")
+    for i in range(99_699):
+        _one(tree, f"b{i}", parent=f"a{i % 300}")
+    return tree
+
+
+async def _ticks_while(work: Any) -> tuple[Any, int]:
+    """Run ``work`` as a task; how many times a ticker sharing the loop ran before it finished."""
+    task = asyncio.ensure_future(work)
+    ticks = 0
+    while not task.done():
+        ticks += 1
+        await asyncio.sleep(0)
+    return await task, ticks
+
+
+async def test_snapshot_of_a_huge_tree_is_cut_and_lets_the_loop_run():
+    clock = Clock()
+    tree = _huge_tree(clock)
+    clock.t += 1
+    for i in range(10):
+        _one(tree, f"lone{i}")
+    snap, ticks = await _ticks_while(snapshot(tree))
+    assert snap["live_sessions"] == 100_010 and snap["live_trees"] == 11 and snap["truncated"] is True
+    assert [t["root"] for t in snap["trees"]] == [f"lone{i}" for i in range(9, -1, -1)] + ["root"]
+    big = snap["trees"][-1]
+    assert (big["sessions"], big["live"], big["in_flight"], big["final"]) == (100_000, 100_000, 0, False)
+    nodes = _walk(big["tree"])
+    assert len(nodes) == MAX_NODES - 10 and len(_walk(snap["trees"][0]["tree"])) == 1
+    assert big["omitted"] == 100_000 - len(nodes) == sum(n.get("omitted", 0) for n in nodes)
+    assert ticks >= 5, ticks  # the snapshot was built in slices, the loop ran in between
+
+
+def test_snapshot_pauses_between_small_trees_too():
+    tree = SessionTree(clock=Clock())
+    for r in range(300):
+        _one(tree, f"r{r}")
+        for k in range(4):
+            _one(tree, f"r{r}-{k}", parent=f"r{r}")
+    steps = snapshot_steps(tree, limit=250)
+    pauses = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            snap = done.value
+            break
+        pauses += 1
+    assert snap["shown_trees"] == 250 and pauses >= 250  # no tree is big enough to pause on its own
+
+
+async def test_snapshot_of_a_20k_deep_placeholder_chain():
+    clock = Clock()
+    tree = SessionTree(clock=clock)
+    _one(tree, "leaf", parent="p1")
+    for i in range(1, 20_000):  # each placeholder's own request names the next one: one long root-link chain
+        clock.t += 0.001
+        _one(tree, f"p{i}", parent=f"p{i + 1}")
+    snap = await snapshot(tree)
+    (entry,) = snap["trees"]
+    assert entry["root"] == "p20000" and entry["sessions"] == 20_001 and entry["live"] == 20_000
+    chain = _walk(entry["tree"])
+    assert len(chain) == MAX_DEPTH + 1 and chain[-1]["omitted"] == entry["omitted"] == 20_001 - MAX_DEPTH - 1
+    assert entry["last_active_at"] == clock.t and chain[0]["placeholder"] is True
 
 
 async def test_page_and_limits(aiohttp_client):
