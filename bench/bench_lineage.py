@@ -1,7 +1,9 @@
 """Memory and per-request cost of the session lineage tree. Run on demand, not in CI:
 
     python bench/bench_lineage.py [--sessions 1000000] [--small 1000] [--active 256]
-        [--ops 200000] [--rounds 5] [--slices 10]
+        [--ops 200000] [--rounds 5] [--slices 10] [--out-dir bench/results]
+
+Every run writes bench/results/<date>-bench_lineage-<commit>.md and .json (bench/record.py).
 
 Population: 36-character UUID session ids in realistic trees (60% lone sessions, 30% a root with
 1-3 children, 10% a root with 1-3 children that have 1-2 children each), each session with one
@@ -38,10 +40,15 @@ import argparse
 import gc
 import random
 import statistics
+import sys
 import time
 import tracemalloc
+from pathlib import Path
+from typing import Any
 
 from sidecar.lineage import SessionTree, TurnOutcome
+
+import record
 
 DEPLOYMENT = "default"
 COMPLETED = TurnOutcome.COMPLETED
@@ -222,17 +229,32 @@ def main() -> None:
     parser.add_argument("--slices", type=int, default=10)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--patterns", default=",".join(PATTERNS))
+    parser.add_argument("--out-dir", type=Path, default=record.RESULTS,
+                        help="where the dated .md and .json go (default bench/results)")
     args = parser.parse_args()
+    facts = record.machine_facts()
     started = time.perf_counter()
     med = statistics.median
+    lines: list[str] = []
+    raw: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+
+    def out(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
 
     live, per_session, peak, pause = measure_memory(args.sessions, args.seed)
-    print(f"memory: {live} live sessions, {per_session:.0f} bytes/session "
-          f"(peak while building {peak:.0f}), id strings included")
-    print(f"a full gc.collect() with them alive: {pause:.0f} ms")
+    raw["memory"] = {"live_sessions": live, "bytes_per_session": per_session, "peak_bytes_per_session": peak,
+                     "full_gc_ms": pause}
+    out(f"memory: {live} live sessions, {per_session:.0f} bytes/session "
+        f"(peak while building {peak:.0f}), id strings included")
+    out(f"a full gc.collect() with them alive: {pause:.0f} ms")
 
     sizes = [args.small, args.sessions]
     uncapped: list[Setup] = []  # scattered and cold leave the population as they found it: shared
+    raw["patterns"] = {}
+    table = ["| pattern | live sessions | ns/request, wall | CPU | bare dict.get, wall | CPU |",
+             "|---|---:|---:|---:|---:|---:|"]
+    ratios = ["| pattern | cost ratio, wall | CPU |", "|---|---:|---:|"]
     for pattern in args.patterns.split(","):
         if pattern == "steady":
             setups = [build(n, True, args.seed) for n in sizes]
@@ -240,14 +262,30 @@ def main() -> None:
             setups = uncapped = uncapped or [build(n, False, args.seed) for n in sizes]
         trees, dicts = measure_cost(pattern, setups, args.ops, args.rounds, args.slices, args.active, args.seed)
         del setups
+        raw["patterns"][pattern] = {str(n): {"tree_wall_ns": series.wall, "tree_cpu_ns": series.cpu,
+                                             "dict_wall_ns": lookups.wall, "dict_cpu_ns": lookups.cpu}
+                                    for n, series, lookups in zip(sizes, trees, dicts)}
         for n, series, lookups in zip(sizes, trees, dicts):
-            print(f"{pattern}: {n} live: {med(series.wall):.0f} ns/request wall "
-                  f"(rounds {', '.join(f'{r:.0f}' for r in series.wall)}), {med(series.cpu):.0f} CPU; "
-                  f"bare dict.get {med(lookups.wall):.0f} wall, {med(lookups.cpu):.0f} CPU")
+            out(f"{pattern}: {n} live: {med(series.wall):.0f} ns/request wall "
+                f"(rounds {', '.join(f'{r:.0f}' for r in series.wall)}), {med(series.cpu):.0f} CPU; "
+                f"bare dict.get {med(lookups.wall):.0f} wall, {med(lookups.cpu):.0f} CPU")
+            table.append(f"| {pattern} | {n:,} | {med(series.wall):.0f} | {med(series.cpu):.0f} | "
+                         f"{med(lookups.wall):.0f} | {med(lookups.cpu):.0f} |")
         small, large = trees
-        print(f"{pattern}: cost ratio {args.sessions} / {args.small}: "
-              f"{med(large.wall) / med(small.wall):.3f} wall, {med(large.cpu) / med(small.cpu):.3f} CPU")
-    print(f"runtime: {time.perf_counter() - started:.1f} s")
+        wall_ratio, cpu_ratio = med(large.wall) / med(small.wall), med(large.cpu) / med(small.cpu)
+        out(f"{pattern}: cost ratio {args.sessions} / {args.small}: {wall_ratio:.3f} wall, {cpu_ratio:.3f} CPU")
+        ratios.append(f"| {pattern}: {args.sessions:,} / {args.small:,} | {wall_ratio:.3f} | {cpu_ratio:.3f} |")
+    runtime = time.perf_counter() - started
+    out(f"runtime: {runtime:.1f} s")
+    raw["runtime_seconds"] = runtime
+    body = "\n".join([
+        f"Memory: {live:,} live sessions, {per_session:.0f} bytes per session (peak while building "
+        f"{peak:.0f}), id strings included; a full gc.collect() with them alive: {pause:.0f} ms.", "",
+        f"Cost per request (medians of {args.rounds} rounds of {args.ops:,} requests; see the script's "
+        "docstring for the patterns):", "", *table, "", *ratios, "", f"Runtime {runtime:.0f} s."])
+    md, js = record.write("bench_lineage", f"Session tree benchmark, {facts['date'][:10]}", body, raw, facts,
+                          args.out_dir)
+    print(f"written: {md}, {js}", file=sys.stderr)
 
 
 if __name__ == "__main__":

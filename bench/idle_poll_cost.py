@@ -1,13 +1,14 @@
 """What idle polling costs: CPU of an event loop fed synthetic I/O events, polling off and on.
 
-    python bench/idle_poll_cost.py [--duration 3]
+    python bench/idle_poll_cost.py [--duration 3] [--out-dir bench/results]
 
 A sender process on core 1 writes one byte to a socket pair at random (exponential) gaps; the
 event loop on core 0 (uvloop) reads them, and each read calls the fast engine's
 :class:`sidecar.engine.idle_poll.IdlePoller` and then busy-works for a fixed time, like a request.
 For each traffic shape the loop runs with ``idle_poll_us`` 0 and with the default, and the table
 shows the loop thread's CPU time over wall time, next to the share its work alone needs.
-Run it alone on the machine (like ``proxy_bench.py``); it binds no port.
+Run it alone on the machine (like ``proxy_bench.py``); it binds no port. Every run writes
+bench/results/<date>-idle_poll_cost-<commit>.md and .json (bench/record.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sidecar.engine.idle_poll import DEFAULT_WINDOW_US, IdlePoller  # noqa: E402
+
+import record  # noqa: E402
 
 LOOP_CPU, SENDER_CPU = 0, 1
 # (mean gap between events in us, work per event in us, what it stands for)
@@ -95,15 +98,29 @@ def run(mean_gap_us: float, work_us: float, window_us: float, duration: float) -
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=3.0, help="seconds per measurement (default 3)")
+    p.add_argument("--out-dir", type=Path, default=record.RESULTS,
+                   help="where the dated .md and .json go (default bench/results)")
     args = p.parse_args()
+    facts = record.machine_facts()
     os.sched_setaffinity(0, {LOOP_CPU})
-    print(f"| traffic | mean gap | work per event | work share | loop CPU, polling off | "
-          f"loop CPU, idle_poll_us {DEFAULT_WINDOW_US} | time polled (work included) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    lines = [f"| traffic | mean gap | work per event | work share | loop CPU, polling off | "
+             f"loop CPU, idle_poll_us {DEFAULT_WINDOW_US} | time polled (work included) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    print("\n".join(lines))
+    rows = []
     for gap, work, what in SHAPES:
         off, share, _ = run(gap, work, 0, args.duration)
         on, _, polled = run(gap, work, DEFAULT_WINDOW_US, args.duration)
-        print(f"| {what} | {gap} us | {work} us | {share:.0%} | {off:.0%} | {on:.0%} | {polled:.0%} |", flush=True)
+        rows.append({"traffic": what, "mean_gap_us": gap, "work_us": work, "work_share": share,
+                     "loop_cpu_polling_off": off, "loop_cpu_polling_on": on, "polled_share": polled})
+        lines.append(f"| {what} | {gap} us | {work} us | {share:.0%} | {off:.0%} | {on:.0%} | {polled:.0%} |")
+        print(lines[-1], flush=True)
+    body = "\n".join([f"Loop on core {LOOP_CPU}, sender on core {SENDER_CPU}, {args.duration:g} s per "
+                      "measurement; loop thread CPU time over wall time.", "", *lines])
+    raw = {"args": {"duration": args.duration}, "idle_poll_us": DEFAULT_WINDOW_US, "rows": rows}
+    md, js = record.write("idle_poll_cost", f"Idle polling cost, {facts['date'][:10]}", body, raw, facts,
+                          args.out_dir)
+    print(f"written: {md}, {js}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,34 @@
 """Proxy benchmark: the sidecar against nginx and Envoy doing the same header injection.
 
-    python bench/proxy_bench.py [--cases a,b,c,d,e] [--engines fast,aiohttp] [--rounds 5]
+    python bench/proxy_bench.py [--cases a,b,c,d,e,f,g] [--engines fast,aiohttp] [--rounds 5]
                                 [--duration 5] [--warmup 1] [--prefill 1000000]
+                                [--stream-n 200] [--stream-n-large 1000] [--stream-events 100]
+                                [--stream-gap-ms 20] [--stream-bytes 110]
 
 Run it with the project's interpreter (.venv/bin/python); scripts/install_bench_tools.sh
 installs nginx, wrk and Envoy. Everything listens on 127.0.0.1 and every process started here is
 stopped by its process group on exit, Ctrl-C included.
 
-Layout on a two-core machine: the proxy under test runs on core 0; the load generator (wrk) and
-a fixed-answer nginx standing in for the inference gateway share core 1. Each case starts its
-contenders side by side and measures them in interleaved rounds (each round runs every
-contender once, in rotating order), so slow drifts of a shared machine weigh on all of them
-alike; ratios are taken within a round and the median over rounds is reported.
+Layout on a two-core machine: the proxy under test runs on core 0; the load (wrk, or the stream
+driver) and the stand-in for the inference gateway (a fixed-answer nginx, or the paced SSE
+upstream) share core 1. Each case starts its contenders side by side and measures them in
+interleaved rounds (each round runs every contender once, in rotating order), so slow drifts of a
+shared machine weigh on all of them alike; ratios are taken within a round and the median over
+rounds is reported.
 
 Cases:
-  a  header-64c  POST, 1 KiB JSON body, X-Correlation-ID over 1000 ids, 64 connections
-  b  header-1c   the same over one connection: per-request latency
-  c  nvext       the sidecar in dynamo_nvext (body) mode against its own header mode
-  d  sse         GET a 20-event text/event-stream response, 64 connections
-  e  sessions    header mode with --prefill live sessions in the session tree against 1000
+  a  header-64c    POST, 1 KiB JSON body, X-Correlation-ID over 1000 ids, 64 connections
+  b  header-1c     the same over one connection: per-request latency, idle polling on and off
+  c  nvext         the sidecar in dynamo_nvext (body) mode against its own header mode
+  d  sse           GET a 20-event text/event-stream response, 64 connections
+  e  sessions      header mode with --prefill live sessions in the session tree against 1000
+  f  stream        --stream-n concurrent paced SSE streams (bench/stream_load.py): CPU per
+                   event, time to first event, added inter-event jitter
+  g  stream-large  the same with --stream-n-large streams
 
-Writes bench/results/latest.json (every run) and bench/results/latest.md (the table).
+Every run writes bench/results/<date>-proxy_bench-<commit>.md (the tables, the targets and their
+verdicts, the machine facts) and a .json of the same name with every round's numbers
+(bench/record.py).
 """
 
 from __future__ import annotations
@@ -30,8 +38,8 @@ import contextlib
 import http.client
 import json
 import os
-import platform
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -45,9 +53,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import record
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-RESULTS = BENCH / "results"
 
 PROXY_CPU = 0
 LOAD_CPU = 1
@@ -55,11 +64,14 @@ HOST = "127.0.0.1"
 ENGINES = ("fast", "aiohttp")
 CHAT_PATH = "/v1/chat/completions"
 SSE_PATH = "/v1/sse"
+STREAM_PATH = "/v1/stream"
 SSE_EVENTS = 20
 MEASURED_IDS = 1000
 PREFILL_CONNECTIONS = 256
 START_TIMEOUT = 20.0
 STOP_GRACE = 5.0
+IDLE_POLL_ON_US = 200  # the fast engine's idle polling window when it is explicitly on
+NOFILE = 65536  # two sockets per stream in the proxy, one in the driver, one in the upstream
 
 SESSION_HEADER = "X-Correlation-ID"
 SEEN_SESSION = "X-Seen-Session-ID"
@@ -67,9 +79,22 @@ SEEN_LENGTH = "X-Seen-Content-Length"
 
 # Targets; verdicts are computed in targets().
 TARGET_HEADER_VS_ENVOY = 1.5
+TARGET_REQ_PER_CPU_VS_NGINX = 0.75
 TARGET_P50_VS_NGINX = 1.1
 TARGET_NVEXT_VS_HEADER = 0.7
 TARGET_SESSIONS_VS_1K = 0.9
+TARGET_STREAM_CPU_VS_NGINX = 1.0
+TARGET_STREAM_CPU_VS_ENVOY = 0.6
+TARGET_TTFT_P50_OVER_NGINX_MS = 0.1
+TARGET_TTFT_P99_VS_NGINX = 1.1
+TARGET_GAP_P99_OVER_NGINX_MS = 1.0
+# A stream run whose load process (upstream + driver) wanted the load core this much of the time
+# (running or waiting for it), or whose upstream sent its events this late (p99), measured the
+# load side's delays as much as the proxy's: its latency figures do not count towards a verdict.
+LOAD_SATURATED = 0.9
+LOAD_LATE_MS = 1.0
+# A contender that waited this share of a stream run for its core shared it with other processes.
+PROXY_WAIT_NOTE = 0.05
 
 
 class BenchError(Exception):
@@ -103,7 +128,7 @@ def find_tools(tools_dir: Path) -> Tools:
             f"Install them with scripts/install_bench_tools.sh (run as root; it puts Envoy in "
             f"$SIDECAR_TOOLS_DIR/bench, default .tools/bench).")
     if (os.cpu_count() or 1) < 2:
-        raise BenchError("needs two CPU cores: one for the proxy, one for wrk and the upstream")
+        raise BenchError("needs two CPU cores: one for the proxy, one for the load and the upstream")
     return Tools(**found)  # type: ignore[arg-type]
 
 
@@ -113,25 +138,20 @@ def tool_versions(tools: Tools) -> dict[str, str]:
         match = re.search(pattern, out.stdout + out.stderr)
         return match.group(match.re.groups).strip() if match else "unknown"
 
-    versions = {
+    return {
         "nginx": probe([tools.nginx, "-v"], r"nginx/(\S+)"),
         "wrk": probe([tools.wrk, "-v"], r"wrk (\S+)"),
         "envoy": probe([tools.envoy, "--version"], r"[0-9a-f]{40}/([^/ \n]+)"),
         "sidecar": probe([sys.executable, "-m", "sidecar", "--version"], r"sidecar (\S+)"),
-        # compiled (setup.py) or the pure-Python sources (no C compiler, or SIDECAR_PURE_PYTHON=1)
-        "fast engine compiled": probe([sys.executable, "-c", "from sidecar.engine.fast import FastEngine as F; "
-                                       "print(F.compiled)"]),
-        "python": platform.python_version(),
-        "kernel": platform.release(),
     }
-    with contextlib.suppress(Exception):
-        git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
-        versions["commit"] = git.stdout.strip() or "unknown"
-    with contextlib.suppress(OSError):
-        model = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
-        versions["cpu"] = model.group(1).strip() if model else "unknown"
-    return versions
+
+
+def raise_file_limit() -> None:
+    """Let this process and its children (proxies, load) hold a few thousand sockets."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = NOFILE if hard == resource.RLIM_INFINITY else min(NOFILE, hard)
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 class Processes:
@@ -207,18 +227,28 @@ def render(template: str, prefix: Path, **values: int) -> str:
     return text
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """CPU time (user + system) used so far by the processes of one process group: the
-    contender's own consumption, whatever else the shared machine runs on its core."""
-    ticks = 0
+def _group_stats(pgid: int) -> list[tuple[int, list[str]]]:
+    """(pid, /proc/<pid>/stat fields after the command name) of every process in group ``pgid``."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # the process ended meanwhile
         if int(fields[2]) == pgid:
-            ticks += int(fields[11]) + int(fields[12])
+            found.append((int(stat.parent.name), fields))
+    return found
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU time (user + system) used so far by the processes of one process group: the
+    contender's own consumption, whatever else the shared machine runs on its core."""
+    ticks = sum(int(fields[11]) + int(fields[12]) for _, fields in _group_stats(pgid))
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def group_pids(pgid: int) -> list[int]:
+    return [pid for pid, _ in _group_stats(pgid)]
 
 
 def rss_mib(pid: int) -> float | None:
@@ -238,7 +268,7 @@ class Spec:
     """One contender in one case."""
 
     label: str
-    kind: str  # sidecar | nginx | envoy
+    kind: str  # sidecar | nginx | envoy | direct (the stream driver talks to the upstream itself)
     engine: str | None = None
     mode: str = "dynamo_headers"
     prefill: int = 0
@@ -251,13 +281,16 @@ class Spec:
 class Contender:
     spec: Spec
     port: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | None  # None for `direct`
     log_name: str
     admin_port: int | None = None
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
+
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
 
 
 def http_request(port: int, method: str, path: str, headers: dict[str, str] | None = None,
@@ -296,12 +329,28 @@ def verify(contender: Contender, sse: bool) -> None:
                              f"content-type {headers.get('content-type')!r}")
 
 
-def wait_until(ready: Callable[[], None], proc: subprocess.Popen[bytes], timeout: float = START_TIMEOUT) -> None:
+def verify_stream(contender: Contender) -> None:
+    """A short paced stream through the contender: 200, text/event-stream, every event, and
+    (through a proxy) the session header injected."""
+    session = "verify-0001"
+    status, headers, payload = http_request(contender.port, "GET", f"{STREAM_PATH}?events=3&gap_us=1000",
+                                            {SESSION_HEADER: session})
+    events = payload.count(b"data: ")
+    if status != 200 or not headers.get("content-type", "").startswith("text/event-stream") or events != 3:
+        raise BenchError(f"GET {STREAM_PATH}: status {status}, {events} of 3 events, "
+                         f"content-type {headers.get('content-type')!r}")
+    if contender.spec.kind != "direct" and headers.get(SEEN_SESSION.lower()) != session:
+        raise BenchError(f"upstream saw X-Dynamo-Session-ID {headers.get(SEEN_SESSION.lower())!r}, "
+                         f"expected {session!r}")
+
+
+def wait_until(ready: Callable[[], None], proc: subprocess.Popen[bytes] | None,
+               timeout: float = START_TIMEOUT) -> None:
     """Poll ``ready()`` until it returns without raising; fail if the process exits first."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise BenchError(f"exited with status {proc.returncode}")
         try:
             ready()
@@ -312,14 +361,47 @@ def wait_until(ready: Callable[[], None], proc: subprocess.Popen[bytes], timeout
     raise BenchError(f"not ready after {timeout:.0f} s ({last})")
 
 
+class StreamLoad:
+    """The load process of the streaming cases (bench/stream_load.py): the paced upstream and
+    the stream driver, on the load core, driven over a control socket."""
+
+    def __init__(self, procs: Processes) -> None:
+        self.upstream_port, self.control_port = free_ports(2)
+        self.proc = procs.start("stream-load", [
+            sys.executable, str(BENCH / "stream_load.py"), "--upstream-port", str(self.upstream_port),
+            "--control-port", str(self.control_port)], LOAD_CPU)
+        try:
+            wait_until(self.ping, self.proc)
+        except BenchError as exc:
+            raise BenchError(f"the stream load process did not start: {exc}: {procs.log_tail('stream-load')}") from exc
+
+    def ping(self) -> None:
+        if not self.call({"ping": True}, 5).get("ok"):
+            raise BenchError("the stream load process answered the ping wrongly")
+
+    def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        try:
+            with socket.create_connection((HOST, self.control_port), timeout=timeout) as sock:
+                sock.sendall(json.dumps(request).encode() + b"\n")
+                with sock.makefile("rb") as reply:
+                    line = reply.readline()
+        except OSError as exc:
+            raise BenchError(f"the stream load process did not answer: {exc}") from exc
+        if not line:
+            raise BenchError("the stream load process closed the control connection")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+
 class Lab:
-    """The running upstream plus the means to start contenders in front of it."""
+    """The running upstreams plus the means to start contenders in front of them."""
 
     def __init__(self, tools: Tools, procs: Processes, workdir: Path) -> None:
         self.tools = tools
         self.procs = procs
         self.workdir = workdir
         self.upstream_port = 0
+        self._stream: StreamLoad | None = None
         self._count = 0
 
     def _prefix(self, name: str) -> Path:
@@ -355,44 +437,57 @@ class Lab:
             raise BenchError(f"the nginx upstream did not start: {exc}: {self.procs.log_tail('upstream')}") from exc
         self.upstream_port = port
 
-    def start(self, spec: Spec, sessions: dict[str, int] | None, sse: bool) -> Contender:
-        """Start one contender on the proxy core and check it proxies correctly; BenchError
-        (with the reason) if it does not start or misbehaves, after stopping it."""
+    @property
+    def stream(self) -> StreamLoad:
+        """The streaming cases' load process, started on first use."""
+        if self._stream is None:
+            self._stream = StreamLoad(self.procs)
+        return self._stream
+
+    def start(self, spec: Spec, case: Case, args: argparse.Namespace) -> Contender:
+        """Start one contender on the proxy core in front of the case's upstream and check it
+        proxies correctly; BenchError (with the reason) if it does not start or misbehaves,
+        after stopping it."""
         self._count += 1
         name = f"{self._count:02d}-{re.sub(r'[^a-z0-9]+', '-', spec.label.lower()).strip('-')}"
+        upstream_port = self.stream.upstream_port if case.streams else self.upstream_port
         port, sidecar_admin_port = free_ports(2)
         admin_port = None
-        if spec.kind == "nginx":
-            proc = self._nginx(name, "nginx/proxy.conf", port, PROXY_CPU, upstream_port=self.upstream_port)
+        proc: subprocess.Popen[bytes] | None = None
+        if spec.kind == "direct":
+            port = upstream_port
+        elif spec.kind == "nginx":
+            proc = self._nginx(name, "nginx/proxy.conf", port, PROXY_CPU, upstream_port=upstream_port)
         elif spec.kind == "envoy":
             prefix = self._prefix(name)
             conf = prefix / "envoy.yaml"
-            conf.write_text(render("envoy/envoy.yaml", prefix, listen_port=port, upstream_port=self.upstream_port))
+            conf.write_text(render("envoy/envoy.yaml", prefix, listen_port=port, upstream_port=upstream_port))
             proc = self.procs.start(name, [self.tools.envoy, "-c", str(conf), "--concurrency", "1",
                                            "--log-level", "warning", "--disable-hot-restart"], PROXY_CPU)
         else:
             admin_port = sidecar_admin_port
             prefix = self._prefix(name)
-            config: dict[str, Any] = {"drain_grace_seconds": 1}
-            if sessions:
-                config["sessions"] = sessions
-            if spec.idle_poll_us is not None:
-                config["idle_poll_us"] = spec.idle_poll_us
             conf = prefix / "sidecar.yaml"
-            conf.write_text(json.dumps(config))  # JSON is YAML
+            conf.write_text(json.dumps(sidecar_config(spec, case, args)))  # JSON is YAML
             proc = self.procs.start(name, [
                 sys.executable, "-m", "sidecar", "run", "--listen", f"{HOST}:{port}",
-                "--admin", f"{HOST}:{admin_port}", "--upstream", f"http://{HOST}:{self.upstream_port}",
+                "--admin", f"{HOST}:{admin_port}", "--upstream", f"http://{HOST}:{upstream_port}",
                 "--mode", spec.mode, "--engine", str(spec.engine), "--log-level", "warning",
                 "--config", str(conf)], PROXY_CPU)
         contender = Contender(spec, port, proc, name, admin_port)
+        check = (lambda: verify_stream(contender)) if case.streams else (lambda: verify(contender, case.sse))
         try:
-            wait_until(lambda: verify(contender, sse), proc)
+            wait_until(check, proc)
         except BenchError as exc:
-            self.procs.stop(proc)
+            if proc is not None:
+                self.procs.stop(proc)
             tail = self.procs.log_tail(name)
             raise BenchError(f"{exc}{': ' + tail if tail else ''}") from exc
         return contender
+
+    def stop(self, contender: Contender) -> None:
+        if contender.proc is not None:
+            self.procs.stop(contender.proc)
 
     def live_sessions(self, contender: Contender) -> int | None:
         if contender.admin_port is None:
@@ -405,8 +500,21 @@ class Lab:
         return None
 
 
+def sidecar_config(spec: Spec, case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    """The sidecar's config file for one contender."""
+    config: dict[str, Any] = {"drain_grace_seconds": 1}
+    if case.key == "e":  # nothing may expire or be evicted during the case
+        config["sessions"] = {"max_live_sessions": max(2_000_000, 2 * args.prefill), "idle_ttl_seconds": 36000}
+    if case.streams:
+        # One upstream connection per stream, as nginx and Envoy open here.
+        config["limits"] = {"max_connections_per_upstream": max(512, 2 * case.streams)}
+    if spec.idle_poll_us is not None:
+        config["idle_poll_us"] = spec.idle_poll_us
+    return config
+
+
 # ---------------------------------------------------------------------------------------------
-# Load
+# Load: wrk (cases a to e)
 
 
 @dataclass
@@ -457,6 +565,7 @@ def run_wrk(argv: list[str], timeout: float) -> dict[str, Any]:
 
 def measure(tools: Tools, case: str, contender: Contender, round_: int,
             connections: int, duration: float, script_args: Sequence[str]) -> Run:
+    assert contender.proc is not None
     argv = wrk_argv(tools, contender.url, "post.lua", connections, duration, script_args)
     cpu0 = group_cpu_seconds(contender.proc.pid)
     result = run_wrk(argv, timeout=duration + 30)
@@ -498,6 +607,75 @@ def prefill(tools: Tools, contender: Contender, total: int, timeout: float) -> d
 
 
 # ---------------------------------------------------------------------------------------------
+# Load: paced streams (cases f, g)
+
+
+@dataclass
+class StreamRun:
+    case: str
+    contender: str
+    round: int
+    streams: int
+    events_expected: int
+    events: int  # events delivered
+    errors: int  # streams that failed, ended early or timed out
+    seconds: float  # the measured interval: first request to last event
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    gap_p50_ms: float | None
+    gap_p99_ms: float | None
+    jitter_p99_ms: float | None  # gap p99 minus the upstream's pacing
+    proxy_cpu_s: float | None  # CPU time of the contender's processes over the interval
+    cpu_us_per_event: float | None
+    proxy_cpu_share: float | None
+    proxy_wait_share: float | None  # time the contender was runnable but waited for its core
+    load_cpu_share: float  # the load process's (upstream + driver) CPU time over the interval
+    load_busy_share: float  # the same, plus the time it waited for the load core
+    upstream_cpu_share: float | None  # the upstream's part of load_cpu_share (the rest: the driver)
+    upstream_late_p99_ms: float | None  # how late the upstream itself sent its events
+    load_limited: bool  # LOAD_SATURATED or LOAD_LATE_MS reached: the load side was a limit
+    load_average: float
+    detail: dict[str, Any] = field(default_factory=dict)  # everything the driver reported
+
+
+def stream_spec(contender: Contender, streams: int, args: argparse.Namespace) -> dict[str, Any]:
+    return {"port": contender.port, "streams": streams, "events": args.stream_events,
+            "gap_us": round(args.stream_gap_ms * 1000), "bytes": args.stream_bytes,
+            "cpu_pids": group_pids(contender.proc.pid) if contender.proc else [],
+            "timeout": args.stream_timeout}
+
+
+def measure_stream(lab: Lab, case: Case, contender: Contender, round_: int, args: argparse.Namespace) -> StreamRun:
+    spec = stream_spec(contender, case.streams, args)
+    nominal = args.stream_events * args.stream_gap_ms / 1000
+    result = lab.stream.call(spec, timeout=2 * args.stream_timeout + 3 * nominal + 60)
+    if "fatal" in result:
+        result = {"events": 0, "errors": case.streams, "error_reasons": {result["fatal"]: case.streams},
+                  "seconds": 0.0, "load_cpu_s": 0.0, "load_wait_s": 0.0}
+    seconds = result["seconds"] or 1e-9
+    events = result["events"]
+    cpu = result.get("proxy_cpu_s")
+    wait = result.get("proxy_wait_s")
+    gap_p99 = result.get("gap_p99_ms")
+    late = result.get("upstream_pacing", {}).get("late_p99_ms")
+    load_busy = (result["load_cpu_s"] + result["load_wait_s"]) / seconds
+    return StreamRun(
+        case=case.key, contender=contender.spec.label, round=round_, streams=case.streams,
+        events_expected=case.streams * args.stream_events, events=events, errors=result["errors"],
+        seconds=seconds, ttft_p50_ms=result.get("ttft_p50_ms"), ttft_p99_ms=result.get("ttft_p99_ms"),
+        gap_p50_ms=result.get("gap_p50_ms"), gap_p99_ms=gap_p99,
+        jitter_p99_ms=None if gap_p99 is None else round(gap_p99 - args.stream_gap_ms, 4),
+        proxy_cpu_s=cpu, cpu_us_per_event=cpu * 1e6 / events if cpu is not None and events else None,
+        proxy_cpu_share=None if cpu is None else round(cpu / seconds, 3),
+        proxy_wait_share=None if wait is None else round(wait / seconds, 3),
+        load_cpu_share=round(result["load_cpu_s"] / seconds, 3), load_busy_share=round(load_busy, 3),
+        upstream_cpu_share=None if "cpu_s" not in result.get("upstream_pacing", {})
+        else round(result["upstream_pacing"]["cpu_s"] / seconds, 3),
+        upstream_late_p99_ms=late, load_limited=load_busy >= LOAD_SATURATED or (late or 0) > LOAD_LATE_MS,
+        load_average=os.getloadavg()[0], detail=result)
+
+
+# ---------------------------------------------------------------------------------------------
 # Cases
 
 
@@ -506,13 +684,18 @@ class Case:
     key: str
     name: str
     title: str
-    connections: int
-    script_args: tuple[str, ...]
+    connections: int = 0  # wrk connections (cases a to e)
+    script_args: tuple[str, ...] = ()
     sse: bool = False
+    streams: int = 0  # concurrent paced streams (cases f, g); 0: a wrk case
 
 
 def sidecar(engine: str) -> str:
     return f"sidecar({engine})"
+
+
+POLL_ON = f"{sidecar('fast')} idle poll on"
+POLL_OFF = f"{sidecar('fast')} idle poll off"
 
 
 def human(n: int) -> str:
@@ -524,14 +707,25 @@ def human(n: int) -> str:
 
 
 POST_ARGS = (str(MEASURED_IDS), "POST", CHAT_PATH, "1024")
-CASES = {
-    "a": Case("a", "header-64c", "header mode, 64 connections", 64, POST_ARGS),
-    "b": Case("b", "header-1c", "header mode, 1 connection", 1, POST_ARGS),
-    "c": Case("c", "nvext", "dynamo_nvext body mode, 64 connections", 64, POST_ARGS),
-    "d": Case("d", "sse", f"SSE response ({SSE_EVENTS} events), 64 connections", 64,
-              (str(MEASURED_IDS), "GET", SSE_PATH), sse=True),
-    "e": Case("e", "sessions", "header mode, prefilled session tree, 64 connections", 64, POST_ARGS),
-}
+CASE_NAMES = {"a": "header-64c", "b": "header-1c", "c": "nvext", "d": "sse", "e": "sessions",
+              "f": "stream", "g": "stream-large"}
+
+
+def make_cases(args: argparse.Namespace | None) -> dict[str, Case]:
+    n = args.stream_n if args else 200
+    large = args.stream_n_large if args else 1000
+    paced = (f"{args.stream_events if args else 100} events {args.stream_gap_ms if args else 20:g} ms apart, "
+             f"{args.stream_bytes if args else 110} B each")
+    return {
+        "a": Case("a", "header-64c", "header mode, 64 connections", 64, POST_ARGS),
+        "b": Case("b", "header-1c", "header mode, 1 connection", 1, POST_ARGS),
+        "c": Case("c", "nvext", "dynamo_nvext body mode, 64 connections", 64, POST_ARGS),
+        "d": Case("d", "sse", f"SSE response ({SSE_EVENTS} events), 64 connections", 64,
+                  (str(MEASURED_IDS), "GET", SSE_PATH), sse=True),
+        "e": Case("e", "sessions", "header mode, prefilled session tree, 64 connections", 64, POST_ARGS),
+        "f": Case("f", "stream", f"{n} paced SSE streams ({paced})", streams=n),
+        "g": Case("g", "stream-large", f"{large} paced SSE streams ({paced})", streams=large),
+    }
 
 
 def specs_for(case: Case, engines: Sequence[str], prefill_n: int) -> list[Spec]:
@@ -543,11 +737,18 @@ def specs_for(case: Case, engines: Sequence[str], prefill_n: int) -> list[Spec]:
         return [spec for e in engines for spec in (
             Spec(f"{sidecar(e)} 1k sessions", "sidecar", e, baseline_of=e),
             Spec(f"{sidecar(e)} {human(prefill_n)} sessions", "sidecar", e, prefill=prefill_n, subject_of=e))]
-    # At one connection, also the fast engine with idle polling off: what polling buys, at what CPU.
-    no_poll = [Spec(f"{sidecar('fast')} idle poll off", "sidecar", "fast", idle_poll_us=0)] if (
-        case.key == "b" and "fast" in engines) else []
-    return [*(Spec(sidecar(e), "sidecar", e) for e in engines), *no_poll, Spec("nginx", "nginx"),
-            Spec("envoy", "envoy")]
+    peers = [Spec("nginx", "nginx"), Spec("envoy", "envoy")]
+    if case.key == "b":
+        # One connection: the fast engine with idle polling on and off, whatever the default is.
+        fast = [Spec(POLL_ON, "sidecar", "fast", idle_poll_us=IDLE_POLL_ON_US),
+                Spec(POLL_OFF, "sidecar", "fast", idle_poll_us=0)] if "fast" in engines else []
+        return [*fast, *(Spec(sidecar(e), "sidecar", e) for e in engines if e != "fast"), *peers]
+    sidecars = [Spec(sidecar(e), "sidecar", e) for e in engines]
+    if case.streams:
+        # The default configuration, and idle polling explicitly on as a contender of its own.
+        poll_on = [Spec(POLL_ON, "sidecar", "fast", idle_poll_us=IDLE_POLL_ON_US)] if "fast" in engines else []
+        return [Spec("direct", "direct"), *sidecars, *poll_on, *peers]
+    return [*sidecars, *peers]
 
 
 @dataclass
@@ -556,6 +757,7 @@ class CaseResult:
     specs: list[Spec]
     skipped: dict[str, str] = field(default_factory=dict)
     runs: list[Run] = field(default_factory=list)
+    stream_runs: list[StreamRun] = field(default_factory=list)
     info: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -563,34 +765,51 @@ def log(message: str) -> None:
     print(f"[proxy_bench] {message}", file=sys.stderr, flush=True)
 
 
+def log_stream_run(run: StreamRun) -> None:
+    log(f"{run.case} round {run.round}: {run.contender}: {run.events}/{run.events_expected} events, "
+        f"errors {run.errors}, CPU {fmt(run.cpu_us_per_event, '.1f')} us/event "
+        f"({fmt(run.proxy_cpu_share, '.0%')}), TTFT p50 {fmt(run.ttft_p50_ms, '.3f')} "
+        f"p99 {fmt(run.ttft_p99_ms, '.3f')} ms, gap p99 {fmt(run.gap_p99_ms, '.3f')} ms, "
+        f"load core {run.load_cpu_share:.0%} (upstream {fmt(run.upstream_cpu_share, '.0%')}, busy "
+        f"{run.load_busy_share:.0%}), upstream late p99 "
+        f"{fmt(run.upstream_late_p99_ms, '.3f')} ms, proxy waited {fmt(run.proxy_wait_share, '.0%')} for its core")
+
+
 def run_case(lab: Lab, case: Case, args: argparse.Namespace) -> CaseResult:
     result = CaseResult(case, specs_for(case, args.engines, args.prefill))
-    sessions = ({"max_live_sessions": max(2_000_000, 2 * args.prefill), "idle_ttl_seconds": 36000}
-                if case.key == "e" else None)
     running: list[Contender] = []
     try:
         for spec in result.specs:
             try:
-                running.append(lab.start(spec, sessions, case.sse))
+                running.append(lab.start(spec, case, args))
             except BenchError as exc:
                 result.skipped[spec.label] = f"did not start: {exc}"
                 log(f"{case.key}: {spec.label}: skipped: {exc}")
         for contender in running:
             if contender.spec.prefill:
+                assert contender.proc is not None
                 log(f"{case.key}: {contender.spec.label}: prefilling {contender.spec.prefill} sessions")
                 info = prefill(lab.tools, contender, contender.spec.prefill, args.prefill_timeout)
                 info["live_sessions"] = lab.live_sessions(contender)
                 info["rss_mib"] = rss_mib(contender.proc.pid)
                 result.info[contender.spec.label] = info
                 log(f"{case.key}: {contender.spec.label}: prefill {info}")
-        for contender in running:
-            measure(lab.tools, case.key, contender, 0, case.connections, args.warmup, case.script_args)
+        for contender in running:  # round 0: warm-up, not recorded
+            if case.streams:
+                measure_stream(lab, case, contender, 0, args)
+            else:
+                measure(lab.tools, case.key, contender, 0, case.connections, args.warmup, case.script_args)
         for round_ in range(1, args.rounds + 1):
             shift = (round_ - 1) % max(1, len(running))
             for contender in running[shift:] + running[:shift]:
-                if contender.proc.poll() is not None:
+                if contender.exited():
                     result.skipped.setdefault(contender.spec.label,
                                               f"exited during the case: {lab.procs.log_tail(contender.log_name)}")
+                    continue
+                if case.streams:
+                    stream_run = measure_stream(lab, case, contender, round_, args)
+                    result.stream_runs.append(stream_run)
+                    log_stream_run(stream_run)
                     continue
                 run = measure(lab.tools, case.key, contender, round_, case.connections,
                               args.duration, case.script_args)
@@ -599,13 +818,13 @@ def run_case(lab: Lab, case: Case, args: argparse.Namespace) -> CaseResult:
                     f"p50 {run.p50_ms:.3f} ms, p99 {run.p99_ms:.3f} ms, errors {run.errors}, "
                     f"proxy CPU {run.proxy_cpu_share:.0%}")
         for contender in running:
-            if contender.spec.kind == "sidecar":
+            if contender.spec.kind == "sidecar" and contender.proc is not None:
                 info = result.info.setdefault(contender.spec.label, {})
                 info["rss_mib_end"] = rss_mib(contender.proc.pid)
                 info["live_sessions_end"] = lab.live_sessions(contender)
     finally:
         for contender in running:
-            lab.procs.stop(contender.proc)
+            lab.stop(contender)
     return result
 
 
@@ -613,26 +832,40 @@ def run_case(lab: Lab, case: Case, args: argparse.Namespace) -> CaseResult:
 # Summary
 
 
-def median_or_none(values: Sequence[float]) -> float | None:
-    return statistics.median(values) if values else None
+def median_or_none(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
-def per_round(runs: list[Run], label: str) -> dict[int, Run]:
+def per_round(runs: Sequence[Any], label: str) -> dict[int, Any]:
     return {run.round: run for run in runs if run.contender == label}
 
 
-def round_ratio(runs: list[Run], num: str, den: str, metric: str = "rps") -> float | None:
+def round_ratio(runs: Sequence[Any], num: str, den: str, metric: str = "rps") -> float | None:
     """Median over rounds of num/den, each ratio taken within one round."""
     a, b = per_round(runs, num), per_round(runs, den)
     ratios = [getattr(a[r], metric) / getattr(b[r], metric) for r in a.keys() & b.keys()
-              if getattr(b[r], metric)]
+              if getattr(a[r], metric) is not None and getattr(b[r], metric)]
     return median_or_none(ratios)
+
+
+def round_difference(runs: Sequence[Any], num: str, den: str, metric: str) -> float | None:
+    """Median over rounds of num - den, each difference taken within one round."""
+    a, b = per_round(runs, num), per_round(runs, den)
+    diffs = [getattr(a[r], metric) - getattr(b[r], metric) for r in a.keys() & b.keys()
+             if getattr(a[r], metric) is not None and getattr(b[r], metric) is not None]
+    return median_or_none(diffs)
 
 
 @dataclass
 class Row:
+    """One contender of a wrk case (a to e), medians over rounds."""
+
     case: str
     contender: str
+    kind: str
+    engine: str | None
+    reference: str | None = None  # c, e: the label this contender is compared with
     rps: float | None = None
     p50_ms: float | None = None
     p99_ms: float | None = None
@@ -641,7 +874,42 @@ class Row:
     case_ratio: float | None = None
     proxy_cpu_share: float | None = None
     requests_per_cpu_second: float | None = None
+    cpu_vs_nginx: float | None = None  # requests per CPU-second over nginx's
     errors: int = 0
+    note: str = ""
+
+
+@dataclass
+class StreamRow:
+    """One contender of a stream case (f, g): medians over rounds, ratios and differences
+    taken within rounds."""
+
+    case: str
+    contender: str
+    kind: str
+    engine: str | None
+    reference: str | None = None
+    streams: int = 0
+    events: int = 0
+    events_expected: int = 0
+    errors: int = 0
+    cpu_us_per_event: float | None = None
+    vs_nginx: float | None = None  # CPU per event over nginx's
+    vs_envoy: float | None = None
+    proxy_cpu_share: float | None = None
+    proxy_wait_share: float | None = None
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    ttft_p50_over_nginx_ms: float | None = None
+    ttft_p99_vs_nginx: float | None = None
+    gap_p99_ms: float | None = None
+    jitter_p99_ms: float | None = None
+    gap_p99_over_nginx_ms: float | None = None
+    load_cpu_share: float | None = None
+    load_busy_share: float | None = None
+    upstream_cpu_share: float | None = None
+    upstream_late_p99_ms: float | None = None
+    load_limited: bool = False  # in most rounds the load side was a limit (StreamRun.load_limited)
     note: str = ""
 
 
@@ -650,7 +918,7 @@ def summarize(result: CaseResult) -> list[Row]:
     runs = result.runs
     labels = {run.contender for run in runs}
     for spec in result.specs:
-        row = Row(f"{result.case.key} {result.case.name}", spec.label)
+        row = Row(f"{result.case.key} {result.case.name}", spec.label, spec.kind, spec.engine)
         mine = [run for run in runs if run.contender == spec.label]
         if spec.label in result.skipped and not mine:
             row.note = f"skipped: {result.skipped[spec.label]}"
@@ -666,11 +934,12 @@ def summarize(result: CaseResult) -> list[Row]:
             row.vs_envoy = round_ratio(runs, spec.label, "envoy")
         if "nginx" in labels and spec.label != "nginx":
             row.vs_nginx = round_ratio(runs, spec.label, "nginx")
+            row.cpu_vs_nginx = round_ratio(runs, spec.label, "nginx", "requests_per_cpu_second")
             if result.case.key == "b":
                 row.case_ratio = round_ratio(runs, spec.label, "nginx", "p50_ms")
         if spec.subject_of:
-            base = next(s.label for s in result.specs if s.baseline_of == spec.subject_of)
-            row.case_ratio = round_ratio(runs, spec.label, base)
+            row.reference = next(s.label for s in result.specs if s.baseline_of == spec.subject_of)
+            row.case_ratio = round_ratio(runs, spec.label, row.reference)
         info = result.info.get(spec.label, {})
         if spec.prefill:
             incomplete = "" if info.get("completed") else " (INCOMPLETE: --prefill-timeout reached)"
@@ -682,92 +951,176 @@ def summarize(result: CaseResult) -> list[Row]:
     return rows
 
 
+def summarize_streams(result: CaseResult) -> list[StreamRow]:
+    rows = []
+    runs = result.stream_runs
+    labels = {run.contender for run in runs}
+    for spec in result.specs:
+        row = StreamRow(f"{result.case.key} {result.case.name}", spec.label, spec.kind, spec.engine,
+                        streams=result.case.streams)
+        mine = [run for run in runs if run.contender == spec.label]
+        if spec.label in result.skipped and not mine:
+            row.note = f"skipped: {result.skipped[spec.label]}"
+            rows.append(row)
+            continue
+        row.events = sum(r.events for r in mine)
+        row.events_expected = sum(r.events_expected for r in mine)
+        row.errors = sum(r.errors for r in mine)
+        for name in ("cpu_us_per_event", "proxy_cpu_share", "proxy_wait_share", "ttft_p50_ms", "ttft_p99_ms",
+                     "gap_p99_ms", "jitter_p99_ms", "load_cpu_share", "load_busy_share", "upstream_cpu_share",
+                     "upstream_late_p99_ms"):
+            setattr(row, name, median_or_none([getattr(r, name) for r in mine]))
+        row.load_limited = sum(r.load_limited for r in mine) * 2 > len(mine)
+        if "nginx" in labels and spec.label != "nginx" and spec.kind != "direct":
+            row.reference = "nginx"
+            row.vs_nginx = round_ratio(runs, spec.label, "nginx", "cpu_us_per_event")
+            row.ttft_p50_over_nginx_ms = round_difference(runs, spec.label, "nginx", "ttft_p50_ms")
+            row.ttft_p99_vs_nginx = round_ratio(runs, spec.label, "nginx", "ttft_p99_ms")
+            row.gap_p99_over_nginx_ms = round_difference(runs, spec.label, "nginx", "gap_p99_ms")
+        if "envoy" in labels and spec.label != "envoy" and spec.kind != "direct":
+            row.vs_envoy = round_ratio(runs, spec.label, "envoy", "cpu_us_per_event")
+        if spec.label in result.skipped:
+            row.note = result.skipped[spec.label]
+        rows.append(row)
+    return rows
+
+
+@dataclass(frozen=True)
+class TargetDef:
+    cases: str  # case keys it applies to
+    text: str
+    attribute: str  # the Row / StreamRow field holding the measured value
+    threshold: float
+    at_most: bool
+    unit: str  # "x": a ratio; "ms": a difference in milliseconds
+    reference: str | None  # label whose errors also invalidate the comparison; None: row.reference
+    latency: bool = False  # a latency figure: not judged when the load side was the limit
+    aim: bool = False  # an aim rather than a commitment; the verdict says so
+    fast_only: bool = True  # set for the fast engine: the aiohttp engine's verdict is for reference
+
+
+TARGETS = [
+    TargetDef("a", f"header 64c: req/s >= {TARGET_HEADER_VS_ENVOY}x Envoy", "vs_envoy",
+              TARGET_HEADER_VS_ENVOY, False, "x", "envoy"),
+    TargetDef("a", f"header 64c: requests per CPU-second >= {TARGET_REQ_PER_CPU_VS_NGINX}x nginx (aim)",
+              "cpu_vs_nginx", TARGET_REQ_PER_CPU_VS_NGINX, False, "x", "nginx", aim=True),
+    TargetDef("b", f"header 1c: p50 <= {TARGET_P50_VS_NGINX}x nginx p50", "case_ratio",
+              TARGET_P50_VS_NGINX, True, "x", "nginx"),
+    TargetDef("c", f"dynamo_nvext: req/s >= {TARGET_NVEXT_VS_HEADER}x own header mode", "case_ratio",
+              TARGET_NVEXT_VS_HEADER, False, "x", None, fast_only=False),
+    TargetDef("e", f"prefilled sessions: req/s >= {TARGET_SESSIONS_VS_1K}x 1k sessions", "case_ratio",
+              TARGET_SESSIONS_VS_1K, False, "x", None, fast_only=False),
+    TargetDef("fg", f"CPU per streamed event <= {TARGET_STREAM_CPU_VS_NGINX}x nginx", "vs_nginx",
+              TARGET_STREAM_CPU_VS_NGINX, True, "x", "nginx"),
+    TargetDef("fg", f"CPU per streamed event <= {TARGET_STREAM_CPU_VS_ENVOY}x Envoy", "vs_envoy",
+              TARGET_STREAM_CPU_VS_ENVOY, True, "x", "envoy"),
+    TargetDef("fg", f"time to first event p50 <= nginx + {TARGET_TTFT_P50_OVER_NGINX_MS} ms",
+              "ttft_p50_over_nginx_ms", TARGET_TTFT_P50_OVER_NGINX_MS, True, "ms", "nginx", latency=True),
+    TargetDef("fg", f"time to first event p99 <= {TARGET_TTFT_P99_VS_NGINX}x nginx", "ttft_p99_vs_nginx",
+              TARGET_TTFT_P99_VS_NGINX, True, "x", "nginx", latency=True),
+    TargetDef("fg", f"inter-event gap p99 <= nginx + {TARGET_GAP_P99_OVER_NGINX_MS:g} ms",
+              "gap_p99_over_nginx_ms", TARGET_GAP_P99_OVER_NGINX_MS, True, "ms", "nginx", latency=True),
+]
+
+
 @dataclass
 class Target:
+    case: str
     text: str
     contender: str
     measured: float | None
+    unit: str
     verdict: str
 
 
-def targets(results: dict[str, CaseResult], rows: list[Row], engines: Sequence[str], prefill_n: int) -> list[Target]:
-    """PASS / FAIL per target and engine. Targets a and b are set for the fast engine; for the
-    others they are shown for reference. A comparison with wrk errors on either side, or against
-    an incomplete prefill, cannot pass."""
+def targets(results: dict[str, CaseResult], rows: Sequence[Row | StreamRow]) -> list[Target]:
+    """A verdict per target and sidecar contender: met / not met. Most targets are set for the
+    fast engine; there the aiohttp engine's verdicts are marked as reference. A comparison with
+    errors on either side, or against an incomplete prefill, is invalid; a latency comparison
+    where the load process was the limit is not judged."""
     by = {(row.case.split()[0], row.contender): row for row in rows}
-    sessions = human(prefill_n)
-    # (case, target, contender label and reference label for an engine, Row attribute, threshold,
-    #  lower is better, set for the fast engine only)
-    definitions: list[tuple[str, str, Callable[[str], str], Callable[[str], str], str, float, bool, bool]] = [
-        ("a", f"header 64c: req/s >= {TARGET_HEADER_VS_ENVOY}x Envoy", sidecar, lambda e: "envoy",
-         "vs_envoy", TARGET_HEADER_VS_ENVOY, False, True),
-        ("b", f"header 1c: p50 <= {TARGET_P50_VS_NGINX}x nginx p50", sidecar, lambda e: "nginx",
-         "case_ratio", TARGET_P50_VS_NGINX, True, True),
-        ("c", f"dynamo_nvext: req/s >= {TARGET_NVEXT_VS_HEADER}x own header mode",
-         lambda e: f"{sidecar(e)} nvext", lambda e: f"{sidecar(e)} headers",
-         "case_ratio", TARGET_NVEXT_VS_HEADER, False, False),
-        ("e", f"{sessions} sessions: req/s >= {TARGET_SESSIONS_VS_1K}x 1k sessions",
-         lambda e: f"{sidecar(e)} {sessions} sessions", lambda e: f"{sidecar(e)} 1k sessions",
-         "case_ratio", TARGET_SESSIONS_VS_1K, False, False),
-    ]
     out = []
-    for case, text, label_of, reference_of, attribute, threshold, at_most, fast_only in definitions:
-        if case not in results:
-            continue
-        for engine in engines:
-            label = label_of(engine)
-            row = by.get((case, label))
-            reference = by.get((case, reference_of(engine)))
-            value = getattr(row, attribute) if row else None
-            errors = (row.errors if row else 0) + (reference.errors if reference else 0)
-            if row is None or value is None:
-                skipped = results[case].skipped.get(label)
-                verdict = f"SKIP ({skipped})" if skipped else "SKIP (not measured)"
-            elif errors:
-                verdict = f"INVALID ({errors} wrk errors)"
-            elif case == "e" and not results[case].info.get(label, {}).get("completed"):
-                live = results[case].info.get(label, {}).get("live_sessions")
-                verdict = f"INVALID (prefill incomplete: {live} live sessions)"
-            else:
-                met = value <= threshold if at_most else value >= threshold
-                if fast_only and engine != "fast":
-                    verdict = f"info ({'meets' if met else 'misses'} the target set for sidecar(fast))"
+    for definition in TARGETS:
+        for case in definition.cases:
+            if case not in results:
+                continue
+            result = results[case]
+            for spec in result.specs:
+                if spec.kind != "sidecar" or (case in "ce" and not spec.subject_of):
+                    continue
+                row = by.get((case, spec.label))
+                value = getattr(row, definition.attribute) if row else None
+                reference_label = definition.reference or (row.reference if row else None) or ""
+                reference = by.get((case, reference_label))
+                errors = (row.errors if row else 0) + (reference.errors if reference else 0)
+                limited = [r.contender for r in (row, reference) if r is not None and getattr(r, "load_limited", False)]
+                if row is None or value is None:
+                    skipped = result.skipped.get(spec.label) or result.skipped.get(reference_label)
+                    verdict = f"skipped ({skipped})" if skipped else "not measured"
+                elif errors:
+                    verdict = f"invalid ({errors} errors)"
+                elif case == "e" and not result.info.get(spec.label, {}).get("completed"):
+                    live = result.info.get(spec.label, {}).get("live_sessions")
+                    verdict = f"invalid (prefill incomplete: {live} live sessions)"
+                elif definition.latency and limited:
+                    verdict = f"not judged (the load side was a limit in the runs of {', '.join(limited)})"
                 else:
-                    verdict = "PASS" if met else "FAIL"
-            out.append(Target(text, label, value, verdict))
-    return out
+                    met = value <= definition.threshold if definition.at_most else value >= definition.threshold
+                    verdict = "met" if met else "not met"
+                    if definition.fast_only and spec.engine != "fast":
+                        verdict += " (reference: the target is set for the fast engine)"
+                    elif definition.aim:
+                        verdict += " (aim)"
+                out.append(Target(case, definition.text, spec.label, value, definition.unit, verdict))
+    return sorted(out, key=lambda t: t.case)  # stable: within a case, in TARGETS order
+
+
+def polling_statement(target_list: Sequence[Target]) -> str | None:
+    """Which of the fast engine's two 1-connection contenders met the 1-connection target."""
+    by = {t.contender: t for t in target_list if t.case == "b"}
+    variants = [(f"idle polling on (idle_poll_us: {IDLE_POLL_ON_US})", by.get(POLL_ON)),
+                ("idle polling off (idle_poll_us: 0)", by.get(POLL_OFF))]
+    if not any(target for _, target in variants):
+        return None
+    each = "; ".join(f"with {name}: {target.verdict} ({measured_text(target)})" for name, target in variants if target)
+    met = [name for name, target in variants if target and target.verdict == "met"]
+    return (f"1-connection target (p50 <= {TARGET_P50_VS_NGINX}x nginx), fast engine: {each}. "
+            f"Met by: {' and '.join(met) if met else 'neither'}.")
 
 
 def fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "—" if value is None else f"{value:{spec}}{suffix}"
 
 
-def cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+def measured_text(target: Target) -> str:
+    if target.unit == "ms":
+        return fmt(target.measured, "+.3f", " ms")
+    return fmt(target.measured, ".2f", "x")
 
 
-def markdown(rows: list[Row], target_list: list[Target], meta: dict[str, Any]) -> str:
-    a = meta["args"]
+cell = record.cell
+
+
+def request_table(rows: Sequence[Row], args: argparse.Namespace) -> list[str]:
     lines = [
-        f"Proxy benchmark, {meta['date']}: {a['rounds']} interleaved rounds x {a['duration']} s per "
-        f"contender and case (warm-up {a['warmup']} s), wrk -t1, proxy on core {PROXY_CPU}, "
-        f"wrk + nginx upstream on core {LOAD_CPU}.",
+        f"Request cases: {args.rounds} interleaved rounds x {args.duration:g} s per contender (warm-up "
+        f"{args.warmup:g} s), wrk -t1, proxy on core {PROXY_CPU}, wrk + nginx upstream on core {LOAD_CPU}.",
         "",
         "| case | contender | req/s | p50 ms | p99 ms | x Envoy | x nginx | case ratio | proxy CPU | req/CPU-s "
-        "| errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| req/CPU-s x nginx | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     notes = []
     for row in rows:
         if row.rps is None:
-            lines.append(f"| {row.case} | {row.contender} | skipped | | | | | | | | |")
+            lines.append(f"| {row.case} | {row.contender} | skipped | | | | | | | | | |")
             notes.append(f"- {row.case} / {row.contender}: {cell(row.note)}")
             continue
         lines.append(
             f"| {row.case} | {row.contender} | {fmt(row.rps, ',.0f')} | {fmt(row.p50_ms, '.3f')} | "
             f"{fmt(row.p99_ms, '.3f')} | {fmt(row.vs_envoy, '.2f')} | {fmt(row.vs_nginx, '.2f')} | "
             f"{fmt(row.case_ratio, '.2f')} | {fmt(row.proxy_cpu_share, '.0%')} | "
-            f"{fmt(row.requests_per_cpu_second, ',.0f')} | {row.errors} |")
+            f"{fmt(row.requests_per_cpu_second, ',.0f')} | {fmt(row.cpu_vs_nginx, '.2f')} | {row.errors} |")
         if row.note:
             notes.append(f"- {row.case} / {row.contender}: {cell(row.note)}")
     lines += [
@@ -776,49 +1129,172 @@ def markdown(rows: list[Row], target_list: list[Target], meta: dict[str, Any]) -
         "engine in header mode; (e) req/s / the same engine at 1k sessions. proxy CPU: CPU time the "
         "contender's processes used over the run's wall time (near 100%: the proxy was the limit; well "
         "below: the load side, or other processes sharing the core). req/CPU-s: requests per second "
-        "of the contender's own CPU time, which other load on the machine disturbs less.",
+        "of the contender's own CPU time, which other load on the machine disturbs less. "
+        f"{POLL_ON} / {POLL_OFF}: idle_poll_us {IDLE_POLL_ON_US} / 0 set explicitly; plain "
+        "sidecar(fast) runs the default configuration.",
     ]
-    if notes:
-        lines += ["", *notes]
-    lines += ["", "| target | contender | measured | verdict |", "|---|---|---:|---|"]
-    lines += [f"| {t.text} | {t.contender} | {fmt(t.measured, '.2f', 'x')} | {cell(t.verdict)} |" for t in target_list]
+    return lines + (["", *notes] if notes else [])
+
+
+def stream_table(rows: Sequence[StreamRow], args: argparse.Namespace) -> list[str]:
+    lines = [
+        f"Stream cases: {args.rounds} interleaved rounds per contender (plus one warm-up run); each run opens "
+        f"N keep-alive connections, runs a warm-up stream on each, then one measured stream per connection "
+        f"({args.stream_events} events of {args.stream_bytes} B, {args.stream_gap_ms:g} ms apart; the requests "
+        f"spread over one gap). Proxy on core {PROXY_CPU}; paced upstream + stream driver (one process) on "
+        f"core {LOAD_CPU}.",
+        "",
+        "| case | contender | events | errors | proxy CPU | CPU us/event | x nginx | x Envoy | TTFT p50 ms "
+        "| TTFT p99 ms | TTFT p99 x nginx | gap p99 ms | added jitter p99 ms | load core (upstream) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    notes = []
+    for row in rows:
+        if not row.events_expected:
+            lines.append(f"| {row.case} | {row.contender} | skipped | | | | | | | | | | | |")
+            notes.append(f"- {row.case} / {row.contender}: {cell(row.note)}")
+            continue
+        lines.append(
+            f"| {row.case} | {row.contender} | {row.events:,} | {row.errors} | {fmt(row.proxy_cpu_share, '.0%')} | "
+            f"{fmt(row.cpu_us_per_event, '.1f')} | {fmt(row.vs_nginx, '.2f')} | {fmt(row.vs_envoy, '.2f')} | "
+            f"{fmt(row.ttft_p50_ms, '.3f')} | {fmt(row.ttft_p99_ms, '.3f')} | {fmt(row.ttft_p99_vs_nginx, '.2f')} | "
+            f"{fmt(row.gap_p99_ms, '.3f')} | {fmt(row.jitter_p99_ms, '.3f')} | "
+            f"{fmt(row.load_cpu_share, '.0%')} ({fmt(row.upstream_cpu_share, '.0%')})"
+            f"{' limit' if row.load_limited else ''} |")
+        if row.note:
+            notes.append(f"- {row.case} / {row.contender}: {cell(row.note)}")
+        if row.load_limited:
+            notes.append(f"- {row.case} / {row.contender}: the load side was a limit in most rounds: load process "
+                         f"busy {fmt(row.load_busy_share, '.0%')} of the interval (running or waiting for its "
+                         f"core), upstream events sent up to {fmt(row.upstream_late_p99_ms, '.2f')} ms late (p99)")
+        if row.proxy_wait_share is not None and row.proxy_wait_share >= PROXY_WAIT_NOTE:
+            notes.append(f"- {row.case} / {row.contender}: waited {row.proxy_wait_share:.0%} of the interval for its "
+                         f"core (other processes on core {PROXY_CPU})")
+    lines += [
+        "",
+        "events: delivered, summed over rounds; errors: streams that failed, ended early or timed out. "
+        "proxy CPU: the contender's CPU time over the measured interval (first request to last event); "
+        "CPU us/event: that CPU time per delivered event, from the scheduler's per-thread run time of the "
+        "contender's processes (/proc/<pid>/task/*/schedstat, the counter behind /proc/<pid>/stat utime + "
+        "stime, in ns). TTFT: from the request's last byte written to the first event byte received, on a "
+        "warm keep-alive connection. gap: time between consecutive events of one stream as received; added "
+        f"jitter = gap p99 - the upstream's {args.stream_gap_ms:g} ms pacing. x nginx / x Envoy and TTFT p99 "
+        "x nginx: medians of per-round ratios. load core: CPU time of the load process (upstream + driver) "
+        "over the interval, and in brackets the upstream's part of it. limit: in most rounds that process was "
+        f"busy (running or waiting for its core) {LOAD_SATURATED:.0%} of the interval or more, or the upstream "
+        f"sent its events more than {LOAD_LATE_MS:g} ms late (p99): the latency figures then measure the load "
+        "side too and are not judged. "
+        "`direct`: the driver against the upstream, no proxy: the floor of TTFT and jitter.",
+    ]
+    return lines + (["", *notes] if notes else [])
+
+
+def growth_table(rows: Sequence[StreamRow]) -> list[str]:
+    """CPU per event and latency at the two stream counts, per contender."""
+    small = {r.contender: r for r in rows if r.case.startswith("f ")}
+    large = {r.contender: r for r in rows if r.case.startswith("g ")}
+    both = [label for label in small if label in large and small[label].events and large[label].events]
+    if not both:
+        return []
+    n, big = small[both[0]].streams, large[both[0]].streams
+    lines = ["", f"How the cost grows from {n} to {big} streams:", "",
+             f"| contender | CPU us/event at {n} | at {big} | growth | TTFT p99 ms at {n} | at {big} "
+             f"| gap p99 ms at {n} | at {big} |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for label in both:
+        a, b = small[label], large[label]
+        growth = b.cpu_us_per_event / a.cpu_us_per_event if a.cpu_us_per_event and b.cpu_us_per_event else None
+        lines.append(f"| {label} | {fmt(a.cpu_us_per_event, '.1f')} | {fmt(b.cpu_us_per_event, '.1f')} | "
+                     f"{fmt(growth, '.2f', 'x')} | {fmt(a.ttft_p99_ms, '.3f')} | {fmt(b.ttft_p99_ms, '.3f')} | "
+                     f"{fmt(a.gap_p99_ms, '.3f')} | {fmt(b.gap_p99_ms, '.3f')} |")
+    return lines
+
+
+def markdown(rows: Sequence[Row], stream_rows: Sequence[StreamRow], target_list: Sequence[Target],
+             args: argparse.Namespace, meta: dict[str, Any]) -> str:
+    lines: list[str] = []
+    if meta["non_default"]:
+        lines += [f"Parameters differing from the defaults: {', '.join(meta['non_default'])}. "
+                  "A run with fewer rounds or shorter runs than the defaults is a smoke test, not a measurement.",
+                  ""]
+    if rows:
+        lines += request_table(rows, args)
+    if stream_rows:
+        lines += ["", *stream_table(stream_rows, args), *growth_table(stream_rows)]
+    lines += ["", "## Targets", "", "| target | contender | measured | verdict |", "|---|---|---:|---|"]
+    lines += [f"| {t.case}: {t.text} | {t.contender} | {measured_text(t)} | {cell(t.verdict)} |" for t in target_list]
+    if statement := polling_statement(target_list):
+        lines += ["", statement]
+    if meta["failed_cases"]:
+        lines += ["", "Cases that failed (no results):", "",
+                  *(f"- {key}: {cell(reason)}" for key, reason in meta["failed_cases"].items())]
     versions = ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
-    lines += ["", f"Versions: {versions}."]
-    return "\n".join(lines) + "\n"
+    lines += ["", f"Tool versions: {versions}."]
+    return "\n".join(lines).lstrip("\n") + "\n"
 
 
 # ---------------------------------------------------------------------------------------------
 # Entry point
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    cases = make_cases(None)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="cases:\n" + "\n".join(f"  {c.key}  {c.name:<11} {c.title}"
-                                                                for c in CASES.values()))
-    p.add_argument("--cases", default="a,b,c,d,e", help="comma-separated case letters or names (default: all)")
+                                epilog="cases:\n" + "\n".join(f"  {c.key}  {c.name:<13} {c.title}"
+                                                                for c in cases.values()))
+    p.add_argument("--cases", default=",".join(cases), help="comma-separated case letters or names (default: all)")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help="sidecar engines, comma-separated (default: fast,aiohttp)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (default 5)")
-    p.add_argument("--duration", type=float, default=5, help="seconds per measured run (default 5)")
-    p.add_argument("--warmup", type=float, default=1, help="seconds of warm-up per contender and case (default 1)")
+    p.add_argument("--duration", type=float, default=5, help="seconds per measured wrk run (default 5)")
+    p.add_argument("--warmup", type=float, default=1,
+                   help="seconds of wrk warm-up per contender and case (default 1)")
     p.add_argument("--prefill", type=int, default=1_000_000, help="live sessions for case e (default 1000000)")
     p.add_argument("--prefill-timeout", type=float, default=1200,
                    help="upper bound of one prefill, seconds (default 1200)")
-    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where latest.json / latest.md go")
+    p.add_argument("--stream-n", type=int, default=200, help="concurrent streams in case f (default 200)")
+    p.add_argument("--stream-n-large", type=int, default=1000, help="concurrent streams in case g (default 1000)")
+    p.add_argument("--stream-events", type=int, default=100, help="events per stream (default 100)")
+    p.add_argument("--stream-gap-ms", type=float, default=20, help="pacing of each stream's events (default 20)")
+    p.add_argument("--stream-bytes", type=int, default=110, help="bytes per event, at least 89 (default 110)")
+    p.add_argument("--stream-timeout", type=float, default=30,
+                   help="seconds a stream run may take beyond twice its nominal length (default 30)")
+    p.add_argument("--out-dir", type=Path, default=record.RESULTS,
+                   help="where the dated .md and .json go (default bench/results)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
-    names = {c.name: c.key for c in CASES.values()}
-    keys = [names.get(c.strip(), c.strip()) for c in args.cases.split(",") if c.strip()]
-    unknown = [k for k in keys if k not in CASES]
+    by_name = {name: key for key, name in CASE_NAMES.items()}
+    keys = [by_name.get(c.strip(), c.strip()) for c in args.cases.split(",") if c.strip()]
+    unknown = [k for k in keys if k not in CASE_NAMES]
     if unknown:
-        p.error(f"--cases: unknown {unknown}; choose from {', '.join(f'{c.key}/{c.name}' for c in CASES.values())}")
+        p.error(f"--cases: unknown {unknown}; choose from {', '.join(f'{k}/{n}' for k, n in CASE_NAMES.items())}")
     args.cases = keys
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if bad := [e for e in args.engines if e not in ENGINES]:
         p.error(f"--engines: unknown {bad}; choose from {', '.join(ENGINES)}")
     if args.rounds < 1 or args.duration < 1 or args.warmup < 1 or args.prefill < 1:
         p.error("--rounds, --duration, --warmup and --prefill must be >= 1")
+    if min(args.stream_n, args.stream_n_large, args.stream_events) < 1 or args.stream_gap_ms <= 0 \
+            or args.stream_bytes < 89 or args.stream_timeout <= 0:
+        p.error("--stream-n, --stream-n-large and --stream-events must be >= 1, --stream-gap-ms and "
+                "--stream-timeout > 0, --stream-bytes >= 89")
     return args
+
+
+def non_default(args: argparse.Namespace) -> list[str]:
+    """The options given with a value other than their default, as --name value."""
+    defaults = parse_args([])
+    out = []
+    for name, value in vars(args).items():
+        if value != getattr(defaults, name):
+            shown = ",".join(value) if isinstance(value, list) else value
+            out.append(f"--{name.replace('_', '-')} {shown}")
+    return out
 
 
 def _terminate(signum: int, frame: Any) -> None:
@@ -834,19 +1310,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"proxy_bench: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _terminate)
-    meta: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "versions": tool_versions(tools),
+    raise_file_limit()
+    facts = record.machine_facts()
+    meta: dict[str, Any] = {"versions": tool_versions(tools), "non_default": non_default(args),
                             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                             "pinning": {"proxy_cpu": PROXY_CPU, "load_cpu": LOAD_CPU}}
+    cases = make_cases(args)
     results: dict[str, CaseResult] = {}
+    failed: dict[str, str] = {}
     workdir = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
     procs = Processes(tools, workdir)
     try:
         lab = Lab(tools, procs, workdir)
-        lab.start_upstream()
+        if any(not cases[key].streams for key in args.cases):
+            lab.start_upstream()
         for key in args.cases:
-            case = CASES[key]
+            case = cases[key]
             log(f"case {case.key} ({case.name}): {case.title}")
-            results[key] = run_case(lab, case, args)
+            try:
+                results[key] = run_case(lab, case, args)
+            except BenchError as exc:  # the other cases still run and the results are written
+                failed[key] = str(exc)
+                log(f"case {case.key} failed: {exc}")
     except BenchError as exc:
         print(f"proxy_bench: {exc}", file=sys.stderr)
         return 1
@@ -857,18 +1342,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         procs.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)
 
-    rows = [row for result in results.values() for row in summarize(result)]
-    target_list = targets(results, rows, args.engines, args.prefill)
-    table = markdown(rows, target_list, meta)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "latest.md").write_text(table)
+    rows = [row for r in results.values() if not r.case.streams for row in summarize(r)]
+    stream_rows = [row for r in results.values() if r.case.streams for row in summarize_streams(r)]
+    target_list = targets(results, [*rows, *stream_rows])
+    meta["failed_cases"] = failed
+    body = markdown(rows, stream_rows, target_list, args, meta)
     raw = {**meta, "cases": {k: {"name": r.case.name, "title": r.case.title, "connections": r.case.connections,
-                                 "skipped": r.skipped, "info": r.info, "runs": [asdict(run) for run in r.runs]}
+                                 "streams": r.case.streams, "skipped": r.skipped, "info": r.info,
+                                 "runs": [asdict(run) for run in r.runs],
+                                 "stream_runs": [asdict(run) for run in r.stream_runs]}
                              for k, r in results.items()},
-           "rows": [asdict(row) for row in rows], "targets": [asdict(t) for t in target_list]}
-    (args.out_dir / "latest.json").write_text(json.dumps(raw, indent=2) + "\n")
-    print(table)
-    print(f"written: {args.out_dir / 'latest.json'}, {args.out_dir / 'latest.md'}", file=sys.stderr)
+           "rows": [asdict(row) for row in rows], "stream_rows": [asdict(row) for row in stream_rows],
+           "targets": [asdict(t) for t in target_list]}
+    md, js = record.write("proxy_bench", f"Proxy benchmark, {facts['date'][:10]}", body, raw, facts, args.out_dir)
+    print(body)
+    print(f"written: {md}, {js}", file=sys.stderr)
     return 0
 
 
