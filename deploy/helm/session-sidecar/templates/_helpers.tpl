@@ -67,6 +67,9 @@ sessions API runs without tokens (adminInsecure). Fails on contradicting values.
 */}}
 {{- define "session-sidecar.adminTokensSecretName" -}}
 {{- $tokens := .Values.adminTokens | default dict }}
+{{- if and $tokens.tokens (or (not $tokens.create) $tokens.existingSecret .Values.adminInsecure) }}
+{{- fail "session-sidecar: adminTokens.tokens is set but the chart creates no tokens Secret (adminTokens.create=false, adminTokens.existingSecret or adminInsecure=true): the tokens would be ignored" }}
+{{- end }}
 {{- if .Values.adminInsecure }}
 {{- if $tokens.existingSecret }}
 {{- fail "session-sidecar: set either adminTokens.existingSecret or adminInsecure=true, not both" }}
@@ -434,7 +437,7 @@ own upstreams and mode).
   securityContext:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- if or .configMapName .tokensSecretName }}
+  {{- if or .configMapName .tokensSecretName $v.extraVolumeMounts }}
   volumeMounts:
     {{- if .configMapName }}
     - name: session-sidecar-config
@@ -445,6 +448,9 @@ own upstreams and mode).
     - name: session-sidecar-tokens
       mountPath: /etc/sidecar/tokens
       readOnly: true
+    {{- end }}
+    {{- with $v.extraVolumeMounts }}
+    {{- toYaml . | nindent 4 }}
     {{- end }}
   {{- end }}
 {{- end }}
