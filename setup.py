@@ -7,6 +7,10 @@ only: ``sidecar/engine/llhttp_parser.pyx``, the request parser over the vendored
 (``vendor/llhttp``). When Cython or a C compiler is missing (or ``SIDECAR_PURE_PYTHON=1``), the
 same modules install and run as pure Python, and requests are parsed with httptools
 (:mod:`sidecar.engine.parsers`).
+
+``SIDECAR_REQUIRE_COMPILED=1`` (the container image sets it) turns that fallback into an error:
+a missing Cython or a failed compile fails the build instead of quietly installing the pure-Python
+modules, which cost several times the CPU per request.
 """
 
 import os
@@ -20,11 +24,17 @@ LLHTTP_SOURCES = [f"vendor/llhttp/src/{name}.c" for name in ("api", "http", "llh
 
 
 def extensions() -> list:
+    require = os.environ.get("SIDECAR_REQUIRE_COMPILED") == "1"
     if os.environ.get("SIDECAR_PURE_PYTHON") == "1":
+        if require:
+            raise SystemExit("SIDECAR_REQUIRE_COMPILED=1 and SIDECAR_PURE_PYTHON=1 contradict each other")
         return []
     try:
         from Cython.Build import cythonize
     except ImportError:
+        if require:
+            raise SystemExit("SIDECAR_REQUIRE_COMPILED=1 but Cython is not installed: the compiled build "
+                             "needs it (pyproject's build-system requires cython)") from None
         return []
     # The request parser is compiled only: it drives the vendored llhttp with C callbacks.
     llhttp = Extension("sidecar.engine.llhttp_parser", ["sidecar/engine/llhttp_parser.pyx", *LLHTTP_SOURCES],
@@ -32,7 +42,8 @@ def extensions() -> list:
     exts = cythonize([*COMPILED, llhttp], language_level=3, quiet=True,
                      compiler_directives={"annotation_typing": False, "binding": False})
     for ext in exts:
-        ext.optional = True  # no C compiler: install the pure-Python modules instead
+        # No C compiler: install the pure-Python modules instead, unless the compiled build is required.
+        ext.optional = not require
     return exts
 
 

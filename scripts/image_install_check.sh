@@ -2,17 +2,19 @@
 # Check the container image's install path without a Docker engine.
 #
 # Runs the Dockerfile's install commands in a temp dir: a build context holding only what
-# .dockerignore lets through, `pip wheel` of the package, a fresh venv (the image's
-# /opt/sidecar) with the wheel installed and pip removed. The venv is then made read-only and
-# the installed `sidecar` is exercised with the image's environment, in a private mount
-# namespace whose root filesystem is remounted read-only (as with readOnlyRootFilesystem) when
-# the kernel allows it, else with the venv's write bits removed:
-#   sidecar --help; sidecar check-config on config/examples/*.yaml (or `sidecar modes` when
-#   there are none); `sidecar run` with the admin listener on 0.0.0.0 as in the image: without
-#   a tokens file it must refuse to start naming admin_insecure / admin_tokens_file; with a
-#   read-only tokens file, against a loopback upstream: /healthz, /readyz, /metrics without a
-#   token, /v1/sessions 401 without and 200 with the admin token, a proxied request, then
-#   SIGTERM and a clean exit.
+# .dockerignore lets through, `pip wheel` of the package with the build stage's
+# SIDECAR_REQUIRE_COMPILED=1 (first with a C compiler that always fails, which must fail the
+# build, then for real), a fresh venv (the image's /opt/sidecar) with the wheel installed and
+# pip removed. The venv is then made read-only and the installed `sidecar` is exercised with
+# the image's environment, in a private mount namespace whose root filesystem is remounted
+# read-only (as with readOnlyRootFilesystem) when the kernel allows it, else with the venv's
+# write bits removed:
+#   sidecar --help; the fast engine runs compiled; sidecar check-config on
+#   config/examples/*.yaml (or `sidecar modes` when there are none); `sidecar run` with the
+#   admin listener on 0.0.0.0 as in the image: without a tokens file it must refuse to start
+#   naming admin_insecure / admin_tokens_file; with a read-only tokens file, against a loopback
+#   upstream: /healthz, /readyz, /metrics without a token, /v1/sessions 401 without and 200 with
+#   the admin token, a proxied request, then SIGTERM and a clean exit.
 #
 # Interpreter: $SIDECAR_IMAGE_PYTHON, else Python 3.12 (the image's base), else python3 >= 3.11.
 set -euo pipefail
@@ -31,8 +33,9 @@ if [[ "${1:-}" == "--run-checks" ]]; then
   echo "+ sidecar --help"
   sidecar --help >/dev/null
   # The build stage has a C compiler: the wheel carries the fast engine's compiled modules.
-  echo "+ the fast engine runs compiled"
+  echo "+ the fast engine runs compiled, with the llhttp request parser"
   python -c 'from sidecar.engine.fast import FastEngine; assert FastEngine.compiled, "fast engine not compiled"'
+  python -c 'from sidecar.engine.parsers import RequestParser as P; assert P.__module__ == "sidecar.engine.llhttp_parser", P'
   shopt -s nullglob
   examples=("$repo"/config/examples/*.yaml "$repo"/config/examples/*.yml)
   if ((${#examples[@]})); then
@@ -224,12 +227,31 @@ while IFS= read -r line; do
     cp -a "$repo_root/$path" "$context/$path"
   fi
 done < <(grep -E '^![^*]' "$repo_root/.dockerignore")
-# ... minus what .dockerignore excludes inside sidecar/ (bytecode, in-place compiled modules).
-find "$context" \( -name __pycache__ -o -name '*.py[cod]' -o -name '*.so' -o -name '*.c' \) -prune -exec rm -rf {} +
+# ... minus what .dockerignore excludes: bytecode anywhere, and the C files and modules that an
+# editable install compiled in place inside sidecar/ (vendor/llhttp's C sources stay).
+find "$context" \( -name __pycache__ -o -name '*.py[cod]' \) -prune -exec rm -rf {} +
+find "$context/sidecar" \( -name '*.so' -o -name '*.c' \) -exec rm -f {} +
 
-# Build stage (the base image's interpreter is a throwaway venv here).
+# Build stage (the base image's interpreter is a throwaway venv here), with the build stage's
+# SIDECAR_REQUIRE_COMPILED=1.
 "$python" -m venv "$work/base"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+grep -q '^    SIDECAR_REQUIRE_COMPILED=1$' "$repo_root/Dockerfile" \
+  || { echo "error: the Dockerfile's build stage no longer sets SIDECAR_REQUIRE_COMPILED=1" >&2; exit 1; }
+export SIDECAR_REQUIRE_COMPILED=1
+# A compile that fails (here: a C compiler that always fails) must fail the build, not fall back
+# to the pure-Python modules.
+echo "+ CC=false pip wheel --no-deps . (must fail)"
+if (cd "$context" && CC=false "$work/base/bin/python" -m pip wheel --quiet --no-cache-dir --no-deps \
+      --wheel-dir "$work/broken-wheels" . >"$work/broken-build.log" 2>&1); then
+  echo "error: with SIDECAR_REQUIRE_COMPILED=1 a failed compile still built a wheel:" >&2
+  ls "$work/broken-wheels" >&2
+  exit 1
+fi
+grep -q "Failed building wheel" "$work/broken-build.log" \
+  || { echo "error: the failed build did not fail in the wheel build:" >&2; tail -20 "$work/broken-build.log" >&2; exit 1; }
+echo "failed compile: the wheel build failed, as required"
+rm -rf "$context/build" "$context"/*.egg-info
 echo "+ pip wheel --no-deps ."
 (cd "$context" && "$work/base/bin/python" -m pip wheel --quiet --no-cache-dir --no-deps --wheel-dir "$work/wheels" .)
 venv="$work/opt-sidecar"

