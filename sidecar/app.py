@@ -89,7 +89,8 @@ class Sidecar:
     async def _expiry_loop(self) -> None:
         while True:
             await asyncio.sleep(EXPIRY_INTERVAL)
-            self.router.expire()
+            while self.router.expire():  # a backlog is ended in batches, the proxy served between
+                await asyncio.sleep(0)
 
     async def stop(self) -> None:
         """Graceful: refuse new connections, drain, end sessions, close."""

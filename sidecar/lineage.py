@@ -427,10 +427,12 @@ class SessionTree:
             return []
         return [self._end(node, node.end_reason, now)]
 
-    def expire(self) -> list[Ended]:
+    def expire(self, limit: int = 1 << 62) -> tuple[list[Ended], bool]:
         """End sessions idle (nothing in flight) for at least ``idle_ttl``; prune old tombstones.
 
-        Walks from the least recently active end and stops at the first session still fresh.
+        Walks from the least recently active end and stops at the first session still fresh, or
+        after ``limit`` sessions and ``limit`` tombstones (so one call stays short whatever the
+        backlog). Returns the ended sessions and whether work was left for another call.
         """
         now = self._clock()
         ended: list[Ended] = []
@@ -438,18 +440,26 @@ class SessionTree:
         lru = self._lru
         node = lru.lru_next
         assert node is not None
+        left = limit
         while node is not lru and node.last_active_at <= cutoff:
+            if not left:
+                return ended, True
+            left -= 1
             ended.append(self._end(node, EndReason.IDLE_EXPIRED, now))
             node = lru.lru_next
             assert node is not None
         tombs = self._tombs
         cutoff = now - self._tombstone_ttl
+        left = limit
         while tombs:
             oldest = next(iter(tombs))
             if tombs[oldest] > cutoff:
                 break
+            if not left:
+                return ended, True
+            left -= 1
             del tombs[oldest]
-        return ended
+        return ended, False
 
     def shutdown(self) -> list[Ended]:
         """End every live session with SHUTDOWN, in-flight ones included."""

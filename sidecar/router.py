@@ -42,6 +42,8 @@ log = logging.getLogger("sidecar.router")
 
 EffectSink = Callable[[Deployment, EndAction, str], None]
 
+# Sessions one idle sweep ends at most before it yields the event loop (a few ms of work).
+EXPIRE_BATCH = 1000
 # Worker ids are interned so every session's history shares one string per worker.
 MAX_INTERNED_WORKERS = 4096
 
@@ -427,13 +429,15 @@ class Router:
 
     # -- session lifecycle ------------------------------------------------------------------
 
-    def expire(self) -> None:
-        """Idle sweep of the tree and of API sessions; the app calls this periodically."""
-        ended = self.tree.expire()
+    def expire(self, limit: int = EXPIRE_BATCH) -> bool:
+        """Idle sweep of the tree and of API sessions, at most ``limit`` sessions each; the app
+        calls this periodically, and again at once while it returns True (work left)."""
+        ended, more = self.tree.expire(limit)
         for rec in self.store.expire():
             ended += self.tree.close(rec.id, EndReason.IDLE_EXPIRED)
         if ended:
             self._ended(ended)
+        return more
 
     def shutdown(self) -> None:
         """End every live session (after the drain)."""

@@ -55,8 +55,8 @@ class Harness:
         self.ended += ended
         return ended
 
-    def expire(self) -> list[Ended]:
-        ended = self.tree.expire()
+    def expire(self, limit: int = 1 << 62) -> list[Ended]:
+        ended, _ = self.tree.expire(limit)
         self.ended += ended
         return ended
 
@@ -871,3 +871,18 @@ def test_stats() -> None:
 def test_invalid_limits_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SessionTree(**kwargs)  # type: ignore[arg-type]
+
+
+def test_expiry_of_a_backlog_runs_in_bounded_batches() -> None:
+    h = Harness()
+    for i in range(25):
+        h.turn(f"s{i}")
+    h.clock.now += 10_000
+    sizes = []
+    while True:
+        ended, more = h.tree.expire(10)
+        sizes.append(len(ended))
+        if not more:
+            break
+    assert sizes == [10, 10, 5]
+    assert h.tree.live_sessions == 0

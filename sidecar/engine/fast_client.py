@@ -126,6 +126,8 @@ class UpstreamConnection:
                 self._fail(f"invalid response: {exc}")
                 return
             self.reusable = False  # garbage after a complete response
+        if self.ex is None:  # failed while parsing (a head over the cap): the connection is dropped
+            return
         if not self.head_seen and self.piece_bytes - self.raw_at > self.pool.max_head:
             self._fail(f"response head larger than {self.pool.max_head} bytes")
             return
@@ -237,6 +239,9 @@ class UpstreamConnection:
         pieces = self.pieces
         raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         start, first, end = locate(raw, self.raw_at)
+        if end + 2 - start > self.pool.max_head:  # complete, but over the cap: never relayed
+            self._fail(f"response head larger than {self.pool.max_head} bytes")
+            return
         status = self.parser.get_status_code()
         if status < 200:  # 1xx interim responses are not relayed (we never send Expect upstream)
             self.pieces = [raw]

@@ -438,19 +438,28 @@ async def test_status_line_without_reason_is_relayed_in_full_form(raw_upstream, 
     assert head == b"HTTP/1.1 299 \r\nContent-Length: 2\r\n\r\n"
 
 
-@FAST
-async def test_oversized_response_head_is_a_502_and_the_connection_is_dropped(raw_upstream, start_sidecar):
-    big = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (300 * 1024)  # no end of head in sight
+@pytest.mark.parametrize("shape", ["never_ends", "complete_over_the_cap", "many_headers_over_the_cap"])
+async def test_response_head_over_the_configured_cap_is_a_502_never_relayed(shape, raw_upstream, start_sidecar,
+                                                                              engine):
+    if shape == "never_ends":
+        big = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (300 * 1024)  # no end of head in sight
+    elif shape == "complete_over_the_cap":
+        big = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 6000 + b"\r\nContent-Length: 2\r\n\r\nok"
+    else:
+        big = b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 40) for i in range(120)) + \
+            b"Content-Length: 2\r\n\r\nok"
     up = await raw_upstream({"/big": dribble(big[:1000], big[1000:]), "/after": echo()})
-    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, limits={"max_header_bytes": 4096})
     [resp], _ = await exchange(port(sc), b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
     assert resp.status == 502
     assert orjson.loads(resp.body)["error"]["type"] == "upstream_protocol_error"
+    assert b"X-Big" not in resp.body and not resp.header("X-Big") and not resp.header("X-H1")
     [after], _ = await exchange(port(sc), b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert after.status == 200 and up.connections == 2
+    assert after.status == 200
+    if shape == "never_ends" or engine == "fast":
+        assert up.connections == 2  # (the aiohttp client may reuse a connection whose response ended)
 
 
-@FAST
 async def test_a_protocol_switch_in_a_response_is_a_502_and_the_connection_dropped(raw_upstream, start_sidecar):
     # The sidecar never asks an upstream for an upgrade: a 101 is a broken upstream, not a tunnel.
     switch = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\nraw bytes"
