@@ -19,8 +19,10 @@ from sidecar.effects import EffectRunner
 from sidecar.engine import engine_class
 from sidecar.health import UpstreamHealth, run_health_checks
 from sidecar.metrics import Metrics
+from sidecar.lineage import SessionTree
 from sidecar.router import Router
 from sidecar.sessions import Clock, SessionStore
+from sidecar.state import open_state
 
 log = logging.getLogger("sidecar")
 
@@ -42,7 +44,15 @@ class Sidecar:
         self.effects = EffectRunner(self.metrics)
         # ``session_clock``: wall-clock seconds of the API session store (tests inject one).
         store = SessionStore(config.sessions.api, clock=session_clock or time.time)
-        self.router = Router(config, self.metrics, store=store, effects=self.effects.submit)
+        s = config.sessions
+        tree = SessionTree(idle_ttl=s.idle_ttl_seconds, max_live=s.max_live_sessions, tombstone_max=s.tombstone_max,
+                           tombstone_ttl=s.tombstone_ttl_seconds, shared=config.state.shared)
+        # Where sessions live beyond this process; the tree and the API table are its cache here.
+        self.state = open_state(config, self.metrics, tree, store)
+        self.router = Router(config, self.metrics, tree=tree, store=store, effects=self.effects.submit,
+                             state=self.state)
+        self.state.on_claimed = self.router.end_session
+        self.state.on_closing = self.router.closing_elsewhere
         self.tokens: TokenSet | None = load_tokens(config.admin_tokens_file) if config.admin_tokens_file else None
         self.health = UpstreamHealth(required=config.readiness_check_upstream)
         self.engine = engine_class(config.engine)(config, self.router, self.metrics, self.health)
@@ -54,6 +64,7 @@ class Sidecar:
 
     async def start(self) -> None:
         cfg = self.config
+        await self.state.start()  # refuses to start when a required store is unreachable
         await self.effects.start()
         engine_started = False
         try:
@@ -70,6 +81,7 @@ class Sidecar:
             if self._admin_runner is not None:
                 await self._admin_runner.cleanup()
             await self.effects.stop(0)
+            await self.state.stop()
             raise
         admin_port = self._admin_runner.addresses[0][1]
         self.proxy_url = f"http://{_url_host(cfg.listen.host)}:{self.engine.port}"
@@ -105,7 +117,8 @@ class Sidecar:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.engine.close()
-        self.router.shutdown()
+        self.router.shutdown()  # with a shared store: only forgets (the sessions live on in the store)
+        await self.state.stop()
         await self.effects.stop()
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()

@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--engine", choices=("fast", "aiohttp"), help="HTTP engine (env SIDECAR_ENGINE)")
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"), dest="log_level",
                      help="log level (env SIDECAR_LOG_LEVEL; default info)")
+    run.add_argument("--state", metavar="URL", help="session state: memory:// (default) or redis://HOST:PORT "
+                     "shared by replicas (env SIDECAR_STATE)")
     run.add_argument("--config", metavar="FILE", help="YAML config file (env SIDECAR_CONFIG)")
 
     check = sub.add_parser("check-config", help="validate a config file and print it normalized")
@@ -56,7 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sidecar.config import ConfigError, build_config
 
     flags = {k: getattr(args, k) for k in ("listen", "upstream", "mode", "mode_opt", "admin", "engine",
-                                           "log_level", "config")}
+                                           "log_level", "state", "config")}
     try:
         config = build_config(flags=flags)
     except ConfigError as exc:

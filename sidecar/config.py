@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -256,6 +257,51 @@ class SessionsConfig(_Strict):
     api: ApiSessionsConfig = ApiSessionsConfig()
 
 
+STATE_SCHEMES = ("memory", "redis", "rediss", "unix")
+
+
+def check_state_url(value: str) -> str:
+    from yarl import URL
+
+    try:
+        url = URL(value)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"not a URL: {value!r}") from exc
+    if url.scheme not in STATE_SCHEMES:
+        raise ValueError("must be memory://, redis://HOST:PORT[/DB], rediss://HOST:PORT[/DB] (TLS) or "
+                         "unix:///PATH/TO/SOCKET")
+    if url.scheme in ("redis", "rediss") and not url.host:
+        raise ValueError("a redis:// or rediss:// URL needs a host")
+    return value
+
+
+class StateConfig(_Strict):
+    """Where session state lives beyond this process (sidecar.state)."""
+
+    # memory:// keeps everything in this process (one replica); redis://, rediss:// (TLS) or
+    # unix:// share sessions between replicas through Redis 7+ or Valkey and keep them across
+    # restarts. A password may come in the URL, or from password_file / SIDECAR_STATE_PASSWORD.
+    url: Annotated[str, AfterValidator(check_state_url)] = "memory://"
+    # Isolates several fleets sharing one Redis.
+    key_prefix: str = Field("sidecar:", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:{}-]+$")
+    # true: refuse to start while the store is unreachable; false: start on local state, say so
+    # (log, sidecar_state_store_up 0) and share once it is reachable.
+    required: bool = False
+    # Longest wait for the store on the request path; after a failure the store is skipped
+    # (circuit breaker) until it answers again.
+    timeout_ms: int = Field(250, ge=10, le=10_000)
+    # Write-behind: session creation, in-flight changes, closes and mode state are written within
+    # this interval (what a killed replica can lose), turn counts and activity within 1 s.
+    flush_interval_ms: int = Field(25, ge=5, le=1000)
+    password_file: str | None = None
+    # rediss://: the CA bundle the server's certificate is checked against (default: the system's).
+    ca_file: str | None = None
+
+    @property
+    def shared(self) -> bool:
+        return not self.url.startswith("memory:")
+
+
 class Config(_Strict):
     """The whole, validated configuration. Build it with :func:`build_config`."""
 
@@ -284,6 +330,8 @@ class Config(_Strict):
     admin_tokens_file: str | None = None
     # Allow an unauthenticated sessions API on a non-loopback admin address.
     admin_insecure: bool = False
+    # Session state beyond this process (memory:// by default); `--state URL` / SIDECAR_STATE set `state.url`.
+    state: StateConfig = StateConfig()
     # Short form of a single deployment (the CLI flags); mutually exclusive with `deployments`.
     upstream: UpstreamURL | None = None
     mode: str | None = None
@@ -416,6 +464,9 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
         val = env.get(ENV_PREFIX + key.upper())
         if val is not None and val != "":
             layer[key] = val
+    state = env.get(ENV_PREFIX + "STATE")
+    if state:
+        layer["state"] = {"url": state}
     opts = env.get(ENV_PREFIX + "MODE_OPTS")
     if opts:
         # Commas also separate identity_headers names, so split only before `key=`.
@@ -432,6 +483,8 @@ def _overlay(base: dict[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in layer.items():
         if key == "mode_options":
             out["mode_options"] = {**(out.get("mode_options") or {}), **value}
+        elif key == "state" and isinstance(out.get("state"), dict):
+            out["state"] = {**out["state"], **value}  # the URL replaces the file's, its other keys stay
         else:
             out[key] = value
     return out
@@ -473,6 +526,8 @@ def build_config(
     data: dict[str, Any] = load_file(file) if file else {}
     data = _overlay(data, _env_layer(env))
     flag_layer = dict(flags)
+    if "state" in flag_layer:
+        flag_layer["state"] = {"url": flag_layer["state"]}
     if "mode_opt" in flag_layer:
         flag_layer["mode_options"] = parse_kv_list(flag_layer.pop("mode_opt") or [], "--mode-opt")
     data = _overlay(data, flag_layer)

@@ -38,6 +38,7 @@ SESSION_LIMIT_REACHED = "session_limit_reached"
 TREE_NOT_FOUND = "tree_not_found"
 PARENT_NOT_FOUND = "parent_not_found"
 NOT_FOUND = "not_found"
+STORE_UNAVAILABLE = "store_unavailable"
 
 STATUS: dict[str, int] = {
     UPSTREAM_UNREACHABLE: 502,
@@ -66,6 +67,7 @@ STATUS: dict[str, int] = {
     TREE_NOT_FOUND: 404,
     PARENT_NOT_FOUND: 404,
     NOT_FOUND: 404,
+    STORE_UNAVAILABLE: 503,
 }
 
 # The error types the proxy listener answers itself: the closed set of

@@ -67,6 +67,7 @@ __all__ = [
     "TurnOutcome",
     "VIEW_STEP",
     "exhaust",
+    "FORGETTING",
 ]
 
 Clock = Callable[[], float]
@@ -99,6 +100,8 @@ _FINAL_TURN_REASON = {
     TurnOutcome.UPSTREAM_FAILED: EndReason.FINAL_TURN_FAILED,
     TurnOutcome.CLIENT_ABORTED: EndReason.CLIENT_ABANDONED,
 }
+# With a shared store, these local ends only forget the node (the store ends sessions fleet-wide).
+FORGETTING = frozenset({EndReason.IDLE_EXPIRED, EndReason.EVICTED, EndReason.SHUTDOWN})
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +251,7 @@ class SessionTree:
     the end-of-session bookkeeping. See the module docstring for the contract."""
 
     def __init__(self, *, idle_ttl: float = 900.0, max_live: int = 100_000, tombstone_max: int = 100_000,
-                 tombstone_ttl: float = 600.0, clock: Clock = time.monotonic) -> None:
+                 tombstone_ttl: float = 600.0, clock: Clock = time.monotonic, shared: bool = False) -> None:
         if not idle_ttl > 0:
             raise ValueError(f"idle_ttl: must be > 0 (got {idle_ttl!r})")
         if max_live < 1:
@@ -262,6 +265,10 @@ class SessionTree:
         self._tombstone_max = tombstone_max
         self._tombstone_ttl = tombstone_ttl
         self._clock = clock
+        # A shared store (sidecar.state) keeps the sessions: this tree is its cache here. Idle
+        # expiry, eviction and shutdown then only forget nodes (no tombstone: the next request
+        # of the id asks the store), and :meth:`seed` places sessions the store knows.
+        self._shared = shared
         # id -> newest node of that id still held in a tree (live, placeholder, closing, or
         # ended with live descendants)
         self._nodes: dict[str, _Node] = {}
@@ -477,6 +484,21 @@ class SessionTree:
         node = self._nodes.get(session)
         return None if node is None else self._as_dict(node)
 
+    def held_sessions(self) -> list[str]:
+        """Ids of the live sessions this tree holds (not placeholders, closing or ended): what a
+        shared store is told again after an outage. O(held nodes)."""
+        return [sid for sid, node in self._nodes.items() if not node.flags & _NOT_JOINABLE]
+
+    def facts_of(self, session: str) -> tuple[str, str | None, str, int, int, float, float] | None:
+        """A live session's shared facts: (deployment, the id it hangs under, root id, flags
+        final-seen and hinted, turns, created, last active); None unless live here."""
+        node = self._nodes.get(session)
+        if node is None or node.flags & _NOT_JOINABLE:
+            return None
+        parent = node.parent
+        return (node.deployment, None if parent is None else parent.session, self._find(node).session,
+                node.flags & (_FINAL_SEEN | _HINTED), node.turns, node.created_at, node.last_active_at)
+
     def root_of(self, session: str) -> str | None:
         """The root id of the tree holding ``session``; None if no tree holds it."""
         node = self._nodes.get(session)
@@ -630,6 +652,56 @@ class SessionTree:
             return None
         return node.deployment
 
+    def joinable(self, session: str) -> bool:
+        """A request of ``session`` continues a session this tree holds (live, not a placeholder,
+        closing or ended): nothing needs to be asked elsewhere."""
+        node = self._nodes.get(session)
+        return node is not None and not node.flags & _NOT_JOINABLE
+
+    def seed(self, session: str, above: str | None, root: str, *, hinted: bool, deployment: str, turns: int,
+             final_seen: bool, created: float, last_active: float, mode_state: str | None,
+             workers: list[str | int] | None = None, worker_turns: int = 0, moves: int = 0,
+             placeholder: bool = False) -> None:
+        """Place a session the shared store knows (sidecar.state) into this tree, with its facts
+        (times on this tree's clock): under ``above`` (its parent, or its root hint when
+        ``hinted``), itself placed under ``root`` as a placeholder when this tree does not hold
+        it. A placeholder stays one (``placeholder``); a live session joins the idle list like
+        any session after a request. No-op when this tree holds the id, other than as a
+        placeholder (what happened here wins)."""
+        node = self._nodes.get(session)
+        if node is not None and not node.flags & _PLACEHOLDER:
+            return
+        now = self._clock()
+        above_node = None
+        if above is not None and above != session:
+            above_node = self._nodes.get(above)
+            if above_node is None:
+                above_node = self._known_or_placeholder(above, deployment, now)
+                if root != above and root != session:
+                    self._attach(above_node, self._known_or_placeholder(root, deployment, now), 0)
+        if node is None:
+            node = self._known_or_placeholder(session, deployment, now)
+        if above_node is not None and node.root is node:
+            self._attach(node, above_node, _HINTED if hinted else 0)
+        if placeholder:
+            return
+        node.flags = (node.flags & ~_PLACEHOLDER) | (_FINAL_SEEN if final_seen else 0)
+        node.deployment = deployment
+        node.turns = turns
+        node.created_at = created
+        node.last_active_at = last_active
+        node.mode_state = mode_state
+        node.workers = workers
+        node.worker_turns = worker_turns
+        node.moves = moves
+        lru = self._lru
+        tail = lru.lru_prev
+        assert tail is not None
+        node.lru_prev = tail
+        node.lru_next = lru
+        tail.lru_next = node
+        lru.lru_prev = node
+
     def is_closed(self, session: str) -> bool:
         """True while ``session`` is tombstoned: ended or closed, and not yet forgotten."""
         return session in self._tombs
@@ -686,11 +758,17 @@ class SessionTree:
             hinted = _HINTED
         else:
             return node
+        self._attach(node, above, hinted)
+        return node
+
+    def _attach(self, node: _Node, above: _Node, hinted: int) -> None:
+        """Hang the root ``node`` and its whole tree below ``above`` (its tree joins ``above``'s),
+        unless ``above`` is in ``node``'s own tree."""
         root = self._find(above)
         if root is node:
             log.debug("session %s names its own descendant %s above it; lineage ignored",
                       node.session, above.session)
-            return node
+            return
         node.flags |= hinted
         node.root = root
         self._link_child(above, node)
@@ -698,7 +776,6 @@ class SessionTree:
         root.tree_in_flight += node.tree_in_flight
         node.tree_live = node.tree_in_flight = 0
         self._trees -= 1
-        return node
 
     def _revive(self, node: _Node, deployment: str, now: float) -> _Node:
         """A new session takes the id of an ended node held for its live descendants: it takes
@@ -785,7 +862,7 @@ class SessionTree:
         if flags & _DETACHED:  # linked nowhere, and its id belongs to a newer session
             self._detached.discard(node)
             return ended
-        if not flags & _CLOSED:
+        if not flags & _CLOSED and not (self._shared and reason in FORGETTING):
             self._tombstone(node.session, now)
         if node.first_child is None:
             self._release(node)

@@ -226,7 +226,9 @@ class Metrics:
             "same_worker (as its previous turn), moved (another worker than its previous turn).",
             ("outcome",))
         self.in_flight = family("gauge", "sidecar_in_flight_requests", "Requests being proxied now.")
+
         self.registry.register(_FamilyCollector(families))
+        self._family = family  # (watch_state adds families later; the collector reads the same list)
 
         # Hot-path shortcuts (children are cached per label values; the label sets are closed).
         self.request_counter = self.requests.labels
@@ -236,6 +238,29 @@ class Metrics:
         self.upstream_error = self.upstream_errors.labels
         self.headers_injected_for = self.headers_injected.labels
         self.affinity_turn = self.affinity_turns.labels
+
+    def watch_state(self) -> None:
+        """Add the shared session store's metrics (only a sidecar with one exports them)."""
+        if hasattr(self, "state_up"):
+            return
+        family = self._family
+        self.state_up = family("gauge", "sidecar_state_store_up",
+                               "1 while the shared session store answers, 0 while the sidecar serves on local "
+                               "state (circuit breaker open).")
+        self.state_ops = family("counter", "sidecar_state_ops_total",
+                                "Round trips to the shared session store, by operation and outcome (ok, error).",
+                                ("op", "outcome"))
+        self.state_latency = family("histogram", "sidecar_state_latency_seconds",
+                                    "Latency of round trips to the shared session store, by operation.", ("op",),
+                                    ADDED_BUCKETS)
+        self.state_dropped = family("counter", "sidecar_state_dropped_writes_total",
+                                    "Session changes dropped unwritten (the write-behind table was full during "
+                                    "a store outage).")
+        self.state_round_trips = family("counter", "sidecar_state_round_trips_total",
+                                        "Round trips to the shared session store.")
+        self.state_commands = family("counter", "sidecar_state_commands_total",
+                                     "Commands sent to the shared session store (a script call counts one).")
+
 
     def for_deployment(self, deployment: str, mode: str) -> DeploymentStats:
         """The per-request metric children of one deployment, resolved once."""

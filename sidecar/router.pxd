@@ -35,15 +35,16 @@ cdef class Decision:
 
 cdef class Router:
     cdef public object config, metrics, deployments, _by_name, _by_model, _selection_body_limit, store, effects
+    cdef public object state
     cdef public IdentityReader identity
     cdef public Deployment default
     cdef public str _selector, _primary_session_header
-    cdef public bint _route_by_model, _single, _body_identity
+    cdef public bint _route_by_model, _single, _body_identity, _shared
     cdef public tuple _worker_headers
     cdef public dict _workers, _api_sessions
     cdef public SessionTree tree
     @cython.locals(ident=Identity, dep=Deployment)
-    cpdef Decision route(self, RequestHead head)
+    cpdef Decision route(self, RequestHead head, bint loaded=*)
     @cython.locals(pending=_Pending, ident=Identity, dep=Deployment, model_dep=Deployment, admitted=Decision)
     cpdef transform_body(self, Decision decision, body)
     @cython.locals(dep=Deployment)

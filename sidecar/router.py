@@ -21,6 +21,7 @@ decision whose routing fields are provisional; admission happens in ``transform_
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ from sidecar.metrics import Metrics
 from sidecar.modes.base import EndAction, SessionEnd
 from sidecar.modes.context import RoutingContext
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
+from sidecar.state import LoadNeeded, MemoryState, SessionState
 
 log = logging.getLogger("sidecar.router")
 
@@ -106,7 +108,8 @@ class Router:
     the deployments' modes."""
 
     def __init__(self, config: Config, metrics: Metrics, *, tree: SessionTree | None = None,
-                 store: SessionStore | None = None, effects: EffectSink | None = None) -> None:
+                 store: SessionStore | None = None, effects: EffectSink | None = None,
+                 state: SessionState | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.identity = IdentityReader(config.identity, config.sessions.max_id_bytes)
@@ -131,23 +134,34 @@ class Router:
         self._worker_headers = tuple(n.lower() for n in config.affinity.worker_headers)
         self._workers: dict[str, str] = {}  # interned worker ids (a small set), bounded
         self.tree = tree or SessionTree(idle_ttl=s.idle_ttl_seconds, max_live=s.max_live_sessions,
-                                        tombstone_max=s.tombstone_max, tombstone_ttl=s.tombstone_ttl_seconds)
+                                        tombstone_max=s.tombstone_max, tombstone_ttl=s.tombstone_ttl_seconds,
+                                        shared=state is not None and state.shared)
         self.store = store or SessionStore(s.api)
         self._api_sessions = self.store.records  # the hot path reads it without a call
         self.effects = effects
+        # Where sessions live beyond this process (sidecar.state): with a shared store, the tree
+        # and the API table are this replica's cache of it, and the router reports turns to it.
+        self.state = state or MemoryState()
+        self._shared = self.state.shared
         metrics.watch_tree(self.tree)
         metrics.watch_deployments(self.deployments, self.store)
 
     # -- request path -------------------------------------------------------------------------
 
-    def route(self, head: RequestHead) -> Decision:
-        """Decide how to forward a request. Raises :class:`errors.ProxyError` to answer it directly."""
+    def route(self, head: RequestHead, loaded: bool = False) -> Decision:
+        """Decide how to forward a request. Raises :class:`errors.ProxyError` to answer it
+        directly, and with a shared store :class:`~sidecar.state.LoadNeeded` when the request's
+        session is not held here: the engine awaits ``state.load`` and calls again with
+        ``loaded=True``."""
         # Flattened: this runs once per request. Hot-path decisions are built positionally (a
         # class called with keywords costs a dict per call); the request id is read once.
         headers = head.headers
         request_id = headers.get(_REQUEST_ID)
         ident = self.identity.read(headers)
         session = ident.session
+        if self._shared and session is not None and not loaded and not self.tree.joinable(session) \
+                and session not in self._api_sessions:
+            raise LoadNeeded(ident)
         selector = headers.get(self._selector)
         selected = None if selector is None else self._selected(selector)
         body_identity = session is None and self._body_identity
@@ -299,6 +313,8 @@ class Router:
                 parent, root_hint = rec.parent, None  # the API's lineage wins
         turn, evicted = self.tree.begin(session, parent=parent, root_hint=root_hint,
                                         final=ident.final, deployment=dep.name)
+        if self._shared:
+            self.state.begun(turn)
         if evicted:
             self._ended(evicted)
         # Positional: RoutingContext and Decision are built once per request of a session.
@@ -375,6 +391,8 @@ class Router:
                 state = None
             if state is not None:
                 self.tree.set_mode_state(turn, state)
+                if self._shared:
+                    self.state.touched(turn, mode_state=True)
         for name in self._worker_headers:
             worker = headers.get(name)
             if worker:
@@ -388,6 +406,8 @@ class Router:
             if len(self._workers) < MAX_INTERNED_WORKERS:
                 self._workers[worker] = worker
         outcome, previous = self.tree.record_worker(turn, interned)
+        if self._shared:
+            self.state.touched(turn)
         self.metrics.affinity_turn(outcome).inc()
         if outcome == "moved":
             extra: dict[str, Any] = {"event": "moved", **decision.log_fields(),
@@ -422,8 +442,11 @@ class Router:
                 "session": ctx.session if ctx else None, "turn": ctx.turn if ctx else None})
         if decision.api_session is not None:
             self.store.end(decision.api_session)
-        if decision.turn is not None:
-            ended = self.tree.end_turn(decision.turn, outcome)
+        turn = decision.turn
+        if turn is not None:
+            ended = self.tree.end_turn(turn, outcome)
+            if self._shared:
+                self.state.finished(turn)
             if ended:
                 self._ended(ended)
 
@@ -431,9 +454,10 @@ class Router:
 
     def expire(self, limit: int = EXPIRE_BATCH) -> bool:
         """Idle sweep of the tree and of API sessions, at most ``limit`` sessions each; the app
-        calls this periodically, and again at once while it returns True (work left)."""
+        calls this periodically, and again at once while it returns True (work left). With a
+        shared store this only forgets idle sessions here: the store expires them fleet-wide."""
         ended, more = self.tree.expire(limit)
-        for rec in self.store.expire():
+        for rec in self.store.expire(end_active=not self._shared):
             ended += self.tree.close(rec.id, EndReason.IDLE_EXPIRED)
         if ended:
             self._ended(ended)
@@ -445,11 +469,23 @@ class Router:
         if ended:
             self._ended(ended)
 
-    def close_session(self, session: str) -> None:
+    def close_session(self, session: str, reason: EndReason = EndReason.API_CLOSED) -> None:
         """End ``session`` in the lineage tree (API close); in-flight requests finish first."""
-        ended = self.tree.close(session)
+        ended = self.tree.close(session, reason)
         if ended:
             self._ended(ended)
+
+    def closing_elsewhere(self, session: str, reason: str) -> None:
+        """Another replica started closing ``session`` (a shared store's event): admit none of
+        its requests from now on; the ones in flight here finish, then its end is claimed."""
+        rec = self.store.get(session)
+        if rec is not None and rec.status is SessionStatus.ACTIVE:
+            self.store.mark_ended(session, SessionStatus.CLOSED, time.time())
+        try:
+            why = EndReason(reason)
+        except ValueError:
+            why = EndReason.API_CLOSED
+        self.close_session(session, why)
 
     def close_api_session(self, session: str) -> ApiSession | None:
         """Close an API session (idempotent) and its lineage node. Once this returned, no request
@@ -466,27 +502,35 @@ class Router:
         return self._by_name.get(name)
 
     def _ended(self, ended: Sequence[Ended]) -> None:
-        for e in ended:
-            self.metrics.sessions_ended.labels(str(e.reason)).inc()
-            dep = self.deployment(e.deployment)
-            if dep is None or dep.mode is None:
-                continue
-            end = SessionEnd(session=e.session, parent=e.parent, root=e.root, deployment=e.deployment,
-                             reason=str(e.reason), turns=e.turns)
-            try:
-                actions = tuple(dep.mode.on_session_end(end))
-            except Exception as exc:  # a broken hook never stops cleanup of other sessions
-                self.metrics.plugin_errors.labels(dep.mode_name, "on_session_end").inc()
-                log.error("mode %s failed in on_session_end: %r", dep.mode_name, exc,
-                          extra={"deployment": dep.name, "mode": dep.mode_name, "hook": "on_session_end"})
-                continue
-            if actions and self.effects is not None:
-                for action in actions:
-                    self.effects(dep, action, e.root)
-        for e in ended:
-            dep = self._by_name.get(e.deployment)
-            if dep is not None and dep.balancer.overrides and self.tree.get(e.root) is None:
-                dep.balancer.forget(e.root)  # the tree is gone
+        """Sessions that ended in the tree: their end-of-session actions run now, or, with a
+        shared store, once the store let this replica claim them (:meth:`end_session`)."""
+        for e in self.state.local_ends(ended):
+            self.end_session(e)
+
+    def end_session(self, e: Ended) -> None:
+        """The end of one session, exactly once: count it, run the mode's end-of-session hook
+        and hand its actions to the effects runner, forget the tree's upstream override."""
+        self.metrics.sessions_ended.labels(str(e.reason)).inc()
+        dep = self.deployment(e.deployment)
+        self._end_actions(e, dep)
+        if dep is not None and dep.balancer.overrides and self.tree.get(e.root) is None:
+            dep.balancer.forget(e.root)  # the tree is gone
+
+    def _end_actions(self, e: Ended, dep: Deployment | None) -> None:
+        if dep is None or dep.mode is None:
+            return
+        end = SessionEnd(session=e.session, parent=e.parent, root=e.root, deployment=e.deployment,
+                         reason=str(e.reason), turns=e.turns)
+        try:
+            actions = tuple(dep.mode.on_session_end(end))
+        except Exception as exc:  # a broken hook never stops cleanup of other sessions
+            self.metrics.plugin_errors.labels(dep.mode_name, "on_session_end").inc()
+            log.error("mode %s failed in on_session_end: %r", dep.mode_name, exc,
+                      extra={"deployment": dep.name, "mode": dep.mode_name, "hook": "on_session_end"})
+            return
+        if actions and self.effects is not None:
+            for action in actions:
+                self.effects(dep, action, e.root)
 
 
 def _check_added(add: tuple[tuple[str, str], ...]) -> None:

@@ -160,6 +160,31 @@ class SessionStore:
         self._end(rec, SessionStatus.CLOSED, self._clock())
         return rec, True
 
+    def cache(self, rec: ApiSession) -> None:
+        """Hold a record a shared store knows (sidecar.state), replacing the one held. Bounded:
+        beyond ``max_sessions`` active plus ``tombstone_max`` records, nothing more is cached
+        (the store is asked again)."""
+        old = self.records.get(rec.id)
+        if old is None and len(self.records) >= self.cfg.max_sessions + self.cfg.tombstone_max:
+            return
+        if old is not None:
+            rec.in_flight = old.in_flight
+            if old.status is SessionStatus.ACTIVE:
+                self._active -= 1
+            else:
+                self._tombs.pop(rec.id, None)
+        self.records[rec.id] = rec
+        if rec.status is SessionStatus.ACTIVE:
+            self._active += 1
+        else:
+            self._tombs[rec.id] = None
+
+    def mark_ended(self, session_id: str, status: SessionStatus, at: float) -> None:
+        """The session ended elsewhere (a shared store's event): closed or expired here too."""
+        rec = self.records.get(session_id)
+        if rec is not None and rec.status is SessionStatus.ACTIVE:
+            self._end(rec, status, at)
+
     def page(self, *, workspace: str | None, all_workspaces: bool, deployment: str | None = None,
              status: SessionStatus | None = None, after: int = 0, limit: int = 100) -> tuple[list[ApiSession], int | None]:
         """One page in creation order, starting after sequence number ``after``.
@@ -200,12 +225,13 @@ class SessionStore:
 
     # -- sweep -------------------------------------------------------------------------------
 
-    def expire(self) -> list[ApiSession]:
-        """End active sessions idle for their TTL, prune old tombstones; returns the expired."""
+    def expire(self, *, end_active: bool = True) -> list[ApiSession]:
+        """End active sessions idle for their TTL, prune old tombstones; returns the expired.
+        ``end_active`` False: only prune (a shared store expires sessions fleet-wide)."""
         now = self._clock()
         heap = self._heap
         expired: list[ApiSession] = []
-        while heap and heap[0][0] <= now:
+        while end_active and heap and heap[0][0] <= now:
             _, seq, sid = heapq.heappop(heap)
             rec = self.records.get(sid)
             if rec is None or rec.seq != seq or rec.status is not SessionStatus.ACTIVE:

@@ -29,6 +29,7 @@ class Received:
     path: str
     headers: list[tuple[str, str]]
     body: bytes
+    at: float = field(default_factory=time.monotonic)  # when the upstream had read the request
 
     def header(self, name: str) -> str | None:
         vals = self.all(name)

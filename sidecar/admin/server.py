@@ -7,6 +7,9 @@ tokens file is configured.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -66,7 +69,8 @@ def build_admin_app(router: Router, health: UpstreamHealth, metrics_: Metrics,
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     sessions_api.add_routes(app, router, tokens)
-    add_ui_routes(app, lambda: router.tree, authorize=_admin_only)
+    add_ui_routes(app, lambda: router.tree, authorize=_admin_only,
+                  store_snapshot=_store_snapshot(router) if router.state.shared else None)
     return app
 
 
@@ -74,3 +78,22 @@ def _admin_only(request: web.Request) -> None:
     """The live view shows every workspace's sessions: admin tokens only (or no tokens configured)."""
     if not sessions_api.caller(request).admin:
         raise sessions_api.ApiError(errors.FORBIDDEN, "the live view needs an admin token")
+
+
+def _store_snapshot(router: Router) -> Callable[[int], Awaitable[dict[str, Any]]]:
+    """The live view's snapshot read from the shared session store (the whole fleet)."""
+    from sidecar.admin.views import MAX_DEPTH, MAX_NODES
+    from sidecar.state.redis import RedisState, StoreUnavailable
+    from sidecar.state.views import ui_snapshot
+
+    state = router.state
+    assert isinstance(state, RedisState)
+
+    async def snapshot(limit: int) -> dict[str, Any]:
+        try:
+            return await ui_snapshot(state, limit=limit, max_nodes=MAX_NODES, max_depth=MAX_DEPTH)
+        except StoreUnavailable:
+            raise sessions_api.ApiError(errors.STORE_UNAVAILABLE, "the shared session store is unreachable; retry",
+                                        headers={"Retry-After": "1"}) from None
+
+    return snapshot

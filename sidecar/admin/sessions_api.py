@@ -19,9 +19,10 @@ are documented by :mod:`sidecar.admin.openapi`, served at ``/openapi.json``.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import orjson
@@ -159,6 +160,19 @@ def _not_found(session: str) -> ApiError:
     return ApiError(errors.SESSION_NOT_FOUND, "no such session", session_id=session[:256])
 
 
+@contextlib.contextmanager
+def _store_errors() -> Iterator[None]:
+    """Answers of the shared store's paths (sidecar.admin.shared_sessions) as API errors."""
+    from sidecar.admin.shared_sessions import StoreError
+
+    try:
+        yield
+    except StoreError as exc:
+        err = exc.error
+        raise ApiError(err.type, err.message, headers={h.RETRY_AFTER: "1"} if err.status in (429, 503) else None,
+                       **err.fields) from None
+
+
 def _visible(router: Router, who: Principal, session: str) -> ApiSession | None:
     rec = router.store.get(session)
     return rec if rec is not None and who.sees(rec.workspace) else None
@@ -201,6 +215,13 @@ async def create_session(request: web.Request) -> web.Response:
     ttl = None if body.ttl_seconds is None else float(body.ttl_seconds)
     if ttl is not None and ttl > api_cfg.max_ttl_seconds:
         raise ApiError(errors.INVALID_REQUEST, f"ttl_seconds: must be at most {api_cfg.max_ttl_seconds:g}")
+    if router.state.shared:
+        from sidecar.admin import shared_sessions as shared
+
+        with _store_errors():
+            created = await shared.create(router, who, session=body.session_id, deployment=dep.name, ttl=ttl,
+                                          parent=body.parent)
+        return _json(created, 201, headers={h.LOCATION: f"/v1/sessions/{created['id']}"})
     if body.parent is not None:
         parent = _visible(router, who, body.parent)
         if parent is None or parent.status is not SessionStatus.ACTIVE or parent.deployment != dep.name:
@@ -233,6 +254,13 @@ async def list_sessions(request: web.Request) -> web.Response:
     if not 1 <= limit <= LIST_MAX_LIMIT:
         raise ApiError(errors.INVALID_REQUEST, f"limit: must be an integer from 1 to {LIST_MAX_LIMIT}")
     after = _decode_cursor(q.get("cursor"))
+    if router.state.shared:
+        from sidecar.admin import shared_sessions as shared
+
+        with _store_errors():
+            data, nxt = await shared.page(router, who, after=after, limit=limit, deployment=q.get("deployment"),
+                                          status=SessionStatus(status) if status else None)
+        return _json({"data": data, "next_cursor": None if nxt is None else _encode_cursor(nxt)})
     page, nxt = router.store.page(workspace=who.workspace, all_workspaces=who.admin,
                                   deployment=q.get("deployment"),
                                   status=SessionStatus(status) if status else None, after=after, limit=limit)
@@ -260,6 +288,14 @@ async def get_session(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
     who = caller(request)
     sid = request.match_info["session"]
+    if router.state.shared:
+        from sidecar.admin import shared_sessions as shared
+
+        with _store_errors():
+            found = await shared.get(router, who, sid)
+        if found is None:
+            raise _not_found(sid)
+        return _json(found)
     rec = _visible(router, who, sid)
     if rec is not None:
         return _json(api_resource(router, rec))
@@ -273,6 +309,14 @@ async def close_session(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
     who = caller(request)
     sid = request.match_info["session"]
+    if router.state.shared:
+        from sidecar.admin import shared_sessions as shared
+
+        with _store_errors():
+            closed = await shared.close(router, who, sid)
+        if closed is None:
+            raise _not_found(sid)
+        return _json(closed)
     if _visible(router, who, sid) is not None:
         rec = router.close_api_session(sid)
         assert rec is not None
@@ -297,6 +341,15 @@ async def get_tree(request: web.Request) -> web.Response:
     markers); node timestamps in RFC 3339. Built in slices: see :mod:`sidecar.admin.views`."""
     router = request.app[ROUTER_KEY]
     who = caller(request)
+    if router.state.shared:
+        from sidecar.admin import shared_sessions as shared
+
+        with _store_errors():
+            top = await shared.tree(router, who, request.match_info["root"], max_depth=MAX_DEPTH,
+                                    max_nodes=MAX_NODES)
+        if top is None:
+            raise ApiError(errors.TREE_NOT_FOUND, "no such session tree")
+        return _json(top)
     view = None
     async with request.app[VIEWS_LOCK]:
         root = router.tree.root_of(request.match_info["root"])

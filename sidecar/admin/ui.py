@@ -44,7 +44,7 @@ pages poll it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 import orjson
@@ -73,11 +73,14 @@ _SECURITY_HEADERS = {
 
 
 def add_ui_routes(app: web.Application, tree_getter: Callable[[], SessionTree],
-                  authorize: Callable[[web.Request], None] | None = None) -> None:
+                  authorize: Callable[[web.Request], None] | None = None,
+                  store_snapshot: Callable[[int], Awaitable[dict[str, Any]]] | None = None) -> None:
     """Add ``GET /ui`` (the page) and ``GET /ui/data.json`` (its snapshot) to ``app``.
 
     ``authorize`` guards the snapshot (it exposes session ids): it raises to refuse a request.
     The page itself holds no data; it sends the token given as ``/ui#token=<token>``.
+    ``store_snapshot(limit)``: the snapshot of a shared session store (the whole fleet's trees,
+    sidecar.state.views), used instead of the local tree's.
     """
     cache: dict[int, tuple[float, bytes]] = {}  # limit -> (valid until, body)
     # one view at a time (this snapshot or a tree view); pollers arriving meanwhile reuse it
@@ -107,7 +110,12 @@ def add_ui_routes(app: web.Application, tree_getter: Callable[[], SessionTree],
             async with building:
                 body = cached(limit)
                 if body is None:
-                    snap, cost = await run_sliced(snapshot_steps(tree_getter(), limit=limit))
+                    if store_snapshot is not None:
+                        began = time.monotonic()
+                        snap = await store_snapshot(limit)
+                        cost = time.monotonic() - began
+                    else:
+                        snap, cost = await run_sliced(snapshot_steps(tree_getter(), limit=limit))
                     started = time.monotonic()
                     body = orjson.dumps(snap)
                     now = time.monotonic()

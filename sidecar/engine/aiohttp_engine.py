@@ -29,6 +29,7 @@ from sidecar.engine.head import origin_form, valid_host
 from sidecar.errors import failure_reason
 from sidecar.lineage import TurnOutcome
 from sidecar.router import Decision, RequestHead
+from sidecar.state import LoadNeeded
 
 log = logging.getLogger("sidecar.engine")
 
@@ -248,8 +249,13 @@ class AiohttpEngine(Engine):
         if request.method == "CONNECT" or not target.startswith("/"):
             return self._refuse(request, errors.bad_request(
                 "request target must be origin-form (/path) or absolute-form (http://host/path)"), "bad_request")
+        head = RequestHead(request.method, target, in_headers)
         try:
-            decision = router.route(RequestHead(request.method, target, in_headers))
+            try:
+                decision = router.route(head)
+            except LoadNeeded as need:  # a session this replica does not hold: ask the shared store
+                await router.state.load(need.identity)
+                decision = router.route(head, True)
         except errors.ProxyError as exc:
             return self._error(exc, router.default.name, router.default.mode_name, exc.type)
         dep = decision.deployment

@@ -53,8 +53,10 @@ cdef class _Exchange:
     cdef public double t0, connect_timeout, first_byte_timeout, idle_timeout, last_io, head_at
     cdef public HeaderBlock resp_head
     cdef public UpstreamConnection conn
-    @cython.locals(client=_ClientConnection, shared=_Shared, router=Router, decision=Decision, dep=Deployment)
+    @cython.locals(client=_ClientConnection, shared=_Shared, router=Router)
     cpdef start(self)
+    @cython.locals(client=_ClientConnection, router=Router, decision=Decision, dep=Deployment)
+    cpdef _route(self, bint loaded)
     @cython.locals(client=_ClientConnection, shared=_Shared, conn=UpstreamConnection, now=double, due=double,
                    stats=DeploymentStats, dep=Deployment, raw=bytes, entry=tuple)
     cpdef _forward(self, Decision decision, length)

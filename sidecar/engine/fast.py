@@ -94,6 +94,7 @@ from sidecar.engine.idle_poll import IdlePoller, window_seconds
 from sidecar.engine.parsers import CallbackError, HeadTooLarge, ParseError, RequestParser, UpgradeRequest
 from sidecar.lineage import TurnOutcome
 from sidecar.router import Decision, RequestHead, Router
+from sidecar.state import LoadNeeded
 
 log = logging.getLogger("sidecar.engine")
 
@@ -151,7 +152,8 @@ _STATUS_LINE = {s.value: b"%d %s\r\n" % (s.value, s.phrase.encode()) for s in HT
 _ADD_NAMES: dict[str, tuple[str, bytes, bytes]] = {}
 
 # Exchange states.
-QUEUED, BUFFERING, CONNECTING, SENDING, SENT, DONE = range(6)
+# LOADING: its session is being loaded from the shared store (sidecar.state) before routing.
+QUEUED, LOADING, BUFFERING, CONNECTING, SENDING, SENT, DONE = range(7)
 # How the response body is framed towards the client.
 R_NONE, R_LENGTH, R_CHUNKED, R_CLOSE = range(4)
 _RELAY = {R_NONE: RELAY_NONE, R_LENGTH: RELAY_RAW, R_CHUNKED: RELAY_CHUNKED, R_CLOSE: RELAY_RAW}
@@ -720,13 +722,23 @@ class _Exchange:
             self.respond_error(exc, router.default.name, router.default.mode_name, reason, close=True)
             return
         self.t0 = perf_counter()
+        self._route(False)
+
+    def _route(self, loaded: bool) -> None:
+        """Route the started request (``loaded``: its session was just loaded from the shared
+        store) and forward it, or answer it here."""
+        client = self.client
+        router = client.shared.router
         method = self.method
         try:
             decision = router.route(RequestHead(_METHODS[method] if method in _METHODS else method.decode("latin-1"),
                                                 self.target.decode("utf-8", "surrogateescape"),
-                                                header_map(self.raw, self.first, self.end)))
+                                                header_map(self.raw, self.first, self.end)), loaded)
         except errors.ProxyError as exc:
             self.respond_error(exc, router.default.name, router.default.mode_name, exc.type)
+            return
+        except LoadNeeded as need:
+            self._load(need.identity)
             return
         self.decision = decision
         self.limit = limit = decision.max_body_bytes
@@ -747,6 +759,29 @@ class _Exchange:
                 self._await_body(decision)
             return
         self._forward(decision, -1)
+
+    def _load(self, identity: Any) -> None:
+        """Load the request's session from the shared store (a rare path: the first request of a
+        session this replica does not hold), then route again. Body bytes keep arriving
+        meanwhile (buffered as while connecting)."""
+        self.state = LOADING
+        client = self.client
+        task = client.loop.create_task(client.shared.router.state.load(identity))
+        task.add_done_callback(self._loaded)
+
+    def _loaded(self, task: asyncio.Task[None]) -> None:
+        if self.state != LOADING:  # the client left meanwhile
+            return
+        self.state = BUFFERING
+        client = self.client
+        if client.flow.reasons & WAITING:
+            client.flow.resume(WAITING)  # routed now: reading goes on as the decision says
+        try:
+            self._route(True)
+        except Exception as exc:  # a bug must cost one request, not the connection
+            log.error("request failed in the engine: %r", exc, exc_info=exc)
+            self.internal_error()
+        client.flush()
 
     def _await_body(self, decision: Decision) -> None:
         """The body a mode reads is still arriving: bound its arrival like a response's (the
@@ -860,6 +895,10 @@ class _Exchange:
         """Client bytes were parsed: forward, buffer or refuse them according to the state."""
         state = self.state
         if state >= SENT:
+            return
+        if state == LOADING:  # not routed yet: buffer, as while waiting for a connection
+            if self.body_size > WAIT_BUFFER and not self.complete:
+                self.client.flow.pause(WAITING)
             return
         if self.body_size > self.limit:
             self._too_large_midway()

@@ -14,6 +14,7 @@ import aiohttp
 from sidecar.admin import build_admin_app
 from sidecar.admin.views import MAX_DEPTH, MAX_NODES, VIEWS_LOCK
 from sidecar.lineage import SessionTree, TurnOutcome
+from tests.modes.wire import settled
 from tests.sessions.support import metrics_text
 from tests.upstream import RecordingUpstream
 
@@ -29,6 +30,7 @@ async def send(http: aiohttp.ClientSession, sc: Any, session: str, *, parent: st
     async with http.post(sc.proxy_url + "/v1/chat/completions", headers=headers, json={"messages": []}) as resp:
         assert resp.status == 200
         await resp.read()
+    await settled(sc, session)
 
 
 async def get_json(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:

@@ -1,0 +1,106 @@
+"""A session as the shared store keeps it: one small hash per id (short field names, because every
+live session costs its bytes in Redis), read into :class:`Record`.
+
+Fields: ``d`` deployment, ``p`` parent (the root hint for a hinted session), ``r`` root (absent:
+the id itself), ``f`` flags (:mod:`sidecar.state.scripts`), ``c`` created and ``a`` last active
+(unix ms), ``n`` turns, ``e`` end reason and ``z`` when it started closing or ended (ms), ``m``
+the mode's state, ``w``/``wt``/``mv`` the worker history, and for API sessions ``ws`` workspace,
+``t`` TTL seconds and ``q`` creation sequence. ``h:<replica>`` are holders (requests in flight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from sidecar.state.scripts import API, CLOSED, ENDED, FINAL_SEEN, HINTED, PLACEHOLDER
+
+
+@dataclass(slots=True)
+class Record:
+    """One session record, decoded. Times are unix seconds."""
+
+    id: str
+    deployment: str
+    flags: int
+    parent: str | None  # the declared parent (None for roots and hinted sessions)
+    above: str | None  # the node it hangs under: the parent, or the root hint of a hinted session
+    root: str
+    created: float
+    last_active: float
+    turns: int
+    end_reason: str | None
+    ended_at: float | None
+    mode_state: str | None
+    workers: list[Any] | None
+    worker_turns: int
+    moves: int
+    workspace: str | None
+    ttl: float | None
+    seq: int
+    in_flight: int  # summed over the replicas' holder fields
+
+    @property
+    def placeholder(self) -> bool:
+        return bool(self.flags & PLACEHOLDER)
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.flags & ENDED)
+
+    @property
+    def closing(self) -> bool:
+        return bool(self.flags & CLOSED) and not self.flags & ENDED
+
+    @property
+    def live(self) -> bool:
+        """A session that began and has not started to close or end."""
+        return not self.flags & (PLACEHOLDER | CLOSED | ENDED)
+
+    @property
+    def final_seen(self) -> bool:
+        return bool(self.flags & FINAL_SEEN)
+
+    @property
+    def api(self) -> bool:
+        return bool(self.flags & API)
+
+
+def decode(session: str, fields: dict[str, str]) -> Record | None:
+    """The record of ``session`` from its hash fields (as HGETALL returns them), None when empty."""
+    if not fields:
+        return None
+    flags = int(fields.get("f", "0"))
+    above = fields.get("p") or None
+    in_flight = sum(int(v) for k, v in fields.items() if k.startswith("h:") and v.lstrip("-").isdigit())
+    workers = fields.get("w")
+    ttl = fields.get("t")
+    ended_at = fields.get("z")
+    return Record(
+        id=session,
+        deployment=fields.get("d", ""),
+        flags=flags,
+        parent=None if flags & HINTED else above,
+        above=above,
+        root=fields.get("r") or session,
+        created=int(fields.get("c", "0")) / 1000,
+        last_active=int(fields.get("a", "0")) / 1000,
+        turns=int(fields.get("n", "0")),
+        end_reason=fields.get("e") or None,
+        ended_at=int(ended_at) / 1000 if ended_at else None,
+        mode_state=fields.get("m") or None,
+        workers=orjson.loads(workers) if workers else None,
+        worker_turns=int(fields.get("wt", "0")),
+        moves=int(fields.get("mv", "0")),
+        workspace=fields.get("ws") or None,
+        ttl=float(ttl) if ttl else None,
+        seq=int(fields.get("q", "0")),
+        in_flight=in_flight,
+    )
+
+
+def ms(seconds: float) -> int:
+    """Unix seconds as the store's integer milliseconds."""
+    return int(seconds * 1000)

@@ -1,0 +1,725 @@
+"""The shared backend: sessions in Redis 7+ or Valkey, so several replicas act as one and sessions
+survive restarts (``state.url: redis://...``). Data layout and the atomic steps are in
+:mod:`sidecar.state.scripts`; records in :mod:`sidecar.state.records`.
+
+How it keeps the request path free of round trips:
+
+- **Loads**: a request of a session this replica does not hold waits for one pipelined read of
+  the session, its parent and its root hint (:meth:`RedisState.load`); every load asked in the
+  same loop iteration shares that round trip. What it finds is placed in the router's tree and
+  API table (the cache), so the session's root, binding and upstream are the fleet's.
+- **Writes behind**: turns report to a dirty table (a dict operation). Every ``flush_interval_ms``
+  the new sessions, changes of this replica's requests in flight (holders), closes and mode
+  states go out in one script call; turn counts and activity once a second. A replica killed with
+  SIGKILL loses at most those intervals of its own writes.
+- **Ends, exactly once**: a local end (final turn, API close) marks the session closing in the
+  store and publishes it; every replica stops admitting it and, when its own requests of it
+  drained, asks the store to end it. The store ends it once the settle window (a few flush
+  intervals: every holder is written by then) passed and no live replica holds a request of it,
+  for exactly one caller, who runs the end-of-session actions. Idle expiry and the live-session
+  cap are swept in the store by whichever replica's sweep claims them first.
+- **Faults**: a failed or slow store call opens a circuit breaker: the request that met it waited
+  at most ``timeout_ms``, later ones do not wait at all and go on with local state. The breaker
+  probes with PING (1 s, doubling to 30 s); once the store answers, pending writes go out and every
+  live session held here is republished (it fills records the store lost, never overwrites). The
+  dirty table is bounded; what an overflow drops is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from sidecar.config import Config
+from sidecar.lineage import EndReason, Ended, SessionTree, Turn
+from sidecar.metrics import Metrics
+from sidecar.sessions import ApiSession, SessionStatus, SessionStore
+from sidecar.state import LoadNeeded, SessionState
+from sidecar.state import scripts as lua
+from sidecar.state.records import Record, decode, ms
+
+log = logging.getLogger("sidecar.state")
+
+LAZY_SECONDS = 1.0  # turn counts and activity
+SWEEP_SECONDS = 1.0
+SWEEP_BATCH = 500
+LEASE_SECONDS = 10  # a replica's holders count while its lease lives (refreshed every lazy flush)
+BREAKER_MIN, BREAKER_MAX = 1.0, 30.0
+MAX_DIRTY = 200_000  # sessions with unwritten changes; beyond it the oldest are dropped (counted)
+REPUBLISH_BATCH = 1000
+KEY_GRACE_SECONDS = 60
+
+
+class _Dirty:
+    """A session's changes since its last write: what was written then, what is new since."""
+
+    __slots__ = ("node", "turns0", "in_flight0", "flags0", "created", "mode", "workers")
+
+    def __init__(self, node: Any, turns0: int, in_flight0: int, created: bool) -> None:
+        self.node = node  # the tree's node (sidecar.lineage._Node): its fields are read at write time
+        self.turns0 = turns0
+        self.in_flight0 = in_flight0
+        self.flags0 = node.flags
+        self.created = created
+        self.mode = False
+        self.workers = False
+
+
+class RedisState(SessionState):
+    """Sessions shared through Redis / Valkey (see the module docstring)."""
+
+    shared = True
+
+    def __init__(self, config: Config, metrics: Metrics, tree: SessionTree, api: SessionStore,
+                 *, clock: Any = time.time) -> None:
+        super().__init__()
+        sc = config.state
+        self.config = sc
+        self.prefix = sc.key_prefix
+        self.channel = self.prefix + "ev"
+        self.timeout = sc.timeout_ms / 1000
+        self.tick = sc.flush_interval_ms / 1000
+        # Every holder reaches the store within a tick or two of its request's start: an end
+        # waits this long after the close before it may be claimed.
+        self.settle_ms = max(4 * sc.flush_interval_ms, 100)
+        s = config.sessions
+        self.idle_ttl = s.idle_ttl_seconds
+        self.cap = s.max_live_sessions
+        self.tomb_ttl = int(max(s.tombstone_ttl_seconds, s.api.tombstone_ttl_seconds, 60))
+        self.api_cfg = s.api
+        self.metrics = metrics
+        self.tree = tree
+        self.api = api
+        self.clock = clock
+        self.replica = uuid.uuid4().hex[:12]
+        self.client: aioredis.Redis | None = None
+        self.up = False
+        self._retry_at = 0.0
+        self._backoff = BREAKER_MIN
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._dirty: dict[str, _Dirty] = {}
+        self._urgent: set[str] = set()
+        self._ending: dict[str, str] = {}  # id -> reason: local ends to close and claim
+        self._checks: dict[str, float] = {}  # id -> loop time: end checks to run again
+        self._republish: list[str] = []
+        self._next_lazy = 0.0
+        self._kicked = False
+        self._flushing: asyncio.Lock | None = None
+        # loads waiting for the next batch
+        self._batch: set[str] = set()
+        self._batch_future: asyncio.Future[dict[str, Record | None]] | None = None
+        self._batch_identities: list[Any] = []
+        self._events = 0
+        self.dropped = 0
+        metrics.watch_state()
+        m = metrics
+        self._up_gauge = m.state_up
+        self._op_counts = m.state_ops
+        self._latency = m.state_latency
+        self._dropped = m.state_dropped
+        self._round_trips = m.state_round_trips
+        self._commands = m.state_commands
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._flushing = asyncio.Lock()
+        self.client = self._connect()
+        self._flush_script = self.client.register_script(lua.FLUSH)
+        self._close_script = self.client.register_script(lua.CLOSE)
+        self._end_script = self.client.register_script(lua.END_CHECK)
+        self._sweep_script = self.client.register_script(lua.SWEEP)
+        self._create_script = self.client.register_script(lua.API_CREATE)
+        try:
+            await self._timed("ping", self.client.ping(), commands=1)
+        except (RedisError, OSError, TimeoutError) as exc:
+            if self.config.required:
+                await self.client.aclose()
+                raise StoreUnavailable(f"state.url: the shared store is unreachable ({_reason(exc)}) and "
+                                       "state.required is true") from None
+            self._failed("start", exc)
+        else:
+            self._set_up(True)
+            log.info("shared session store connected", extra={"replica": self.replica, "prefix": self.prefix})
+        loop = self._loop
+        self._tasks = [loop.create_task(self._flusher(), name="sidecar-state-flush"),
+                       loop.create_task(self._sweeper(), name="sidecar-state-sweep"),
+                       loop.create_task(self._listener(), name="sidecar-state-events")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in list(self._tasks):
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # a background task's failure must not stop the shutdown
+                log.exception("shared store task failed")
+        if self.client is None:
+            return
+        if self.up:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await self._flush(everything=True)
+                await self._timed("lease", self.client.delete(self.prefix + "rep:" + self.replica), commands=1)
+        await self.client.aclose()
+
+    def _connect(self) -> aioredis.Redis:
+        sc = self.config
+        # No retries inside the client: a failure reaches the breaker at once.
+        kwargs: dict[str, Any] = {"socket_timeout": self.timeout, "socket_connect_timeout": self.timeout,
+                                  "decode_responses": True, "encoding_errors": "surrogateescape",
+                                  "retry_on_timeout": False, "retry": Retry(NoBackoff(), 0)}
+        password = os.environ.get("SIDECAR_STATE_PASSWORD")
+        if sc.password_file:
+            with open(sc.password_file, encoding="utf-8") as f:
+                password = f.read().strip()
+        if password:
+            kwargs["password"] = password
+        if sc.url.startswith("rediss:") and sc.ca_file:
+            kwargs["ssl_ca_certs"] = sc.ca_file
+        return aioredis.from_url(sc.url, **kwargs)
+
+    # -- the breaker ---------------------------------------------------------------------------
+
+    def _set_up(self, up: bool) -> None:
+        self.up = up
+        self._up_gauge.set(1.0 if up else 0.0)
+        if up:
+            self._backoff = BREAKER_MIN
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        """A store call failed: open the breaker (log once per outage)."""
+        if self.up or op == "start":
+            log.warning("shared session store unreachable (%s: %s): serving on local state, retrying",
+                        op, _reason(exc), extra={"replica": self.replica})
+        self._set_up(False)
+        assert self._loop is not None
+        self._retry_at = self._loop.time() + self._backoff
+        self._backoff = min(self._backoff * 2, BREAKER_MAX)
+
+    async def _probe(self) -> bool:
+        """Closed breaker: True. Open: PING when the backoff elapsed; on success close it and
+        republish what this replica holds."""
+        if self.up:
+            return True
+        assert self._loop is not None and self.client is not None
+        if self._loop.time() < self._retry_at:
+            return False
+        try:
+            await self._timed("ping", self.client.ping(), commands=1)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("ping", exc)
+            return False
+        self._set_up(True)
+        log.info("shared session store reachable again: republishing live sessions",
+                 extra={"replica": self.replica})
+        self._republish = self.tree.held_sessions()
+        return True
+
+    async def _timed(self, op: str, awaitable: Any, *, commands: int) -> Any:
+        """Await one store round trip within the timeout, counted by outcome."""
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.timeout):
+                result = await awaitable
+        except (RedisError, OSError, TimeoutError):
+            self._op_counts.labels(op, "error").inc()
+            raise
+        self._latency.labels(op).observe(time.perf_counter() - t0)
+        self._op_counts.labels(op, "ok").inc()
+        self._round_trips.inc()
+        self._commands.inc(commands)
+        return result
+
+    # -- loads ---------------------------------------------------------------------------------
+
+    async def load(self, identity: Any) -> None:
+        if not self.up and not await self._probe():
+            return
+        assert self._loop is not None
+        ids = [identity.session] + [i for i in (identity.parent, identity.root) if i]
+        future = self._batch_future
+        if future is None:
+            future = self._batch_future = self._loop.create_future()
+            self._loop.call_soon(self._start_batch)
+        self._batch.update(ids)
+        self._batch_identities.append(identity)
+        await asyncio.shield(future)
+
+    def _start_batch(self) -> None:
+        assert self._loop is not None
+        ids, identities, future = list(self._batch), self._batch_identities, self._batch_future
+        self._batch, self._batch_identities, self._batch_future = set(), [], None
+        task = self._loop.create_task(self._read_batch(ids, identities, future))
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
+
+    async def _read_batch(self, ids: list[str], identities: list[Any], future: asyncio.Future[Any]) -> None:
+        assert self.client is not None
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for i in ids:
+                    pipe.hgetall(self.prefix + "s:" + i)
+                rows = await self._timed("load", pipe.execute(), commands=len(ids))
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("load", exc)
+        else:
+            records = {i: decode(i, row) for i, row in zip(ids, rows, strict=True)}
+            for identity in identities:
+                self._place(identity, records)
+        if not future.done():
+            future.set_result(None)
+
+    def _place(self, identity: Any, records: dict[str, Record | None]) -> None:
+        """Put what the store knows of a request's session (and parent, root hint) into the cache."""
+        rec = records.get(identity.session)
+        if rec is not None and rec.api:
+            self.api.cache(_api_session(rec))
+        for other in (identity.parent, identity.root):
+            orec = records.get(other) if other else None
+            if orec is not None and (orec.live or orec.placeholder):
+                self._seed(orec)
+        if rec is not None and rec.live:
+            self._seed(rec)
+
+    def _seed(self, rec: Record) -> None:
+        tree = self.tree
+        offset = tree.now() - self.clock()  # store times are wall-clock, the tree's are its own
+        tree.seed(rec.id, rec.above, rec.root, hinted=rec.above is not None and rec.parent is None,
+                  deployment=rec.deployment, turns=rec.turns, final_seen=rec.final_seen,
+                  created=rec.created + offset, last_active=rec.last_active + offset, mode_state=rec.mode_state,
+                  workers=rec.workers, worker_turns=rec.worker_turns, moves=rec.moves, placeholder=rec.placeholder)
+
+    # -- the request path: writes behind ---------------------------------------------------------
+
+    def begun(self, turn: Turn) -> None:
+        node = turn._node
+        sid = node.session
+        entry = self._dirty.get(sid)
+        if entry is None:
+            created = turn.facts.turn == 1
+            entry = self._dirty[sid] = _Dirty(node, 0 if created else node.turns - 1, node.in_flight - 1, created)
+            if len(self._dirty) > MAX_DIRTY:
+                self._drop_oldest()
+        elif entry.node is not node:  # a newer session took the id: write it as a new one
+            entry.node, entry.created, entry.turns0 = node, True, 0
+        if entry.created or entry.in_flight0 == 0:
+            self._urgent.add(sid)  # a new session, or this replica starts holding one
+            if entry.created and not self._kicked and self.up:
+                self._kick()
+
+    def finished(self, turn: Turn) -> None:
+        node = turn._node
+        sid = node.session
+        if sid not in self._dirty:
+            self._dirty[sid] = _Dirty(node, node.turns, node.in_flight + 1, False)
+
+    def _kick(self) -> None:
+        """Write soon (after this loop iteration), not at the next tick: a new session is visible
+        to the other replicas within a round trip."""
+        assert self._loop is not None
+        self._kicked = True
+        task = self._loop.create_task(self._kicked_flush())
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
+
+    async def _kicked_flush(self) -> None:
+        self._kicked = False
+        try:
+            await self._flush(everything=False)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("flush", exc)
+        except Exception:
+            log.exception("shared store flush failed")
+
+    def touched(self, turn: Turn, *, mode_state: bool = False) -> None:
+        node = turn._node
+        entry = self._dirty.get(node.session)
+        if entry is None:
+            entry = self._dirty[node.session] = _Dirty(node, node.turns, node.in_flight, False)
+        if mode_state:
+            entry.mode = True
+            self._urgent.add(node.session)
+        else:
+            entry.workers = True
+
+    def local_ends(self, ended: Sequence[Ended]) -> Sequence[Ended]:
+        for e in ended:
+            if e.reason in _FORGOTTEN:
+                continue  # this cache forgot it; the store's sweep ends it fleet-wide
+            self._ending[e.session] = str(e.reason)
+        return ()
+
+    def _drop_oldest(self) -> None:
+        for sid in list(self._dirty)[: len(self._dirty) - MAX_DIRTY]:
+            del self._dirty[sid]
+            self._urgent.discard(sid)
+            self.dropped += 1
+            self._dropped.inc()
+
+    # -- flushing ------------------------------------------------------------------------------
+
+    async def _flusher(self) -> None:
+        assert self._loop is not None
+        while True:
+            await asyncio.sleep(self.tick)
+            now = self._loop.time()
+            lazy = now >= self._next_lazy
+            due = [sid for sid, at in self._checks.items() if at <= now]
+            if not (lazy or self._urgent or self._ending or due or self._republish):
+                continue
+            if not await self._probe():
+                continue
+            if lazy:
+                self._next_lazy = now + LAZY_SECONDS
+            try:
+                await self._flush(everything=lazy, checks=due)
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._failed("flush", exc)
+            except Exception:  # a defect must not stop the writer
+                log.exception("shared store flush failed")
+
+    async def _flush(self, *, everything: bool, checks: Sequence[str] = ()) -> None:
+        """One round trip: the batched writes, then the closes and end checks pending here."""
+        assert self.client is not None and self._flushing is not None
+        async with self._flushing:
+            sids = list(self._dirty) if everything else [s for s in self._urgent if s in self._dirty]
+            ending = dict(self._ending)
+            for sid in ending:
+                if sid in self._dirty and sid not in sids:
+                    sids.append(sid)
+            written: dict[str, tuple[Any, int, int]] = {}
+            args = self._ops(sids, written)
+            republish = self._republish[:REPUBLISH_BATCH]
+            del self._republish[:REPUBLISH_BATCH]
+            args += self._republish_ops(republish)
+            now_ms = ms(self.clock())
+            async with self.client.pipeline(transaction=False) as pipe:
+                # (redis-py's asyncio scripts queue on a pipeline when awaited; the round trip is execute)
+                await self._flush_script(args=[self.prefix, now_ms, self.replica, self.tomb_ttl, LEASE_SECONDS,
+                                               int(self.idle_ttl + self.tomb_ttl + KEY_GRACE_SECONDS), *args],
+                                         client=pipe)
+                for sid, reason in ending.items():
+                    await self._close_script(args=[self.prefix, sid, now_ms, reason, self.settle_ms], client=pipe)
+                checked = [*ending, *(c for c in checks if c not in ending)]
+                for sid in checked:
+                    await self._end_script(args=[self.prefix, sid, now_ms, self.tomb_ttl, self.settle_ms], client=pipe)
+                results = await self._timed("flush", pipe.execute(), commands=1 + len(ending) + len(checked))
+            # Written: drop the entries that did not change during the round trip; the others
+            # keep what changed since (their "before" is what was just written).
+            for sid, (node, turns, in_flight) in written.items():
+                entry = self._dirty.get(sid)
+                if entry is None or entry.node is not node:
+                    continue
+                if node.turns == turns and node.in_flight == in_flight:
+                    del self._dirty[sid]
+                else:
+                    entry.turns0, entry.in_flight0, entry.flags0 = turns, in_flight, node.flags
+                    entry.created = entry.mode = entry.workers = False
+            self._urgent.difference_update(sids)
+            for sid in ending:
+                self._ending.pop(sid, None)
+            for sid in checks:
+                self._checks.pop(sid, None)
+            missing, ended = results[0]
+            self._republish.extend(missing)
+            for sid in ended:
+                self._forget(sid, None)
+            for sid, outcome in zip(checked, results[1 + len(ending):], strict=True):
+                self._end_outcome(sid, outcome)
+
+    def _ops(self, sids: Sequence[str], written: dict[str, tuple[Any, int, int]]) -> list[Any]:
+        """The flush script's operations for these sessions' changes (nodes read now); records in
+        ``written`` what each carries (node, turns, in flight), to settle the entries once the
+        write succeeded."""
+        tree_now = self.tree.now()
+        wall = self.clock()
+        out: list[Any] = []
+        for sid in sids:
+            entry = self._dirty.get(sid)
+            if entry is None:
+                continue
+            node = entry.node
+            written[sid] = (node, node.turns, node.in_flight)
+            active = ms(wall - (tree_now - node.last_active_at))
+            deadline = active + int(self._ttl_of(sid) * 1000)
+            key_ttl = int(self._ttl_of(sid) + self.tomb_ttl + KEY_GRACE_SECONDS)
+            if entry.created:
+                above = node.parent
+                if above is not None and above.flags & 1:  # a placeholder made here: tell the others
+                    out += ("P", above.session, node.deployment, key_ttl)
+                root = self.tree.root_of(sid) or sid
+                out += ("C", sid, node.deployment, above.session if above is not None else "",
+                        "" if root == sid else root, _flags(node), ms(wall - (tree_now - node.created_at)),
+                        active, node.turns, deadline, key_ttl)
+            else:
+                turns = node.turns - entry.turns0
+                out += ("U", sid, turns, active, deadline, key_ttl)
+                if node.flags & 2 and not entry.flags0 & 2:
+                    out += ("F", sid, lua.FINAL_SEEN)
+            if node.in_flight != entry.in_flight0:
+                out += ("H", sid, node.in_flight)
+            if entry.mode and node.mode_state is not None:
+                out += ("M", sid, node.mode_state)
+            if entry.workers and node.workers is not None:
+                out += ("W", sid, orjson.dumps(node.workers).decode(), node.worker_turns, node.moves)
+        return out
+
+    def _republish_ops(self, sids: Sequence[str]) -> list[Any]:
+        """Records for sessions this replica holds live, written only where the store has none
+        (after an outage, or a store restart that lost data)."""
+        tree_now = self.tree.now()
+        wall = self.clock()
+        out: list[Any] = []
+        for sid in sids:
+            facts = self.tree.facts_of(sid)
+            if facts is None:
+                continue
+            deployment, above, root, flags, turns, created, last_active = facts
+            active = ms(wall - (tree_now - last_active))
+            key_ttl = int(self._ttl_of(sid) + self.tomb_ttl + KEY_GRACE_SECONDS)
+            out += ("R", sid, deployment, above or "", "" if root == sid else root, flags,
+                    ms(wall - (tree_now - created)), active, turns, active + int(self._ttl_of(sid) * 1000), key_ttl)
+        return out
+
+    def _ttl_of(self, sid: str) -> float:
+        rec = self.api.get(sid)
+        if rec is not None:
+            return rec.ttl if rec.ttl is not None else 10 * 365 * 86400.0
+        return self.idle_ttl
+
+    # -- ends ----------------------------------------------------------------------------------
+
+    def _end_outcome(self, sid: str, outcome: list[Any]) -> None:
+        """An end check's answer: claimed (run the end here), wait and check again, or nothing."""
+        if outcome[0] == "":
+            wait = int(outcome[1])
+            if wait >= 0:
+                assert self._loop is not None
+                self._checks[sid] = self._loop.time() + wait / 1000
+            return
+        self._claimed(outcome)
+
+    def _claimed(self, row: list[Any]) -> None:
+        """This replica ended a session in the store: tell the cache, run its end actions."""
+        sid, deployment, parent, root, turns, reason = row[0], row[1], row[2] or None, row[3], int(row[4]), row[5]
+        self._forget(sid, reason)
+        if self.on_claimed is not None:
+            self.on_claimed(Ended(sid, parent, root, deployment, EndReason(reason), turns))
+
+    def _forget(self, sid: str, reason: str | None) -> None:
+        """The session ended in the store: this cache drops it (no local end actions)."""
+        rec = self.api.get(sid)
+        if rec is not None and rec.status is SessionStatus.ACTIVE:
+            expired = reason == EndReason.IDLE_EXPIRED
+            self.api.mark_ended(sid, SessionStatus.EXPIRED if expired else SessionStatus.CLOSED, self.clock())
+        self.tree.close(sid, EndReason(reason) if reason in _REASONS else EndReason.API_CLOSED)
+        self._dirty.pop(sid, None)
+        self._urgent.discard(sid)
+
+    async def close(self, session: str, reason: str) -> int:
+        """Start closing ``session`` fleet-wide (the sessions API): 1 closing now, 2 already
+        closing, 0 unknown, -1 already ended. Raises when the store is unavailable."""
+        if not await self._probe():
+            raise StoreUnavailable("the shared session store is unavailable")
+        assert self.client is not None
+        try:
+            return int(await self._timed("close", self._close_script(
+                args=[self.prefix, session, ms(self.clock()), reason, self.settle_ms]), commands=1))
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("close", exc)
+            raise StoreUnavailable("the shared session store is unavailable") from exc
+
+    async def create_api(self, *, session: str, deployment: str, workspace: str | None, parent: str | None,
+                         ttl: float | None, now: float) -> int:
+        """Create an API session in the store: its sequence number, 0 when the id is taken, -2 at
+        the limit of active API sessions. Raises when the store is unavailable."""
+        if not await self._probe():
+            raise StoreUnavailable("the shared session store is unavailable")
+        deadline = "+inf" if ttl is None else ms(now + ttl)
+        key_ttl = int((ttl if ttl is not None else 10 * 365 * 86400.0) + self.tomb_ttl + KEY_GRACE_SECONDS)
+        try:
+            return int(await self._timed("create", self._create_script(
+                args=[self.prefix, session, deployment, workspace or "", parent or "",
+                      "" if ttl is None else repr(ttl), ms(now), deadline, key_ttl, self.api_cfg.max_sessions]),
+                commands=1))
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("create", exc)
+            raise StoreUnavailable("the shared session store is unavailable") from exc
+
+    async def fetch(self, sessions: Sequence[str]) -> dict[str, Record | None]:
+        """Records of these ids, as the store holds them now (views, the sessions API)."""
+        if not sessions:
+            return {}
+        if self.up:
+            await self._flush_now()
+        rows = await self._read("read", lambda pipe: [pipe.hgetall(self.prefix + "s:" + s) for s in sessions],
+                                len(sessions))
+        return {sid: decode(sid, row) for sid, row in zip(sessions, rows, strict=True)}
+
+    async def children(self, sessions: Sequence[str]) -> dict[str, list[str]]:
+        """The child ids the store records under each of these sessions (one round trip)."""
+        if not sessions:
+            return {}
+        rows = await self._read("read", lambda pipe: [pipe.smembers(self.prefix + "k:" + s) for s in sessions],
+                                len(sessions))
+        return {sid: sorted(row) for sid, row in zip(sessions, rows, strict=True)}
+
+    async def recent(self, count: int) -> list[str]:
+        """Ids of the live sessions that stay live the longest (the most recently active)."""
+        (rows,) = await self._read("read", lambda pipe: [pipe.zrevrange(self.prefix + "live", 0, count - 1)], 1)
+        return list(rows)
+
+    async def live_count(self) -> int:
+        """Sessions live in the whole fleet."""
+        (count,) = await self._read("read", lambda pipe: [pipe.zcard(self.prefix + "live")], 1)
+        return int(count)
+
+    async def api_page(self, after: int, count: int) -> list[Record]:
+        """Up to ``count`` API sessions created after sequence number ``after``, in creation order."""
+        (ids,) = await self._read("read", lambda pipe: [pipe.zrangebyscore(
+            self.prefix + "api", f"({after}", "+inf", start=0, num=count)], 1)
+        records = await self.fetch(list(ids))
+        return [r for r in records.values() if r is not None]
+
+    async def _read(self, op: str, queue: Any, commands: int) -> list[Any]:
+        """One pipelined read (``queue(pipe)`` adds the commands); raises StoreUnavailable."""
+        if not await self._probe():
+            raise StoreUnavailable("the shared session store is unavailable")
+        assert self.client is not None
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                queue(pipe)
+                return list(await self._timed(op, pipe.execute(), commands=commands))
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed(op, exc)
+            raise StoreUnavailable("the shared session store is unavailable") from exc
+
+    async def _flush_now(self) -> None:
+        """Write what this replica has pending (so a view read next sees it)."""
+        if self._dirty or self._ending:
+            try:
+                await self._flush(everything=True)
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._failed("flush", exc)
+
+    # -- the sweep and events ------------------------------------------------------------------
+
+    async def _sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_SECONDS)
+            if not await self._probe():
+                continue
+            try:
+                await self._flush_now()
+                while True:
+                    claimed = await self._timed("sweep", self._sweep_script(args=[
+                        self.prefix, ms(self.clock()), SWEEP_BATCH, self.cap, self.tomb_ttl, self.settle_ms,
+                        int(self.idle_ttl * 1000)]), commands=1)
+                    for row in claimed:
+                        self._claimed(row)
+                    if len(claimed) < SWEEP_BATCH:
+                        break
+                    await asyncio.sleep(0)
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._failed("sweep", exc)
+            except Exception:
+                log.exception("shared store sweep failed")
+
+    async def _listener(self) -> None:
+        """Closes and ends published by any replica, applied here within milliseconds."""
+        gap = False
+        while True:
+            if not self.up:
+                await asyncio.sleep(self.tick)
+                gap = True
+                continue
+            assert self.client is not None
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.channel)
+                if gap:
+                    await self._revalidate()
+                    gap = False
+                while self.up:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None:
+                        self._on_event(message["data"])
+            except (RedisError, OSError, StoreUnavailable) as exc:
+                gap = True
+                if not isinstance(exc, StoreUnavailable):
+                    self._failed("events", exc)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
+
+    def _on_event(self, data: str) -> None:
+        self._events += 1
+        kind, _, rest = data.partition(" ")
+        if kind == "c":
+            sid, _, reason = rest.partition(" ")
+            if self.on_closing is not None:
+                self.on_closing(sid, reason)
+        elif kind == "e":
+            self._forget(rest, None)
+
+    async def _revalidate(self) -> None:
+        """After a gap in the events: ask the store about every session held here."""
+        held = self.tree.held_sessions()
+        for i in range(0, len(held), REPUBLISH_BATCH):
+            records = await self.fetch(held[i:i + REPUBLISH_BATCH])
+            for sid, rec in records.items():
+                if rec is None:
+                    self._republish.append(sid)
+                elif rec.ended:
+                    self._forget(sid, rec.end_reason)
+                elif rec.closing and self.on_closing is not None:
+                    self.on_closing(sid, rec.end_reason or EndReason.API_CLOSED)
+
+    def stats(self) -> dict[str, Any]:
+        return {"up": self.up, "dirty": len(self._dirty), "dropped": self.dropped, "replica": self.replica}
+
+
+class StoreUnavailable(Exception):
+    """The shared store cannot answer now (the breaker is open or the call failed)."""
+
+
+_FORGOTTEN = frozenset({EndReason.IDLE_EXPIRED, EndReason.EVICTED, EndReason.SHUTDOWN})
+_REASONS = frozenset(r.value for r in EndReason)
+
+
+def _flags(node: Any) -> int:
+    """The store's flags of a tree node (sidecar.lineage: final seen 2, hinted 16 are shared)."""
+    return node.flags & (lua.FINAL_SEEN | lua.HINTED)
+
+
+def _api_session(rec: Record) -> ApiSession:
+    """The sessions API's record of a store record."""
+    if rec.ended or rec.closing:
+        status = SessionStatus.EXPIRED if rec.end_reason == EndReason.IDLE_EXPIRED else SessionStatus.CLOSED
+    else:
+        status = SessionStatus.ACTIVE
+    return ApiSession(rec.id, rec.deployment, rec.workspace, rec.parent, rec.ttl, rec.created, rec.seq,
+                      status=status, last_active_at=rec.last_active or None, ended_at=rec.ended_at)
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+__all__ = ["LoadNeeded", "RedisState", "StoreUnavailable"]

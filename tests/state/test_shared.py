@@ -1,0 +1,301 @@
+"""Two and three sidecars sharing one Redis: one fleet. API sessions, one lineage tree, ends
+exactly once, durability across restarts, the store's faults, the cost on the request path."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.modes.wire import settled
+
+
+async def post(http: aiohttp.ClientSession, sc: Any, session: str | None, *, parent: str | None = None,
+               final: bool = False, path: str = "/v1/chat/completions", extra: dict[str, str] | None = None
+               ) -> tuple[int, dict[str, Any]]:
+    headers = {**(extra or {})}
+    if session is not None:
+        headers["X-Correlation-ID"] = session
+    if parent is not None:
+        headers["X-Parent-Session-ID"] = parent
+    if final:
+        headers["X-Session-Final"] = "true"
+    async with http.post(sc.proxy_url + path, headers=headers, data=b'{"model":"m"}') as resp:
+        body = await resp.read()
+        status = resp.status
+    if session is not None:
+        await settled(sc, session)
+    return status, orjson.loads(body) if body else {}
+
+
+async def api(http: aiohttp.ClientSession, method: str, url: str, body: Any = None) -> tuple[int, Any]:
+    async with http.request(method, url, json=body) as resp:
+        return resp.status, await resp.json()
+
+
+@pytest.fixture
+async def start_upstreams() -> Any:
+    from tests.upstream import RecordingUpstream, start_upstream
+
+    runners = []
+
+    async def start(n: int) -> list[RecordingUpstream]:
+        ups = []
+        for _ in range(n):
+            up = RecordingUpstream()
+            runners.append(await start_upstream(up))
+            ups.append(up)
+        return ups
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def http() -> Any:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def test_an_api_session_created_on_one_replica_is_usable_and_closable_on_another(upstream, replicas, http):
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
+    status, created = await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default",
+                                                                          "session_id": "api-1"})
+    assert status == 201
+    status, seen = await api(http, "GET", b.admin_url + "/v1/sessions/api-1")
+    assert status == 200 and seen["id"] == "api-1" and seen["status"] == "active" and seen["origin"] == "api"
+    assert (await post(http, b, "api-1"))[0] == 200
+    assert upstream.received[-1].header("x-session-id") == "api-1"
+    status, closed = await api(http, "POST", b.admin_url + "/v1/sessions/api-1/close")
+    assert status == 200 and closed["status"] == "closed"
+    waited = time.monotonic()
+    while True:
+        status, body = await post(http, a, "api-1")
+        if status == 410:
+            break
+        assert time.monotonic() - waited < 2, "replica A still admits a closed session"
+        await asyncio.sleep(0.01)
+    assert body["error"]["type"] == "session_closed"
+    # the end-of-session action ran once, for the fleet
+    await _until(lambda: len(_finishes(upstream, "api-1")) >= 1)
+    await asyncio.sleep(0.5)
+    assert len(_finishes(upstream, "api-1")) == 1
+
+
+def _finishes(upstream: Any, session: str) -> list[Any]:
+    return [r for r in upstream.received if r.path.startswith("/finish_session") and session in r.path]
+
+
+async def _until(check: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def metric(sc: Any, name: str, labels: dict[str, str] | None = None) -> float:
+    return sc.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+async def test_a_close_lets_requests_in_flight_elsewhere_finish_and_ends_once_after_the_last(
+        upstream, replicas, http):
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
+    status, _ = await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default", "session_id": "s1"})
+    assert status == 201
+
+    async def stream() -> bytes:
+        async with http.get(b.proxy_url + "/sse?chunks=8&gap=0.1", headers={"X-Correlation-ID": "s1"}) as resp:
+            assert resp.status == 200
+            return await resp.read()
+
+    task = asyncio.create_task(stream())
+    await _until(lambda: len(upstream.sse_sent_at) >= 2)
+    status, closed = await api(http, "POST", a.admin_url + "/v1/sessions/s1/close")
+    assert status == 200 and closed["status"] == "closed"
+    body = await task
+    assert body.count(b"data: ") == 9  # 8 events and [DONE]: the stream in flight finished whole
+    assert (await post(http, b, "s1"))[0] == 410
+    await _until(lambda: len(_finishes(upstream, "s1")) >= 1)
+    await asyncio.sleep(0.6)
+    (finish,) = _finishes(upstream, "s1")
+    assert finish.at >= upstream.sse_sent_at[-1]  # after the last byte of the last request in flight
+    assert sum(metric(sc, "sidecar_sessions_ended_total", {"reason": "api_closed"}) for sc in (a, b)) == 1
+
+
+async def test_a_child_on_another_replica_joins_the_parents_tree(replicas, http, start_upstreams):
+    ups = await start_upstreams(3)
+    deployment = {"name": "chat", "upstreams": [u.url for u in ups], "mode": "smg_routing_key",
+                  "mode_options": {"scope": "tree"}}
+    a, b = await replicas(2, upstream=None, deployments=[deployment])
+    for _ in range(2):
+        assert (await post(http, a, "P"))[0] == 200
+    assert (await post(http, b, "C", parent="P"))[0] == 200
+    assert (await post(http, b, "P"))[0] == 200
+    got = [(r.header("X-SMG-Routing-Key"), i) for i, u in enumerate(ups) for r in u.received]
+    assert {key for key, _ in got} == {"P"}  # the child's routing key is its tree's root, on either replica
+    assert len({i for _, i in got}) == 1  # and its tree's upstream
+    for sc in (a, b):
+        # Each replica writes its turns behind (within flush_interval_ms): wait for them, not longer.
+        await _eventually(lambda: api(http, "GET", sc.admin_url + "/v1/trees/C"),
+                          lambda got: got[0] == 200 and got[1]["turns"] == 3 and got[1]["children"])
+        status, tree = await api(http, "GET", sc.admin_url + "/v1/trees/C")
+        assert status == 200, tree
+        assert (tree["session"], tree["turns"]) == ("P", 3)  # turns counted on both replicas
+        assert [(c["session"], c["parent"], c["root"], c["turns"]) for c in tree["children"]] == [("C", "P", "P", 1)]
+        status, node = await api(http, "GET", sc.admin_url + "/v1/sessions/C")
+        assert status == 200 and node["root"] == "P" and node["parent"] == "P"
+        status, data = await api(http, "GET", sc.admin_url + "/ui/data.json")
+        assert status == 200 and [t["root"] for t in data["trees"]] == ["P"]
+        assert [c["session"] for c in data["trees"][0]["tree"]["children"]] == ["C"]
+
+
+async def test_a_final_turn_on_one_replica_ends_the_session_once_for_the_fleet(upstream, replicas, http):
+    a, b, c = await replicas(3, upstream=upstream.url, mode="vllm_router")
+    assert (await post(http, a, "f1"))[0] == 200
+    assert (await post(http, b, "f1"))[0] == 200
+    assert (await post(http, c, "f1", final=True))[0] == 200
+    await _until(lambda: len(_finishes(upstream, "f1")) >= 1)
+    await asyncio.sleep(0.6)
+    assert len(_finishes(upstream, "f1")) == 1
+    assert sum(metric(sc, "sidecar_sessions_ended_total", {"reason": "final_turn_completed"})
+               for sc in (a, b, c)) == 1
+    # a new request on the id starts a new session on any replica (turn 1 again)
+    assert (await post(http, a, "f1"))[0] == 200
+    status, node = await api(http, "GET", b.admin_url + "/v1/sessions/f1")
+    assert status == 200 and node["status"] == "active" and node["turns"] == 1
+
+
+async def test_idle_expiry_is_claimed_by_one_replica(upstream, replicas, http):
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router", sessions={"idle_ttl_seconds": 1})
+    assert (await post(http, a, "idle-1"))[0] == 200
+    assert (await post(http, b, "idle-1"))[0] == 200
+    await _until(lambda: len(_finishes(upstream, "idle-1")) >= 1, timeout=8)
+    await asyncio.sleep(1.5)
+    assert len(_finishes(upstream, "idle-1")) == 1
+    assert sum(metric(sc, "sidecar_sessions_ended_total", {"reason": "idle_expired"}) for sc in (a, b)) == 1
+
+
+async def test_the_live_session_cap_evicts_fleet_wide_once(upstream, replicas, http):
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router", sessions={"max_live_sessions": 2})
+    assert (await post(http, a, "e1"))[0] == 200
+    assert (await post(http, b, "e2"))[0] == 200
+    assert (await post(http, a, "e3"))[0] == 200
+    await _until(lambda: sum(metric(sc, "sidecar_sessions_ended_total", {"reason": "evicted"}) for sc in (a, b)) >= 1,
+                 timeout=8)
+    await asyncio.sleep(1.5)
+    assert sum(metric(sc, "sidecar_sessions_ended_total", {"reason": "evicted"}) for sc in (a, b)) == 1
+    assert len([r for r in upstream.received if r.path.startswith("/finish_session")]) == 1
+
+
+async def test_restarting_every_replica_keeps_sessions_bindings_and_tombstones(upstream, replicas, http,
+                                                                               redis_server):
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
+    assert (await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default",
+                                                                  "session_id": "keep"}))[0] == 201
+    assert (await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default",
+                                                                  "session_id": "gone"}))[0] == 201
+    assert (await api(http, "POST", b.admin_url + "/v1/sessions/gone/close"))[0] == 200
+    assert (await post(http, a, "root-1"))[0] == 200
+    assert (await post(http, b, "kid-1", parent="root-1"))[0] == 200
+    await _until(lambda: len(_finishes(upstream, "gone")) == 1)
+    for sc in (a, b):
+        await sc.stop()
+    finishes = len([r for r in upstream.received if r.path.startswith("/finish_session")])
+    for restart_redis in (False, True):
+        if restart_redis:  # and the store itself, from its append-only file
+            redis_server.kill(signal.SIGTERM)
+            redis_server.start()
+        c, d = await replicas(2, upstream=upstream.url, mode="vllm_router")
+        status, kept = await api(http, "GET", d.admin_url + "/v1/sessions/keep")
+        assert status == 200 and kept["status"] == "active"
+        status, body = await post(http, c, "gone")
+        assert status == 410 and body["error"]["type"] == "session_closed"
+        assert (await post(http, d, "kid-1"))[0] == 200
+        status, node = await api(http, "GET", c.admin_url + "/v1/sessions/kid-1")
+        assert status == 200 and node["root"] == "root-1"
+        for sc in (c, d):
+            await sc.stop()
+        # no end action was repeated, and stopping replicas ends nothing
+        assert len([r for r in upstream.received if r.path.startswith("/finish_session")]) == finishes
+
+
+async def test_an_unreachable_store_at_start_serves_on_local_state(upstream, replicas, http, redis_server):
+    redis_server.kill()
+    a = await replicas.one(upstream=upstream.url, mode="dynamo_headers")
+    assert (await post(http, a, "local-1"))[0] == 200
+    assert upstream.received[-1].header("X-Dynamo-Session-ID") == "local-1"
+    assert metric(a, "sidecar_state_store_up") == 0
+    redis_server.start()
+    await _until(lambda: metric(a, "sidecar_state_store_up") == 1, timeout=10)
+    # once the store answers, what was served locally is shared
+    await _until(lambda: "local-1" in redis_server.cli("--scan", "--pattern", replicas.prefix + "s:*"), timeout=5)
+
+
+async def test_a_required_store_that_is_unreachable_stops_the_start(upstream, replicas, redis_server):
+    from sidecar.state.redis import StoreUnavailable
+
+    redis_server.kill()
+    with pytest.raises(StoreUnavailable, match="state.required"):
+        await replicas.one(upstream=upstream.url, state={"required": True})
+
+
+async def test_a_store_outage_under_load_fails_no_request(upstream, replicas, http, redis_server):
+    a, b = await replicas(2, upstream=upstream.url, mode="dynamo_headers", state={"timeout_ms": 200})
+    for i in range(5):
+        assert (await post(http, a, f"known-{i}"))[0] == 200
+    redis_server.kill()
+    statuses = []
+    for i in range(40):
+        sc = (a, b)[i % 2]
+        statuses.append((await post(http, sc, f"known-{i % 5}" if i % 3 else f"new-{i}"))[0])
+    assert statuses == [200] * 40
+    assert metric(a, "sidecar_state_store_up") == 0 and metric(b, "sidecar_state_store_up") == 0
+    redis_server.start()
+    await _until(lambda: metric(a, "sidecar_state_store_up") == 1 and metric(b, "sidecar_state_store_up") == 1,
+                 timeout=40)
+    # sessions first seen during the outage are republished: the other replica finds them
+    await _until(lambda: "new-3" in redis_server.cli("--scan", "--pattern", replicas.prefix + "s:*"), timeout=5)
+    status, node = await api(http, "GET", b.admin_url + "/v1/sessions/new-3")
+    assert status == 200 and node["id"] == "new-3"
+
+
+async def test_a_known_session_costs_no_round_trip_and_a_new_one_at_most_one(upstream, replicas, http):
+    a, _ = await replicas(2, upstream=upstream.url, mode="dynamo_headers")
+    assert (await post(http, a, "hot"))[0] == 200
+    loads = metric(a, "sidecar_state_ops_total", {"op": "load", "outcome": "ok"})
+    assert loads == 1
+    for _ in range(30):
+        assert (await post(http, a, "hot"))[0] == 200
+    assert metric(a, "sidecar_state_ops_total", {"op": "load", "outcome": "ok"}) == loads
+    assert (await post(http, a, "kid", parent="unknown-parent"))[0] == 200  # session and parent: one read
+    assert metric(a, "sidecar_state_ops_total", {"op": "load", "outcome": "ok"}) == loads + 1
+
+
+async def test_every_key_has_a_ttl(upstream, replicas, http, redis_server):
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
+    await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default", "session_id": "ttl-api"})
+    assert (await post(http, a, "ttl-root"))[0] == 200
+    assert (await post(http, b, "ttl-kid", parent="ttl-root"))[0] == 200
+    assert (await post(http, b, "ttl-kid", final=True))[0] == 200
+    await asyncio.sleep(1.2)  # a lazy flush: lease, shared keys
+    keys = redis_server.cli("--scan", "--pattern", replicas.prefix + "*").split()
+    assert len(keys) >= 6
+    for key in keys:
+        assert int(redis_server.cli("TTL", key)) > 0, key
+
+
+async def _eventually(fetch: Any, check: Any, timeout: float = 2.0) -> Any:
+    """Fetch until ``check`` holds (writes behind reach the store within milliseconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await fetch()
+        if check(got):
+            return got
+        assert time.monotonic() < deadline, got
+        await asyncio.sleep(0.01)
