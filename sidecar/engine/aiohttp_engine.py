@@ -7,6 +7,7 @@ the proxy test suite runs against both.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,10 +21,12 @@ from sidecar import errors
 from sidecar import headers as h
 from sidecar.engine.base import Engine
 from sidecar.lineage import TurnOutcome
-from sidecar.router import Decision, RequestHead
+from sidecar.router import BodyWork, Decision, RequestHead, body_pool
 
 log = logging.getLogger("sidecar.engine")
 
+# A buffered body above this size goes upstream from a stream (aiohttp's own threshold).
+_LARGE_BODY = 1 << 20
 _SKIP_AUTO = frozenset({"User-Agent", "Accept", "Accept-Encoding", "Content-Type"})
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
@@ -47,6 +50,7 @@ class AiohttpEngine(Engine):
             cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=None),
         )
+        self._body_pool = body_pool()  # the router's BodyWork (large bodies)
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -73,6 +77,7 @@ class AiohttpEngine(Engine):
     async def close(self) -> None:
         await self._runner.cleanup()
         await self._session.close()
+        self._body_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- request path -------------------------------------------------------------------------
 
@@ -117,23 +122,33 @@ class AiohttpEngine(Engine):
         declared = request.content_length
         if declared is not None and declared > limit:
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-            return self._error(_too_large(dep.name, limit), dep.name, dep.mode_name, "body_too_large")
+            return self._error(_too_large(dep.name, limit, decision.needs_body), dep.name, dep.mode_name,
+                               "body_too_large")
 
-        body: bytes | AsyncIterator[bytes] | None = None
+        body: bytes | io.BytesIO | AsyncIterator[bytes] | None = None
         if request.method not in ("GET", "HEAD") or request.body_exists:
             if in_headers.get(h.EXPECT, "").lower() == "100-continue":
                 await request.writer.write(_CONTINUE)
             if decision.needs_body:
                 try:
                     raw = await _read_bounded(request, limit)
-                    body = router.transform_body(decision, raw)
+                    body = await self._transform(decision, raw)
                 except _TooLarge:
                     router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-                    return self._error(_too_large(dep.name, limit), dep.name, dep.mode_name, "body_too_large")
+                    return self._error(_too_large(dep.name, limit, True), dep.name, dep.mode_name, "body_too_large")
                 except errors.ProxyError as exc:
                     router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
                     dep = decision.deployment
                     return self._error(exc, dep.name, dep.mode_name, exc.type)
+                except asyncio.CancelledError:  # the client left
+                    router.finish(decision, TurnOutcome.CLIENT_ABORTED)
+                    raise
+                except Exception as exc:  # a defect: still finish the turn and answer
+                    log.error("request body handling failed: %r", exc, exc_info=exc, extra=decision.log_fields())
+                    router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+                    dep = decision.deployment
+                    internal = errors.ProxyError(errors.INTERNAL_ERROR, "the sidecar failed to handle this request")
+                    return self._error(internal, dep.name, dep.mode_name)
             elif request.body_exists:
                 body = _stream_bounded(request, limit)
         out = _forward_headers(decision, request)
@@ -142,12 +157,22 @@ class AiohttpEngine(Engine):
         # streamed body without a length).
         if isinstance(body, bytes):
             out[h.CONTENT_LENGTH] = str(len(body))
+            if len(body) > _LARGE_BODY:
+                body = io.BytesIO(body)  # written in pieces (aiohttp warns about one large write)
         elif request.content_length is not None and not request.headers.get(h.TRANSFER_ENCODING):
             out[h.CONTENT_LENGTH] = str(request.content_length)
         return await self._exchange(request, decision, out, body, t0)
 
+    async def _transform(self, decision: Decision, raw: bytes) -> bytes:
+        """The body to forward: the router's, after its body work (a large body) ran on a
+        worker thread."""
+        result = self.router.transform_body(decision, raw)
+        while isinstance(result, BodyWork):
+            result = result.resume(await asyncio.get_running_loop().run_in_executor(self._body_pool, result.run))
+        return result
+
     async def _exchange(self, request: web.BaseRequest, decision: Decision, out: CIMultiDict[str],
-                        body: bytes | AsyncIterator[bytes] | None, t0: float) -> web.StreamResponse:
+                        body: bytes | io.BytesIO | AsyncIterator[bytes] | None, t0: float) -> web.StreamResponse:
         router = self.router
         dep = decision.deployment
         up = decision.upstream
@@ -238,9 +263,8 @@ def _caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
     return False
 
 
-def _too_large(dep: str, limit: int) -> errors.ProxyError:
-    return errors.ProxyError(errors.REQUEST_TOO_LARGE, f"request body exceeds {limit} bytes (deployment {dep!r})",
-                             deployment=dep, limit=limit)
+def _too_large(dep: str, limit: int, parsed: bool = False) -> errors.ProxyError:
+    return errors.request_too_large(dep, limit, parsed)
 
 
 def _forward_headers(decision: Decision, request: web.BaseRequest) -> CIMultiDict[str]:

@@ -44,6 +44,7 @@ import logging
 import sys
 from collections import deque
 from collections.abc import Mapping
+from functools import partial
 from http import HTTPStatus
 from time import perf_counter
 from typing import Any, cast
@@ -83,7 +84,7 @@ from sidecar.engine.head import (
 from sidecar.engine.idle_poll import IdlePoller, window_seconds
 from sidecar.engine.parsers import CallbackError, HeadTooLarge, ParseError, RequestParser, UpgradeRequest
 from sidecar.lineage import TurnOutcome
-from sidecar.router import Decision, RequestHead, Router
+from sidecar.router import BodyWork, Decision, RequestHead, Router, body_pool
 
 log = logging.getLogger("sidecar.engine")
 
@@ -139,8 +140,8 @@ _STATUS_LINE = {s.value: b"%d %s\r\n" % (s.value, s.phrase.encode()) for s in HT
 # Mode header name -> (lower-case key, b"Name: ", lower-case bytes); names come from the modes: a handful.
 _ADD_NAMES: dict[str, tuple[str, bytes, bytes]] = {}
 
-# Exchange states.
-QUEUED, BUFFERING, CONNECTING, SENDING, SENT, DONE = range(6)
+# Exchange states (TRANSFORMING: the router's body work runs on a worker thread).
+QUEUED, BUFFERING, TRANSFORMING, CONNECTING, SENDING, SENT, DONE = range(7)
 # How the response body is framed towards the client.
 R_NONE, R_LENGTH, R_CHUNKED, R_CLOSE = range(4)
 _RELAY = {R_NONE: RELAY_NONE, R_LENGTH: RELAY_RAW, R_CHUNKED: RELAY_CHUNKED, R_CLOSE: RELAY_RAW}
@@ -148,11 +149,6 @@ _RELAY = {R_NONE: RELAY_NONE, R_LENGTH: RELAY_RAW, R_CHUNKED: RELAY_CHUNKED, R_C
 # through EnumType.__getattr__ (hundreds of instructions per read).
 _COMPLETED = TurnOutcome.COMPLETED
 _UPSTREAM_FAILED = TurnOutcome.UPSTREAM_FAILED
-
-
-def _too_large(dep: str, limit: int) -> errors.ProxyError:
-    return errors.ProxyError(errors.REQUEST_TOO_LARGE, f"request body exceeds {limit} bytes (deployment {dep!r})",
-                             deployment=dep, limit=limit)
 
 
 def _bad_request(message: str) -> errors.ProxyError:
@@ -211,6 +207,7 @@ class FastEngine(Engine):
         self.clients: set[_ClientConnection] = set()
         self.shared = _Shared(self.router, self.metrics.in_flight.labels(), self.health)
         self._pools: list[UpstreamPool] = []
+        self.body_pool = body_pool()  # the router's BodyWork (large bodies)
 
     async def start(self) -> None:
         for dep in self.router.deployments:
@@ -278,6 +275,7 @@ class FastEngine(Engine):
             client.abort_all()
         for pool in self._pools:
             pool.close()
+        self.body_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.sleep(0)  # let the transports' connection_lost callbacks run
 
     def stats(self) -> dict[str, int]:
@@ -698,8 +696,8 @@ class _Exchange:
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
             # A declared length whose body is already parsed leaves nothing to skip: keep the
             # connection. A chunked body over the limit, or one still arriving, ends it.
-            self.respond_error(_too_large(dep.name, limit), dep.name, dep.mode_name, "body_too_large",
-                               close=self.chunked or not self.complete)
+            exc = errors.request_too_large(dep.name, limit, decision.needs_body)
+            self.respond_error(exc, dep.name, dep.mode_name, "body_too_large", close=self.chunked or not self.complete)
             return
         if self.expect and not self.complete and not self.http10:
             client.out.append(_CONTINUE)
@@ -832,22 +830,56 @@ class _Exchange:
             self.client.flow.pause(WAITING)
 
     def _send_transformed(self) -> None:
-        decision = self.decision
-        assert decision is not None
+        """The whole body of a ``needs_body`` request is here: the router reads (or rewrites) it,
+        then it is forwarded. Any failure finishes the turn and answers a JSON error."""
         body = self.body
         raw = body[0] if len(body) == 1 else b"".join(body)
         body.clear()
-        router = self.client.shared.router
         try:
-            new = router.transform_body(decision, raw)
-        except errors.ProxyError as exc:
-            router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+            self._body_ready(self.client.shared.router.transform_body(self.decision, raw))
+        except Exception as exc:
+            self._body_failed(exc)
+
+    def _body_ready(self, result: bytes | BodyWork) -> None:
+        """Forward the router's body, or run its body work (a large body) on a worker thread:
+        a future whose callback comes back here, on the loop."""
+        if type(result) is bytes:
+            if result:
+                self.body.append(result)
+            self._forward(self.decision, len(result))
+            return
+        assert isinstance(result, BodyWork)
+        self.state = TRANSFORMING
+        engine = self.client.engine
+        future = engine.loop.run_in_executor(engine.body_pool, result.run)
+        future.add_done_callback(partial(self._work_done, result))
+
+    def _work_done(self, work: BodyWork, future: asyncio.Future[Any]) -> None:
+        if self.state != TRANSFORMING:  # the client left meanwhile (its turn is finished)
+            if not future.cancelled():
+                future.exception()  # retrieved: nothing left to report
+            return
+        try:
+            if future.cancelled():
+                raise RuntimeError("body work cancelled (the engine is closing)")
+            self._body_ready(work.resume(future.result()))
+        except Exception as exc:
+            self._body_failed(exc)
+        self.client.flush()
+
+    def _body_failed(self, exc: Exception) -> None:
+        """Finish the turn and answer: the router's JSON error, or 500 for a defect."""
+        if self.state == DONE:
+            return
+        decision = self.decision
+        assert decision is not None
+        if isinstance(exc, errors.ProxyError):
+            self.client.shared.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
             dep = decision.deployment
             self.respond_error(exc, dep.name, dep.mode_name, exc.type)
             return
-        if new:
-            body.append(new)
-        self._forward(decision, len(new))
+        log.error("request body handling failed: %r", exc, exc_info=exc, extra=decision.log_fields())
+        self.internal_error()
 
     def _frame_body(self, out: list[bytes]) -> None:
         body = self.body
@@ -1138,7 +1170,7 @@ class _Exchange:
         decision = self.decision
         assert decision is not None
         dep = decision.deployment
-        self._fail_started(_too_large(dep.name, self.limit), "body_too_large")
+        self._fail_started(errors.request_too_large(dep.name, self.limit, decision.needs_body), "body_too_large")
 
     def _fail_started(self, exc: errors.ProxyError, reason: str) -> None:
         decision = self.decision
