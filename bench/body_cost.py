@@ -90,7 +90,7 @@ def router_path() -> Callable[[bytes], Any]:
 
     def run(body: bytes) -> Any:
         decision = router.route(head)
-        out = router.transform_body(decision, body)
+        out = router.transform_body(decision, body, len(body))
         router.finish(decision, "completed")  # type: ignore[arg-type]
         return out
 

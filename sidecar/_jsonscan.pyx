@@ -1,13 +1,14 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The compiled build's JSON scanner: the contract, statuses and limits are those of
-:mod:`sidecar.jsonscan`, which uses this module when it is built.
+"""The compiled build's JSON scanner and body copies: the contracts, statuses and limits are
+those of :mod:`sidecar.jsonscan`, which uses this module when it is built.
 
 One pass over the bytes in C, a byte per container on a stack array, no Python object until
 the hits are handed back. Inputs above ``NOGIL_BYTES`` are scanned with the GIL released, so a
 large body scanned on a worker thread leaves the event loop's thread running meanwhile.
 """
 
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport uint64_t
 from libc.string cimport memcmp, memcpy
 
@@ -91,6 +92,102 @@ def elements(bytes data, Py_ssize_t start, Py_ssize_t end, int limit):
     if _walk(p, start, end, MAX_DEPTH, &n, limit, &f) < 0:
         return []
     return [f.hits[i] for i in range(f.count)]
+
+
+def assemble(bytes data, list edits):
+    """See :func:`sidecar.jsonscan.assemble`."""
+    cdef Py_ssize_t count = len(edits), size = PyBytes_GET_SIZE(data), total, pos = 0, i, start, stop
+    cdef Py_ssize_t* spans = <Py_ssize_t*> PyMem_Malloc((2 * count + 1) * sizeof(Py_ssize_t))
+    cdef const char** parts = <const char**> PyMem_Malloc((count + 1) * sizeof(const char*))
+    cdef Py_ssize_t* sizes = <Py_ssize_t*> PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+    cdef bytes out
+    cdef char* dest
+    cdef const char* src = PyBytes_AS_STRING(data)
+    if spans == NULL or parts == NULL or sizes == NULL:
+        PyMem_Free(spans)
+        PyMem_Free(parts)
+        PyMem_Free(sizes)
+        raise MemoryError()
+    try:
+        total = size
+        for i in range(count):
+            start, stop, replacement = edits[i]
+            if type(replacement) is not bytes:
+                raise TypeError("replacements are bytes")
+            if start < pos or stop < start or stop > size:
+                raise ValueError("edits must be sorted and not overlap")
+            spans[2 * i] = start
+            spans[2 * i + 1] = stop
+            parts[i] = PyBytes_AS_STRING(replacement)
+            sizes[i] = PyBytes_GET_SIZE(replacement)
+            total += sizes[i] - (stop - start)
+            pos = stop
+        out = PyBytes_FromStringAndSize(NULL, total)
+        dest = PyBytes_AS_STRING(out)
+        # The edits hold their replacements: the pointers stay valid without the GIL.
+        if total > NOGIL_BYTES:
+            with nogil:
+                _copy_edited(src, size, spans, parts, sizes, count, dest)
+        else:
+            _copy_edited(src, size, spans, parts, sizes, count, dest)
+        return out
+    finally:
+        PyMem_Free(spans)
+        PyMem_Free(parts)
+        PyMem_Free(sizes)
+
+
+def join(list chunks):
+    """See :func:`sidecar.jsonscan.join`."""
+    cdef Py_ssize_t count = len(chunks), total = 0, i
+    cdef const char** parts = <const char**> PyMem_Malloc((count + 1) * sizeof(const char*))
+    cdef Py_ssize_t* sizes = <Py_ssize_t*> PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+    cdef bytes out
+    cdef char* dest
+    if parts == NULL or sizes == NULL:
+        PyMem_Free(parts)
+        PyMem_Free(sizes)
+        raise MemoryError()
+    try:
+        for i in range(count):
+            chunk = chunks[i]
+            if type(chunk) is not bytes:
+                raise TypeError("chunks are bytes")
+            parts[i] = PyBytes_AS_STRING(chunk)
+            sizes[i] = PyBytes_GET_SIZE(chunk)
+            total += sizes[i]
+        out = PyBytes_FromStringAndSize(NULL, total)
+        dest = PyBytes_AS_STRING(out)
+        # The list holds the chunks: the pointers stay valid without the GIL.
+        if total > NOGIL_BYTES:
+            with nogil:
+                _copy_all(parts, sizes, count, dest)
+        else:
+            _copy_all(parts, sizes, count, dest)
+        return out
+    finally:
+        PyMem_Free(parts)
+        PyMem_Free(sizes)
+
+
+cdef void _copy_all(const char** parts, const Py_ssize_t* sizes, Py_ssize_t count, char* dest) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(count):
+        memcpy(dest, parts[i], sizes[i])
+        dest += sizes[i]
+
+
+cdef void _copy_edited(const char* src, Py_ssize_t size, const Py_ssize_t* spans, const char** parts,
+                       const Py_ssize_t* sizes, Py_ssize_t count, char* dest) noexcept nogil:
+    cdef Py_ssize_t pos = 0, i, n
+    for i in range(count):
+        n = spans[2 * i] - pos
+        memcpy(dest, src + pos, n)
+        dest += n
+        memcpy(dest, parts[i], sizes[i])
+        dest += sizes[i]
+        pos = spans[2 * i + 1]
+    memcpy(dest, src + pos, size - pos)
 
 
 cdef void _names(tuple names, Names* n) except *:

@@ -172,10 +172,8 @@ def splice(body: ScannedBody, path: tuple[str, ...], values: dict[str, Any], own
         last, found = _located(data, start, end, drop)
         _edit_object(data, start, last, [(ks, ve) for ks, _, ve in found], insert, edits)
         break
-    if len(edits) == 1:
-        at, to, replacement = edits[0]
-        return b"".join((data[:at], replacement, data[to:]))
-    return _apply(data, edits)
+    edits.sort()
+    return jsonscan.assemble(data, edits)
 
 
 def _located(data: bytes, start: int, end: int, names: tuple[bytes, ...]) -> tuple[int, list[tuple[int, int, int]]]:
@@ -234,18 +232,3 @@ def _edit_object(data: bytes, start: int, last: int, removed: list[tuple[int, in
             edits.append((last, last, insert))
         else:
             edits.append((last, last, b"," + insert))
-
-
-def _apply(data: bytes, edits: list[tuple[int, int, bytes]]) -> bytes:
-    """``data`` with each ``(start, end, replacement)`` applied (non-overlapping)."""
-    if not edits:
-        return data
-    edits.sort()
-    out = []
-    pos = 0
-    for start, end, replacement in edits:
-        assert start >= pos, "overlapping edits"
-        out += (data[pos:start], replacement)
-        pos = end
-    out.append(data[pos:])
-    return b"".join(out)

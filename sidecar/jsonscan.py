@@ -5,6 +5,9 @@ an object, the spans of the members whose keys the caller names. Nothing else is
 scan holds O(depth + names) memory whatever the document contains (a body of a million empty
 objects costs one pass over its bytes, not a million dicts), and nesting is bounded by
 ``max_depth``. :func:`elements` lists the first elements of an array already scanned.
+:func:`assemble` builds the bytes of a document edited at spans a scan found, and :func:`join`
+the bytes of a body that arrived in pieces: one copy each, which the compiled build makes
+outside the GIL, so a large body handled on a worker thread holds up no other thread.
 
 Strictness is RFC 8259's grammar over UTF-8: whitespace is space, tab, LF and CR only; no byte
 order mark, comments, trailing commas, NaN/Infinity, leading zeros or unescaped control
@@ -74,6 +77,26 @@ def elements(data: bytes, start: int, end: int, limit: int) -> list[int]:
     """Start and end of each of the first ``limit`` (at most :data:`MAX_HITS`) elements of the
     array at ``data[start:end]``, a span :func:`scan` found valid (the rest is not read)."""
     return _walk(data, start, end, MAX_DEPTH, (), min(limit, MAX_HITS))[4] if limit > 0 else []
+
+
+def assemble(data: bytes, edits: list[tuple[int, int, bytes]]) -> bytes:
+    """``data`` with each ``(start, end, replacement)`` of ``edits`` (sorted, not overlapping)
+    applied: ``data[start:end]`` replaced by ``replacement``."""
+    view = memoryview(data)
+    pieces: list[bytes | memoryview] = []
+    pos = 0
+    for start, end, replacement in edits:
+        if start < pos or end < start:
+            raise ValueError("edits must be sorted and not overlap")
+        pieces += (view[pos:start], replacement)
+        pos = end
+    pieces.append(view[pos:])
+    return b"".join(pieces)
+
+
+def join(chunks: list[bytes]) -> bytes:
+    """The concatenation of ``chunks``."""
+    return b"".join(chunks)
 
 
 def _walk(data: bytes, start: int, end: int, max_depth: int, names: tuple[bytes, ...],
@@ -226,9 +249,11 @@ def _walk(data: bytes, start: int, end: int, max_depth: int, names: tuple[bytes,
 # The pure-Python implementations, whichever build runs (the tests hold the two to one contract).
 scan_py = scan
 elements_py = elements
+assemble_py = assemble
+join_py = join
 
 try:  # the compiled build's C scanner
-    from sidecar._jsonscan import elements, scan  # type: ignore[no-redef]  # noqa: F811
+    from sidecar._jsonscan import assemble, elements, join, scan  # type: ignore[no-redef]  # noqa: F811
 
     COMPILED = True
 except ImportError:

@@ -42,7 +42,7 @@ from sidecar.config import TOKEN_RE, Config
 from sidecar.deployments import Deployment, Upstream
 from sidecar.identity import Identity, IdentityReader
 from sidecar.jsonbody import INVALID, TOO_DEEP, TOO_MANY, RepeatedKeys, ScannedBody, scan_body, splice
-from sidecar.jsonscan import INLINE_BYTES
+from sidecar.jsonscan import INLINE_BYTES, join
 from sidecar.lineage import EndReason, Ended, SessionTree, Turn, TurnOutcome
 from sidecar.metrics import Metrics
 from sidecar.modes.base import BodyPatch, EndAction, Mode, SessionEnd
@@ -238,22 +238,25 @@ class Router:
                             request_id)
         return self._admit(dep, ident, headers, rec, request_id)
 
-    def transform_body(self, decision: Decision, body: bytes) -> bytes | BodyWork:
-        """Second phase of a ``needs_body`` decision: scan the body, choose the deployment by its
-        model when still open, admit the request, and return the body to forward (spliced or
-        rewritten by a body mode; otherwise ``body`` itself), or :class:`BodyWork` for a body
-        larger than :data:`~sidecar.jsonscan.INLINE_BYTES`. Raises
-        :class:`errors.ProxyError` to answer directly."""
+    def transform_body(self, decision: Decision, body: bytes | list[bytes], size: int) -> bytes | BodyWork:
+        """Second phase of a ``needs_body`` decision: scan the body (``size`` bytes, as one
+        ``bytes`` or the chunks it arrived in), choose the deployment by its model when still
+        open, admit the request, and return the body to forward (spliced or rewritten by a body
+        mode; otherwise the body as received), or :class:`BodyWork` for a body larger than
+        :data:`~sidecar.jsonscan.INLINE_BYTES`. Raises :class:`errors.ProxyError` to answer
+        directly."""
         pending = decision.pending
         assert pending is not None, "transform_body called for a decision that needs no body"
         decision.pending = None
-        if len(body) > INLINE_BYTES:
-            return BodyWork(partial(self._read_body, pending, body), partial(self._admit_body, decision, pending, body))
-        return self._admit_body(decision, pending, body, self._read_body(pending, body))
+        if size > INLINE_BYTES:
+            return BodyWork(partial(self._read_body, pending, body), partial(self._admit_body, decision, pending))
+        return self._admit_body(decision, pending, self._read_body(pending, body))
 
-    def _read_body(self, pending: _Pending, body: bytes) -> _Read:
-        """Scan ``body`` and read what routing needs from it (pure: runs on a worker thread for
-        large bodies)."""
+    def _read_body(self, pending: _Pending, body: bytes | list[bytes]) -> _Read:
+        """Join and scan the body and read what routing needs from it (pure: runs on a worker
+        thread for large bodies)."""
+        if type(body) is not bytes:
+            body = join(body)
         scanned = scan_body(body, self._scan_depth, self._top_names)
         ident = pending.ident
         model_dep = None
@@ -265,9 +268,10 @@ class Router:
                 ident = self.identity.read_body(pending.headers, scanned)
         return _Read(scanned, ident, model_dep)
 
-    def _admit_body(self, decision: Decision, pending: _Pending, body: bytes, read: _Read) -> bytes | BodyWork:
+    def _admit_body(self, decision: Decision, pending: _Pending, read: _Read) -> bytes | BodyWork:
         """Admission of a request whose body was read (on the event loop), then its body mode."""
         scanned = read.scanned
+        body = scanned.data
         if scanned.status == TOO_DEEP:
             raise _too_deep(decision.deployment, self._scan_depth)
         if scanned.status == TOO_MANY:

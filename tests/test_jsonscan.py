@@ -251,3 +251,33 @@ def test_c_and_python_scanners_agree_on_spans(value: Any, fmt: dict[str, Any], c
     doc = doc[:cut % (len(doc) + 1)] if cut % 3 == 0 else doc
     names = (b"a", b"b", b"model")
     assert _compiled.scan(doc, 0, len(doc), 64, names) == jsonscan.scan_py(doc, 0, len(doc), 64, names)
+
+
+ASSEMBLERS = [pytest.param(jsonscan.assemble_py, id="python")]
+if _compiled is not None:
+    ASSEMBLERS.append(pytest.param(_compiled.assemble, id="c"))
+
+
+@pytest.mark.parametrize("assemble", ASSEMBLERS)
+def test_assemble_applies_sorted_edits(assemble: Callable[..., bytes]) -> None:
+    data = b"0123456789"
+    assert assemble(data, []) == data
+    assert assemble(data, [(0, 0, b"<"), (3, 5, b""), (5, 5, b"+"), (9, 10, b"NINE"), (10, 10, b">")]) == \
+        b"<012+5678NINE>"
+    big = b"x" * 300_000
+    assert assemble(big, [(100, 200, b"y" * 5)]) == big[:100] + b"y" * 5 + big[200:]
+    for bad in ([(5, 6, b""), (4, 5, b"")], [(5, 4, b"")]):
+        with pytest.raises(ValueError):
+            assemble(data, bad)
+
+
+JOINERS = [pytest.param(jsonscan.join_py, id="python")]
+if _compiled is not None:
+    JOINERS.append(pytest.param(_compiled.join, id="c"))
+
+
+@pytest.mark.parametrize("join", JOINERS)
+def test_join_concatenates(join: Callable[..., bytes]) -> None:
+    chunks = [b"a", b"", b"bc", b"x" * 200_000, b"d"]
+    assert join(chunks) == b"".join(chunks)
+    assert join([]) == b""

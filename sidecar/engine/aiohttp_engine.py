@@ -131,8 +131,8 @@ class AiohttpEngine(Engine):
                 await request.writer.write(_CONTINUE)
             if decision.needs_body:
                 try:
-                    raw = await _read_bounded(request, limit)
-                    body = await self._transform(decision, raw)
+                    chunks, size = await _read_bounded(request, limit)
+                    body = await self._transform(decision, chunks, size)
                 except _TooLarge:
                     router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
                     return self._error(_too_large(dep.name, limit, True), dep.name, dep.mode_name, "body_too_large")
@@ -163,10 +163,10 @@ class AiohttpEngine(Engine):
             out[h.CONTENT_LENGTH] = str(request.content_length)
         return await self._exchange(request, decision, out, body, t0)
 
-    async def _transform(self, decision: Decision, raw: bytes) -> bytes:
+    async def _transform(self, decision: Decision, chunks: list[bytes], size: int) -> bytes:
         """The body to forward: the router's, after its body work (a large body) ran on a
         worker thread."""
-        result = self.router.transform_body(decision, raw)
+        result = self.router.transform_body(decision, chunks[0] if len(chunks) == 1 else chunks, size)
         while isinstance(result, BodyWork):
             result = result.resume(await asyncio.get_running_loop().run_in_executor(self._body_pool, result.run))
         return result
@@ -302,13 +302,17 @@ def _copy_response_headers(upstream: aiohttp.ClientResponse, resp: web.StreamRes
             out.add(name, value)
 
 
-async def _read_bounded(request: web.BaseRequest, limit: int) -> bytes:
-    buf = bytearray()
+async def _read_bounded(request: web.BaseRequest, limit: int) -> tuple[list[bytes], int]:
+    """The body as the chunks it arrived in, and its size (the router joins a large one off the
+    loop)."""
+    chunks: list[bytes] = []
+    size = 0
     async for chunk in request.content.iter_any():
-        buf += chunk
-        if len(buf) > limit:
+        size += len(chunk)
+        if size > limit:
             raise _TooLarge
-    return bytes(buf)
+        chunks.append(chunk)
+    return chunks or [b""], size
 
 
 async def _stream_bounded(request: web.BaseRequest, limit: int) -> AsyncIterator[bytes]:

@@ -10,7 +10,9 @@ An engine owns the proxy listener and the upstream connection pool. Per request 
    bytes as they arrive);
 3. if ``decision.needs_body``: buffer the whole body (empty if none; ``route`` sets it only for
    requests that may carry one: a method other than GET/HEAD, or Content-Length > 0, or
-   Transfer-Encoding) and call ``router.transform_body(decision, body)``, which returns the
+   Transfer-Encoding) and call ``router.transform_body(decision, body, size)`` (``body``: the
+   bytes, or the list of chunks they arrived in, which the router joins off the loop when the
+   body is large; ``size``: their length), which returns the
    bytes to forward (send them with a fresh Content-Length) or raises
    :class:`~sidecar.errors.ProxyError` (answer it like in 1, after ``router.finish``). For a
    large body it returns :class:`~sidecar.router.BodyWork` instead: run ``work.run`` on the

@@ -95,6 +95,8 @@ KEEPALIVE_TIMEOUT = 75.0
 LINGER_SECONDS = 2.0
 # Request body bytes held while no upstream connection is attached yet before reading pauses.
 WAIT_BUFFER = 64 * 1024
+# A buffered body larger than this goes to the transport in a write of its own.
+_SEPARATE_WRITE = 256 * 1024
 
 _INF = float("inf")
 
@@ -833,10 +835,10 @@ class _Exchange:
         """The whole body of a ``needs_body`` request is here: the router reads (or rewrites) it,
         then it is forwarded. Any failure finishes the turn and answers a JSON error."""
         body = self.body
-        raw = body[0] if len(body) == 1 else b"".join(body)
+        raw = body[0] if len(body) == 1 else list(body)  # a large body is joined off the loop
         body.clear()
         try:
-            self._body_ready(self.client.shared.router.transform_body(self.decision, raw))
+            self._body_ready(self.client.shared.router.transform_body(self.decision, raw, self.body_size))
         except Exception as exc:
             self._body_failed(exc)
 
@@ -913,9 +915,12 @@ class _Exchange:
         """Write the request head in ``parts`` with the body received so far in one write; the
         request is SENT when it is complete, else SENDING (the rest streams as it arrives)."""
         body = self.body
+        large = None
         if body:
             if self.frame_chunked:
                 self._frame_body(parts)
+            elif len(body) == 1 and len(body[0]) > _SEPARATE_WRITE:
+                large = body.pop()  # a buffered body: written by itself, not copied into the head's write
             else:
                 parts += body
                 body.clear()
@@ -928,6 +933,8 @@ class _Exchange:
             self.state = SENDING
         assert conn.transport is not None
         conn.transport.write(b"".join(parts))
+        if large is not None:
+            conn.transport.write(large)
 
     def connect_failed(self, kind: str, exc: BaseException) -> None:
         if self.state != CONNECTING:
