@@ -22,6 +22,7 @@ cdef enum:
     # The longest key compared after decoding its escapes (names are short identifiers).
     KEY_BUFFER = 256
     NOGIL_BYTES = 64 * 1024
+    FEW_EDITS = 16
 
 # Token kinds and parser states, as in sidecar.jsonscan.
 cdef enum:
@@ -97,17 +98,25 @@ def elements(bytes data, Py_ssize_t start, Py_ssize_t end, int limit):
 def assemble(bytes data, list edits):
     """See :func:`sidecar.jsonscan.assemble`."""
     cdef Py_ssize_t count = len(edits), size = PyBytes_GET_SIZE(data), total, pos = 0, i, start, stop
-    cdef Py_ssize_t* spans = <Py_ssize_t*> PyMem_Malloc((2 * count + 1) * sizeof(Py_ssize_t))
-    cdef const char** parts = <const char**> PyMem_Malloc((count + 1) * sizeof(const char*))
-    cdef Py_ssize_t* sizes = <Py_ssize_t*> PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+    # A splice makes a few edits: on the stack, unless there are many.
+    cdef Py_ssize_t spans_here[2 * FEW_EDITS]
+    cdef const char* parts_here[FEW_EDITS]
+    cdef Py_ssize_t sizes_here[FEW_EDITS]
+    cdef Py_ssize_t* spans = spans_here
+    cdef const char** parts = parts_here
+    cdef Py_ssize_t* sizes = sizes_here
     cdef bytes out
     cdef char* dest
     cdef const char* src = PyBytes_AS_STRING(data)
-    if spans == NULL or parts == NULL or sizes == NULL:
-        PyMem_Free(spans)
-        PyMem_Free(parts)
-        PyMem_Free(sizes)
-        raise MemoryError()
+    if count > FEW_EDITS:
+        spans = <Py_ssize_t*> PyMem_Malloc(2 * count * sizeof(Py_ssize_t))
+        parts = <const char**> PyMem_Malloc(count * sizeof(const char*))
+        sizes = <Py_ssize_t*> PyMem_Malloc(count * sizeof(Py_ssize_t))
+        if spans == NULL or parts == NULL or sizes == NULL:
+            PyMem_Free(spans)
+            PyMem_Free(parts)
+            PyMem_Free(sizes)
+            raise MemoryError()
     try:
         total = size
         for i in range(count):
@@ -132,9 +141,10 @@ def assemble(bytes data, list edits):
             _copy_edited(src, size, spans, parts, sizes, count, dest)
         return out
     finally:
-        PyMem_Free(spans)
-        PyMem_Free(parts)
-        PyMem_Free(sizes)
+        if count > FEW_EDITS:
+            PyMem_Free(spans)
+            PyMem_Free(parts)
+            PyMem_Free(sizes)
 
 
 def join(list chunks):

@@ -13,8 +13,6 @@ members reach the upstream exactly as the client sent them (its rules are on the
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from functools import lru_cache
 from typing import Any
 
 import orjson
@@ -121,7 +119,7 @@ def load_bounded(data: bytes, start: int, end: int, max_bytes: int) -> Any:
         return orjson.Fragment(raw)
 
 
-def splice(body: ScannedBody, path: tuple[str, ...], values: dict[str, Any], owned: Iterable[str] = ()) -> bytes:
+def splice(body: ScannedBody, path: tuple[str, ...], values: dict[str, Any], owned: tuple[str, ...] = ()) -> bytes:
     """``body`` (a JSON object) with the object at ``path`` made to contain ``values``.
 
     - ``path`` names keys from the top level down; a missing object on it is created, a value on
@@ -137,7 +135,9 @@ def splice(body: ScannedBody, path: tuple[str, ...], values: dict[str, Any], own
     reports) and ``TypeError`` (a key that is not a string, a value orjson cannot serialize, more
     keys to remove than a scan looks for).
     """
-    keys, opens = _path_bytes(path)
+    paths = _path_bytes(path)
+    keys: tuple[bytes, ...] = paths[0]
+    opens: tuple[bytes, ...] = paths[1]
     insert = orjson.dumps(values)[1:-1]  # the members to append
     data = body.data
     start, last = body.start, body.last
@@ -165,11 +165,7 @@ def splice(body: ScannedBody, path: tuple[str, ...], values: dict[str, Any], own
             last, found = _located(data, start, end, (keys[depth],))
             continue
         # The object at path: every member the patch owns goes, the values follow the rest.
-        try:
-            drop = tuple(dict.fromkeys([*(k.encode() for k in owned), *(k.encode() for k in values)]))
-        except AttributeError:
-            raise TypeError("a body patch's owned names are strings") from None
-        last, found = _located(data, start, end, drop)
+        last, found = _located(data, start, end, _owned_names(owned, values))
         _edit_object(data, start, last, [(ks, ve) for ks, _, ve in found], insert, edits)
         break
     edits.sort()
@@ -189,16 +185,32 @@ def _located(data: bytes, start: int, end: int, names: tuple[bytes, ...]) -> tup
     return last, [(hits[i + 1], hits[i + 3], hits[i + 4]) for i in range(0, len(hits), 5)]
 
 
-@lru_cache(maxsize=256)
+def _owned_names(owned: tuple[str, ...], values: dict[str, Any]) -> tuple[bytes, ...]:
+    """The keys a patch removes from the object at its path, as bytes, each once."""
+    try:
+        return tuple(dict.fromkeys([*(k.encode() for k in owned), *(k.encode() for k in values)]))
+    except AttributeError:
+        raise TypeError("a body patch's owned names are strings") from None
+
+
 def _path_bytes(path: tuple[str, ...]) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
     """A patch path's keys as bytes, and for each depth the opening of the objects from there
     down: ``'"b":{"c":{'`` for depth 1 of ``("a", "b", "c")`` (modes use a path or two: cached)."""
-    if type(path) is not tuple or not path or not all(type(k) is str for k in path):
+    cached = _PATHS.get(path)
+    if cached is not None:
+        return cached
+    if not path or not all(type(k) is str for k in path):
         raise TypeError(f"a body patch's path is a non-empty tuple of string keys (got {path!r:.100})")
     opens = [b""]
     for key in reversed(path):
         opens.append(orjson.dumps(key) + b":{" + opens[-1])
-    return tuple(k.encode() for k in path), tuple(reversed(opens))
+    result = tuple(k.encode() for k in path), tuple(reversed(opens))
+    if len(_PATHS) < 256:
+        _PATHS[path] = result
+    return result
+
+
+_PATHS: dict[tuple[str, ...], tuple[tuple[bytes, ...], tuple[bytes, ...]]] = {}
 
 
 def _edit_object(data: bytes, start: int, last: int, removed: list[tuple[int, int]], insert: bytes,

@@ -138,15 +138,8 @@ def body_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="sidecar-body")
 
 
-class _Read:
-    """What the scan of a request's body found: the scan, the identity, the model's deployment."""
-
-    __slots__ = ("scanned", "ident", "model_dep")
-
-    def __init__(self, scanned: ScannedBody, ident: Identity, model_dep: Deployment | None) -> None:
-        self.scanned = scanned
-        self.ident = ident
-        self.model_dep = model_dep
+# What the scan of a request's body found: the scan, the identity, the model's deployment.
+_Read = tuple[ScannedBody, Identity, "Deployment | None"]
 
 
 class Router:
@@ -266,25 +259,24 @@ class Router:
                 model_dep = self._by_model.get(model) if model is not None else None
             if ident.session is None and self._body_identity:
                 ident = self.identity.read_body(pending.headers, scanned)
-        return _Read(scanned, ident, model_dep)
+        return scanned, ident, model_dep
 
     def _admit_body(self, decision: Decision, pending: _Pending, read: _Read) -> bytes | BodyWork:
         """Admission of a request whose body was read (on the event loop), then its body mode."""
-        scanned = read.scanned
+        scanned, ident, model_dep = read
         body = scanned.data
         if scanned.status == TOO_DEEP:
             raise _too_deep(decision.deployment, self._scan_depth)
         if scanned.status == TOO_MANY:
             raise _repeated_keys(decision.deployment, "the request body repeats the top-level keys the sidecar "
                                  "reads too often")
-        ident = read.ident
         # Re-resolved at admission: the session may have been bound or closed while the body
         # was read.
         rec = self._api_sessions.get(ident.session) if ident.session is not None else None
         if self._single:  # binding, selector and model can only name it (an unknown name was refused)
             dep = self.default
         else:
-            dep = self._choose(ident.session, rec, pending.selected, read.model_dep) or self.default
+            dep = self._choose(ident.session, rec, pending.selected, model_dep) or self.default
         decision.deployment = dep
         if len(body) > dep.max_body_bytes:
             raise errors.request_too_large(dep.name, dep.max_body_bytes)
@@ -443,7 +435,12 @@ class Router:
         if len(body) > INLINE_BYTES:
             return BodyWork(partial(_attempt, splice, scanned, patch.path, patch.values, patch.owned),
                             partial(self._spliced, decision))
-        return self._spliced(decision, _attempt(splice, scanned, patch.path, patch.values, patch.owned))
+        try:
+            new = splice(scanned, patch.path, patch.values, patch.owned)
+        except Exception as exc:
+            self._body_failed(decision, "body_patch", exc)
+        dep.stats.rewritten().inc()  # type: ignore[union-attr]
+        return new
 
     def _spliced(self, decision: Decision, outcome: tuple[Any, Exception | None]) -> bytes:
         new, exc = outcome

@@ -112,4 +112,5 @@ class DynamoNvext(Mode):
 
     def body_patch(self, ctx: RoutingContext) -> BodyPatch | None:
         control = session_control(self._tree, self._bind, self._timeout, ctx)
-        return None if control is None else BodyPatch(_PATH, control, _OWNED_KEYS)
+        # tuple.__new__: a NamedTuple built without its Python-level __new__ (once per request).
+        return None if control is None else tuple.__new__(BodyPatch, (_PATH, control, _OWNED_KEYS))
