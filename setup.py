@@ -2,11 +2,12 @@
 
 The modules in ``COMPILED`` (those with a ``.pxd`` file) are plain Python that also compiles with
 Cython: the ``.pxd`` file beside each one declares its classes as extension types with typed
-fields, which makes the per-request attribute traffic C struct accesses. One module is compiled
-only: ``sidecar/engine/llhttp_parser.pyx``, the request parser over the vendored llhttp
-(``vendor/llhttp``). When Cython or a C compiler is missing (or ``SIDECAR_PURE_PYTHON=1``), the
-same modules install and run as pure Python, and requests are parsed with httptools
-(:mod:`sidecar.engine.parsers`).
+fields, which makes the per-request attribute traffic C struct accesses. Two modules are
+compiled only: ``sidecar/engine/llhttp_parser.pyx``, the request parser over the vendored llhttp
+(``vendor/llhttp``), and ``sidecar/_jsonscan.pyx``, the JSON scanner in C. When Cython or a C
+compiler is missing (or ``SIDECAR_PURE_PYTHON=1``), the same modules install and run as pure
+Python, requests are parsed with httptools (:mod:`sidecar.engine.parsers`) and JSON is scanned
+by :mod:`sidecar.jsonscan`.
 
 ``SIDECAR_REQUIRE_COMPILED=1`` (the container image sets it) turns that fallback into an error:
 a missing Cython or a failed compile fails the build instead of quietly installing the pure-Python
@@ -39,7 +40,8 @@ def extensions() -> list:
     # The request parser is compiled only: it drives the vendored llhttp with C callbacks.
     llhttp = Extension("sidecar.engine.llhttp_parser", ["sidecar/engine/llhttp_parser.pyx", *LLHTTP_SOURCES],
                        include_dirs=["vendor/llhttp/include"])
-    exts = cythonize([*COMPILED, llhttp], language_level=3, quiet=True,
+    jsonscan = Extension("sidecar._jsonscan", ["sidecar/_jsonscan.pyx"])
+    exts = cythonize([*COMPILED, llhttp, jsonscan], language_level=3, quiet=True,
                      compiler_directives={"annotation_typing": False, "binding": False})
     for ext in exts:
         # No C compiler: install the pure-Python modules instead, unless the compiled build is required.

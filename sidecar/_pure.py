@@ -18,7 +18,7 @@ from types import ModuleType
 
 # Modules that exist only compiled: with sources preferred, they are absent (their importers
 # fall back to pure-Python equivalents).
-COMPILED_ONLY = frozenset({"sidecar.engine.llhttp_parser"})
+COMPILED_ONLY = frozenset({"sidecar.engine.llhttp_parser", "sidecar._jsonscan"})
 
 
 class _SourceFinder(MetaPathFinder):

@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -182,8 +183,30 @@ class LimitsConfig(_Strict):
     """Request limits."""
 
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1)
+    # Bodies the sidecar reads as JSON (body modes, body identity signals, routing by model) are
+    # buffered and scanned whole: a lower bound than for bodies that only stream through. Unset,
+    # it is 8 MiB or max_body_bytes, whichever is lower; set, it must not exceed max_body_bytes.
+    max_parsed_body_bytes: int = Field(8 * 1024 * 1024, ge=1)
+    # Nesting depth of those bodies; at most 255, what orjson serializes (a transform_body mode
+    # gets the body as a dict that must serialize again).
+    max_json_depth: int = Field(128, ge=1, le=255)
     max_header_bytes: int = Field(64 * 1024, ge=1024)
     max_connections_per_upstream: int = Field(512, ge=1)
+
+    @field_validator("max_parsed_body_bytes")
+    @classmethod
+    def _parsed_within_body(cls, v: int, info: ValidationInfo) -> int:
+        body = info.data.get("max_body_bytes")
+        if body is not None and v > body:
+            raise ValueError(f"must not exceed max_body_bytes ({body})")
+        return v
+
+    @model_validator(mode="after")
+    def _default_parsed_within_body(self) -> LimitsConfig:
+        if "max_parsed_body_bytes" not in self.model_fields_set and self.max_parsed_body_bytes > self.max_body_bytes:
+            # Unset, it follows a lower body limit (the model is frozen once validated).
+            object.__setattr__(self, "max_parsed_body_bytes", self.max_body_bytes)
+        return self
 
 
 class HealthCheckConfig(_Strict):

@@ -16,6 +16,7 @@ UPSTREAM_PROTOCOL_ERROR = "upstream_protocol_error"
 REQUEST_TOO_LARGE = "request_too_large"
 BAD_REQUEST = "bad_request"
 INVALID_JSON_BODY = "invalid_json_body"
+JSON_TOO_DEEP = "json_too_deep"
 MODE_ERROR = "mode_error"
 UPGRADE_NOT_SUPPORTED = "upgrade_not_supported"
 SHUTTING_DOWN = "shutting_down"
@@ -47,6 +48,7 @@ STATUS: dict[str, int] = {
     REQUEST_TOO_LARGE: 413,
     BAD_REQUEST: 400,
     INVALID_JSON_BODY: 400,
+    JSON_TOO_DEEP: 400,
     MODE_ERROR: 500,
     UPGRADE_NOT_SUPPORTED: 501,
     SHUTTING_DOWN: 503,
@@ -93,6 +95,15 @@ class ProxyError(Exception):
         return orjson.dumps({"error": err})
 
 
+def request_too_large(deployment: str, limit: int, parsed: bool = False) -> ProxyError:
+    """413 for a body above ``limit`` bytes: ``limits.max_parsed_body_bytes`` when the sidecar
+    reads the body as JSON (``parsed``), else ``limits.max_body_bytes``."""
+    setting = "limits.max_parsed_body_bytes" if parsed else "limits.max_body_bytes"
+    which = ", the limit for bodies the sidecar reads as JSON" if parsed else ""
+    return ProxyError(REQUEST_TOO_LARGE, f"request body exceeds {limit} bytes{which} ({setting} of deployment "
+                      f"{deployment!r})", deployment=deployment, limit=limit, setting=setting)
+
+
 def error_body(type_: str, message: str, **fields: Any) -> bytes:
     """JSON error body without raising (admin handlers)."""
     return ProxyError(type_, message, **fields).body()
@@ -101,11 +112,6 @@ def error_body(type_: str, message: str, **fields: Any) -> bytes:
 # -- the errors both engines and the router answer with ------------------------------------------
 # Client-facing bodies name the deployment and the upstream's index in its ``upstreams`` list,
 # never a URL (it may carry credentials or internal addresses) and never the request's headers.
-
-
-def request_too_large(deployment: str, limit: int) -> ProxyError:
-    return ProxyError(REQUEST_TOO_LARGE, f"request body exceeds {limit} bytes (deployment {deployment!r})",
-                      deployment=deployment, limit=limit)
 
 
 def headers_too_large(limit: int) -> ProxyError:

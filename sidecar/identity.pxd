@@ -7,7 +7,7 @@ cdef class Identity:
     cdef public bint final
 
 cdef class IdentityReader:
-    cdef public tuple _session, _parent, _root, _final, _lineage, _body
+    cdef public tuple _session, _parent, _root, _final, _lineage, _body, body_keys
     cdef public bint _fingerprint, reads_body
     cdef public frozenset header_names
     cdef public Py_ssize_t _max_id_bytes, _fits

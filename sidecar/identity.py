@@ -2,8 +2,9 @@
 
 Each is an ordered list of header signals; the first one present with a non-empty value wins.
 Header signals never touch the body. When configured, body signals name the session of a
-request whose headers name none (the router then parses the body once; see
-:meth:`IdentityReader.read_body`):
+request whose headers name none (the router then scans the body once, locating the top-level
+members in :attr:`IdentityReader.body_keys`; see :meth:`IdentityReader.read_body`). Only the
+values a signal needs are decoded, each within a bound:
 
 - ``prompt_cache_key``, ``user``: OpenAI-compatible chat / responses body fields.
 - ``metadata.user_id``: Anthropic-style ``/v1/messages`` bodies (Claude Code), whose
@@ -11,7 +12,10 @@ request whose headers name none (the router then parses the body once; see
   ending in ``_session_<id>``).
 - ``fingerprint``: a stable hash of the system prompt and the first user message, identical on
   every turn of one conversation (each turn resends the whole history) and different across
-  conversations that start differently.
+  conversations that start differently. It reads at most :data:`FINGERPRINT_MAX_MESSAGES`
+  messages (a user message later than that gives no fingerprint); each part hashed is
+  canonicalized (parsed, keys sorted) when at most :data:`FINGERPRINT_PARSE_BYTES` long, and
+  hashed as sent when longer.
 """
 
 from __future__ import annotations
@@ -25,7 +29,17 @@ import orjson
 
 from sidecar import headers as h
 from sidecar.config import IdentityConfig
+from sidecar.jsonbody import RepeatedKeys, ScannedBody, load_bounded, members, string_at
+from sidecar.jsonscan import elements
 from sidecar.modes.ids import fit_id, opaque_id
+
+# A body value longer than this is no session id (header values are bounded alike).
+MAX_ID_BYTES = 64 * 1024
+# What the fingerprint reads: messages before the first user message, and the size up to which
+# a part is parsed to canonicalize it (larger parts are hashed as sent: parsing a client's JSON
+# into objects costs memory many times its size).
+FINGERPRINT_MAX_MESSAGES = 64
+FINGERPRINT_PARSE_BYTES = 64 * 1024
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
 
@@ -50,7 +64,7 @@ class IdentityReader:
     """Reads :class:`Identity` from a request's headers, by the configured ordered signals."""
 
     __slots__ = ("_session", "_parent", "_root", "_final", "_lineage", "_body", "_fingerprint",
-                 "header_names", "reads_body", "_max_id_bytes", "_fits")
+                 "header_names", "reads_body", "body_keys", "_max_id_bytes", "_fits")
 
     def __init__(self, cfg: IdentityConfig, max_id_bytes: int = 512) -> None:
         # Ids longer than this many UTF-8 bytes are fitted (sidecar.modes.ids): up to _fits
@@ -59,8 +73,11 @@ class IdentityReader:
         self._fits = max_id_bytes // 4
         self._body = tuple(cfg.body)
         self._fingerprint = cfg.fingerprint
-        # Whether a request whose headers name no session must have its body parsed.
+        # Whether a request whose headers name no session must have its body scanned, and the
+        # top-level keys the scan must locate for read_body.
         self.reads_body = cfg.reads_body
+        keys = [_BODY_KEYS[signal] for signal in cfg.body] + ([b"system", b"messages"] if cfg.fingerprint else [])
+        self.body_keys = tuple(dict.fromkeys(keys))
         self._session = tuple(n.lower() for n in cfg.session)
         self._parent = tuple(n.lower() for n in cfg.parent)
         self._root = tuple(n.lower() for n in cfg.root)
@@ -101,10 +118,11 @@ class IdentityReader:
                     return self._with_session(headers, value)
         return NO_SESSION
 
-    def read_body(self, headers: Mapping[str, str], body: Any) -> Identity:
-        """The identity of a request whose headers named no session, from its parsed ``body``
-        by the configured body signals (parent, root and final still come from headers)."""
-        if not isinstance(body, dict):
+    def read_body(self, headers: Mapping[str, str], body: ScannedBody) -> Identity:
+        """The identity of a request whose headers named no session, from its ``body`` (scanned
+        with :attr:`body_keys` located) by the configured body signals (parent, root and final
+        still come from headers). Pure: safe on a worker thread."""
+        if not body.is_object:
             return NO_SESSION
         for signal in self._body:
             session = _BODY_READERS[signal](body)
@@ -136,18 +154,27 @@ class IdentityReader:
 
 
 def _string_field(name: str) -> Any:
-    def read(body: dict[str, Any]) -> str | None:
-        value = body.get(name)
-        return value.strip() or None if isinstance(value, str) else None
+    key = name.encode()
+
+    def read(body: ScannedBody) -> str | None:
+        value = body.string(key, MAX_ID_BYTES)
+        return value.strip() or None if value is not None else None
 
     return read
 
 
-def metadata_session(body: dict[str, Any]) -> str | None:
+def metadata_session(body: ScannedBody) -> str | None:
     """``session_id`` of ``metadata.user_id`` (a JSON object string, or ``..._session_<id>``)."""
-    metadata = body.get("metadata")
-    user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
-    if not isinstance(user_id, str):
+    span = body.member(b"metadata")
+    data = body.data
+    if span is None or data[span[0]] != 0x7B:  # not an object
+        return None
+    try:
+        found = members(data, span[0], span[1], (b"user_id",))
+    except RepeatedKeys:
+        return None
+    user_id = string_at(data, found[-1][3], found[-1][4], MAX_ID_BYTES) if found else None
+    if user_id is None:
         return None
     if user_id.startswith("{"):
         try:
@@ -163,26 +190,44 @@ def metadata_session(body: dict[str, Any]) -> str | None:
 FINGERPRINT_PREFIX = "conv-"
 
 
-def conversation_fingerprint(body: dict[str, Any]) -> str | None:
+def conversation_fingerprint(body: ScannedBody) -> str | None:
     """``conv-<32 hex>`` over the system prompt(s) and the first user message of a chat
     (``messages``, with OpenAI ``system``/``developer`` messages or an Anthropic ``system``
-    field); None when the body has no user message."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
+    field); None when the body has no user message among its first
+    :data:`FINGERPRINT_MAX_MESSAGES`."""
+    data = body.data
+    span = body.member(b"messages")
+    if span is None or data[span[0]] != 0x5B:  # not an array
         return None
-    system: list[Any] = [body["system"]] if "system" in body else []
-    for message in messages:
-        if not isinstance(message, dict):
+    system_span = body.member(b"system")
+    system: list[Any] = [] if system_span is None else [load_bounded(data, *system_span, FINGERPRINT_PARSE_BYTES)]
+    found = elements(data, span[0], span[1], FINGERPRINT_MAX_MESSAGES)
+    for i in range(0, len(found), 2):
+        start, end = found[i], found[i + 1]
+        if data[start] != 0x7B:  # not an object
             continue
-        role = message.get("role")
+        try:
+            fields = members(data, start, end, _MESSAGE_KEYS)
+        except RepeatedKeys:
+            return None
+        role = content = None
+        for index, _, _, vstart, vend in fields:  # the last occurrence of each wins
+            if index:
+                content = (vstart, vend)
+            else:
+                role = string_at(data, vstart, vend, 64)
         if role == "user":
-            key = orjson.dumps([system, message.get("content")], option=orjson.OPT_SORT_KEYS)
+            value = None if content is None else load_bounded(data, *content, FINGERPRINT_PARSE_BYTES)
+            key = orjson.dumps([system, value], option=orjson.OPT_SORT_KEYS)
             return FINGERPRINT_PREFIX + hashlib.blake2b(key, digest_size=16).hexdigest()
         if role in ("system", "developer"):
-            system.append(message.get("content"))
+            system.append(None if content is None else load_bounded(data, *content, FINGERPRINT_PARSE_BYTES))
     return None
 
 
+_MESSAGE_KEYS = (b"role", b"content")
+# The top-level key each body signal reads.
+_BODY_KEYS = {"prompt_cache_key": b"prompt_cache_key", "user": b"user", "metadata.user_id": b"metadata"}
 _BODY_READERS = {
     "prompt_cache_key": _string_field("prompt_cache_key"),
     "user": _string_field("user"),

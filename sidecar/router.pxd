@@ -36,6 +36,10 @@ cdef class Decision:
 cdef class Router:
     cdef public object config, metrics, deployments, _by_name, _by_model, _selection_body_limit, store, effects
     cdef public object state
+    cdef public int _scan_depth
+    cdef public tuple _top_names
+    cdef public set _patch_roots
+    cdef public frozenset _patching
     cdef public IdentityReader identity
     cdef public Deployment default
     cdef public str _selector, _primary_session_header
@@ -45,10 +49,14 @@ cdef class Router:
     cdef public SessionTree tree
     @cython.locals(ident=Identity, dep=Deployment)
     cpdef Decision route(self, RequestHead head, bint loaded=*)
-    @cython.locals(pending=_Pending, ident=Identity, dep=Deployment, model_dep=Deployment, admitted=Decision)
-    cpdef transform_body(self, Decision decision, body)
+    @cython.locals(pending=_Pending)
+    cpdef transform_body(self, Decision decision, body, size)
+    @cython.locals(ident=Identity)
+    cpdef tuple _read_body(self, _Pending pending, body)
+    @cython.locals(ident=Identity, dep=Deployment, admitted=Decision)
+    cpdef _admit_body(self, Decision decision, _Pending pending, tuple read, bint loaded=*)
     @cython.locals(dep=Deployment)
-    cpdef _rewrite(self, Decision decision, body, obj)
+    cpdef _rewrite(self, Decision decision, scanned)
     cpdef _check_session(self, Deployment dep, session, rec)
     cpdef _choose(self, session, rec, selected, model_dep)
     cpdef binding(self, session, rec=*)

@@ -13,9 +13,16 @@ and nothing before decided), the default. A selector or model naming another dep
 the binding answers 409 ``deployment_conflict``. Admission then applies the session rules
 (closed/expired API sessions: 410; strict deployments: API sessions only) and begins the turn.
 
-Two phases: when the decision needs the body (to pick a deployment by model, or because the
-deployment's mode rewrites bodies) ``route`` only validates what the head allows and returns a
-decision whose routing fields are provisional; admission happens in ``transform_body``.
+Two phases: when the decision needs the body (to pick a deployment by model, to read body
+identity signals, or because the deployment's mode rewrites bodies) ``route`` only validates
+what the head allows and returns a decision whose routing fields are provisional; admission
+happens in ``transform_body``.
+
+Bodies are read as the client's bytes (:mod:`sidecar.jsonbody`): one strict scan, bounded in size
+(``limits.max_parsed_body_bytes``) and depth (``limits.max_json_depth``), locates the top-level
+members routing reads; a body mode's patch is spliced into those bytes. A body larger than
+:data:`~sidecar.jsonscan.INLINE_BYTES` is scanned and spliced off the event loop: then
+``transform_body`` returns :class:`BodyWork` for the engine to run on a worker thread.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import orjson
@@ -33,9 +42,11 @@ from sidecar import headers as h
 from sidecar.config import TOKEN_RE, Config
 from sidecar.deployments import Deployment, Upstream
 from sidecar.identity import Identity, IdentityReader
+from sidecar.jsonbody import INVALID, TOO_DEEP, TOO_MANY, RepeatedKeys, ScannedBody, scan_body, splice
+from sidecar.jsonscan import INLINE_BYTES, join
 from sidecar.lineage import EndReason, Ended, SessionTree, Turn, TurnOutcome
 from sidecar.metrics import Metrics
-from sidecar.modes.base import EndAction, SessionEnd
+from sidecar.modes.base import BodyPatch, EndAction, Mode, SessionEnd
 from sidecar.modes.context import RoutingContext
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
 from sidecar.state import LoadNeeded, MemoryState, SessionState
@@ -48,6 +59,12 @@ EffectSink = Callable[[Deployment, EndAction, str], None]
 EXPIRE_BATCH = 1000
 # Worker ids are interned so every session's history shares one string per worker.
 MAX_INTERNED_WORKERS = 4096
+# Threads an engine runs BodyWork on (see body_pool): large bodies only, a few at a time.
+BODY_THREADS = 2
+# A body's `model` longer than this names no deployment.
+MAX_MODEL_BYTES = 4096
+# Top-level keys a scan locates at most (the scanner's bound).
+MAX_SCAN_NAMES = 16
 
 
 # The request path's records drop slots=True: compiled (router.pxd), they are extension types.
@@ -75,7 +92,8 @@ class Decision:
     """How to forward one request. ``add`` headers go after the client's (minus ``strip``).
 
     While ``needs_body`` is set and ``transform_body`` has not run yet, only ``max_body_bytes``
-    is final and ``deployment`` is provisional (use it for error labels only); ``upstream``,
+    (then the limit for bodies the sidecar reads as JSON) is final and ``deployment`` is
+    provisional (use it for error labels only); ``upstream``,
     ``strip``, ``add``, ``ctx`` and ``turn`` are filled in by ``transform_body``.
     ``api_session`` and ``pending`` belong to the router.
     """
@@ -103,6 +121,31 @@ class Decision:
                 "mode": self.deployment.mode_name}
 
 
+class BodyWork:
+    """Body work the router hands back instead of a body when the body is large: the engine
+    calls ``run()`` on a worker thread (:func:`body_pool`; it only reads its arguments), then
+    ``resume(result)`` on the event loop, which returns the body to forward or more work, or
+    raises :class:`~sidecar.errors.ProxyError` like ``transform_body``. An exception from
+    ``run`` is a defect (answer 500 and finish the turn); if the client left meanwhile, the
+    engine finishes the turn and drops the result."""
+
+    __slots__ = ("run", "resume")
+
+    def __init__(self, run: Callable[[], Any], resume: Callable[[Any], bytes | BodyWork]) -> None:
+        self.run = run
+        self.resume = resume
+
+
+def body_pool() -> ThreadPoolExecutor:
+    """The bounded thread pool an engine runs :class:`BodyWork` on (one per engine; shut it down
+    when the engine closes)."""
+    return ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="sidecar-body")
+
+
+# What the scan of a request's body found: the scan, the identity, the model's deployment.
+_Read = tuple[ScannedBody, Identity, "Deployment | None"]
+
+
 class Router:
     """Owns identity reading, deployment choice, API-session admission, the session tree and
     the deployments' modes."""
@@ -128,7 +171,16 @@ class Router:
         # model -> deployment; consulted only when at least two deployments list models
         self._by_model = {m: d for d in self.deployments for m in sorted(d.models)}
         self._route_by_model = sum(1 for d in self.deployments if d.models) > 1
-        self._selection_body_limit = max(d.limits.max_body_bytes for d in self.deployments)
+        # Bodies read before their deployment is known are held to the largest limits.
+        self._selection_body_limit = max(d.limits.max_parsed_body_bytes for d in self.deployments)
+        self._scan_depth = max(d.limits.max_json_depth for d in self.deployments)
+        # The top-level keys the body scan locates: the model, the identity signals' keys, and
+        # (added as modes use them) the first keys of body patches.
+        names = ([b"model"] if self._route_by_model else []) + list(self.identity.body_keys)
+        self._top_names = tuple(dict.fromkeys(names))
+        self._patch_roots: set[str] = set()
+        self._patching = frozenset(d.name for d in self.deployments
+                                   if d.mode is not None and type(d.mode).body_patch is not Mode.body_patch)
         self._single = len(self.deployments) == 1
         self._body_identity = self.identity.reads_body
         self._worker_headers = tuple(n.lower() for n in config.affinity.worker_headers)
@@ -172,10 +224,10 @@ class Router:
             return Decision(dep, dep.pick_upstream(None), dep.strip_sessionless, (), False, None, None,
                             False, dep.max_body_bytes, None, None, request_id)
         if body_identity and _declares_body(head):
-            # The session is named by the body (configured body signals): admission waits for it.
+            # The session is named by the body (configured body signals): admission waits for it
+            # (and the session's binding may name any deployment).
             dep = selected or self.default
-            limit = self._selection_body_limit if self._route_by_model and selected is None else \
-                dep.max_body_bytes
+            limit = self._selection_body_limit if selected is None else dep.limits.max_parsed_body_bytes
             return Decision(dep, dep.upstreams[0], dep.strip_sessionless, (), True, None, None,
                             max_body_bytes=limit, pending=_Pending(ident, headers, selected, selected),
                             request_id=request_id)
@@ -191,27 +243,56 @@ class Router:
             self._check_session(dep, session, rec)  # refuse early, before any body is read
         if dep.rewrites_body and session is not None and _declares_body(head):
             return Decision(dep, dep.upstreams[0], dep.strip_sessionless, (), True, None, None, False,
-                            dep.max_body_bytes, None, _Pending(ident, headers, selected, decided), request_id)
+                            dep.limits.max_parsed_body_bytes, None, _Pending(ident, headers, selected, decided),
+                            request_id)
         return self._admit(dep, ident, headers, rec, request_id)
 
-    def transform_body(self, decision: Decision, body: bytes) -> bytes:
-        """Second phase of a ``needs_body`` decision: choose the deployment by the body's model
-        when still open, admit the request, and return the body to forward (rewritten by a body
-        mode; otherwise ``body`` itself). Raises :class:`errors.ProxyError` to answer directly."""
+    def transform_body(self, decision: Decision, body: bytes | list[bytes], size: int) -> bytes | BodyWork:
+        """Second phase of a ``needs_body`` decision: scan the body (``size`` bytes, as one
+        ``bytes`` or the chunks it arrived in), choose the deployment by its model when still
+        open, admit the request, and return the body to forward (spliced or rewritten by a body
+        mode; otherwise the body as received), or :class:`BodyWork` for a body larger than
+        :data:`~sidecar.jsonscan.INLINE_BYTES`. Raises :class:`errors.ProxyError` to answer
+        directly."""
         pending = decision.pending
         assert pending is not None, "transform_body called for a decision that needs no body"
         decision.pending = None
-        obj: Any = _UNPARSED
-        model_dep: Deployment | None = None
+        if size > INLINE_BYTES:
+            return BodyWork(partial(self._read_body, pending, body), partial(self._admit_body, decision, pending))
+        return self._admit_body(decision, pending, self._read_body(pending, body))
+
+    def _read_body(self, pending: _Pending, body: bytes | list[bytes]) -> _Read:
+        """Join and scan the body and read what routing needs from it (pure: runs on a worker
+        thread for large bodies)."""
+        if type(body) is not bytes:
+            body = join(body)
+        scanned = scan_body(body, self._scan_depth, self._top_names)
         ident = pending.ident
-        if self._route_by_model or (ident.session is None and self.identity.reads_body):
-            obj = _parse(body)
-        if self._route_by_model:
-            model = obj.get("model") if isinstance(obj, dict) else None
-            if isinstance(model, str):
-                model_dep = self._by_model.get(model)
-        if ident.session is None and self.identity.reads_body:
-            ident = self.identity.read_body(pending.headers, obj)
+        model_dep = None
+        if scanned.is_object:
+            if self._route_by_model:
+                model = scanned.string(b"model", MAX_MODEL_BYTES)
+                model_dep = self._by_model.get(model) if model is not None else None
+            if ident.session is None and self._body_identity:
+                ident = self.identity.read_body(pending.headers, scanned)
+        return scanned, ident, model_dep
+
+    def _admit_body(self, decision: Decision, pending: _Pending, read: _Read, loaded: bool = False
+                    ) -> bytes | BodyWork:
+        """Admission of a request whose body was read (on the event loop), then its body mode.
+        With a shared store, a session the body names that this replica does not hold raises
+        :class:`~sidecar.state.LoadNeeded` whose ``resume`` continues here once loaded."""
+        scanned, ident, model_dep = read
+        session = ident.session
+        if self._shared and session is not None and not loaded and not self.tree.joinable(session) \
+                and session not in self._api_sessions:
+            raise LoadNeeded(ident, partial(self._admit_body, decision, pending, read, True))
+        body = scanned.data
+        if scanned.status == TOO_DEEP:
+            raise _too_deep(decision.deployment, self._scan_depth)
+        if scanned.status == TOO_MANY:
+            raise _repeated_keys(decision.deployment, "the request body repeats the top-level keys the sidecar "
+                                 "reads too often")
         # Re-resolved at admission: the session may have been bound or closed while the body
         # was read.
         rec = self._api_sessions.get(ident.session) if ident.session is not None else None
@@ -221,9 +302,12 @@ class Router:
             dep = self._choose(ident.session, rec, pending.selected, model_dep) or self.default
         decision.deployment = dep
         if len(body) > dep.max_body_bytes:
-            raise errors.ProxyError(errors.REQUEST_TOO_LARGE,
-                                    f"request body exceeds {dep.max_body_bytes} bytes (deployment {dep.name!r})",
-                                    deployment=dep.name, limit=dep.max_body_bytes)
+            raise errors.request_too_large(dep.name, dep.max_body_bytes)
+        limits = dep.limits
+        if len(body) > limits.max_parsed_body_bytes:
+            raise errors.request_too_large(dep.name, limits.max_parsed_body_bytes, True)
+        if scanned.status > limits.max_json_depth:
+            raise _too_deep(dep, limits.max_json_depth)
         self._check_session(dep, ident.session, rec)
         admitted = self._admit(dep, ident, pending.headers, rec, decision.request_id)
         decision.deployment = admitted.deployment
@@ -236,7 +320,7 @@ class Router:
         decision.max_body_bytes = dep.max_body_bytes
         if not admitted.needs_body:
             return body
-        return self._rewrite(decision, body, obj)
+        return self._rewrite(decision, scanned)
 
     def _selected(self, name: str) -> Deployment:
         """The deployment the selector header names (raises for an unknown name)."""
@@ -345,32 +429,89 @@ class Router:
         decision.needs_body = mode.mutates_body
         return decision
 
-    def _rewrite(self, decision: Decision, body: bytes, obj: Any) -> bytes:
-        """The body-mode rewrite of an admitted request; unparseable bodies pass unchanged."""
+    def _rewrite(self, decision: Decision, scanned: ScannedBody) -> bytes | BodyWork:
+        """The body-mode rewrite of an admitted request: a JSON object body gets the mode's
+        patch spliced in (or goes through its ``transform_body``); any other body passes
+        unchanged (or is refused, as the deployment says)."""
         dep = decision.deployment
         mode = dep.mode
         assert mode is not None and decision.ctx is not None
-        if obj is _UNPARSED:
-            obj = _parse(body)
-        if not isinstance(obj, dict):
-            counter = self.metrics.body_rewrites
-            outcome = "passthrough_invalid_json" if obj is _INVALID else "passthrough_not_object"
-            if dep.reject_non_object_body:
-                counter.labels(dep.mode_name, "rejected").inc()
-                self.metrics.rejected.labels("non_object_body").inc()
-                self.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-                raise errors.ProxyError(
-                    errors.INVALID_JSON_BODY,
-                    f"deployment {dep.name!r} (mode {dep.mode_name}) needs a JSON object request body",
-                    deployment=dep.name)
-            counter.labels(dep.mode_name, outcome).inc()
-            return body
+        body = scanned.data
+        if not scanned.is_object:
+            return self._not_object(decision, body, scanned.status == INVALID)
+        if dep.name not in self._patching:
+            if len(body) > INLINE_BYTES:
+                return BodyWork(partial(_attempt, _transform, mode, decision.ctx, body),
+                                partial(self._transformed, decision, body))
+            return self._transformed(decision, body, _attempt(_transform, mode, decision.ctx, body))
         try:
-            new = mode.transform_body(decision.ctx, obj)
+            patch = mode.body_patch(decision.ctx)
+            if patch is not None and (type(patch) is not BodyPatch or type(patch.path) is not tuple
+                                      or not patch.path or type(patch.path[0]) is not str):
+                raise TypeError(f"body_patch must return a BodyPatch with a non-empty tuple of keys, or None "
+                                f"(got {patch!r:.200})")
         except Exception as exc:
-            self._mode_failed(decision, "transform_body", exc)
+            self._mode_failed(decision, "body_patch", exc)
+        if patch is None:
+            dep.stats.rewritten().inc()  # type: ignore[union-attr]
+            return body
+        if patch.path[0] not in self._patch_roots:
+            self._locate_root(patch.path[0])
+        if len(body) > INLINE_BYTES:
+            return BodyWork(partial(_attempt, splice, scanned, patch.path, patch.values, patch.owned),
+                            partial(self._spliced, decision))
+        try:
+            new = splice(scanned, patch.path, patch.values, patch.owned)
+        except Exception as exc:
+            self._body_failed(decision, "body_patch", exc)
         dep.stats.rewritten().inc()  # type: ignore[union-attr]
-        return orjson.dumps(new)
+        return new
+
+    def _spliced(self, decision: Decision, outcome: tuple[Any, Exception | None]) -> bytes:
+        new, exc = outcome
+        if exc is not None:
+            self._body_failed(decision, "body_patch", exc)
+        decision.deployment.stats.rewritten().inc()  # type: ignore[union-attr]
+        return new  # type: ignore[no-any-return]
+
+    def _transformed(self, decision: Decision, body: bytes, outcome: tuple[Any, Exception | None]) -> bytes:
+        new, exc = outcome
+        if exc is not None:
+            self._body_failed(decision, "transform_body", exc)
+        if new is None:  # valid JSON that orjson refuses to parse (1e400, an unpaired surrogate escape)
+            return self._not_object(decision, body, True)
+        decision.deployment.stats.rewritten().inc()  # type: ignore[union-attr]
+        return new  # type: ignore[no-any-return]
+
+    def _body_failed(self, decision: Decision, hook: str, exc: Exception) -> None:
+        if isinstance(exc, RepeatedKeys):  # the client's body, not the mode
+            self.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+            raise _repeated_keys(decision.deployment, str(exc)) from exc
+        self._mode_failed(decision, hook, exc)
+
+    def _not_object(self, decision: Decision, body: bytes, invalid: bool) -> bytes:
+        """A body mode's request whose body is not a JSON object: passed unchanged and counted,
+        or refused when the deployment says so."""
+        dep = decision.deployment
+        counter = self.metrics.body_rewrites
+        if dep.reject_non_object_body:
+            counter.labels(dep.mode_name, "rejected").inc()
+            self.metrics.rejected.labels("non_object_body").inc()
+            self.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+            raise errors.ProxyError(
+                errors.INVALID_JSON_BODY,
+                f"deployment {dep.name!r} (mode {dep.mode_name}) needs a JSON object request body",
+                deployment=dep.name)
+        counter.labels(dep.mode_name, "passthrough_invalid_json" if invalid else "passthrough_not_object").inc()
+        return body
+
+    def _locate_root(self, key: str) -> None:
+        """Have later body scans locate ``key`` (the first key of a mode's patches) too, so the
+        splice needs no second pass over the body (a handful of keys: one or two per mode)."""
+        self._patch_roots.add(key)
+        name = key.encode()
+        if name not in self._top_names and len(self._top_names) < MAX_SCAN_NAMES:
+            self._top_names = (*self._top_names, name)
 
     def on_response(self, decision: Decision, status: int, headers: Mapping[str, str]) -> None:
         """The upstream's response head for ``decision`` arrived (``headers``: lower-case name
@@ -548,11 +689,33 @@ def _check_added(add: tuple[tuple[str, str], ...]) -> None:
             raise ValueError(f"the value of header {name!r} is not a valid field value")
 
 
-def _parse(body: bytes) -> Any:
+def _attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, Exception | None]:
+    """``(fn(*args), None)``, or ``(None, the exception)``: body work's outcome, handed from a
+    worker thread to the event loop, where failures are attributed."""
     try:
-        return orjson.loads(body)
+        return fn(*args), None
+    except Exception as exc:
+        return None, exc
+
+
+def _transform(mode: Mode, ctx: RoutingContext, body: bytes) -> bytes | None:
+    """A ``transform_body`` mode's rewrite: parse, transform, serialize (None: orjson refuses
+    to parse the body)."""
+    try:
+        obj = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return _INVALID
+        return None
+    return orjson.dumps(mode.transform_body(ctx, obj))
+
+
+def _too_deep(dep: Deployment, limit: int) -> errors.ProxyError:
+    return errors.ProxyError(errors.JSON_TOO_DEEP,
+                             f"request body nests JSON deeper than {limit} levels (limits.max_json_depth of "
+                             f"deployment {dep.name!r})", deployment=dep.name, limit=limit)
+
+
+def _repeated_keys(dep: Deployment, message: str) -> errors.ProxyError:
+    return errors.ProxyError(errors.INVALID_JSON_BODY, f"{message} (deployment {dep.name!r})", deployment=dep.name)
 
 
 def _not_sent_by_client(add: tuple[tuple[str, str], ...], headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -578,8 +741,6 @@ def _session_required(dep: Deployment) -> errors.ProxyError:
 _CONTENT_LENGTH = h.CONTENT_LENGTH.lower()
 _REQUEST_ID = h.X_REQUEST_ID.lower()
 _TRANSFER_ENCODING = h.TRANSFER_ENCODING.lower()
-_INVALID = object()
-_UNPARSED = object()
 # Header names modes asked to add, checked once each (_check_added); bounded.
 _ADDABLE: dict[str, bool] = {}
 MAX_ADDABLE = 256

@@ -11,9 +11,11 @@ directions (:func:`_install_raw_header_serializer`).
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -28,11 +30,13 @@ from sidecar.engine.base import Engine
 from sidecar.engine.head import origin_form, valid_host
 from sidecar.errors import failure_reason
 from sidecar.lineage import TurnOutcome
-from sidecar.router import Decision, RequestHead
+from sidecar.router import BodyWork, Decision, RequestHead, body_pool
 from sidecar.state import LoadNeeded
 
 log = logging.getLogger("sidecar.engine")
 
+# A buffered body above this size goes upstream from a stream (aiohttp's own threshold).
+_LARGE_BODY = 1 << 20
 _SKIP_AUTO = frozenset({"User-Agent", "Accept", "Accept-Encoding", "Content-Type"})
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # An idle keep-alive client connection is closed after this long, and unread request bytes are
@@ -163,6 +167,7 @@ class AiohttpEngine(Engine):
             max_line_size=head_cap,
             max_field_size=head_cap,
         )
+        self._body_pool = body_pool()  # the router's BodyWork (large bodies)
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -192,6 +197,7 @@ class AiohttpEngine(Engine):
     async def close(self) -> None:
         await self._runner.cleanup()
         await self._session.close()
+        self._body_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- request path -------------------------------------------------------------------------
 
@@ -263,20 +269,20 @@ class AiohttpEngine(Engine):
         declared = request.content_length
         if declared is not None and declared > limit:
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-            return self._error(errors.request_too_large(dep.name, limit), dep.name, dep.mode_name, "body_too_large")
+            return self._error(_too_large(dep.name, limit, decision.needs_body), dep.name, dep.mode_name,
+                               "body_too_large")
 
-        body: bytes | AsyncIterator[bytes] | None = None
+        body: bytes | io.BytesIO | AsyncIterator[bytes] | None = None
         if request.method not in ("GET", "HEAD") or request.body_exists:
             if in_headers.get(h.EXPECT, "").lower() == "100-continue":
                 await request.writer.write(_CONTINUE)
             if decision.needs_body:
                 try:
-                    raw = await _read_bounded(request, limit, dep.timeouts.idle)
-                    body = router.transform_body(decision, raw)
+                    chunks, size = await _read_bounded(request, limit, dep.timeouts.idle)
+                    body = await self._transform(decision, chunks, size)
                 except _TooLarge:
                     router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-                    return self._error(errors.request_too_large(dep.name, limit), dep.name, dep.mode_name,
-                                       "body_too_large")
+                    return self._error(_too_large(dep.name, limit, True), dep.name, dep.mode_name, "body_too_large")
                 except _ClientTimeout:
                     router.finish(decision, TurnOutcome.CLIENT_ABORTED)
                     resp = self._error(errors.request_timeout(
@@ -288,6 +294,15 @@ class AiohttpEngine(Engine):
                     router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
                     dep = decision.deployment
                     return self._error(exc, dep.name, dep.mode_name, exc.type)
+                except asyncio.CancelledError:  # the client left
+                    router.finish(decision, TurnOutcome.CLIENT_ABORTED)
+                    raise
+                except Exception as exc:  # a defect: still finish the turn and answer
+                    log.error("request body handling failed: %r", exc, exc_info=exc, extra=decision.log_fields())
+                    router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+                    dep = decision.deployment
+                    internal = errors.ProxyError(errors.INTERNAL_ERROR, "the sidecar failed to handle this request")
+                    return self._error(internal, dep.name, dep.mode_name)
             elif request.body_exists:
                 body = _stream_bounded(request, limit)
         out = _forward_headers(decision, request)
@@ -296,12 +311,31 @@ class AiohttpEngine(Engine):
         # streamed body without a length).
         if isinstance(body, bytes):
             out[h.CONTENT_LENGTH] = str(len(body))
+            if len(body) > _LARGE_BODY:
+                body = io.BytesIO(body)  # written in pieces (aiohttp warns about one large write)
         elif request.content_length is not None and not request.headers.get(h.TRANSFER_ENCODING):
             out[h.CONTENT_LENGTH] = str(request.content_length)
         return await self._exchange(request, target, decision, out, body, t0)
 
+    async def _transform(self, decision: Decision, chunks: list[bytes], size: int) -> bytes:
+        """The body to forward: the router's, after its body work (a large body) ran on a
+        worker thread, and after the session it names was loaded from the shared store."""
+        router = self.router
+        step: Any = partial(router.transform_body, decision, chunks[0] if len(chunks) == 1 else chunks, size)
+        while True:
+            try:
+                result = step()
+            except LoadNeeded as need:  # the body names a session this replica does not hold
+                assert need.resume is not None
+                await router.state.load(need.identity)
+                result = need.resume()
+            if not isinstance(result, BodyWork):
+                return result
+            done = await asyncio.get_running_loop().run_in_executor(self._body_pool, result.run)
+            step = partial(result.resume, done)
+
     async def _exchange(self, request: web.BaseRequest, target: str, decision: Decision, out: CIMultiDict[str],
-                        body: bytes | AsyncIterator[bytes] | None, t0: float) -> web.StreamResponse:
+                        body: bytes | io.BytesIO | AsyncIterator[bytes] | None, t0: float) -> web.StreamResponse:
         router = self.router
         dep = decision.deployment
         up = decision.upstream
@@ -414,6 +448,10 @@ def _caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
     return False
 
 
+def _too_large(dep: str, limit: int, parsed: bool = False) -> errors.ProxyError:
+    return errors.request_too_large(dep, limit, parsed)
+
+
 def _forward_headers(decision: Decision, request: web.BaseRequest) -> CIMultiDict[str]:
     """The client's headers minus hop-by-hop and stripped ones, plus forwarding and mode headers.
     The framing fields are never copied: the caller writes them from the parsed message."""
@@ -449,21 +487,24 @@ def _copy_response_headers(upstream: aiohttp.ClientResponse, resp: web.StreamRes
             out.add(name, value)
 
 
-async def _read_bounded(request: web.BaseRequest, limit: int, idle: float) -> bytes:
-    """The whole request body, at most ``limit`` bytes, with at most ``idle`` seconds between reads."""
-    buf = bytearray()
+async def _read_bounded(request: web.BaseRequest, limit: int, idle: float) -> tuple[list[bytes], int]:
+    """The whole request body, at most ``limit`` bytes with at most ``idle`` seconds between reads,
+    as the chunks it arrived in, and its size (the router joins a large one off the loop)."""
+    chunks: list[bytes] = []
+    size = 0
     content = request.content
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout_at(loop.time() + idle) as deadline:
             while chunk := await content.readany():
-                buf += chunk
-                if len(buf) > limit:
+                size += len(chunk)
+                if size > limit:
                     raise _TooLarge
+                chunks.append(chunk)
                 deadline.reschedule(loop.time() + idle)
     except TimeoutError:
         raise _ClientTimeout from None
-    return bytes(buf)
+    return chunks or [b""], size
 
 
 async def _stream_bounded(request: web.BaseRequest, limit: int) -> AsyncIterator[bytes]:

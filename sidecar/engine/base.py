@@ -10,9 +10,16 @@ An engine owns the proxy listener and the upstream connection pool. Per request 
    bytes as they arrive);
 3. if ``decision.needs_body``: buffer the whole body (empty if none; ``route`` sets it only for
    requests that may carry one: a method other than GET/HEAD, or Content-Length > 0, or
-   Transfer-Encoding) and call ``router.transform_body(decision, body)``, which returns the
+   Transfer-Encoding) and call ``router.transform_body(decision, body, size)`` (``body``: the
+   bytes, or the list of chunks they arrived in, which the router joins off the loop when the
+   body is large; ``size``: their length), which returns the
    bytes to forward (send them with a fresh Content-Length) or raises
-   :class:`~sidecar.errors.ProxyError` (answer it like in 1). Until it returned, only
+   :class:`~sidecar.errors.ProxyError` (answer it like in 1, after ``router.finish``). For a
+   large body it returns :class:`~sidecar.router.BodyWork` instead: run ``work.run`` on the
+   engine's :func:`~sidecar.router.body_pool` and hand its result to ``work.resume`` on the
+   event loop, until bytes come back; if the client left meanwhile, finish the turn and drop
+   the result. Any other exception on this path is a defect: finish the turn, answer 500
+   ``internal_error``. Until it returned, only
    ``decision.max_body_bytes`` is final and ``decision.deployment`` is provisional (labels
    only): ``transform_body`` may change ``deployment``, ``upstream``, ``strip`` and ``add``
    (it is where the deployment is chosen by the body's model and the request admitted). So the

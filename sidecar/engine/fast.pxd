@@ -61,7 +61,6 @@ cdef class _Exchange:
                    stats=DeploymentStats, dep=Deployment, raw=bytes, entry=tuple)
     cpdef _forward(self, Decision decision, length)
     cpdef _send(self, UpstreamConnection conn, list parts)
-    @cython.locals(router=Router, decision=Decision, dep=Deployment)
     cpdef _send_transformed(self)
     @cython.locals(client=_ClientConnection, conn=UpstreamConnection, out=list, mark=Py_ssize_t, framing=long)
     cpdef response_head(self, long status, bytes raw, Py_ssize_t start, Py_ssize_t first, Py_ssize_t end,

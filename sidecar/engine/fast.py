@@ -48,6 +48,7 @@ import logging
 import sys
 from collections import deque
 from collections.abc import Mapping
+from functools import partial
 from http import HTTPStatus
 from time import perf_counter
 from typing import Any, cast
@@ -93,7 +94,7 @@ from sidecar.engine.head import (
 from sidecar.engine.idle_poll import IdlePoller, window_seconds
 from sidecar.engine.parsers import CallbackError, HeadTooLarge, ParseError, RequestParser, UpgradeRequest
 from sidecar.lineage import TurnOutcome
-from sidecar.router import Decision, RequestHead, Router
+from sidecar.router import BodyWork, Decision, RequestHead, Router, body_pool
 from sidecar.state import LoadNeeded
 
 log = logging.getLogger("sidecar.engine")
@@ -105,6 +106,8 @@ KEEPALIVE_TIMEOUT = 75.0
 LINGER_SECONDS = 2.0
 # Request body bytes held while no upstream connection is attached yet before reading pauses.
 WAIT_BUFFER = 64 * 1024
+# A buffered body larger than this goes to the transport in a write of its own.
+_SEPARATE_WRITE = 256 * 1024
 
 _INF = float("inf")
 
@@ -151,9 +154,9 @@ _STATUS_LINE = {s.value: b"%d %s\r\n" % (s.value, s.phrase.encode()) for s in HT
 # Mode header name -> (lower-case key, b"Name: ", lower-case bytes); names come from the modes: a handful.
 _ADD_NAMES: dict[str, tuple[str, bytes, bytes]] = {}
 
-# Exchange states.
-# LOADING: its session is being loaded from the shared store (sidecar.state) before routing.
-QUEUED, LOADING, BUFFERING, CONNECTING, SENDING, SENT, DONE = range(7)
+# Exchange states. LOADING: its session is being loaded from the shared store (sidecar.state)
+# before routing; TRANSFORMING: the router's body work runs on a worker thread.
+QUEUED, LOADING, BUFFERING, TRANSFORMING, CONNECTING, SENDING, SENT, DONE = range(8)
 # How the response body is framed towards the client.
 R_NONE, R_LENGTH, R_CHUNKED, R_CLOSE = range(4)
 _RELAY = {R_NONE: RELAY_NONE, R_LENGTH: RELAY_RAW, R_CHUNKED: RELAY_CHUNKED, R_CLOSE: RELAY_RAW}
@@ -211,6 +214,7 @@ class FastEngine(Engine):
         self.clients: set[_ClientConnection] = set()
         self.shared = _Shared(self.router, self.metrics.in_flight.labels(), self.health)
         self._pools: list[UpstreamPool] = []
+        self.body_pool = body_pool()  # the router's BodyWork (large bodies)
 
     async def start(self) -> None:
         for dep in self.router.deployments:
@@ -281,6 +285,7 @@ class FastEngine(Engine):
             client.abort_all()
         for pool in self._pools:
             pool.close()
+        self.body_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.sleep(0)  # let the transports' connection_lost callbacks run
 
     def stats(self) -> dict[str, int]:
@@ -747,8 +752,8 @@ class _Exchange:
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
             # A declared length whose body is already parsed leaves nothing to skip: keep the
             # connection. A chunked body over the limit, or one still arriving, ends it.
-            self.respond_error(errors.request_too_large(dep.name, limit), dep.name, dep.mode_name, "body_too_large",
-                               close=self.chunked or not self.complete)
+            exc = errors.request_too_large(dep.name, limit, decision.needs_body)
+            self.respond_error(exc, dep.name, dep.mode_name, "body_too_large", close=self.chunked or not self.complete)
             return
         if self.expect and not self.complete and not self.http10:
             client.out.append(_CONTINUE)
@@ -760,16 +765,17 @@ class _Exchange:
             return
         self._forward(decision, -1)
 
-    def _load(self, identity: Any) -> None:
+    def _load(self, identity: Any, resume: Any = None) -> None:
         """Load the request's session from the shared store (a rare path: the first request of a
-        session this replica does not hold), then route again. Body bytes keep arriving
-        meanwhile (buffered as while connecting)."""
+        session this replica does not hold), then route again, or with ``resume`` continue the
+        admission of a body that named it. Body bytes keep arriving meanwhile (buffered as while
+        connecting)."""
         self.state = LOADING
         client = self.client
         task = client.loop.create_task(client.shared.router.state.load(identity))
-        task.add_done_callback(self._loaded)
+        task.add_done_callback(partial(self._loaded, resume))
 
-    def _loaded(self, task: asyncio.Task[None]) -> None:
+    def _loaded(self, resume: Any, task: asyncio.Task[None]) -> None:
         if self.state != LOADING:  # the client left meanwhile
             return
         self.state = BUFFERING
@@ -777,10 +783,18 @@ class _Exchange:
         if client.flow.reasons & WAITING:
             client.flow.resume(WAITING)  # routed now: reading goes on as the decision says
         try:
-            self._route(True)
+            if resume is None:
+                self._route(True)
+            else:
+                self._body_ready(resume())
+        except LoadNeeded as need:  # (never twice: the router was told the store was asked)
+            self._body_failed(RuntimeError(f"session still not loaded: {need}"))
         except Exception as exc:  # a bug must cost one request, not the connection
-            log.error("request failed in the engine: %r", exc, exc_info=exc)
-            self.internal_error()
+            if resume is None:
+                log.error("request failed in the engine: %r", exc, exc_info=exc)
+                self.internal_error()
+            else:
+                self._body_failed(exc)
         client.flush()
 
     def _await_body(self, decision: Decision) -> None:
@@ -924,22 +938,60 @@ class _Exchange:
             self.client.flow.pause(WAITING)
 
     def _send_transformed(self) -> None:
+        """The whole body of a ``needs_body`` request is here: the router reads (or rewrites) it,
+        then it is forwarded. Any failure finishes the turn and answers a JSON error."""
+        body = self.body
+        raw = body[0] if len(body) == 1 else list(body)  # a large body is joined off the loop
+        body.clear()
+        try:
+            self._body_ready(self.client.shared.router.transform_body(self.decision, raw, self.body_size))
+        except LoadNeeded as need:
+            self._load(need.identity, need.resume)
+        except Exception as exc:
+            self._body_failed(exc)
+
+    def _body_ready(self, result: bytes | BodyWork) -> None:
+        """Forward the router's body, or run its body work (a large body) on a worker thread:
+        a future whose callback comes back here, on the loop."""
+        if type(result) is bytes:
+            if result:
+                self.body.append(result)
+            self._forward(self.decision, len(result))
+            return
+        assert isinstance(result, BodyWork)
+        self.state = TRANSFORMING
+        engine = self.client.engine
+        future = engine.loop.run_in_executor(engine.body_pool, result.run)
+        future.add_done_callback(partial(self._work_done, result))
+
+    def _work_done(self, work: BodyWork, future: asyncio.Future[Any]) -> None:
+        if self.state != TRANSFORMING:  # the client left meanwhile (its turn is finished)
+            if not future.cancelled():
+                future.exception()  # retrieved: nothing left to report
+            return
+        try:
+            if future.cancelled():
+                raise RuntimeError("body work cancelled (the engine is closing)")
+            self._body_ready(work.resume(future.result()))
+        except LoadNeeded as need:
+            self._load(need.identity, need.resume)
+        except Exception as exc:
+            self._body_failed(exc)
+        self.client.flush()
+
+    def _body_failed(self, exc: Exception) -> None:
+        """Finish the turn and answer: the router's JSON error, or 500 for a defect."""
+        if self.state == DONE:
+            return
         decision = self.decision
         assert decision is not None
-        body = self.body
-        raw = body[0] if len(body) == 1 else b"".join(body)
-        body.clear()
-        router = self.client.shared.router
-        try:
-            new = router.transform_body(decision, raw)
-        except errors.ProxyError as exc:
-            router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+        if isinstance(exc, errors.ProxyError):
+            self.client.shared.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
             dep = decision.deployment
             self.respond_error(exc, dep.name, dep.mode_name, exc.type)
             return
-        if new:
-            body.append(new)
-        self._forward(decision, len(new))
+        log.error("request body handling failed: %r", exc, exc_info=exc, extra=decision.log_fields())
+        self.internal_error()
 
     def _frame_body(self, out: list[bytes]) -> None:
         body = self.body
@@ -973,9 +1025,12 @@ class _Exchange:
         """Write the request head in ``parts`` with the body received so far in one write; the
         request is SENT when it is complete, else SENDING (the rest streams as it arrives)."""
         body = self.body
+        large = None
         if body:
             if self.frame_chunked:
                 self._frame_body(parts)
+            elif len(body) == 1 and len(body[0]) > _SEPARATE_WRITE:
+                large = body.pop()  # a buffered body: written by itself, not copied into the head's write
             else:
                 parts += body
                 body.clear()
@@ -988,6 +1043,8 @@ class _Exchange:
             self.state = SENDING
         assert conn.transport is not None
         conn.transport.write(b"".join(parts))
+        if large is not None:
+            conn.transport.write(large)
 
     def connect_failed(self, kind: str, exc: BaseException) -> None:
         if self.state != CONNECTING:
@@ -1235,7 +1292,7 @@ class _Exchange:
         decision = self.decision
         assert decision is not None
         dep = decision.deployment
-        self._fail_started(errors.request_too_large(dep.name, self.limit), "body_too_large")
+        self._fail_started(errors.request_too_large(dep.name, self.limit, decision.needs_body), "body_too_large")
 
     def _fail_started(self, exc: errors.ProxyError, reason: str) -> None:
         decision = self.decision

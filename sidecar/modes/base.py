@@ -5,15 +5,18 @@ synchronous and pure: they never perform I/O and never mutate their inputs. Anyt
 I/O (e.g. telling a router that a session finished) is returned as an :class:`EndAction` that the
 proxy layer executes.
 
-A mode declares its cost up front: only modes with ``mutates_body = True`` may override
-:meth:`Mode.transform_body`, and only for them does the proxy buffer and parse request bodies.
+A mode declares its cost up front: only modes with ``mutates_body = True`` change request
+bodies, and only for them does the proxy buffer and scan request bodies. Such a mode implements
+exactly one of two hooks: :meth:`Mode.body_patch` (declarative: the proxy splices the change into
+the client's bytes, everything else reaches the upstream byte for byte) or
+:meth:`Mode.transform_body` (a parsed dict in, a dict out, re-serialized).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -30,6 +33,30 @@ class SessionEnd:
     deployment: str
     reason: str
     turns: int
+
+
+class BodyPatch(NamedTuple):
+    """A change to a JSON object request body, applied to the client's bytes (a tuple: built
+    once per request, cheaply).
+
+    The object at ``path`` (keys from the top level down) is made to contain ``values``:
+
+    - objects missing on the path are created; a value on the path that is not an object is
+      replaced by one;
+    - a key the client repeats on the path: its last occurrence is the one followed (the one
+      JSON parsers keep), the earlier ones are removed, so the upstream sees the key once;
+    - in the object at ``path``, the client's members named in ``owned`` or in ``values`` are
+      removed, every occurrence, and ``values`` are appended after the members left, serialized
+      compactly by orjson;
+    - every other byte of the body (numbers, key order, duplicate keys, whitespace, string
+      escapes) reaches the upstream exactly as the client sent it.
+
+    Keys are strings; ``owned`` and ``values`` name at most 16 keys together.
+    """
+
+    path: tuple[str, ...]
+    values: dict[str, Any]
+    owned: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +113,22 @@ class Mode:
         """Headers to add to a request of a known session. Runs once per request, before forwarding."""
         return ()
 
+    def body_patch(self, ctx: RoutingContext) -> BodyPatch | None:
+        """What to change in the request body (see :class:`BodyPatch`), or None to forward it
+        unchanged. Runs once per request whose body is a JSON object, on the event loop, for
+        modes with ``mutates_body = True``; the proxy applies the patch to the client's bytes.
+        """
+        return None
+
     def transform_body(self, ctx: RoutingContext, body: dict[str, Any]) -> dict[str, Any]:
         """Return the body to forward (a new object: ``body`` must not be mutated).
 
-        Only called for modes with ``mutates_body = True`` and bodies that parsed as a JSON object.
+        For modes with ``mutates_body = True`` that need more than :meth:`body_patch`. Runs for
+        bodies that are a JSON object within the deployment's parse limits, parsed by orjson;
+        the result is serialized by orjson, so what the mode did not touch may still change
+        (integers beyond 64 bits become floats, duplicate keys collapse, spacing and escapes are
+        normalized). May run on a worker thread (for large bodies): it must be pure. A result
+        orjson cannot serialize (e.g. nested deeper than 254) is a failure of the mode.
         """
         return body
 
@@ -112,11 +151,14 @@ def check_contract(cls: type) -> type[Mode]:
         raise ModeContractError(f"{cls!r} is not a subclass of sidecar.modes.base.Mode")
     if not isinstance(getattr(cls, "name", None), str) or not cls.name:
         raise ModeContractError(f"{cls.__qualname__} has no `name`")
-    overrides_body = cls.transform_body is not Mode.transform_body
-    if overrides_body and not cls.mutates_body:
-        raise ModeContractError(f"mode {cls.name!r} overrides transform_body but does not declare mutates_body = True")
-    if cls.mutates_body and not overrides_body:
-        raise ModeContractError(f"mode {cls.name!r} declares mutates_body = True but does not override transform_body")
+    hooks = [hook for hook in ("body_patch", "transform_body") if getattr(cls, hook) is not getattr(Mode, hook)]
+    if hooks and not cls.mutates_body:
+        raise ModeContractError(f"mode {cls.name!r} overrides {hooks[0]} but does not declare mutates_body = True")
+    if cls.mutates_body and not hooks:
+        raise ModeContractError(f"mode {cls.name!r} declares mutates_body = True but does not override "
+                                "body_patch or transform_body")
+    if len(hooks) > 1:
+        raise ModeContractError(f"mode {cls.name!r} overrides both body_patch and transform_body: implement one")
     if not (isinstance(cls.Options, type) and issubclass(cls.Options, BaseModel)):
         raise ModeContractError(f"mode {cls.name!r}: Options must be a pydantic model")
     if cls.Options.model_config.get("extra") != "forbid":

@@ -18,6 +18,11 @@ use ``dynamo_headers`` there). Options: ``timeout_seconds`` (int >= 1, default 3
 With ``scope: tree`` the id is the tree's root and the close is sent only on the turn that makes
 the whole tree final (``is_tree_final``); under ``open`` the tree is opened by the root's first turn.
 
+The object goes in as a :class:`~sidecar.modes.base.BodyPatch` spliced into the client's bytes:
+other ``nvext`` keys and other ``session_control`` keys are kept, the mode's keys
+(``session_id``, ``action``, ``timeout``) are set or removed, a non-object ``nvext`` or
+``session_control`` is replaced, and the rest of the body reaches Dynamo byte for byte.
+
 Ids longer than Dynamo's 256-byte limit are fitted (:mod:`sidecar.modes.ids`).
 """
 
@@ -29,13 +34,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field
 
 from sidecar import headers as h
-from sidecar.modes.base import Mode
+from sidecar.modes.base import BodyPatch, Mode
 from sidecar.modes.context import RoutingContext
 from sidecar.modes.ids import DYNAMO_ALWAYS_FITS, DYNAMO_MAX_ID_BYTES, fit_id
 from sidecar.modes.options import Scoped, Seconds, canonical_word
 
 NVEXT = "nvext"
 SESSION_CONTROL = "session_control"
+_PATH = (NVEXT, SESSION_CONTROL)
 # The session_control keys the mode owns: set or removed on every request; any other key stays.
 _OWNED_KEYS = ("session_id", "action", "timeout")
 
@@ -58,24 +64,6 @@ def session_control(tree: bool, bind: bool, timeout: int, ctx: RoutingContext) -
     if opening:
         return {"session_id": sid, "action": "open", "timeout": timeout}
     return {"session_id": sid}
-
-
-def with_control(body: dict[str, Any], control: dict[str, Any]) -> dict[str, Any]:
-    """``body`` with ``control`` (a fresh dict) as its ``nvext.session_control``, merged over the
-    keys the client's own session_control has beyond the owned ones. Copy-on-write: shallow copies
-    of the dicts on the path to session_control only; ``body`` is not modified."""
-    nvext = body.get(NVEXT)
-    out = dict(body)
-    if nvext is None:  # the usual request: nothing to merge
-        out[NVEXT] = {SESSION_CONTROL: control}
-        return out
-    nvext = dict(nvext) if isinstance(nvext, dict) else {}
-    old = nvext.get(SESSION_CONTROL)
-    merged = {k: v for k, v in old.items() if k not in _OWNED_KEYS} if isinstance(old, dict) else {}
-    merged.update(control)
-    nvext[SESSION_CONTROL] = merged
-    out[NVEXT] = nvext
-    return out
 
 
 class DynamoHeaders(Mode):
@@ -122,6 +110,7 @@ class DynamoNvext(Mode):
         """The ``session_control`` object for this request, or None to send none."""
         return session_control(self._tree, self._bind, self._timeout, ctx)
 
-    def transform_body(self, ctx: RoutingContext, body: dict[str, Any]) -> dict[str, Any]:
+    def body_patch(self, ctx: RoutingContext) -> BodyPatch | None:
         control = session_control(self._tree, self._bind, self._timeout, ctx)
-        return body if control is None else with_control(body, control)
+        # tuple.__new__: a NamedTuple built without its Python-level __new__ (once per request).
+        return None if control is None else tuple.__new__(BodyPatch, (_PATH, control, _OWNED_KEYS))

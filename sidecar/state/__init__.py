@@ -25,11 +25,15 @@ __all__ = ["LoadNeeded", "MemoryState", "SessionState", "open_state"]
 
 
 class LoadNeeded(Exception):
-    """The request names a session this replica does not hold: load it from the store first."""
+    """The request names a session this replica does not hold: load it from the store first.
 
-    def __init__(self, identity: Identity) -> None:
+    ``resume``, when given, continues where the router stopped (a body's admission); without it
+    the engine routes the request again."""
+
+    def __init__(self, identity: Identity, resume: Callable[[], Any] | None = None) -> None:
         super().__init__(identity.session)
         self.identity = identity
+        self.resume = resume
 
 
 class SessionState:

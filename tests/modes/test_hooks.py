@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
+import orjson
 import pytest
 
+from sidecar.jsonbody import scan_body, splice
 from sidecar.modes.base import Mode, RoutingContext, check_contract
 from sidecar.modes.dynamo import DynamoHeaders, DynamoNvext
 from sidecar.modes.generic import IdentityHeaders, SessionIdHeader
@@ -57,8 +58,17 @@ def test_dynamo_headers_fits_long_session_and_parent_ids() -> None:
 
 # -- dynamo_nvext -----------------------------------------------------------------------------
 
+def apply(m: Mode, c: RoutingContext, body: dict[str, Any] | bytes) -> bytes:
+    """The bytes the mode's patch makes of ``body`` (given as JSON bytes, or a dict to serialize)."""
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    patch = m.body_patch(c)
+    if patch is None:
+        return data
+    return splice(scan_body(data, 128, ()), patch.path, patch.values, patch.owned)
+
+
 def sc(m: Mode, c: RoutingContext, body: dict[str, Any] | None = None) -> Any:
-    out = m.transform_body(c, {"model": "m"} if body is None else body)
+    out = orjson.loads(apply(m, c, {"model": "m"} if body is None else body))
     return out.get("nvext", {}).get("session_control")
 
 
@@ -95,8 +105,9 @@ def test_nvext_open_protocol_session_scope() -> None:
 
 def test_nvext_open_protocol_one_turn_session_sends_nothing_and_keeps_body() -> None:
     m = mode("dynamo_nvext", protocol="open")
-    body = {"model": "m", "nvext": {"top_k": 3}}
-    assert m.transform_body(ctx("s1", turn=1, final=True), body) is body
+    assert m.body_patch(ctx("s1", turn=1, final=True)) is None
+    body = b'{"model": "m", "nvext": {"top_k": 3, "session_control": {"action": "open"}}}'
+    assert apply(m, ctx("s1", turn=1, final=True), body) == body
 
 
 def test_nvext_open_protocol_tree_scope_opens_on_root_first_turn_only() -> None:
@@ -115,58 +126,44 @@ def test_nvext_fits_long_ids() -> None:
     assert got["session_id"] == fit_id(LONG, 256)
 
 
-def test_nvext_merge_keeps_client_keys_mode_keys_win_and_is_copy_on_write() -> None:
+def test_nvext_merge_keeps_client_keys_and_mode_keys_win() -> None:
     m = mode("dynamo_nvext", timeout_seconds=123)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
             "nvext": {"top_k": 5, "extra_fields": ["worker_id"],
                       "session_control": {"session_id": "client", "action": "open", "timeout": 9, "note": "x"}}}
-    before = copy.deepcopy(body)
-    out = m.transform_body(ctx("s1"), body)
-    assert body == before
-    assert out == {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                   "nvext": {"top_k": 5, "extra_fields": ["worker_id"],
-                             "session_control": {"session_id": "s1", "action": "bind", "timeout": 123,
-                                                 "note": "x"}}}
-    assert out is not body and out["nvext"] is not body["nvext"]
-    assert out["nvext"]["session_control"] is not body["nvext"]["session_control"]
-    # Untouched branches are shared, not copied.
-    assert out["messages"] is body["messages"]
-    assert out["nvext"]["extra_fields"] is body["nvext"]["extra_fields"]
+    assert orjson.loads(apply(m, ctx("s1"), body)) == {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}],
+        "nvext": {"top_k": 5, "extra_fields": ["worker_id"],
+                  "session_control": {"session_id": "s1", "action": "bind", "timeout": 123, "note": "x"}}}
+    # Spliced into the client's bytes: the client's other members stay as sent, the mode's
+    # members follow them.
+    assert apply(m, ctx("s1"), orjson.dumps(body)) == (
+        b'{"model":"m","messages":[{"role":"user","content":"hi"}],"nvext":{"top_k":5,"extra_fields":["worker_id"],'
+        b'"session_control":{"note":"x","session_id":"s1","action":"bind","timeout":123}}}')
 
 
 def test_nvext_close_drops_client_timeout_and_middle_open_turn_drops_action() -> None:
     client = {"nvext": {"session_control": {"action": "open", "timeout": 9, "keep": 1}}}
-    before = copy.deepcopy(client)
     assert sc(mode("dynamo_nvext"), ctx(final=True), client) == {"session_id": "s1", "action": "close", "keep": 1}
     assert sc(mode("dynamo_nvext", protocol="open"), ctx(turn=2), client) == {"session_id": "s1", "keep": 1}
-    assert client == before
 
 
 @pytest.mark.parametrize("nvext", [None, "text", 7, ["a"], True])
 def test_nvext_non_object_nvext_is_replaced(nvext: Any) -> None:
-    body = {"model": "m", "nvext": nvext}
-    before = copy.deepcopy(body)
-    out = mode("dynamo_nvext").transform_body(ctx(), body)
+    out = orjson.loads(apply(mode("dynamo_nvext"), ctx(), {"model": "m", "nvext": nvext}))
     assert out == {"model": "m", "nvext": {"session_control": {"session_id": "s1", "action": "bind", "timeout": 300}}}
-    assert body == before
 
 
 @pytest.mark.parametrize("control", [None, "open", 3, ["x"]])
 def test_nvext_non_object_session_control_is_replaced(control: Any) -> None:
-    body = {"nvext": {"session_control": control, "k": 1}}
-    before = copy.deepcopy(body)
-    out = mode("dynamo_nvext").transform_body(ctx(), body)
+    out = orjson.loads(apply(mode("dynamo_nvext"), ctx(), {"nvext": {"session_control": control, "k": 1}}))
     assert out == {"nvext": {"k": 1, "session_control": {"session_id": "s1", "action": "bind", "timeout": 300}}}
-    assert body == before
 
 
 def test_nvext_body_without_nvext() -> None:
-    body = {"model": "m", "stream": True}
-    before = copy.deepcopy(body)
-    out = mode("dynamo_nvext").transform_body(ctx(), body)
+    out = orjson.loads(apply(mode("dynamo_nvext"), ctx(), {"model": "m", "stream": True}))
     assert out == {"model": "m", "stream": True,
                    "nvext": {"session_control": {"session_id": "s1", "action": "bind", "timeout": 300}}}
-    assert body == before
 
 
 # -- smg_routing_key --------------------------------------------------------------------------
@@ -219,3 +216,4 @@ def test_header_only_modes_do_not_declare_body_work() -> None:
         cls = load_mode(name)
         assert cls.mutates_body is False
         assert cls.transform_body is Mode.transform_body
+        assert cls.body_patch is Mode.body_patch

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from sidecar.config import ConfigError, build_config
+from sidecar.jsonscan import INLINE_BYTES
 from sidecar.modes import registry
 from sidecar.modes.base import Mode, ModeContractError, check_contract
 from tests.modes.wire import drive, plan
@@ -24,7 +25,7 @@ PLUGIN_SOURCE = textwrap.dedent('''
     """A third-party package of sidecar modes, as it would ship on PyPI."""
     from pydantic import BaseModel, ConfigDict
 
-    from sidecar.modes.base import Mode
+    from sidecar.modes.base import BodyPatch, Mode
 
 
     class AcmeOptions(BaseModel):
@@ -58,6 +59,62 @@ PLUGIN_SOURCE = textwrap.dedent('''
 
         def transform_body(self, ctx, body):
             raise KeyError("no such field")
+
+
+    class BodyTag(Mode):
+        """Adds "tag": <session> to the parsed body."""
+        name = "acme_body_tag"
+        mutates_body = True
+
+        def transform_body(self, ctx, body):
+            return {**body, "tag": ctx.session}
+
+
+    class DeepResult(Mode):
+        """Returns a body nested deeper than orjson serializes."""
+        name = "acme_deep_result"
+        mutates_body = True
+
+        def transform_body(self, ctx, body):
+            out = body
+            for _ in range(300):
+                out = {"x": out}
+            return out
+
+
+    class PatchBad(Mode):
+        """A patch whose value cannot be serialized."""
+        name = "acme_patch_bad"
+        mutates_body = True
+
+        def body_patch(self, ctx):
+            return BodyPatch(("acme",), {"v": {1, 2}})
+
+
+    class PatchWrongType(Mode):
+        name = "acme_patch_wrong_type"
+        mutates_body = True
+
+        def body_patch(self, ctx):
+            return {"path": ("acme",)}
+
+
+    class UndeclaredPatch(Mode):
+        name = "acme_undeclared_patch"
+
+        def body_patch(self, ctx):
+            return None
+
+
+    class BothBodyHooks(Mode):
+        name = "acme_both_body_hooks"
+        mutates_body = True
+
+        def body_patch(self, ctx):
+            return None
+
+        def transform_body(self, ctx, body):
+            return body
 
 
     class EndBoom(Mode):
@@ -102,6 +159,12 @@ ENTRY_POINTS = textwrap.dedent(f"""
     acme_header = {PLUGIN_MODULE}:AcmeHeader
     acme_request_boom = {PLUGIN_MODULE}:RequestBoom
     acme_body_boom = {PLUGIN_MODULE}:BodyBoom
+    acme_body_tag = {PLUGIN_MODULE}:BodyTag
+    acme_deep_result = {PLUGIN_MODULE}:DeepResult
+    acme_patch_bad = {PLUGIN_MODULE}:PatchBad
+    acme_patch_wrong_type = {PLUGIN_MODULE}:PatchWrongType
+    acme_undeclared_patch = {PLUGIN_MODULE}:UndeclaredPatch
+    acme_both_body_hooks = {PLUGIN_MODULE}:BothBodyHooks
     acme_end_boom = {PLUGIN_MODULE}:EndBoom
     acme_undeclared_body = {PLUGIN_MODULE}:UndeclaredBody
     acme_declared_no_body = {PLUGIN_MODULE}:DeclaredButNoBody
@@ -151,7 +214,9 @@ async def test_plugin_mode_from_config_reaches_the_upstream(plugin: Path, upstre
 
 def test_contract_refuses_undeclared_body_hook_at_startup(plugin: Path) -> None:
     for name, needle in [("acme_undeclared_body", "overrides transform_body but does not declare mutates_body"),
-                         ("acme_declared_no_body", "declares mutates_body = True but does not override")]:
+                         ("acme_undeclared_patch", "overrides body_patch but does not declare mutates_body"),
+                         ("acme_declared_no_body", "declares mutates_body = True but does not override"),
+                         ("acme_both_body_hooks", "overrides both body_patch and transform_body")]:
         flags = {"upstream": "http://127.0.0.1:9", "mode": name}
         with pytest.raises((ConfigError, ModeContractError), match=f"{name}.*{needle}"):
             build_config(flags=flags, env={})
@@ -182,10 +247,30 @@ def test_check_contract_directly() -> None:
     class Nameless(Mode):
         pass
 
+    class Both(Mode):
+        name = "both"
+        mutates_body = True
+
+        def body_patch(self, ctx):  # type: ignore[no-untyped-def]
+            return None
+
+        def transform_body(self, ctx, body):  # type: ignore[no-untyped-def]
+            return body
+
+    class Patcher(Mode):
+        name = "patcher"
+        mutates_body = True
+
+        def body_patch(self, ctx):  # type: ignore[no-untyped-def]
+            return None
+
     with pytest.raises(ModeContractError, match="'sneaky' overrides transform_body"):
         check_contract(Sneaky)
     with pytest.raises(ModeContractError, match="'lazy' declares mutates_body"):
         check_contract(Lazy)
+    with pytest.raises(ModeContractError, match="'both' overrides both body_patch and transform_body"):
+        check_contract(Both)
+    assert check_contract(Patcher) is Patcher
     with pytest.raises(ModeContractError, match="has no `name`"):
         check_contract(Nameless)
     with pytest.raises(ModeContractError, match="not a subclass"):
@@ -193,12 +278,17 @@ def test_check_contract_directly() -> None:
 
 
 @pytest.mark.parametrize("mode,hook", [("acme_request_boom", "request_headers"), ("acme_body_boom", "transform_body"),
-                                       ("acme_reframer", "request_headers"), ("acme_injector", "request_headers")])
+                                       ("acme_reframer", "request_headers"), ("acme_injector", "request_headers"),
+                                       ("acme_deep_result", "transform_body"), ("acme_patch_bad", "body_patch"),
+                                       ("acme_patch_wrong_type", "body_patch")])
+@pytest.mark.parametrize("size", ["small", "large"])
 async def test_failing_request_hook_is_a_mode_error_naming_the_mode(plugin: Path, upstream, start_sidecar,
-                                                                    mode: str, hook: str) -> None:
+                                                                    mode: str, hook: str, size: str) -> None:
     sc = await start_sidecar(upstream=upstream.url, mode=mode)
+    # A large body's body work runs on a worker thread: failures there are the mode's too.
+    body = b'{"model": "m"}' if size == "small" else b'{"model": "m", "pad": "' + b"x" * 2 * INLINE_BYTES + b'"}'
     async with aiohttp.ClientSession() as client:
-        async with client.post(sc.proxy_url + "/v1/chat/completions", data=b'{"model": "m"}',
+        async with client.post(sc.proxy_url + "/v1/chat/completions", data=body,
                                headers={"X-Correlation-ID": "s-1"}) as resp:
             status, body = resp.status, orjson.loads(await resp.read())
     assert status == 500
@@ -267,3 +357,19 @@ async def test_non_object_body_rejected_when_the_deployment_says_so(upstream, st
         "model": "m", "nvext": {"session_control": {"session_id": "r-2", "action": "bind", "timeout": 300}}}
     reg = sc.metrics.registry
     assert reg.get_sample_value("sidecar_body_rewrites_total", {"mode": "dynamo_nvext", "outcome": "rejected"}) == 1
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+async def test_transform_body_modes_get_the_body_parsed_and_their_result_serialized(
+        plugin: Path, upstream, start_sidecar, size: str) -> None:
+    sc = await start_sidecar(upstream=upstream.url, mode="acme_body_tag")
+    pad = "" if size == "small" else "x" * 2 * INLINE_BYTES
+    body = b'{"model": "m", "pad": "' + pad.encode() + b'", "n": 1e2}'
+    await drive(sc, plan([("t-1", None)], [0], turns=1), body)
+    assert upstream.received[0].body == orjson.dumps({"model": "m", "pad": pad, "n": 100.0, "tag": "t-1"})
+    # Valid JSON orjson does not parse (a number beyond a double) passes unchanged, counted.
+    await drive(sc, plan([("t-2", None)], [0], turns=1), b'{"n": 1e400}')
+    assert upstream.received[1].body == b'{"n": 1e400}'
+    reg = sc.metrics.registry
+    assert reg.get_sample_value("sidecar_body_rewrites_total",
+                                {"mode": "acme_body_tag", "outcome": "passthrough_invalid_json"}) == 1
