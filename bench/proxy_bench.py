@@ -1,6 +1,6 @@
 """Proxy benchmark: the sidecar against nginx and Envoy doing the same header injection.
 
-    python bench/proxy_bench.py [--cases a,b,c,d,e,f,g] [--engines fast,aiohttp] [--rounds 5]
+    python bench/proxy_bench.py [--cases a,b,c,d,e,f,g,h] [--engines fast,aiohttp] [--rounds 5]
                                 [--duration 5] [--warmup 1] [--prefill 1000000]
                                 [--stream-n 200] [--stream-n-large 1000] [--stream-events 100]
                                 [--stream-gap-ms 20] [--stream-bytes 110]
@@ -25,6 +25,9 @@ Cases:
   f  stream        --stream-n concurrent paced SSE streams (bench/stream_load.py): CPU per
                    event, time to first event, added inter-event jitter
   g  stream-large  the same with --stream-n-large streams
+  h  tls           header mode to an https:// upstream (TLS origination), 64 connections: each
+                   contender against itself to the plain upstream, and the sidecar against nginx
+                   and Envoy doing the same origination
 
 Every run writes bench/results/<date>-proxy_bench-<commit>.md (the tables, the targets and their
 verdicts, the machine facts) and a .json of the same name with every round's numbers
@@ -43,6 +46,7 @@ import resource
 import shutil
 import signal
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -76,6 +80,9 @@ NOFILE = 65536  # two sockets per stream in the proxy, one in the driver, one in
 SESSION_HEADER = "X-Correlation-ID"
 SEEN_SESSION = "X-Seen-Session-ID"
 SEEN_LENGTH = "X-Seen-Content-Length"
+SEEN_TLS = "X-Seen-TLS"  # the upstream's "$ssl_protocol $ssl_cipher" (case h)
+# The name in the upstream's certificate: every contender sends it as SNI and checks it.
+TLS_NAME = "upstream.bench"
 
 # Targets; verdicts are computed in targets().
 TARGET_HEADER_VS_ENVOY = 1.5
@@ -216,6 +223,23 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def make_pki(directory: Path) -> None:
+    """A CA made for this run (ca.pem) and the upstream's certificate for TLS_NAME signed by it
+    (server.pem, server.key): trustme, from the test extra (`pip install -e '.[test]'`)."""
+    try:
+        import trustme
+    except ImportError as exc:
+        raise BenchError("the TLS case needs trustme: .venv/bin/pip install -e '.[test]'") from exc
+    directory.mkdir(parents=True, exist_ok=True)
+    ca = trustme.CA()
+    cert = ca.issue_cert(TLS_NAME)
+    ca.cert_pem.write_to_path(str(directory / "ca.pem"))
+    cert.private_key_pem.write_to_path(str(directory / "server.key"))
+    with open(directory / "server.pem", "wb") as f:
+        for pem in cert.cert_chain_pems:
+            f.write(pem.bytes())
+
+
 def render(template: str, prefix: Path, **values: int) -> str:
     text = (BENCH / template).read_text()
     user = "user root;" if os.geteuid() == 0 else ""
@@ -275,6 +299,7 @@ class Spec:
     baseline_of: str | None = None  # group whose subject is compared with this one (c, e)
     subject_of: str | None = None
     idle_poll_us: int | None = None  # the sidecar's idle_poll_us setting; None: its default
+    tls: bool = False  # to the upstream's https:// port (case h)
 
 
 @dataclass
@@ -284,6 +309,7 @@ class Contender:
     proc: subprocess.Popen[bytes] | None  # None for `direct`
     log_name: str
     admin_port: int | None = None
+    upstream_tls: str = ""  # what the upstream saw: "<protocol> <cipher>" over https, "" over http
 
     @property
     def url(self) -> str:
@@ -294,8 +320,15 @@ class Contender:
 
 
 def http_request(port: int, method: str, path: str, headers: dict[str, str] | None = None,
-                 body: bytes | None = None, timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+                 body: bytes | None = None, timeout: float = 5.0,
+                 ca_file: Path | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One request; with ``ca_file``, over TLS (the certificate checked against that CA)."""
+    if ca_file is None:
+        conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    else:
+        ctx = ssl.create_default_context(cafile=str(ca_file))
+        ctx.check_hostname = False  # it names TLS_NAME, not the address dialled
+        conn = http.client.HTTPSConnection(HOST, port, timeout=timeout, context=ctx)
     try:
         conn.request(method, path, body=body, headers=headers or {})
         resp = conn.getresponse()
@@ -306,7 +339,8 @@ def http_request(port: int, method: str, path: str, headers: dict[str, str] | No
 
 def verify(contender: Contender, sse: bool) -> None:
     """One request through the contender: it must answer 200 and the upstream must have seen
-    the session header (header mode) or a rewritten body (dynamo_nvext)."""
+    the session header (header mode) or a rewritten body (dynamo_nvext), over TLS exactly when
+    the contender is to the https:// port."""
     session = "verify-0001"
     body = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}]}).encode()
     status, headers, _ = http_request(contender.port, "POST", CHAT_PATH, {
@@ -320,6 +354,10 @@ def verify(contender: Contender, sse: bool) -> None:
     elif headers.get(SEEN_SESSION.lower()) != session:
         raise BenchError(f"upstream saw X-Dynamo-Session-ID {headers.get(SEEN_SESSION.lower())!r}, "
                          f"expected {session!r}")
+    contender.upstream_tls = headers.get(SEEN_TLS.lower(), "").strip()
+    if bool(contender.upstream_tls) != contender.spec.tls:
+        raise BenchError(f"the upstream saw TLS {contender.upstream_tls!r} from a contender "
+                         f"{'to https' if contender.spec.tls else 'to http'}")
     if sse:
         status, headers, payload = http_request(contender.port, "GET", SSE_PATH, {SESSION_HEADER: session})
         events = payload.count(b"data: ")
@@ -401,6 +439,8 @@ class Lab:
         self.procs = procs
         self.workdir = workdir
         self.upstream_port = 0
+        self.tls_port = 0  # the same upstream's https:// port
+        self.pki = workdir / "pki"
         self._stream: StreamLoad | None = None
         self._count = 0
 
@@ -417,25 +457,31 @@ class Lab:
                                        "-e", str(prefix / "error.log")], cpu)
 
     def start_upstream(self) -> None:
-        port = free_port()
+        port, tls_port = free_ports(2)
         prefix = self._prefix("upstream")
+        make_pki(self.pki)
+        for name in ("server.pem", "server.key"):
+            shutil.copy(self.pki / name, prefix / name)
         chunk = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "model": "bench"}
         events = "".join(
             f"data: {json.dumps({**chunk, 'choices': [{'index': 0, 'delta': {'content': f'token{i} '}}]})}\n\n"
             for i in range(SSE_EVENTS))
         (prefix / "events").write_text(events + "data: [DONE]\n\n")
-        proc = self._nginx("upstream", "nginx/upstream.conf", port, LOAD_CPU)
+        proc = self._nginx("upstream", "nginx/upstream.conf", port, LOAD_CPU, tls_port=tls_port)
 
         def ready() -> None:
-            status, headers, _ = http_request(port, "POST", CHAT_PATH, {"X-Dynamo-Session-ID": "probe"}, b"{}")
-            if status != 200 or headers.get(SEEN_SESSION.lower()) != "probe":
-                raise BenchError(f"upstream answered {status}")
+            for p, tls in ((port, None), (tls_port, self.pki / "ca.pem")):
+                status, headers, _ = http_request(p, "POST", CHAT_PATH, {"X-Dynamo-Session-ID": "probe"}, b"{}",
+                                                  ca_file=tls)
+                if status != 200 or headers.get(SEEN_SESSION.lower()) != "probe":
+                    raise BenchError(f"upstream answered {status} on {'https' if tls else 'http'}")
 
         try:
             wait_until(ready, proc)
         except BenchError as exc:
             raise BenchError(f"the nginx upstream did not start: {exc}: {self.procs.log_tail('upstream')}") from exc
         self.upstream_port = port
+        self.tls_port = tls_port
 
     @property
     def stream(self) -> StreamLoad:
@@ -450,28 +496,36 @@ class Lab:
         after stopping it."""
         self._count += 1
         name = f"{self._count:02d}-{re.sub(r'[^a-z0-9]+', '-', spec.label.lower()).strip('-')}"
-        upstream_port = self.stream.upstream_port if case.streams else self.upstream_port
+        upstream_port = self.stream.upstream_port if case.streams else self.tls_port if spec.tls else self.upstream_port
         port, sidecar_admin_port = free_ports(2)
         admin_port = None
         proc: subprocess.Popen[bytes] | None = None
+        if spec.tls:
+            shutil.copy(self.pki / "ca.pem", self._prefix(name) / "ca.pem")
         if spec.kind == "direct":
             port = upstream_port
         elif spec.kind == "nginx":
-            proc = self._nginx(name, "nginx/proxy.conf", port, PROXY_CPU, upstream_port=upstream_port)
+            proc = self._nginx(name, "nginx/proxy_tls.conf" if spec.tls else "nginx/proxy.conf", port, PROXY_CPU,
+                               upstream_port=upstream_port)
         elif spec.kind == "envoy":
             prefix = self._prefix(name)
             conf = prefix / "envoy.yaml"
-            conf.write_text(render("envoy/envoy.yaml", prefix, listen_port=port, upstream_port=upstream_port))
+            conf.write_text(render("envoy/envoy_tls.yaml" if spec.tls else "envoy/envoy.yaml", prefix,
+                                   listen_port=port, upstream_port=upstream_port))
             proc = self.procs.start(name, [self.tools.envoy, "-c", str(conf), "--concurrency", "1",
                                            "--log-level", "warning", "--disable-hot-restart"], PROXY_CPU)
         else:
             admin_port = sidecar_admin_port
             prefix = self._prefix(name)
             conf = prefix / "sidecar.yaml"
-            conf.write_text(json.dumps(sidecar_config(spec, case, args)))  # JSON is YAML
+            config = sidecar_config(spec, case, args)
+            if spec.tls:
+                config["tls"] = {"ca_file": str(prefix / "ca.pem"), "server_name": TLS_NAME}
+            conf.write_text(json.dumps(config))  # JSON is YAML
             proc = self.procs.start(name, [
                 sys.executable, "-m", "sidecar", "run", "--listen", f"{HOST}:{port}",
-                "--admin", f"{HOST}:{admin_port}", "--upstream", f"http://{HOST}:{upstream_port}",
+                "--admin", f"{HOST}:{admin_port}",
+                "--upstream", f"{'https' if spec.tls else 'http'}://{HOST}:{upstream_port}",
                 "--mode", spec.mode, "--engine", str(spec.engine), "--log-level", "warning",
                 "--config", str(conf)], PROXY_CPU)
         contender = Contender(spec, port, proc, name, admin_port)
@@ -688,6 +742,7 @@ class Case:
     script_args: tuple[str, ...] = ()
     sse: bool = False
     streams: int = 0  # concurrent paced streams (cases f, g); 0: a wrk case
+    tls: bool = False  # contenders to the upstream's https:// port, each against itself to the plain one
 
 
 def sidecar(engine: str) -> str:
@@ -695,6 +750,7 @@ def sidecar(engine: str) -> str:
 
 
 POLL_ON = f"{sidecar('fast')} idle poll on"
+PLAIN = "to http://"  # case h: the contender to the upstream's plain port
 POLL_OFF = f"{sidecar('fast')} idle poll off"
 
 
@@ -708,7 +764,7 @@ def human(n: int) -> str:
 
 POST_ARGS = (str(MEASURED_IDS), "POST", CHAT_PATH, "1024")
 CASE_NAMES = {"a": "header-64c", "b": "header-1c", "c": "nvext", "d": "sse", "e": "sessions",
-              "f": "stream", "g": "stream-large"}
+              "f": "stream", "g": "stream-large", "h": "tls"}
 
 
 def make_cases(args: argparse.Namespace | None) -> dict[str, Case]:
@@ -725,6 +781,8 @@ def make_cases(args: argparse.Namespace | None) -> dict[str, Case]:
         "e": Case("e", "sessions", "header mode, prefilled session tree, 64 connections", 64, POST_ARGS),
         "f": Case("f", "stream", f"{n} paced SSE streams ({paced})", streams=n),
         "g": Case("g", "stream-large", f"{large} paced SSE streams ({paced})", streams=large),
+        "h": Case("h", "tls", "header mode to an https:// upstream (TLS origination), 64 connections", 64,
+                  POST_ARGS, tls=True),
     }
 
 
@@ -738,6 +796,13 @@ def specs_for(case: Case, engines: Sequence[str], prefill_n: int) -> list[Spec]:
             Spec(f"{sidecar(e)} 1k sessions", "sidecar", e, baseline_of=e),
             Spec(f"{sidecar(e)} {human(prefill_n)} sessions", "sidecar", e, prefill=prefill_n, subject_of=e))]
     peers = [Spec("nginx", "nginx"), Spec("envoy", "envoy")]
+    if case.tls:
+        # Every contender twice: to the https:// port (the subject, named as in the other cases, so
+        # that x Envoy / x nginx compare TLS with TLS) and to the plain port (its own baseline).
+        kinds = [(sidecar(e), "sidecar", e) for e in engines] + [("nginx", "nginx", None), ("envoy", "envoy", None)]
+        return [spec for label, kind, engine in kinds for spec in (
+            Spec(f"{label} {PLAIN}", kind, engine, baseline_of=label),
+            Spec(label, kind, engine, subject_of=label, tls=True))]
     if case.key == "b":
         # One connection: the fast engine with idle polling on and off, whatever the default is.
         fast = [Spec(POLL_ON, "sidecar", "fast", idle_poll_us=IDLE_POLL_ON_US),
@@ -794,6 +859,9 @@ def run_case(lab: Lab, case: Case, args: argparse.Namespace) -> CaseResult:
                 info["rss_mib"] = rss_mib(contender.proc.pid)
                 result.info[contender.spec.label] = info
                 log(f"{case.key}: {contender.spec.label}: prefill {info}")
+        for contender in running:
+            if contender.upstream_tls:
+                result.info.setdefault(contender.spec.label, {})["upstream_tls"] = contender.upstream_tls
         for contender in running:  # round 0: warm-up, not recorded
             if case.streams:
                 measure_stream(lab, case, contender, 0, args)
@@ -930,9 +998,9 @@ def summarize(result: CaseResult) -> list[Row]:
         row.proxy_cpu_share = median_or_none([r.proxy_cpu_share for r in mine])
         row.requests_per_cpu_second = median_or_none([r.requests_per_cpu_second for r in mine])
         row.errors = sum(r.errors for r in mine)
-        if "envoy" in labels and spec.label != "envoy":
+        if "envoy" in labels and spec.label != "envoy" and not spec.baseline_of:
             row.vs_envoy = round_ratio(runs, spec.label, "envoy")
-        if "nginx" in labels and spec.label != "nginx":
+        if "nginx" in labels and spec.label != "nginx" and not spec.baseline_of:
             row.vs_nginx = round_ratio(runs, spec.label, "nginx")
             row.cpu_vs_nginx = round_ratio(runs, spec.label, "nginx", "requests_per_cpu_second")
             if result.case.key == "b":
@@ -947,6 +1015,8 @@ def summarize(result: CaseResult) -> list[Row]:
                         f"live sessions, {info.get('seconds')} s, RSS {info.get('rss_mib_end') or 0:.0f} MiB")
         elif spec.label in result.skipped:
             row.note = result.skipped[spec.label]
+        elif info.get("upstream_tls"):
+            row.note = f"to the upstream: {info['upstream_tls']}"
         rows.append(row)
     return rows
 
@@ -1126,7 +1196,9 @@ def request_table(rows: Sequence[Row], args: argparse.Namespace) -> list[str]:
     lines += [
         "",
         "Ratios are medians of per-round ratios. case ratio: (b) p50 / nginx p50; (c) req/s / the same "
-        "engine in header mode; (e) req/s / the same engine at 1k sessions. proxy CPU: CPU time the "
+        "engine in header mode; (e) req/s / the same engine at 1k sessions; (h) req/s to the https:// "
+        f"upstream / the same contender's `{PLAIN}` req/s (in h, x Envoy and x nginx compare TLS "
+        "origination with TLS origination). proxy CPU: CPU time the "
         "contender's processes used over the run's wall time (near 100%: the proxy was the limit; well "
         "below: the load side, or other processes sharing the core). req/CPU-s: requests per second "
         "of the contender's own CPU time, which other load on the machine disturbs less. "

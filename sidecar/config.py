@@ -220,6 +220,22 @@ class HealthCheckConfig(_Strict):
     healthy_threshold: int = Field(1, ge=1)
 
 
+class TlsConfig(_Strict):
+    """Client TLS towards a deployment's ``https://`` upstreams (checked when the config loads:
+    :func:`sidecar.tls.client_context`). Unset, upstreams are verified against the system CA
+    bundle, and SNI and the certificate check use the URL's host."""
+
+    # CA bundle (PEM) that verifies the upstream, instead of the system bundle.
+    ca_file: str | None = None
+    # Client certificate chain and its private key (PEM, unencrypted), for mutual TLS: both or neither.
+    cert_file: str | None = None
+    key_file: str | None = None
+    # Name sent as SNI and required in the upstream's certificate, instead of the URL's host.
+    server_name: str | None = Field(None, min_length=1, max_length=253, pattern=r"^[A-Za-z0-9._:-]+$")
+    # false: accept any certificate (no chain or name check); logged at warning at start.
+    verify: bool = True
+
+
 class DeploymentConfig(_Strict):
     """One upstream deployment and how its requests are rewritten."""
 
@@ -234,6 +250,8 @@ class DeploymentConfig(_Strict):
     non_object_body: Literal["pass", "reject"] = "pass"
     timeouts: TimeoutsConfig = TimeoutsConfig()
     limits: LimitsConfig = LimitsConfig()
+    # Client TLS of the https:// upstreams (given only when every upstream is https://).
+    tls: TlsConfig | None = None
     # Several upstreams: each session tree goes to one (rendezvous hash of its root id); a tree
     # whose upstream is unhealthy fails over to the next-ranked healthy one.
     health_check: HealthCheckConfig | None = None
@@ -363,6 +381,7 @@ class Config(_Strict):
     non_object_body: Literal["pass", "reject"] = "pass"
     timeouts: TimeoutsConfig = TimeoutsConfig()
     limits: LimitsConfig = LimitsConfig()
+    tls: TlsConfig | None = None
     deployments: list[DeploymentConfig] = []
 
     @field_validator("log_level", mode="before")
@@ -422,6 +441,7 @@ class Config(_Strict):
             non_object_body=self.non_object_body,
             timeouts=self.timeouts,
             limits=self.limits,
+            tls=self.tls,
         )
         return [d]
 
@@ -431,7 +451,7 @@ class Config(_Strict):
 
         data = self.model_dump(mode="json", exclude={"upstream", "mode", "mode_options", "deployments",
                                                       "trust_client_headers", "non_object_body",
-                                                      "timeouts", "limits"})
+                                                      "timeouts", "limits", "tls"})
         deps = []
         for d in self.resolved_deployments():
             dd = d.model_dump(mode="json")
@@ -559,7 +579,7 @@ def build_config(
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
     _validate_modes(cfg)
-    _validate_engine(cfg)
+    _validate_tls(cfg)
     if cfg.admin_tokens_file is not None:
         from sidecar.auth import load_tokens
 
@@ -567,16 +587,26 @@ def build_config(
     return cfg
 
 
-def _validate_engine(cfg: Config) -> None:
-    """The fast engine speaks plain HTTP/1.1 to upstreams; refuse https:// ones up front."""
-    if cfg.engine != "fast":
-        return
+def _validate_tls(cfg: Config) -> None:
+    """``tls`` only with https:// upstreams; its files readable and consistent (the context is
+    built once here to prove it, and again when the deployment starts)."""
+    from sidecar.tls import client_context
+
+    problems: list[str] = []
     for d in cfg.resolved_deployments():
-        for i, url in enumerate(d.upstreams):
-            if url.startswith("https://"):
-                where = f"{d._path}upstreams[{i}]" if d._path else "upstream"
-                raise ConfigError(f"engine: the fast engine speaks plain HTTP to upstreams; {where} is https "
-                                  f"({url}): set engine: aiohttp (--engine aiohttp) for https upstreams")
+        if d.tls is None:
+            continue
+        plain = [i for i, url in enumerate(d.upstreams) if not url.startswith("https://")]
+        if plain:
+            where = f"{d._path}upstreams[{plain[0]}]" if d._path else "upstream"
+            problems.append(f"{d._path}tls: applies to https:// upstreams only; {where} is http://")
+            continue
+        try:
+            client_context(d.tls, d._path)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def _validate_modes(cfg: Config) -> None:

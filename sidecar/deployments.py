@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -12,6 +14,9 @@ from sidecar.config import DeploymentConfig, HealthCheckConfig, LimitsConfig, Ti
 from sidecar.metrics import DeploymentStats
 from sidecar.modes.base import Mode
 from sidecar.modes.registry import load_mode
+from sidecar.tls import client_context
+
+log = logging.getLogger("sidecar.deployments")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +31,13 @@ class Upstream:
     host_header: str  # value of the Host header sent upstream
     # Its position in the deployment's ``upstreams``: how client-facing errors name it (never by URL).
     index: int = 0
+    # https:// only: the deployment's client TLS context (one per deployment, shared by every
+    # client of its upstreams) and the name for SNI and the certificate check (None: ``host``).
+    tls_context: ssl.SSLContext | None = None
+    server_hostname: str | None = None
+    # What the engines pool connections by: the URL, and for https:// also the deployment (its
+    # TLS context): deployments with the same URL but other TLS settings never share a connection.
+    pool_key: str = ""
 
     @property
     def display(self) -> str:
@@ -34,15 +46,21 @@ class Upstream:
         return str(u.with_user(None)) if u.user is not None or u.password is not None else self.url
 
     @classmethod
-    def parse(cls, url: str, index: int = 0) -> Upstream:
+    def parse(cls, url: str, index: int = 0, tls_context: ssl.SSLContext | None = None,
+              server_hostname: str | None = None, deployment: str = "") -> Upstream:
+        """``tls_context``, ``server_hostname`` and ``deployment`` (whose context it is) apply to
+        an https:// ``url`` only."""
         u = URL(url)
         assert u.host is not None and u.port is not None
         default_port = 443 if u.scheme == "https" else 80
         host_header = u.host if u.port == default_port else f"{u.host}:{u.port}"
         if ":" in u.host:
             host_header = f"[{u.host}]" if u.port == default_port else f"[{u.host}]:{u.port}"
+        https = u.scheme == "https"
         return cls(url=url, scheme=u.scheme, host=u.host, port=u.port,
-                   base_path=u.raw_path.rstrip("/"), host_header=host_header, index=index)
+                   base_path=u.raw_path.rstrip("/"), host_header=host_header, index=index,
+                   tls_context=tls_context if https else None, server_hostname=server_hostname if https else None,
+                   pool_key=f"{url} tls:{deployment}" if https else url)
 
 
 # No slots=True: compiled (deployments.pxd), it is an extension type with fixed fields.
@@ -85,7 +103,9 @@ class Deployment:
         """Build the runtime deployment. ``selector_header`` and ``identity_headers`` (every
         header the identity reader consumes) feed the never-forward sets."""
         mode = load_mode(cfg.mode).from_options(cfg.mode_options) if cfg.mode else None
-        upstreams = tuple(Upstream.parse(u, i) for i, u in enumerate(cfg.upstreams))
+        ctx = _tls_context(cfg)
+        server_name = cfg.tls.server_name if cfg.tls is not None else None
+        upstreams = tuple(Upstream.parse(u, i, ctx, server_name, cfg.name) for i, u in enumerate(cfg.upstreams))
         session_strip, sessionless_strip = never_forward(cfg, mode, selector_header, identity_headers)
         return cls(
             name=cfg.name,
@@ -111,6 +131,16 @@ class Deployment:
     def pick_upstream(self, root: str | None) -> Upstream:
         """The upstream serving the tree ``root`` (see :mod:`sidecar.balancer`)."""
         return self.balancer.pick(root)
+
+
+def _tls_context(cfg: DeploymentConfig) -> ssl.SSLContext | None:
+    """The deployment's client TLS context, built once (None without https:// upstreams)."""
+    if not any(u.startswith("https://") for u in cfg.upstreams):
+        return None
+    if cfg.tls is not None and not cfg.tls.verify:
+        log.warning("TLS verification is off: the upstreams' certificates are not checked",
+                    extra={"deployment": cfg.name})
+    return client_context(cfg.tls, cfg._path)
 
 
 def never_forward(cfg: DeploymentConfig, mode: Mode | None, selector_header: str,

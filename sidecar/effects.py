@@ -72,7 +72,8 @@ class EffectRunner:
         for attempt in range(self.retries + 1):
             try:
                 async with self._session.request(action.method, url, params=action.query or None,
-                                                 data=action.body) as resp:
+                                                 data=action.body, ssl=up.tls_context or True,
+                                                 server_hostname=up.server_hostname) as resp:
                     await resp.read()
                     if resp.status < 500:
                         outcome = "ok" if resp.status < 400 else "rejected"

@@ -62,15 +62,17 @@ async def _check_deployment(session: aiohttp.ClientSession, dep: Deployment) -> 
     assert hc is not None
     timeout = aiohttp.ClientTimeout(total=hc.timeout_seconds)
     while True:
-        results = await asyncio.gather(*(_probe(session, up.url + hc.path, timeout) for up in dep.upstreams))
+        results = await asyncio.gather(*(_probe(session, up, hc.path, timeout) for up in dep.upstreams))
         for up, ok in zip(dep.upstreams, results, strict=True):
             dep.balancer.report(up, ok)
         await asyncio.sleep(hc.interval_seconds)
 
 
-async def _probe(session: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout) -> bool:
+async def _probe(session: aiohttp.ClientSession, up: Upstream, path: str, timeout: aiohttp.ClientTimeout) -> bool:
+    """One check; an https:// upstream is checked with its deployment's TLS settings."""
     try:
-        async with session.get(url, timeout=timeout, allow_redirects=False) as resp:
+        async with session.get(up.url + path, timeout=timeout, allow_redirects=False,
+                               ssl=up.tls_context or True, server_hostname=up.server_hostname) as resp:
             await resp.read()
             return 200 <= resp.status < 300
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):

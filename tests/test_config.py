@@ -117,13 +117,6 @@ def test_check_config_exit_2_names_setting(tmp_path):
     assert "timeouts.idle: Input should be greater than 0 (got -1)" in result.stderr
 
 
-def test_fast_engine_refuses_https_upstreams_with_a_clear_message():
-    with pytest.raises(ConfigError, match=r"engine: .*upstream is https .*engine: aiohttp"):
-        build_config(flags={"upstream": "https://gateway.example:443"}, env={})
-    cfg = build_config(flags={"upstream": "https://gateway.example:443", "engine": "aiohttp"}, env={})
-    assert cfg.engine == "aiohttp"
-
-
 def test_full_example_documents_exactly_the_defaults():
     full = build_config(env={}, file=ROOT / "config" / "examples" / "full.yaml")
     defaults = build_config(flags={"upstream": full.upstream, "mode": full.mode}, env={})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -350,6 +351,8 @@ class AiohttpEngine(Engine):
                     request.method, url, headers=out, data=body, allow_redirects=False,
                     skip_auto_headers=_SKIP_AUTO, compress=None, chunked=None,
                     timeout=aiohttp.ClientTimeout(total=None, connect=t.connect, sock_read=t.idle),
+                    # The deployment's TLS context; it is part of the pool key, like the server name.
+                    ssl=up.tls_context or True, server_hostname=up.server_hostname,
                 )
         except _TooLarge:
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
@@ -366,6 +369,13 @@ class AiohttpEngine(Engine):
                 router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
                 return self._error(errors.request_too_large(dep.name, decision.max_body_bytes), dep.name,
                                    dep.mode_name, "body_too_large")
+            if isinstance(exc.__cause__, ssl.SSLError):
+                # The upstream refused the TLS session before answering (a TLS 1.3 server checks
+                # the client's certificate after the client's side of the handshake): the request
+                # never reached the application, like a refused connect.
+                router.upstream_unreachable(decision)
+                return self._upstream_failed(decision, "connect", errors.upstream_unreachable(
+                    dep.name, up.index, failure_reason(exc.__cause__)))
             return self._upstream_failed(decision, "protocol", errors.upstream_protocol_error(
                 dep.name, up.index, _client_error_reason(exc)))
         except asyncio.CancelledError:
@@ -436,7 +446,8 @@ def _client_error_reason(exc: BaseException) -> str:
     if isinstance(exc, aiohttp.ClientResponseError):
         return "invalid response"
     if isinstance(exc, aiohttp.ClientOSError):
-        return failure_reason(exc)
+        # The TLS error itself (the wrapper's errno is OpenSSL's, not an OS error).
+        return failure_reason(exc.__cause__ if isinstance(exc.__cause__, ssl.SSLError) else exc)
     return type(exc).__name__
 
 

@@ -38,7 +38,8 @@ than 1.0 / 1.1, a missing (HTTP/1.1), repeated or invalid Host, and request targ
 neither origin-form (``/path``) nor absolute-form (``http://host/path``, forwarded in
 origin-form). The compiled build decodes chunked request bodies itself
 (:mod:`sidecar.engine.llhttp_parser`), so it accepts the whitespace RFC 9112 allows in chunk
-extensions, which llhttp refuses. Upstreams must be plain ``http://``.
+extensions, which llhttp refuses. ``https://`` upstreams are reached through the loop's TLS
+transport (the deployment's context, built once; :mod:`sidecar.tls`) and pooled like plain ones.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ from typing import Any, cast
 from sidecar import errors
 from sidecar.errors import failure_reason
 from sidecar import headers as h
-from sidecar.config import ConfigError
 from sidecar.engine import is_compiled
 from sidecar.engine.base import Engine
 from sidecar.engine.fast_client import (
@@ -181,7 +181,7 @@ class _Shared:
 
     def __init__(self, router: Router, gauge: Any, health: Any) -> None:
         self.router = router
-        # upstream URL -> (pool, b" " + base path, b" HTTP/1.1\r\nHost: ...\r\n")
+        # Upstream.pool_key -> (pool, b" " + base path, b" HTTP/1.1\r\nHost: ...\r\n")
         self.upstreams: dict[str, tuple[UpstreamPool, bytes, bytes]] = {}
         self.drops: dict[frozenset[str], frozenset[str]] = {}
         self.gauge = gauge  # the in-flight gauge's child, set from ``in_flight`` (no call per request)
@@ -217,33 +217,30 @@ class FastEngine(Engine):
         self.body_pool = body_pool()  # the router's BodyWork (large bodies)
 
     async def start(self) -> None:
-        for dep in self.router.deployments:
-            for up in dep.upstreams:
-                if up.scheme != "http":
-                    raise ConfigError(
-                        f"deployment {dep.name!r}: upstream {up.url} is {up.scheme}; the fast engine forwards "
-                        "plain HTTP/1.1 only (use engine: aiohttp for https upstreams)")
         self.loop = loop = asyncio.get_running_loop()
         window = window_seconds(self.config.idle_poll_us)
         if not window and self.config.idle_poll_us is None:
             log.info("idle polling off: the container's CPU quota is below one CPU (idle_poll_us overrides)")
         self.shared.poller = poller = IdlePoller(loop, window)
         self.metrics.watch_poller(poller)
-        # One pool per upstream address, bounded by the largest limits of the deployments using it.
-        limits: dict[tuple[str, int], tuple[int, int]] = {}
+        # One pool per upstream address and TLS context (one per deployment: deployments with
+        # other TLS settings never share a connection), bounded by the largest limits of the
+        # deployments using it.
+        limits: dict[tuple[Any, ...], tuple[int, int]] = {}
         for dep in self.router.deployments:
             for up in dep.upstreams:
-                key = (up.host, up.port)
+                key = (up.host, up.port, up.tls_context)
                 conns, head = limits.get(key, (0, 0))
                 limits[key] = (max(conns, dep.limits.max_connections_per_upstream),
                                max(head, dep.limits.max_header_bytes))
-        pools: dict[tuple[str, int], UpstreamPool] = {}
+        pools: dict[tuple[Any, ...], UpstreamPool] = {}
         for dep in self.router.deployments:
             for up in dep.upstreams:
-                key = (up.host, up.port)
+                key = (up.host, up.port, up.tls_context)
                 if key not in pools:
-                    pools[key] = UpstreamPool(loop, up.host, up.port, *limits[key], poller)
-                self.shared.upstreams[up.url] = (pools[key], b" " + up.base_path.encode(),
+                    pools[key] = UpstreamPool(loop, up.host, up.port, *limits[key], poller, up.tls_context,
+                                              up.server_hostname)
+                self.shared.upstreams[up.pool_key] = (pools[key], b" " + up.base_path.encode(),
                                           f" HTTP/1.1\r\n{h.HOST}: {up.host_header}\r\n".encode())
         self._pools = list(pools.values())
         listen = self.config.listen
@@ -817,7 +814,7 @@ class _Exchange:
         once per forwarded request."""
         client = self.client
         shared = client.shared
-        pool, base, version_host = shared.upstreams[decision.upstream.url]
+        pool, base, version_host = shared.upstreams[decision.upstream.pool_key]
         raw = self.raw
         strip = decision.strip
         drops = shared.drops
@@ -1048,7 +1045,11 @@ class _Exchange:
 
     def connect_failed(self, kind: str, exc: BaseException) -> None:
         if self.state != CONNECTING:
-            return
+            # ``tls``: the upstream refused the TLS session after the request was written to it
+            # (it never reached the application); nothing to do once a response began.
+            if kind != "tls" or self.state == DONE or self.resp_started:
+                return
+            self.conn = None
         decision = self.decision
         assert decision is not None
         dep, up = decision.deployment, decision.upstream

@@ -11,7 +11,7 @@ cdef class UpstreamConnection:
     cdef public ReadFlow flow
     cdef public list pieces
     cdef public Py_ssize_t piece_bytes, raw_at
-    cdef public bint lost, counted, head_seen, done, keep_alive, reusable, eof_ends, write_paused
+    cdef public bint lost, counted, head_seen, done, keep_alive, reusable, eof_ends, write_paused, fresh
     cdef public double idle_since, stamp
     cdef public long relay
     cdef public list sink
@@ -19,7 +19,7 @@ cdef class UpstreamConnection:
     cpdef on_headers_complete(self)
 
 cdef class UpstreamPool:
-    cdef public object loop, host, idle, waiters, tasks
+    cdef public object loop, host, tls, server_hostname, idle, waiters, tasks
     cdef public long port, limit, total
     cdef public Py_ssize_t max_head
     cdef public bint closed

@@ -16,6 +16,14 @@ fresh connection: a retry that happens strictly before any request byte was sent
 went out on a connection, a failure is reported, never replayed (the upstream may have started
 generating).
 
+``https://`` upstreams use the loop's TLS transport over the same protocol; the handshake is
+part of connecting (within the connect timeout). The poll then watches the TCP socket under the
+TLS layer: a close_notify, a FIN or any other record not yet processed makes it readable, so a
+close is seen as it is for plain connections, and a record that is not application data (a late
+session ticket) is taken for stray bytes: the connection is replaced, which costs a handshake,
+never a request. Once the loop has processed a close_notify the TLS transport reports
+``is_closing()``; a FIN without one leaves the socket readable until ``connection_lost`` runs.
+
 Times here (``idle_since``, the ``now`` arguments) are ``time.perf_counter()`` readings the
 exchange already took for its metrics: the hot path reads the clock as few times as possible.
 """
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import select
+import ssl
 from collections import deque
 from time import perf_counter
 from typing import Protocol, cast
@@ -32,12 +41,15 @@ from sidecar.engine.flow import CLIENT_FULL, ReadFlow
 from sidecar.engine.head import locate
 from sidecar.engine.idle_poll import IdlePoller
 from sidecar.engine.parsers import ParseError, ResponseParser
+from sidecar.errors import failure_reason
 
 # A connection back from the pool sooner than this is not polled for a close first (saves a
 # syscall per request under load, where reuse is sub-millisecond to a few milliseconds).
 # Upstreams close idle keep-alive connections after seconds; a close that lands within this
 # window and in the same loop iteration as the reuse is the one race left uncovered, and it is
-# answered as an upstream failure (never replayed), like any close after sending.
+# answered as an upstream failure (never replayed), like any close after sending. (Over TLS a
+# FIN without close_notify, processed earlier in that iteration, falls in the same window: the
+# TLS transport reports it only at connection_lost, one iteration later.)
 STALE_CHECK_AFTER = 0.05
 
 # What Exchange.response_head tells the connection about the body that follows.
@@ -60,7 +72,9 @@ class Exchange(Protocol):
     @property
     def wants_connection(self) -> bool: ...
     def attach(self, conn: UpstreamConnection) -> None: ...
-    def connect_failed(self, kind: str, exc: BaseException) -> None: ...
+    def connect_failed(self, kind: str, exc: BaseException) -> None:
+        """No connection: ``kind`` is ``timeout``, ``connect``, or ``tls`` (the upstream refused
+        the TLS session on a connection that was already bound to the exchange)."""
     def peer_full(self, full: bool) -> None: ...
     def response_head(self, status: int, raw: bytes, start: int, first: int, end: int, now: float) -> int: ...
     def response_end(self, now: float) -> None: ...
@@ -74,7 +88,7 @@ class UpstreamConnection:
 
     __slots__ = ("pool", "transport", "flow", "parser", "ex", "lost", "counted", "_poll", "pieces",
                  "piece_bytes", "raw_at", "head_seen", "done", "keep_alive", "reusable", "eof_ends",
-                 "write_paused", "idle_since", "relay", "sink", "stamp")
+                 "write_paused", "idle_since", "relay", "sink", "stamp", "fresh")
 
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
@@ -99,6 +113,7 @@ class UpstreamConnection:
         self.relay = RELAY_NONE
         self.sink: list[bytes] = []
         self.stamp = 0.0  # clock reading taken at the response head during the current feed
+        self.fresh = True  # no response completed on it yet
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -155,8 +170,13 @@ class UpstreamConnection:
         if exc is None:
             ex.upstream_failed("the upstream closed the connection" +
                                ("" if self.head_seen else " before responding"))
+        elif self.fresh and not self.head_seen and isinstance(exc, ssl.SSLError):
+            # A TLS 1.3 server checks the client's certificate after the client's side of the
+            # handshake is done, and refuses with an alert the client reads only now: the
+            # request never reached the application, like a refused connect.
+            ex.connect_failed("tls", exc)
         else:
-            ex.upstream_failed(f"connection to the upstream failed: {exc!r}")
+            ex.upstream_failed(f"connection to the upstream failed: {failure_reason(exc)}")
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -204,6 +224,7 @@ class UpstreamConnection:
         if self.write_paused:
             ex.peer_full(False)
         if self.keep_alive and self.reusable and ex.request_sent:
+            self.fresh = False
             self.head_seen = False
             self.done = False
             self.eof_ends = False
@@ -280,15 +301,19 @@ class UpstreamConnection:
 class UpstreamPool:
     """Keep-alive connections to one upstream ``host:port``, at most ``limit`` of them."""
 
-    __slots__ = ("loop", "host", "port", "limit", "max_head", "idle", "waiters", "total", "tasks", "closed",
-                 "poller")
+    __slots__ = ("loop", "host", "port", "tls", "server_hostname", "limit", "max_head", "idle", "waiters", "total",
+                 "tasks", "closed", "poller")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int, limit: int, max_head: int,
-                 poller: IdlePoller) -> None:
+                 poller: IdlePoller, tls: ssl.SSLContext | None = None, server_hostname: str | None = None) -> None:
         self.loop = loop
         self.poller = poller  # told of every read (see sidecar.engine.idle_poll)
         self.host = host
         self.port = port
+        # TLS (https:// upstreams): the handshake is part of connecting, within the connect
+        # timeout; ``server_hostname`` (None: ``host``) is the SNI and the name checked.
+        self.tls = tls
+        self.server_hostname = server_hostname
         self.limit = limit
         # A response head larger than this is a protocol error (502), never relayed.
         self.max_head = max_head
@@ -376,7 +401,13 @@ class UpstreamPool:
     async def _connect(self, ex: Exchange) -> None:
         try:
             async with asyncio.timeout(ex.connect_timeout):
-                _, conn = await self.loop.create_connection(lambda: UpstreamConnection(self), self.host, self.port)
+                if self.tls is None:
+                    _, conn = await self.loop.create_connection(lambda: UpstreamConnection(self), self.host,
+                                                                self.port)
+                else:
+                    _, conn = await self.loop.create_connection(
+                        lambda: UpstreamConnection(self), self.host, self.port, ssl=self.tls,
+                        server_hostname=self.server_hostname or self.host)
         except TimeoutError as exc:
             self.total -= 1
             ex.connect_failed("timeout", exc)

@@ -18,12 +18,8 @@ from typing import Any
 import orjson
 import pytest
 
-from sidecar.config import ConfigError, build_config
 from sidecar.engine import fast
 from sidecar.engine.fast import FastEngine
-from sidecar.health import UpstreamHealth
-from sidecar.metrics import Metrics
-from sidecar.router import Router
 from tests.engine import (
     OK,
     echo,
@@ -830,18 +826,6 @@ async def test_drain_finishes_in_flight_with_connection_close_and_closes_idle(ra
         await asyncio.open_connection("127.0.0.1", listen_port)
     idle_writer.close()
     busy_writer.close()
-
-
-async def test_https_upstream_is_refused_at_start_naming_the_deployment():
-    # build_config already refuses this pairing (tests/test_config.py); the engine checks again
-    # for configs built another way.
-    cfg = build_config(flags={"listen": "127.0.0.1:0", "admin": "127.0.0.1:0",
-                              "upstream": "https://127.0.0.1:9443", "engine": "aiohttp"}, env={}, file=None)
-    cfg = cfg.model_copy(update={"engine": "fast"})
-    metrics = Metrics()
-    engine = FastEngine(cfg, Router(cfg, metrics), metrics, UpstreamHealth(required=False))
-    with pytest.raises(ConfigError, match=r"deployment 'default'.*https://127\.0\.0\.1:9443"):
-        await engine.start()
 
 
 # -- body modes -------------------------------------------------------------------------------

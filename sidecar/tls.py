@@ -1,0 +1,83 @@
+"""Client TLS contexts of ``https://`` upstreams, built from a deployment's ``tls`` settings.
+
+One context per deployment, built when the deployment starts and shared by everything that
+talks to its upstreams (both engines, end-of-session actions, health checks). Every problem with
+the settings is a :class:`~sidecar.config.ConfigError` naming the setting, so a bad certificate
+stops the process at start instead of failing each request.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import NoReturn
+
+from sidecar.config import ConfigError, TlsConfig
+
+# Both engines speak HTTP/1.1 upstream: an upstream that negotiates ALPN must not pick h2.
+ALPN = ["http/1.1"]
+
+
+def client_context(tls: TlsConfig | None, where: str = "") -> ssl.SSLContext:
+    """The client context for ``tls`` (None: the defaults). ``where`` prefixes the setting in
+    errors (``deployments[0].``).
+
+    Defaults are the system CA bundle (OpenSSL's default locations, which ``SSL_CERT_FILE`` /
+    ``SSL_CERT_DIR`` override), certificate and host name verification, TLS 1.2 or later.
+    ``ca_file`` replaces the system bundle; ``verify: false`` checks nothing.
+    """
+    tls = tls or TlsConfig()
+    prefix = f"{where}tls."
+    if tls.ca_file is not None:
+        _readable(tls.ca_file, prefix + "ca_file")
+    try:  # with a cafile, only that bundle is trusted
+        ctx = ssl.create_default_context(cafile=tls.ca_file)
+    except ssl.SSLError as exc:
+        _fail(prefix + "ca_file", f"{tls.ca_file} holds no PEM certificate{_reason(exc)}")
+    if (tls.cert_file is None) != (tls.key_file is None):
+        missing, given = ("key_file", "cert_file") if tls.key_file is None else ("cert_file", "key_file")
+        _fail(prefix + missing, f"required with {given} (a client certificate needs its private key)")
+    if tls.cert_file is not None and tls.key_file is not None:
+        _readable(tls.cert_file, prefix + "cert_file")
+        _readable(tls.key_file, prefix + "key_file")
+        try:  # a scratch context tells a bad certificate file from a bad key
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=tls.cert_file)
+        except ssl.SSLError as exc:
+            _fail(prefix + "cert_file", f"{tls.cert_file} holds no PEM certificate{_reason(exc)}")
+        try:
+            ctx.load_cert_chain(tls.cert_file, tls.key_file, password=_encrypted(prefix + "key_file"))
+        except ssl.SSLError as exc:
+            if exc.reason == "KEY_VALUES_MISMATCH":
+                _fail(prefix + "key_file", f"{tls.key_file} is not the private key of cert_file {tls.cert_file}")
+            _fail(prefix + "key_file", f"{tls.key_file} holds no usable PEM private key{_reason(exc)}")
+    if not tls.verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(ALPN)
+    return ctx
+
+
+def _readable(path: str, setting: str) -> None:
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as exc:
+        _fail(setting, f"cannot read {path}: {exc.strerror or exc}")
+
+
+def _encrypted(setting: str):  # type: ignore[no-untyped-def]
+    """A password callback that refuses: without one, OpenSSL would prompt on the terminal."""
+
+    def refuse() -> NoReturn:
+        raise ConfigError(f"{setting}: the private key is encrypted; give it unencrypted "
+                          "(as a Kubernetes TLS Secret holds it)")
+
+    return refuse
+
+
+def _reason(exc: ssl.SSLError) -> str:
+    """`` (OPENSSL_REASON)`` when OpenSSL gave one."""
+    return f" ({exc.reason})" if exc.reason else ""
+
+
+def _fail(setting: str, message: str) -> NoReturn:
+    raise ConfigError(f"{setting}: {message}")
