@@ -94,7 +94,7 @@ def test_env_only_configuration_refuses_bad_listen():
     proc = subprocess.run([sys.executable, "-m", "sidecar", "run"], capture_output=True, text=True, timeout=30,
                           env={**os.environ, "SIDECAR_UPSTREAM": "http://127.0.0.1:1", "SIDECAR_LISTEN": "8080"})
     assert proc.returncode == 2
-    assert "listen: must be HOST:PORT (got '8080')" in proc.stderr
+    assert "listen: must be HOST:PORT, e.g. 0.0.0.0:8080 (got '8080')\n" in proc.stderr
 
 
 def test_modes_lists_every_mode_with_options():
