@@ -12,6 +12,7 @@ import time
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from sidecar import __version__
 from sidecar.admin import build_admin_app
 from sidecar.auth import TokenSet, load_tokens
 from sidecar.config import Config
@@ -46,6 +47,7 @@ class Sidecar:
         self.tokens: TokenSet | None = load_tokens(config.admin_tokens_file) if config.admin_tokens_file else None
         self.health = UpstreamHealth(required=config.readiness_check_upstream)
         self.engine = engine_class(config.engine)(config, self.router, self.metrics, self.health)
+        self.metrics.set_build_info(__version__, config.engine, self.engine.compiled)
         self._admin_runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.proxy_url = ""
@@ -82,9 +84,11 @@ class Sidecar:
         if self.health.required:
             ups = [u for d in self.router.deployments for u in d.upstreams]
             self._tasks.append(loop.create_task(self.health.probe_until_reached(ups), name="sidecar-ready-probe"))
-        log.info("sidecar started", extra={"proxy": self.proxy_url, "admin": self.admin_url,
-                                           "engine": cfg.engine, "compiled": self.engine.compiled,
-                                           "deployments": [d.name for d in self.router.deployments]})
+        log.info("sidecar started", extra={
+            "version": __version__, "engine": cfg.engine, "compiled": self.engine.compiled,
+            "listen": _address(cfg.listen.host, self.engine.port), "admin": _address(cfg.admin.host, admin_port),
+            "deployments": [{"name": d.name, "mode": d.mode_name, "upstreams": [u.display for u in d.upstreams]}
+                            for d in self.router.deployments]})
 
     async def _expiry_loop(self) -> None:
         while True:
@@ -110,6 +114,11 @@ class Sidecar:
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
         log.info("sidecar stopped")
+
+
+def _address(host: str, port: int) -> str:
+    """A bound address as ``HOST:PORT`` (``[v6]:PORT``), as configured: ``0.0.0.0`` stays."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _url_host(host: str) -> str:

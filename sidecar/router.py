@@ -388,7 +388,7 @@ class Router:
             if len(self._workers) < MAX_INTERNED_WORKERS:
                 self._workers[worker] = worker
         outcome, previous = self.tree.record_worker(turn, interned)
-        self.metrics.affinity_turn(outcome).inc()
+        self.metrics.affinity_turn(decision.deployment.name, outcome).inc()
         if outcome == "moved":
             extra: dict[str, Any] = {"event": "moved", **decision.log_fields(),
                                      "from_worker": previous, "to_worker": interned,
@@ -467,8 +467,9 @@ class Router:
 
     def _ended(self, ended: Sequence[Ended]) -> None:
         for e in ended:
-            self.metrics.sessions_ended.labels(str(e.reason)).inc()
             dep = self.deployment(e.deployment)
+            # The label only takes configured names (a closed set).
+            self.metrics.sessions_ended.labels(dep.name if dep is not None else "unknown", str(e.reason)).inc()
             if dep is None or dep.mode is None:
                 continue
             end = SessionEnd(session=e.session, parent=e.parent, root=e.root, deployment=e.deployment,
