@@ -45,7 +45,7 @@ class Sidecar:
         store = SessionStore(config.sessions.api, clock=session_clock or time.time)
         self.router = Router(config, self.metrics, store=store, effects=self.effects.submit)
         self.tokens: TokenSet | None = load_tokens(config.admin_tokens_file) if config.admin_tokens_file else None
-        self.health = UpstreamHealth(required=config.readiness_check_upstream)
+        self.health = UpstreamHealth(required=config.readiness_check_upstream, deployments=self.router.deployments)
         self.engine = engine_class(config.engine)(config, self.router, self.metrics, self.health)
         self.metrics.set_build_info(__version__, config.engine, self.engine.compiled)
         self._admin_runner: web.AppRunner | None = None
@@ -79,11 +79,10 @@ class Sidecar:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._expiry_loop(), name="sidecar-expiry"))
         if any(d.health_check is not None for d in self.router.deployments):
-            self._tasks.append(loop.create_task(run_health_checks(self.router.deployments),
+            self._tasks.append(loop.create_task(run_health_checks(self.router.deployments, self.health),
                                                 name="sidecar-health-checks"))
         if self.health.required:
-            ups = [u for d in self.router.deployments for u in d.upstreams]
-            self._tasks.append(loop.create_task(self.health.probe_until_reached(ups), name="sidecar-ready-probe"))
+            self._tasks.append(loop.create_task(self.health.probe(), name="sidecar-upstream-probe"))
         log.info("sidecar started", extra={
             "version": __version__, "engine": cfg.engine, "compiled": self.engine.compiled,
             "listen": _address(cfg.listen.host, self.engine.port), "admin": _address(cfg.admin.host, admin_port),
@@ -109,6 +108,7 @@ class Sidecar:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.engine.close()
+        self.engine.failures.close()
         self.router.shutdown()
         await self.effects.stop()
         if self._admin_runner is not None:
