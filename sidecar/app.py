@@ -33,7 +33,8 @@ class Sidecar:
 
     ``await start()`` binds both listeners (``proxy_url`` / ``admin_url`` then hold the real
     ports); ``await stop()`` drains in-flight requests for ``drain_grace_seconds``, ends every
-    live session (reason ``shutdown``), and releases everything.
+    live session (reason ``shutdown``), and releases everything. ``await shutdown(delay)`` is
+    what a signal starts: not ready at once, serving for ``delay`` more seconds, then ``stop()``.
     """
 
     def __init__(self, config: Config, *, registry: CollectorRegistry | None = None,
@@ -95,12 +96,27 @@ class Sidecar:
             while self.router.expire():  # a backlog is ended in batches, the proxy served between
                 await asyncio.sleep(0)
 
+    async def shutdown(self, delay: float, hurry: asyncio.Event | None = None) -> None:
+        """Leave the load balancers' endpoints, then stop: ``/readyz`` answers 503 at once while
+        the proxy keeps accepting and serving for ``delay`` seconds (or until ``hurry`` is set),
+        each answer closing its connection so that clients reconnect to a ready replica; then
+        :meth:`stop`."""
+        if self._stopped:
+            return
+        self.health.draining = True
+        self.engine.stop_keepalive()
+        if delay > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for((hurry or asyncio.Event()).wait(), delay)
+        await self.stop()
+
     async def stop(self) -> None:
         """Graceful: refuse new connections, drain, end sessions, close."""
         if self._stopped:
             return
         self._stopped = True
         self.health.draining = True
+        log.info("draining", extra={"grace_seconds": self.config.drain_grace_seconds})
         await self.engine.drain(self.config.drain_grace_seconds)
         for task in self._tasks:
             task.cancel()
@@ -130,12 +146,21 @@ def _url_host(host: str) -> str:
 
 
 async def serve(config: Config) -> None:
-    """Run until SIGTERM / SIGINT, then stop gracefully."""
+    """Run until SIGTERM / SIGINT, then shut down gracefully (:meth:`Sidecar.shutdown`); a
+    second signal during the shutdown delay ends the delay at once."""
     sidecar = Sidecar(config)
     stop = asyncio.Event()
+    hurry = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set() and not hurry.is_set():
+            log.info("second signal received: ending the shutdown delay")
+            hurry.set()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await sidecar.start()
     # Everything allocated so far (imported modules, config, app objects) lives as long as the
     # process: move it out of the collector's reach so full collections, whose cost grows with
@@ -143,6 +168,9 @@ async def serve(config: Config) -> None:
     gc.freeze()
     try:
         await stop.wait()
-        log.info("signal received: draining", extra={"grace_seconds": config.drain_grace_seconds})
+        log.info("signal received: not ready; serving on until the shutdown delay ends, then draining",
+                 extra={"delay_seconds": config.shutdown_delay_seconds,
+                        "grace_seconds": config.drain_grace_seconds})
+        await sidecar.shutdown(config.shutdown_delay_seconds, hurry)
     finally:
         await sidecar.stop()

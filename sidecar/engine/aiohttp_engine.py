@@ -171,6 +171,7 @@ class AiohttpEngine(Engine):
             max_field_size=head_cap,
         )
         self._in_flight = 0
+        self._keepalive = True  # off from the start of shutdown: every answer closes its connection
         self._idle = asyncio.Event()
         self._idle.set()
         server = _Server(self._handle, head_timeout=self.config.head_timeout_seconds,
@@ -189,7 +190,11 @@ class AiohttpEngine(Engine):
     def port(self) -> int:
         return int(self._runner.addresses[0][1])
 
+    def stop_keepalive(self) -> None:
+        self._keepalive = False
+
     async def drain(self, grace: float) -> None:
+        self._keepalive = False
         await self._site.stop()
         try:
             await asyncio.wait_for(self._idle.wait(), grace)
@@ -219,7 +224,10 @@ class AiohttpEngine(Engine):
         self.metrics.request_counter(dep_name, mode, f"{exc.status // 100}xx").inc()
         if reason:
             self.metrics.rejected.labels(reason).inc()
-        return web.Response(status=exc.status, body=exc.body(), content_type="application/json")
+        resp = web.Response(status=exc.status, body=exc.body(), content_type="application/json")
+        if not self._keepalive:
+            resp.force_close()
+        return resp
 
     def _refuse(self, request: web.BaseRequest, exc: errors.ProxyError, reason: str) -> web.Response:
         """Answer a request whose stream cannot be trusted any further, and close."""
@@ -368,6 +376,8 @@ class AiohttpEngine(Engine):
             if (request.version < (1, 1) and h.CONTENT_LENGTH not in resp.headers and request.method != "HEAD"
                     and upstream.status not in (204, 304)):
                 resp.force_close()  # an unframed body to an HTTP/1.0 client ends with the connection
+            if not self._keepalive:
+                resp.force_close()
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():
                 await resp.write(chunk)

@@ -70,6 +70,12 @@ class Engine(abc.ABC):
     async def start(self) -> None:
         """Bind ``config.listen`` and start serving."""
 
+    @abc.abstractmethod
+    def stop_keepalive(self) -> None:
+        """Shutdown has begun (readiness is off) but connections are still accepted: answer
+        every request as usual, each response closing its connection, so that clients
+        reconnect and their load balancer picks a ready replica."""
+
     @property
     @abc.abstractmethod
     def port(self) -> int:

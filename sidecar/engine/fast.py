@@ -257,6 +257,10 @@ class FastEngine(Engine):
     def draining(self) -> bool:
         return self.shared.draining
 
+    def stop_keepalive(self) -> None:
+        # ``draining`` makes every answer close its connection; the listener stays open until drain().
+        self.shared.draining = True
+
     async def drain(self, grace: float) -> None:
         shared = self.shared
         shared.draining = True
