@@ -9,7 +9,7 @@
 # the image's environment, in a private mount namespace whose root filesystem is remounted
 # read-only (as with readOnlyRootFilesystem) when the kernel allows it, else with the venv's
 # write bits removed:
-#   sidecar --help; the fast engine runs compiled; sidecar check-config on
+#   sidecar --help; the fast engine runs compiled; sidecar check-config (with the tokens file) on
 #   config/examples/*.yaml (or `sidecar modes` when there are none); `sidecar run` with the
 #   admin listener on 0.0.0.0 as in the image: without a tokens file it must refuse to start
 #   naming admin_insecure / admin_tokens_file; with a read-only tokens file, against a loopback
@@ -40,8 +40,10 @@ if [[ "${1:-}" == "--run-checks" ]]; then
   examples=("$repo"/config/examples/*.yaml "$repo"/config/examples/*.yml)
   if ((${#examples[@]})); then
     for example in "${examples[@]}"; do
-      echo "+ sidecar check-config config/examples/$(basename "$example")"
-      sidecar check-config "$example" >/dev/null
+      # check-config applies the environment like `run`: with the image's 0.0.0.0 admin
+      # listener it needs the tokens file too.
+      echo "+ SIDECAR_ADMIN_TOKENS_FILE=... sidecar check-config config/examples/$(basename "$example")"
+      SIDECAR_ADMIN_TOKENS_FILE="$tokens_file" sidecar check-config "$example" >/dev/null
     done
   else
     echo "+ sidecar modes"

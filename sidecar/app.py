@@ -12,6 +12,7 @@ import time
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from sidecar import __version__
 from sidecar.admin import build_admin_app
 from sidecar.auth import TokenSet, load_tokens
 from sidecar.config import Config
@@ -34,7 +35,8 @@ class Sidecar:
 
     ``await start()`` binds both listeners (``proxy_url`` / ``admin_url`` then hold the real
     ports); ``await stop()`` drains in-flight requests for ``drain_grace_seconds``, ends every
-    live session (reason ``shutdown``), and releases everything.
+    live session (reason ``shutdown``), and releases everything. ``await shutdown(delay)`` is
+    what a signal starts: not ready at once, serving for ``delay`` more seconds, then ``stop()``.
     """
 
     def __init__(self, config: Config, *, registry: CollectorRegistry | None = None,
@@ -54,8 +56,9 @@ class Sidecar:
         self.state.on_claimed = self.router.end_session
         self.state.on_closing = self.router.closing_elsewhere
         self.tokens: TokenSet | None = load_tokens(config.admin_tokens_file) if config.admin_tokens_file else None
-        self.health = UpstreamHealth(required=config.readiness_check_upstream)
+        self.health = UpstreamHealth(required=config.readiness_check_upstream, deployments=self.router.deployments)
         self.engine = engine_class(config.engine)(config, self.router, self.metrics, self.health)
+        self.metrics.set_build_info(__version__, config.engine, self.engine.compiled)
         self._admin_runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.proxy_url = ""
@@ -89,14 +92,15 @@ class Sidecar:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._expiry_loop(), name="sidecar-expiry"))
         if any(d.health_check is not None for d in self.router.deployments):
-            self._tasks.append(loop.create_task(run_health_checks(self.router.deployments),
+            self._tasks.append(loop.create_task(run_health_checks(self.router.deployments, self.health),
                                                 name="sidecar-health-checks"))
         if self.health.required:
-            ups = [u for d in self.router.deployments for u in d.upstreams]
-            self._tasks.append(loop.create_task(self.health.probe_until_reached(ups), name="sidecar-ready-probe"))
-        log.info("sidecar started", extra={"proxy": self.proxy_url, "admin": self.admin_url,
-                                           "engine": cfg.engine, "compiled": self.engine.compiled,
-                                           "deployments": [d.name for d in self.router.deployments]})
+            self._tasks.append(loop.create_task(self.health.probe(), name="sidecar-upstream-probe"))
+        log.info("sidecar started", extra={
+            "version": __version__, "engine": cfg.engine, "compiled": self.engine.compiled,
+            "listen": _address(cfg.listen.host, self.engine.port), "admin": _address(cfg.admin.host, admin_port),
+            "deployments": [{"name": d.name, "mode": d.mode_name, "upstreams": [u.display for u in d.upstreams]}
+                            for d in self.router.deployments]})
 
     async def _expiry_loop(self) -> None:
         while True:
@@ -104,12 +108,27 @@ class Sidecar:
             while self.router.expire():  # a backlog is ended in batches, the proxy served between
                 await asyncio.sleep(0)
 
+    async def shutdown(self, delay: float, hurry: asyncio.Event | None = None) -> None:
+        """Leave the load balancers' endpoints, then stop: ``/readyz`` answers 503 at once while
+        the proxy keeps accepting and serving for ``delay`` seconds (or until ``hurry`` is set),
+        each answer closing its connection so that clients reconnect to a ready replica; then
+        :meth:`stop`."""
+        if self._stopped:
+            return
+        self.health.draining = True
+        self.engine.stop_keepalive()
+        if delay > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for((hurry or asyncio.Event()).wait(), delay)
+        await self.stop()
+
     async def stop(self) -> None:
         """Graceful: refuse new connections, drain, end sessions, close."""
         if self._stopped:
             return
         self._stopped = True
         self.health.draining = True
+        log.info("draining", extra={"grace_seconds": self.config.drain_grace_seconds})
         await self.engine.drain(self.config.drain_grace_seconds)
         for task in self._tasks:
             task.cancel()
@@ -117,12 +136,18 @@ class Sidecar:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.engine.close()
+        self.engine.failures.close()
         self.router.shutdown()  # with a shared store: only forgets (the sessions live on in the store)
         await self.state.stop()
         await self.effects.stop()
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
         log.info("sidecar stopped")
+
+
+def _address(host: str, port: int) -> str:
+    """A bound address as ``HOST:PORT`` (``[v6]:PORT``), as configured: ``0.0.0.0`` stays."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _url_host(host: str) -> str:
@@ -134,12 +159,21 @@ def _url_host(host: str) -> str:
 
 
 async def serve(config: Config) -> None:
-    """Run until SIGTERM / SIGINT, then stop gracefully."""
+    """Run until SIGTERM / SIGINT, then shut down gracefully (:meth:`Sidecar.shutdown`); a
+    second signal during the shutdown delay ends the delay at once."""
     sidecar = Sidecar(config)
     stop = asyncio.Event()
+    hurry = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set() and not hurry.is_set():
+            log.info("second signal received: ending the shutdown delay")
+            hurry.set()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await sidecar.start()
     # Everything allocated so far (imported modules, config, app objects) lives as long as the
     # process: move it out of the collector's reach so full collections, whose cost grows with
@@ -147,6 +181,9 @@ async def serve(config: Config) -> None:
     gc.freeze()
     try:
         await stop.wait()
-        log.info("signal received: draining", extra={"grace_seconds": config.drain_grace_seconds})
+        log.info("signal received: not ready; serving on until the shutdown delay ends, then draining",
+                 extra={"delay_seconds": config.shutdown_delay_seconds,
+                        "grace_seconds": config.drain_grace_seconds})
+        await sidecar.shutdown(config.shutdown_delay_seconds, hurry)
     finally:
         await sidecar.stop()

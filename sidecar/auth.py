@@ -7,7 +7,8 @@ File format::
       - {token: "s3cret-admin", admin: true}   # sees every session
 
 Tokens are compared with :func:`hmac.compare_digest` against every configured token (no early
-exit) and never logged or echoed.
+exit) and never logged or echoed. A token shorter than 16 characters, or one that reads like the
+placeholder of an example (:data:`PLACEHOLDER`), refuses the whole file: the error names the entry.
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ from typing import Any
 
 import yaml
 
-from sidecar.config import ConfigError
+from sidecar.config import ConfigError, yaml_error_where
 
 WORKSPACE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+MIN_TOKEN_CHARS = 16
+# Tokens copied from an example instead of generated. The Helm chart refuses the same pattern
+# (templates/_helpers.tpl, session-sidecar.checkTokens); a test keeps the two identical.
+PLACEHOLDER = re.compile(r"(?i)change[-_ ]?me|replace|placeholder|example|^<.*>$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +82,8 @@ def load_tokens(path: str | Path) -> TokenSet:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"{where}: {exc.strerror or exc}") from None
-    except yaml.YAMLError:
-        raise ConfigError(f"{where}: invalid YAML") from None
+    except yaml.YAMLError as exc:  # position only: PyYAML's excerpt of the line could show a token
+        raise ConfigError(f"{where}{yaml_error_where(exc)}: invalid YAML") from None
     if not isinstance(data, dict) or not isinstance(data.get("tokens"), list) or set(data) != {"tokens"}:
         raise ConfigError(f"{where}: must be a mapping with one key, `tokens`, holding a list")
     tokens: list[_Token] = []
@@ -94,8 +99,13 @@ def _parse_entry(entry: Any, where: str, seen: set[bytes]) -> _Token:
     if not isinstance(entry, dict) or not set(entry) <= {"token", "workspace", "admin"}:
         raise ConfigError(f"{where}: must be a mapping of token, workspace and/or admin")
     secret = entry.get("token")
-    if not isinstance(secret, str) or len(secret.strip()) < 16 or secret != secret.strip() or " " in secret:
-        raise ConfigError(f"{where}.token: must be a string of at least 16 characters without spaces")
+    if not isinstance(secret, str) or len(secret) < MIN_TOKEN_CHARS or re.search(r"\s", secret):
+        raise ConfigError(f"{where}.token: must be a string of at least {MIN_TOKEN_CHARS} characters without "
+                          "spaces (generate one with `openssl rand -hex 32`)")
+    if PLACEHOLDER.search(secret):
+        raise ConfigError(f"{where}.token: is a placeholder (it says change-me, replace, placeholder or "
+                          "example, or is written <...>): replace it with a random token "
+                          "(`openssl rand -hex 32`)")
     raw = secret.encode()
     if raw in seen:
         raise ConfigError(f"{where}.token: duplicate token")

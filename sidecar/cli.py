@@ -35,8 +35,12 @@ def _parser() -> argparse.ArgumentParser:
                      "shared by replicas (env SIDECAR_STATE)")
     run.add_argument("--config", metavar="FILE", help="YAML config file (env SIDECAR_CONFIG)")
 
-    check = sub.add_parser("check-config", help="validate a config file and print it normalized")
-    check.add_argument("file", metavar="FILE")
+    check = sub.add_parser(
+        "check-config", help="validate the configuration in effect and print it normalized",
+        description="Validate the configuration `run` would start with (FILE, else SIDECAR_CONFIG, with the "
+                    "SIDECAR_* environment on top) and print it normalized; exit 2 naming the bad setting.")
+    check.add_argument("file", metavar="FILE", nargs="?",
+                       help="YAML config file (default: SIDECAR_CONFIG; none: the environment alone)")
 
     sub.add_parser("modes", help="list routing modes with their options and defaults")
 
@@ -85,7 +89,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from sidecar.config import ConfigError, build_config
 
     try:
-        config = build_config(file=args.file, env={})
+        config = build_config(file=args.file)  # the SIDECAR_* environment applies, as for `run`
     except ConfigError as exc:
         return _fail(str(exc))
     sys.stdout.write(yaml.safe_dump(config.normalized(), sort_keys=False))

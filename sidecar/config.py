@@ -34,7 +34,8 @@ TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 ENV_PREFIX = "SIDECAR_"
 # Flag / env name -> top-level config key. Env vars are SIDECAR_<NAME>.
 SCALAR_KEYS = ("listen", "admin", "upstream", "mode", "engine", "log_level", "drain_grace_seconds",
-               "head_timeout_seconds", "admin_tokens_file", "admin_insecure", "idle_poll_us")
+               "shutdown_delay_seconds", "head_timeout_seconds", "admin_tokens_file", "admin_insecure",
+               "idle_poll_us")
 
 
 class ConfigError(Exception):
@@ -82,13 +83,22 @@ class HostPort(BaseModel):
 
 
 def parse_host_port(value: Any) -> Any:
-    if not isinstance(value, str):
+    """``"HOST:PORT"`` / ``"[v6]:PORT"`` -> fields; a mapping of ``host`` and ``port`` passes as is.
+    Anything else (a bare port such as ``8080``, from YAML or the environment) is an error
+    showing the expected form."""
+    if isinstance(value, (dict, HostPort)):
         return value
-    m = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:(\d+)|([^:\[\]]+):(\d+)", value.strip())
+    m = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:(\d+)|([^:\[\]]+):(\d+)", value.strip()) if isinstance(value, str) else None
     if not m:
-        raise ValueError(f"must be HOST:PORT (got {value!r})")
+        raise ValueError(f"must be HOST:PORT, e.g. {_example_address(value)}")
     host = m.group(1) or m.group(3)
     return {"host": host, "port": int(m.group(2) or m.group(4))}
+
+
+def _example_address(value: Any) -> str:
+    """An example address for an error message, with the user's port when they gave only one."""
+    port = str(value).strip() if isinstance(value, (int, str)) and not isinstance(value, bool) else ""
+    return f"0.0.0.0:{port}" if port.isdigit() and int(port) <= 65535 else "0.0.0.0:8080"
 
 
 Address = Annotated[HostPort, BeforeValidator(parse_host_port)]
@@ -97,14 +107,15 @@ Address = Annotated[HostPort, BeforeValidator(parse_host_port)]
 def check_url(value: str) -> str:
     from yarl import URL
 
+    # The messages leave the value out: the error formatter appends it once.
     try:
         url = URL(value)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"not a URL: {value!r}") from exc
+        raise ValueError("not a URL") from exc
     if url.scheme not in ("http", "https") or not url.host:
-        raise ValueError(f"must be an http:// or https:// URL with a host (got {value!r})")
+        raise ValueError("must be an http:// or https:// URL with a host")
     if url.query_string or url.fragment:
-        raise ValueError(f"must not carry a query or fragment (got {value!r})")
+        raise ValueError("must not carry a query or fragment")
     return str(url).rstrip("/")
 
 
@@ -355,10 +366,14 @@ class Config(_Strict):
     idle_poll_us: int | None = Field(None, ge=0, le=10_000)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     drain_grace_seconds: float = Field(25.0, ge=0)
+    # On SIGTERM: /readyz answers 503 at once while the proxy keeps accepting and serving this
+    # long (the endpoint removal reaches every load balancer meanwhile), then the drain begins.
+    shutdown_delay_seconds: float = Field(5.0, ge=0)
     # A client's request head must arrive completely within this long (slow-header attacks hold a
     # connection and a parser buffer for as long as the head lasts): 408 and close.
     head_timeout_seconds: float = Field(15.0, gt=0)
-    # /readyz answers 200 only once an upstream was reached, unless this is false.
+    # /readyz answers 200 only while every deployment has an upstream currently healthy (active
+    # health checks, failed connections, a background connect probe), unless this is false.
     readiness_check_upstream: bool = True
     identity: IdentityConfig = IdentityConfig()
     affinity: AffinityConfig = AffinityConfig()
@@ -482,7 +497,10 @@ def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
         path = prefix + _fmt_loc(loc)
         msg = err["msg"].removeprefix("Value error, ")
         got = err.get("input")
-        got_s = "" if err["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) else f" (got {got!r})"
+        # The value once: some messages (a mode's own checks, header-name checks) already quote it.
+        quoted = "(got " in msg or (isinstance(got, str) and repr(got) in msg)
+        got_s = "" if err["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) or quoted \
+            else f" (got {got!r})"
         if err["type"] == "extra_forbidden":
             msg = "unknown setting"
         # Whole-model checks carry no location: their messages start with the setting name.
@@ -533,6 +551,18 @@ def _overlay(base: dict[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def yaml_error_where(exc: yaml.YAMLError) -> str:
+    """``", line 3, column 7"`` for a YAML error that knows its position (1-based), else ``""``."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    return f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong, without the excerpt of the file PyYAML quotes (it may hold a secret)."""
+    parts = [p for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p]
+    return ", ".join(parts) if parts else type(exc).__name__
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file into a mapping."""
     try:
@@ -542,7 +572,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path}: invalid YAML: {exc}") from exc
+        raise ConfigError(f"config file {path}{yaml_error_where(exc)}: invalid YAML: {yaml_problem(exc)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -151,7 +151,7 @@ class DeploymentStats:
         self.added = m.added.labels(deployment)
         self.ttfb = m.ttfb.labels(deployment, mode)
         self.duration = m.duration.labels(deployment, mode)
-        self.headers_injected = m.headers_injected.labels(mode)
+        self.headers_injected = m.headers_injected.labels(deployment, mode)
         self._rewritten: _Value | None = None  # created by the first rewrite: no series before it
         self._rewrites = (m.body_rewrites, mode)
         self._requests = (m.requests, deployment, mode)
@@ -205,7 +205,7 @@ class Metrics:
             "Upstream failures by kind (connect, timeout, reset, protocol).", ("deployment", "kind"))
         self.headers_injected = family(
             "counter", "sidecar_headers_injected_total", "Requests that got affinity headers from a mode.",
-            ("mode",))
+            ("deployment", "mode"))
         self.body_rewrites = family(
             "counter", "sidecar_body_rewrites_total",
             "Body-mode outcomes: rewritten, passthrough_not_object, passthrough_invalid_json, rejected.",
@@ -216,7 +216,8 @@ class Metrics:
             "counter", "sidecar_rejected_requests_total", "Requests the sidecar answered itself, by reason.",
             ("reason",))
         self.sessions_ended = family(
-            "counter", "sidecar_sessions_ended_total", "Sessions ended, by reason.", ("reason",))
+            "counter", "sidecar_sessions_ended_total", "Sessions ended, by deployment and reason.",
+            ("deployment", "reason"))
         self.end_actions = family(
             "counter", "sidecar_end_actions_total", "End-of-session calls to the upstream, by mode and outcome.",
             ("mode", "outcome"))
@@ -224,11 +225,18 @@ class Metrics:
             "counter", "sidecar_affinity_turns_total",
             "Turns whose worker the upstream named, by outcome: first (a session's first), "
             "same_worker (as its previous turn), moved (another worker than its previous turn).",
-            ("outcome",))
+            ("deployment", "outcome"))
         self.in_flight = family("gauge", "sidecar_in_flight_requests", "Requests being proxied now.")
-
+        self.build_info = family(
+            "gauge", "sidecar_build_info", "Always 1: the sidecar's version, engine and whether it runs compiled.",
+            ("version", "engine", "compiled"))
         self.registry.register(_FamilyCollector(families))
         self._family = family  # (watch_state adds families later; the collector reads the same list)
+        # The standard process_*, python_info and python_gc_* series, on this registry (not the
+        # global one), so every app in a process has its own.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
 
         # Hot-path shortcuts (children are cached per label values; the label sets are closed).
         self.request_counter = self.requests.labels
@@ -261,6 +269,10 @@ class Metrics:
         self.state_commands = family("counter", "sidecar_state_commands_total",
                                      "Commands sent to the shared session store (a script call counts one).")
 
+
+    def set_build_info(self, version: str, engine: str, compiled: bool) -> None:
+        """``sidecar_build_info{version, engine, compiled} 1`` (once, at start)."""
+        self.build_info.labels(version, engine, "true" if compiled else "false").set(1)
 
     def for_deployment(self, deployment: str, mode: str) -> DeploymentStats:
         """The per-request metric children of one deployment, resolved once."""
@@ -332,7 +344,7 @@ class _DeploymentCollector(Collector):
         for d in self.deployments:
             b = d.balancer
             for u in d.upstreams:
-                healthy.add_metric((d.name, u.url), 1.0 if b.is_healthy(u) else 0.0)
+                healthy.add_metric((d.name, u.display), 1.0 if b.is_healthy(u) else 0.0)  # no credentials
             failovers.add_metric((d.name,), b.failovers)
         yield healthy
         yield failovers

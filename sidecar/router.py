@@ -549,7 +549,7 @@ class Router:
         outcome, previous = self.tree.record_worker(turn, interned)
         if self._shared:
             self.state.touched(turn)
-        self.metrics.affinity_turn(outcome).inc()
+        self.metrics.affinity_turn(decision.deployment.name, outcome).inc()
         if outcome == "moved":
             extra: dict[str, Any] = {"event": "moved", **decision.log_fields(),
                                      "from_worker": previous, "to_worker": interned,
@@ -651,8 +651,9 @@ class Router:
     def end_session(self, e: Ended) -> None:
         """The end of one session, exactly once: count it, run the mode's end-of-session hook
         and hand its actions to the effects runner, forget the tree's upstream override."""
-        self.metrics.sessions_ended.labels(str(e.reason)).inc()
         dep = self.deployment(e.deployment)
+        # The label only takes configured names (a closed set).
+        self.metrics.sessions_ended.labels(dep.name if dep is not None else "unknown", str(e.reason)).inc()
         self._end_actions(e, dep)
         if dep is not None and dep.balancer.overrides and self.tree.get(e.root) is None:
             dep.balancer.forget(e.root)  # the tree is gone

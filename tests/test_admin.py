@@ -44,7 +44,7 @@ async def test_metrics_after_known_workload(upstream, start_sidecar):
     assert 'sidecar_requests_total{deployment="default",mode="dynamo_headers",status_class="2xx"} 4.0' in text
     assert 'sidecar_requests_total{deployment="default",mode="dynamo_headers",status_class="4xx"} 1.0' in text
     assert 'sidecar_request_duration_seconds_count{deployment="default",mode="dynamo_headers"} 5.0' in text
-    assert 'sidecar_headers_injected_total{mode="dynamo_headers"} 4.0' in text
+    assert 'sidecar_headers_injected_total{deployment="default",mode="dynamo_headers"} 4.0' in text
     assert "sidecar_live_sessions 2.0" in text
     # The proxy listener serves no admin paths: they belong to the upstream API.
     async with aiohttp.ClientSession() as s:

@@ -16,7 +16,7 @@ async def turns(sc, session: str, workers: list[str], *, path: str = "/worker") 
 
 
 def sample(sc, outcome: str) -> float | None:
-    return sc.metrics.registry.get_sample_value("sidecar_affinity_turns_total", {"outcome": outcome})
+    return sc.metrics.registry.get_sample_value("sidecar_affinity_turns_total", {"deployment": "default", "outcome": outcome})
 
 
 async def test_turn_outcomes_history_and_moved_log(upstream, start_sidecar, caplog):

@@ -49,8 +49,10 @@ def stop(proc: subprocess.Popen) -> None:
 
 async def test_readme_example_command_and_sigterm_drain(upstream):
     port, admin_port = free_ports(2)
+    # No shutdown delay: this checks the drain itself (tests/test_rollout.py covers the delay).
     proc = spawn("--listen", f"127.0.0.1:{port}", "--upstream", upstream.url, "--mode", "dynamo_headers",
-                 "--admin", f"127.0.0.1:{admin_port}", env={"SIDECAR_DRAIN_GRACE_SECONDS": "5"})
+                 "--admin", f"127.0.0.1:{admin_port}",
+                 env={"SIDECAR_DRAIN_GRACE_SECONDS": "5", "SIDECAR_SHUTDOWN_DELAY_SECONDS": "0"})
     admin = f"http://127.0.0.1:{admin_port}"
     try:
         await wait_healthy(admin, proc)
@@ -94,7 +96,7 @@ def test_env_only_configuration_refuses_bad_listen():
     proc = subprocess.run([sys.executable, "-m", "sidecar", "run"], capture_output=True, text=True, timeout=30,
                           env={**os.environ, "SIDECAR_UPSTREAM": "http://127.0.0.1:1", "SIDECAR_LISTEN": "8080"})
     assert proc.returncode == 2
-    assert "listen: must be HOST:PORT (got '8080')" in proc.stderr
+    assert "listen: must be HOST:PORT, e.g. 0.0.0.0:8080 (got '8080')\n" in proc.stderr
 
 
 def test_modes_lists_every_mode_with_options():
@@ -127,7 +129,7 @@ def test_modules_with_compiled_layouts_load_as_one_build(pure):
 async def test_startup_log_says_whether_the_fast_engine_runs_compiled(upstream, pure):
     """SIDECAR_PURE_PYTHON=1 runs the .py sources even where compiled modules are installed; the
     startup log line says which build serves (it must match the module actually loaded)."""
-    env = {"SIDECAR_PURE_PYTHON": pure}
+    env = {"SIDECAR_PURE_PYTHON": pure, "SIDECAR_SHUTDOWN_DELAY_SECONDS": "0"}
     loaded = subprocess.run([sys.executable, "-c", "import sidecar.engine.fast as f; print(f.__file__)"],
                             env={**os.environ, **env}, capture_output=True, text=True, timeout=30,
                             check=True).stdout.strip()

@@ -81,9 +81,9 @@ async def test_metrics_after_a_known_workload(upstream, start_sidecar):
     assert got[("sidecar_added_latency_seconds_count", (("deployment", "default"),))] == 5
     assert got[("sidecar_body_rewrites_total", (("mode", "dynamo_nvext"), ("outcome", "rewritten")))] == 3
     assert got[("sidecar_body_rewrites_total", (("mode", "dynamo_nvext"), ("outcome", "passthrough_not_object")))] == 1
-    assert got[("sidecar_headers_injected_total", (("mode", "dynamo_nvext"),))] == 0  # a body mode adds none
+    assert got[("sidecar_headers_injected_total", dep)] == 0  # a body mode adds none
     assert got[("sidecar_rejected_requests_total", (("reason", "body_too_large"),))] == 1
-    assert got[("sidecar_sessions_ended_total", (("reason", "final_turn_completed"),))] == 1
+    assert got[("sidecar_sessions_ended_total", (("deployment", "default"), ("reason", "final_turn_completed")))] == 1
     # m-1 ended with its final turn; m-3 was refused before admission (its body was too large).
     assert got[("sidecar_live_sessions", ())] == 1
     assert got[("sidecar_in_flight_requests", ())] == 0

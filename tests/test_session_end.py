@@ -178,7 +178,7 @@ def test_idle_expiry_with_injectable_clock():
     router.expire()
     router.expire()
     assert [(e[0], e[1]) for e in rec.ends] == [("old", "idle_expired"), ("young", "idle_expired")]
-    assert metrics.registry.get_sample_value("sidecar_sessions_ended_total", {"reason": "idle_expired"}) == 2
+    assert metrics.registry.get_sample_value("sidecar_sessions_ended_total", {"deployment": "default", "reason": "idle_expired"}) == 2
 
 
 def test_eviction_at_cap_least_recently_active_first_and_hook_failure_does_not_stop_it():

@@ -39,10 +39,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    health = request.app[HEALTH_KEY]
-    if health.ready:
-        return web.json_response({"status": "ready"})
-    return web.json_response({"status": "waiting_for_upstream"}, status=503)
+    """200 when ready, else 503; the body says why (see :meth:`UpstreamHealth.report`)."""
+    ready, body = request.app[HEALTH_KEY].report()
+    return web.json_response(body, status=200 if ready else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -54,6 +54,11 @@ class _ClientTimeout(Exception):
     """The client stopped sending a request body it had begun."""
 
 
+class _UpstreamCut(Exception):
+    """The upstream failed mid-response; it is counted and logged (rate-limited) and the client
+    connection aborted: aiohttp has nothing left to answer or log."""
+
+
 def _install_raw_header_serializer() -> None:
     """Make aiohttp's writer send header bytes exactly as they were received.
 
@@ -118,7 +123,10 @@ class _Connection(web_protocol.RequestHandler):
         """Answer in the JSON error format. A malformed request is logged without its bytes
         (aiohttp's message quotes them: headers, bearer tokens); a failure of the sidecar's own
         handler keeps its traceback."""
-        if isinstance(exc, HttpProcessingError):
+        if isinstance(exc, _UpstreamCut):
+            log.debug("response cut: the upstream failed mid-response")
+            err = errors.internal_error()  # never sent: the connection is aborted
+        elif isinstance(exc, HttpProcessingError):
             log.debug("refused a malformed request: %s", type(exc).__name__)
             if isinstance(exc, LineTooLong):
                 err = errors.headers_too_large(self.max_field_size)
@@ -170,6 +178,7 @@ class AiohttpEngine(Engine):
         )
         self._body_pool = body_pool()  # the router's BodyWork (large bodies)
         self._in_flight = 0
+        self._keepalive = True  # off from the start of shutdown: every answer closes its connection
         self._idle = asyncio.Event()
         self._idle.set()
         server = _Server(self._handle, head_timeout=self.config.head_timeout_seconds,
@@ -188,7 +197,11 @@ class AiohttpEngine(Engine):
     def port(self) -> int:
         return int(self._runner.addresses[0][1])
 
+    def stop_keepalive(self) -> None:
+        self._keepalive = False
+
     async def drain(self, grace: float) -> None:
+        self._keepalive = False
         await self._site.stop()
         try:
             await asyncio.wait_for(self._idle.wait(), grace)
@@ -219,7 +232,10 @@ class AiohttpEngine(Engine):
         self.metrics.request_counter(dep_name, mode, f"{exc.status // 100}xx").inc()
         if reason:
             self.metrics.rejected.labels(reason).inc()
-        return web.Response(status=exc.status, body=exc.body(), content_type="application/json")
+        resp = web.Response(status=exc.status, body=exc.body(), content_type="application/json")
+        if not self._keepalive:
+            resp.force_close()
+        return resp
 
     def _refuse(self, request: web.BaseRequest, exc: errors.ProxyError, reason: str) -> web.Response:
         """Answer a request whose stream cannot be trusted any further, and close."""
@@ -358,12 +374,18 @@ class AiohttpEngine(Engine):
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
             return self._error(errors.request_too_large(dep.name, dep.limits.max_body_bytes), dep.name,
                                dep.mode_name, "body_too_large")
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
-            return self._upstream_failed(decision, "timeout", errors.upstream_timeout(dep.name, up.index))
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            connecting = isinstance(exc, aiohttp.ConnectionTimeoutError)
+            reason = "connect timed out" if connecting else \
+                f"no response data for {t.idle:g} s" if isinstance(exc, aiohttp.SocketTimeoutError) else \
+                f"no response within {t.first_byte:g} s"
+            return self._upstream_failed(decision, "timeout", errors.upstream_timeout(dep.name, up.index), reason,
+                                         connecting=connecting)
         except aiohttp.ClientConnectorError as exc:
             router.upstream_unreachable(decision)
+            reason = failure_reason(exc.os_error)
             return self._upstream_failed(decision, "connect", errors.upstream_unreachable(
-                dep.name, up.index, failure_reason(exc.os_error)))
+                dep.name, up.index, reason), reason, connecting=True)
         except aiohttp.ClientError as exc:
             if _caused_by(exc, _TooLarge):  # raised in the body iterator, wrapped by the client
                 router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
@@ -374,24 +396,29 @@ class AiohttpEngine(Engine):
                 # the client's certificate after the client's side of the handshake): the request
                 # never reached the application, like a refused connect.
                 router.upstream_unreachable(decision)
+                reason = failure_reason(exc.__cause__)
                 return self._upstream_failed(decision, "connect", errors.upstream_unreachable(
-                    dep.name, up.index, failure_reason(exc.__cause__)))
+                    dep.name, up.index, reason), reason, connecting=True)
+            reason = _client_error_reason(exc)
             return self._upstream_failed(decision, "protocol", errors.upstream_protocol_error(
-                dep.name, up.index, _client_error_reason(exc)))
+                dep.name, up.index, reason), reason)
         except asyncio.CancelledError:
             router.finish(decision, TurnOutcome.CLIENT_ABORTED)
             raise
         if upstream.status == 101:
             # The sidecar never asks for a protocol switch: this upstream is broken.
             upstream.close()
+            reason = "the response switches protocols"
             return self._upstream_failed(decision, "protocol", errors.upstream_protocol_error(
-                dep.name, up.index, "the response switches protocols"))
+                dep.name, up.index, reason), reason)
         head_size = sum(len(k) + len(v) + 4 for k, v in upstream.raw_headers)
         if head_size > dep.limits.max_header_bytes:
             upstream.close()
+            reason = f"response head larger than {dep.limits.max_header_bytes} bytes"
             return self._upstream_failed(decision, "protocol", errors.upstream_protocol_error(
-                dep.name, up.index, f"response head larger than {dep.limits.max_header_bytes} bytes"))
-        self.health.mark_reached()
+                dep.name, up.index, reason), reason)
+        if not self.health.settled:
+            self.health.answered(dep, up)
         m.ttfb_hist(dep.name, dep.mode_name).observe(time.perf_counter() - t0)
         router.on_response(decision, upstream.status, upstream.headers)
         try:
@@ -400,6 +427,8 @@ class AiohttpEngine(Engine):
             if (request.version < (1, 1) and h.CONTENT_LENGTH not in resp.headers and request.method != "HEAD"
                     and upstream.status not in (204, 304)):
                 resp.force_close()  # an unframed body to an HTTP/1.0 client ends with the connection
+            if not self._keepalive:
+                resp.force_close()
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():
                 await resp.write(chunk)
@@ -416,21 +445,25 @@ class AiohttpEngine(Engine):
             # Mid-stream upstream failure: the status line is gone, so the only honest signal left
             # is an incomplete response (aborted connection) rather than a clean end.
             upstream.close()
-            kind = "timeout" if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)) else "reset"
+            timeout = isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError))
+            kind = "timeout" if timeout else "reset"
             m.upstream_error(dep.name, kind).inc()
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-            log.warning("upstream failed mid-response: %s", _client_error_reason(exc), extra=decision.log_fields())
+            self.upstream_failure(dep, up, kind, f"mid-response: idle for {t.idle:g} s" if timeout else
+                                  f"mid-response: {_client_error_reason(exc)}")
             if request.transport is not None:
                 request.transport.abort()
-            raise
+            raise _UpstreamCut from exc
         upstream.release()
         m.request_counter(dep.name, dep.mode_name, f"{upstream.status // 100}xx").inc()
         m.duration_hist(dep.name, dep.mode_name).observe(time.perf_counter() - t0)
         router.finish(decision, TurnOutcome.COMPLETED if upstream.status < 500 else TurnOutcome.UPSTREAM_FAILED)
         return resp
 
-    def _upstream_failed(self, decision: Decision, kind: str, exc: errors.ProxyError) -> web.Response:
+    def _upstream_failed(self, decision: Decision, kind: str, exc: errors.ProxyError, reason: str, *,
+                         connecting: bool = False) -> web.Response:
         dep = decision.deployment
+        self.upstream_failure(dep, decision.upstream, kind, reason, connecting=connecting)
         self.metrics.upstream_error(dep.name, kind).inc()
         self.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
         return self._error(exc, dep.name, dep.mode_name)

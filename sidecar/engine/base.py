@@ -29,7 +29,8 @@ An engine owns the proxy listener and the upstream connection pool. Per request 
    ``X-Forwarded-Proto``; send it to ``decision.upstream``, streaming the body when it was not
    buffered;
 5. if connecting to ``decision.upstream`` fails, call ``router.upstream_unreachable(decision)``
-   before answering 502 (the balancer then fails the tree over);
+   before answering 502 (the balancer then fails the tree over); report every upstream failure
+   (connect, TLS, timeout, reset, invalid response) with :meth:`Engine.upstream_failure`;
 6. when the upstream's response head arrives, call
    ``router.on_response(decision, status, headers)`` (``headers``: lower-case name lookup) before
    relaying it: it records which worker served the turn and lets the mode observe the response;
@@ -43,9 +44,11 @@ from __future__ import annotations
 import abc
 
 from sidecar.config import Config
+from sidecar.deployments import Deployment, Upstream
 from sidecar.health import UpstreamHealth
 from sidecar.metrics import Metrics
 from sidecar.router import Router
+from sidecar.upstream_failures import UpstreamFailureLog
 
 
 class Engine(abc.ABC):
@@ -59,10 +62,26 @@ class Engine(abc.ABC):
         self.router = router
         self.metrics = metrics
         self.health = health
+        self.failures = UpstreamFailureLog()
+
+    def upstream_failure(self, dep: Deployment, up: Upstream, kind: str, reason: str, *,
+                         connecting: bool = False) -> None:
+        """A request failed on the upstream side: log it (rate-limited); ``connecting``: no
+        connection could be made, which also counts against the upstream's readiness.
+        ``kind``: the ``sidecar_upstream_errors_total`` kind; ``reason``: client-safe, stable."""
+        self.failures.record(dep.name, up, kind, reason)
+        if connecting:
+            self.health.unreachable(dep, up, reason)
 
     @abc.abstractmethod
     async def start(self) -> None:
         """Bind ``config.listen`` and start serving."""
+
+    @abc.abstractmethod
+    def stop_keepalive(self) -> None:
+        """Shutdown has begun (readiness is off) but connections are still accepted: answer
+        every request as usual, each response closing its connection, so that clients
+        reconnect and their load balancer picks a ready replica."""
 
     @property
     @abc.abstractmethod

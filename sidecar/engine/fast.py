@@ -260,6 +260,10 @@ class FastEngine(Engine):
     def draining(self) -> bool:
         return self.shared.draining
 
+    def stop_keepalive(self) -> None:
+        # ``draining`` makes every answer close its connection; the listener stays open until drain().
+        self.shared.draining = True
+
     async def drain(self, grace: float) -> None:
         shared = self.shared
         shared.draining = True
@@ -1053,11 +1057,15 @@ class _Exchange:
         decision = self.decision
         assert decision is not None
         dep, up = decision.deployment, decision.upstream
+        engine = self.client.engine
         if kind == "timeout":
+            engine.upstream_failure(dep, up, "timeout", "connect timed out", connecting=True)
             self._upstream_error("timeout", errors.upstream_timeout(dep.name, up.index))
         else:
+            reason = failure_reason(exc)
+            engine.upstream_failure(dep, up, "connect", reason, connecting=True)
             self.client.shared.router.upstream_unreachable(decision)  # nothing was sent: fail the tree over
-            self._upstream_error("connect", errors.upstream_unreachable(dep.name, up.index, failure_reason(exc)))
+            self._upstream_error("connect", errors.upstream_unreachable(dep.name, up.index, reason))
 
     def peer_full(self, full: bool) -> None:
         if full:
@@ -1134,8 +1142,8 @@ class _Exchange:
         decision = self.decision
         assert decision is not None
         health = shared.health
-        if not health.reached:
-            health.mark_reached()
+        if not health.settled:
+            health.answered(decision.deployment, decision.upstream)
         stats = decision.deployment.stats
         stats.ttfb.observe(self.head_at - self.t0)  # type: ignore[union-attr]
         router = shared.router
@@ -1201,9 +1209,10 @@ class _Exchange:
         assert decision is not None
         dep, up = decision.deployment, decision.upstream
         if not self.resp_started:
+            self.client.engine.upstream_failure(dep, up, "protocol", message)
             self._upstream_error("protocol", errors.upstream_protocol_error(dep.name, up.index, message))
             return
-        self._fail_mid_response("reset", f"upstream failed mid-response: {message}")
+        self._fail_mid_response("reset", f"mid-response: {message}")
 
     # -- timeouts (see _ClientConnection._watch) ----------------------------------------------
 
@@ -1230,9 +1239,11 @@ class _Exchange:
                                dep.name, dep.mode_name, errors.REQUEST_TIMEOUT, close=True)
             return
         if not self.resp_started:
+            reason = f"no response within {self.first_byte_timeout:g} s"
+            self.client.engine.upstream_failure(dep, up, "timeout", reason)
             self._upstream_error("timeout", errors.upstream_timeout(dep.name, up.index))
             return
-        self._fail_mid_response("timeout", f"upstream idle for {now - self.last_io:.1f}s mid-response")
+        self._fail_mid_response("timeout", f"mid-response: idle for {self.idle_timeout:g} s")
 
     def _fail_mid_response(self, kind: str, message: str) -> None:
         """The upstream failed after the response head went out: the status line is gone, so the
@@ -1240,9 +1251,10 @@ class _Exchange:
         decision = self.decision
         assert decision is not None
         dep = decision.deployment
-        self.client.engine.metrics.upstream_error(dep.name, kind).inc()
+        engine = self.client.engine
+        engine.metrics.upstream_error(dep.name, kind).inc()
         self._finish_turn(TurnOutcome.UPSTREAM_FAILED)
-        log.warning(message, extra={"deployment": dep.name})
+        engine.upstream_failure(dep, decision.upstream, kind, message)
         self._abort_client()
 
     # -- failures and local answers ---------------------------------------------------------

@@ -628,7 +628,7 @@ async def test_client_disconnect_while_waiting_closes_upstream_within_1s(raw_ups
             break
         await asyncio.sleep(0.01)
     assert up.closed_at[1] - left_at < 1.0
-    assert metric(sc, "sidecar_sessions_ended_total", {"reason": "client_abandoned"}) == 1.0
+    assert metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "client_abandoned"}) == 1.0
 
 
 async def stall(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:

@@ -57,7 +57,7 @@ DETECTION_TIMEOUT = 15.0  # seconds SMG gets to mark the killed worker unhealthy
 
 served_by = worker_from_header(ROUTED_WORKER)
 _AFFINITY_SAMPLE = re.compile(
-    r'^sidecar_affinity_turns_total\{outcome="(first|same_worker|moved)"\} ([0-9.e+]+)$', re.M)
+    r'^sidecar_affinity_turns_total\{deployment="[^"]*",outcome="(first|same_worker|moved)"\} ([0-9.e+]+)$', re.M)
 
 
 @pytest.fixture

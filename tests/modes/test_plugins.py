@@ -312,7 +312,7 @@ async def test_failing_end_hook_is_counted_and_later_sessions_still_end(plugin: 
     await drive(sc, steps, b"{}")
     assert [r.all("X-Acme-Seen") for r in upstream.received] == [["e-1"], ["e-1"], ["e-2"], ["e-2"], ["e-3"], ["e-3"]]
     assert reg.get_sample_value("sidecar_plugin_errors_total", {"mode": "acme_end_boom", "hook": "on_session_end"}) == 3
-    assert reg.get_sample_value("sidecar_sessions_ended_total", {"reason": "final_turn_completed"}) == 3
+    assert reg.get_sample_value("sidecar_sessions_ended_total", {"deployment": "default", "reason": "final_turn_completed"}) == 3
     assert reg.get_sample_value("sidecar_live_sessions") == 0
     # And the proxy keeps serving.
     await drive(sc, plan([("e-4", None)], [0], turns=1), b"{}")
