@@ -9,6 +9,7 @@ import orjson
 from multidict import CIMultiDict
 
 from sidecar.config import IdentityConfig
+from sidecar.modes.ids import fit_id
 from sidecar.identity import (
     FINGERPRINT_MAX_MESSAGES,
     FINGERPRINT_PARSE_BYTES,
@@ -38,7 +39,8 @@ def test_string_signals() -> None:
     assert session({"user": "u", "prompt_cache_key": 7}, **cfg) == "u"  # not a string: next signal
     assert session(b'{"user":"a","user":"b"}', **cfg) == "b"  # a repeated key reads as its last
     assert session(b'{"us\\u0065r":"\\u00e9"}', **cfg) == "\u00e9"  # escapes decoded
-    assert session({"user": "x" * MAX_ID_BYTES}, **cfg) == "x" * MAX_ID_BYTES
+    # kept in the reader's id size (sessions.max_id_bytes, 512 by default) in its fitted form
+    assert session({"user": "x" * MAX_ID_BYTES}, **cfg) == fit_id("x" * MAX_ID_BYTES, 512)
     assert session({"user": "x" * (MAX_ID_BYTES + 1)}, **cfg) is None  # longer than any session id
     assert session(b'{"user":"\\ud800"}', **cfg) is None
     assert session(b"[1]", **cfg) is None and session(b'{"user":', **cfg) is None

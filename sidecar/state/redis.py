@@ -117,6 +117,7 @@ class RedisState(SessionState):
         self._republish: list[str] = []
         self._next_lazy = 0.0
         self._kicked = False
+        self._stopping = False
         self._flushing: asyncio.Lock | None = None
         # loads waiting for the next batch
         self._batch: set[str] = set()
@@ -161,15 +162,16 @@ class RedisState(SessionState):
                        loop.create_task(self._listener(), name="sidecar-state-events")]
 
     async def stop(self) -> None:
+        # The loops also check the flag: a cancellation that lands while a store call times out
+        # can come back as the timeout (asyncio.timeout), which the loops would swallow.
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
-        for task in list(self._tasks):
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            except Exception:  # a background task's failure must not stop the shutdown
-                log.exception("shared store task failed")
+        if self._tasks:
+            done, _ = await asyncio.wait(list(self._tasks), timeout=2 * self.timeout + 1)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("shared store task failed", exc_info=task.exception())
         if self.client is None:
             return
         if self.up:
@@ -376,7 +378,7 @@ class RedisState(SessionState):
 
     async def _flusher(self) -> None:
         assert self._loop is not None
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.tick)
             now = self._loop.time()
             lazy = now >= self._next_lazy
@@ -621,7 +623,7 @@ class RedisState(SessionState):
     # -- the sweep and events ------------------------------------------------------------------
 
     async def _sweeper(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(SWEEP_SECONDS)
             if not await self._probe():
                 continue
@@ -644,7 +646,7 @@ class RedisState(SessionState):
     async def _listener(self) -> None:
         """Closes and ends published by any replica, applied here within milliseconds."""
         gap = False
-        while True:
+        while not self._stopping:
             if not self.up:
                 await asyncio.sleep(self.tick)
                 gap = True
@@ -656,7 +658,7 @@ class RedisState(SessionState):
                 if gap:
                     await self._revalidate()
                     gap = False
-                while self.up:
+                while self.up and not self._stopping:
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None:
                         self._on_event(message["data"])

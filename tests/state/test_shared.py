@@ -125,7 +125,7 @@ async def test_a_close_lets_requests_in_flight_elsewhere_finish_and_ends_once_af
     await asyncio.sleep(0.6)
     (finish,) = _finishes(upstream, "s1")
     assert finish.at >= upstream.sse_sent_at[-1]  # after the last byte of the last request in flight
-    assert sum(metric(sc, "sidecar_sessions_ended_total", {"reason": "api_closed"}) for sc in (a, b)) == 1
+    assert sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "api_closed"}) for sc in (a, b)) == 1
 
 
 async def test_a_child_on_another_replica_joins_the_parents_tree(replicas, http, start_upstreams):
@@ -163,7 +163,7 @@ async def test_a_final_turn_on_one_replica_ends_the_session_once_for_the_fleet(u
     await _until(lambda: len(_finishes(upstream, "f1")) >= 1)
     await asyncio.sleep(0.6)
     assert len(_finishes(upstream, "f1")) == 1
-    assert sum(metric(sc, "sidecar_sessions_ended_total", {"reason": "final_turn_completed"})
+    assert sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "final_turn_completed"})
                for sc in (a, b, c)) == 1
     # a new request on the id starts a new session on any replica (turn 1 again)
     assert (await post(http, a, "f1"))[0] == 200
@@ -178,7 +178,7 @@ async def test_idle_expiry_is_claimed_by_one_replica(upstream, replicas, http):
     await _until(lambda: len(_finishes(upstream, "idle-1")) >= 1, timeout=8)
     await asyncio.sleep(1.5)
     assert len(_finishes(upstream, "idle-1")) == 1
-    assert sum(metric(sc, "sidecar_sessions_ended_total", {"reason": "idle_expired"}) for sc in (a, b)) == 1
+    assert sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "idle_expired"}) for sc in (a, b)) == 1
 
 
 async def test_the_live_session_cap_evicts_fleet_wide_once(upstream, replicas, http):
@@ -186,10 +186,10 @@ async def test_the_live_session_cap_evicts_fleet_wide_once(upstream, replicas, h
     assert (await post(http, a, "e1"))[0] == 200
     assert (await post(http, b, "e2"))[0] == 200
     assert (await post(http, a, "e3"))[0] == 200
-    await _until(lambda: sum(metric(sc, "sidecar_sessions_ended_total", {"reason": "evicted"}) for sc in (a, b)) >= 1,
+    await _until(lambda: sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "evicted"}) for sc in (a, b)) >= 1,
                  timeout=8)
     await asyncio.sleep(1.5)
-    assert sum(metric(sc, "sidecar_sessions_ended_total", {"reason": "evicted"}) for sc in (a, b)) == 1
+    assert sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "evicted"}) for sc in (a, b)) == 1
     assert len([r for r in upstream.received if r.path.startswith("/finish_session")]) == 1
 
 
@@ -299,3 +299,4 @@ async def _eventually(fetch: Any, check: Any, timeout: float = 2.0) -> Any:
             return got
         assert time.monotonic() < deadline, got
         await asyncio.sleep(0.01)
+
