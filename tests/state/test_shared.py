@@ -167,8 +167,8 @@ async def test_a_final_turn_on_one_replica_ends_the_session_once_for_the_fleet(u
                for sc in (a, b, c)) == 1
     # a new request on the id starts a new session on any replica (turn 1 again)
     assert (await post(http, a, "f1"))[0] == 200
-    status, node = await api(http, "GET", b.admin_url + "/v1/sessions/f1")
-    assert status == 200 and node["status"] == "active" and node["turns"] == 1
+    await _eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/f1"),
+                      lambda got: got[0] == 200 and got[1]["status"] == "active" and got[1]["turns"] == 1)
 
 
 async def test_idle_expiry_is_claimed_by_one_replica(upstream, replicas, http):
