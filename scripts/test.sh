@@ -13,6 +13,8 @@ if [[ ! -x .venv/bin/python ]]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# The shared-store tests run against a real redis-server (Debian's); in CI they fail without it.
+./scripts/install_redis.sh || [[ -z "${CI:-}" ]]
 .venv/bin/python -c 'from sidecar.engine.fast import FastEngine as F; print("fast engine compiled:", F.compiled)'
 status=0
 .venv/bin/python -m pytest -m "not gateway and not deploy" "$@" || status=$?

@@ -300,3 +300,77 @@ async def _eventually(fetch: Any, check: Any, timeout: float = 2.0) -> Any:
         assert time.monotonic() < deadline, got
         await asyncio.sleep(0.01)
 
+
+
+@pytest.mark.parametrize("engine", ["fast"])
+async def test_a_replica_killed_mid_session_loses_only_its_unflushed_writes(upstream, replicas, http, redis_server,
+                                                                           tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.proxy.test_errors import free_ports
+
+    port, admin = free_ports(2)
+    config = tmp_path / "a.yaml"
+    config.write_text(yaml.safe_dump({
+        "listen": f"127.0.0.1:{port}", "admin": f"127.0.0.1:{admin}", "upstream": upstream.url,
+        "mode": "vllm_router", "readiness_check_upstream": False,
+        "state": {"url": redis_server.url, "key_prefix": replicas.prefix}}))
+    proc = subprocess.Popen([sys.executable, "-m", "sidecar", "run", "--config", str(config)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        b = await replicas.one(upstream=upstream.url, mode="vllm_router")
+
+        class A:
+            proxy_url = f"http://127.0.0.1:{port}"
+            admin_url = f"http://127.0.0.1:{admin}"
+
+        async def ready() -> tuple[int, Any]:
+            try:
+                return await api(http, "GET", A.admin_url + "/healthz")
+            except aiohttp.ClientError:
+                return 0, None
+        await _eventually(ready, lambda got: got[0] == 200, timeout=30)
+        for _ in range(3):
+            async with http.post(A.proxy_url + "/v1/chat/completions", headers={"X-Correlation-ID": "k1"},
+                                 data=b"{}") as resp:
+                assert resp.status == 200
+        assert (await post(http, b, "b1"))[0] == 200
+        stream = await http.get(A.proxy_url + "/sse?chunks=50&gap=0.2", headers={"X-Correlation-ID": "k2"})
+        assert stream.status == 200
+        await _eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/k2"),
+                          lambda got: got[0] == 200 and got[1]["in_flight"] == 1)
+        proc.kill()  # SIGKILL: no drain, no last flush
+        proc.wait(10)
+        stream.close()
+        # what A wrote is kept (its last flush interval at most is lost), B's own session untouched
+        status, k1 = await api(http, "GET", b.admin_url + "/v1/sessions/k1")
+        assert status == 200 and k1["turns"] == 3
+        status, b1 = await api(http, "GET", b.admin_url + "/v1/sessions/b1")
+        assert status == 200 and b1["turns"] == 1 and b1["status"] == "active"
+        # k2 was in flight on A: closing it waits for A's holder, then A's lease runs out and the
+        # session ends exactly once
+        status, _ = await api(http, "POST", b.admin_url + "/v1/sessions/k2/close")
+        assert status == 200
+        await _until(lambda: len(_finishes(upstream, "k2")) >= 1, timeout=20)
+        await asyncio.sleep(1.5)
+        assert len(_finishes(upstream, "k2")) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+async def test_writes_behind_are_bounded_during_an_outage_and_drops_are_counted(upstream, replicas, http,
+                                                                              redis_server, monkeypatch):
+    from sidecar.state import redis as store
+
+    monkeypatch.setattr(store, "MAX_DIRTY", 5)
+    a = await replicas.one(upstream=upstream.url, mode="dynamo_headers")
+    redis_server.kill()
+    for i in range(20):
+        assert (await post(http, a, f"outage-{i}"))[0] == 200
+    assert metric(a, "sidecar_state_dropped_writes_total") >= 15
+    assert len(a.state._dirty) <= 5
