@@ -13,21 +13,26 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from sidecar import __version__
-from sidecar.admin import build_admin_app
+from sidecar.admin.server import build_admin_app
 from sidecar.auth import TokenSet, load_tokens
 from sidecar.config import Config
 from sidecar.effects import EffectRunner
-from sidecar.engine import engine_class
+from sidecar.engine.aiohttp_engine import AiohttpEngine
+from sidecar.engine.base import Engine
+from sidecar.engine.fast import FastEngine
 from sidecar.health import UpstreamHealth, run_health_checks
 from sidecar.metrics import Metrics
 from sidecar.lineage import SessionTree
 from sidecar.router import Router
 from sidecar.sessions import Clock, SessionStore
-from sidecar.state import open_state
+from sidecar.state import MemoryState, SessionState
+from sidecar.state.redis import RedisState
 
 log = logging.getLogger("sidecar")
 
 EXPIRY_INTERVAL = 1.0
+# The engines, by their config ``engine`` value.
+ENGINES: dict[str, type[Engine]] = {"fast": FastEngine, "aiohttp": AiohttpEngine}
 
 
 class Sidecar:
@@ -50,14 +55,15 @@ class Sidecar:
         tree = SessionTree(idle_ttl=s.idle_ttl_seconds, max_live=s.max_live_sessions, tombstone_max=s.tombstone_max,
                            tombstone_ttl=s.tombstone_ttl_seconds, shared=config.state.shared)
         # Where sessions live beyond this process; the tree and the API table are its cache here.
-        self.state = open_state(config, self.metrics, tree, store)
+        self.state: SessionState = RedisState(config, self.metrics, tree, store) if config.state.shared \
+            else MemoryState()
         self.router = Router(config, self.metrics, tree=tree, store=store, effects=self.effects.submit,
                              state=self.state)
         self.state.on_claimed = self.router.end_session
         self.state.on_closing = self.router.closing_elsewhere
         self.tokens: TokenSet | None = load_tokens(config.admin_tokens_file) if config.admin_tokens_file else None
         self.health = UpstreamHealth(required=config.readiness_check_upstream, deployments=self.router.deployments)
-        self.engine = engine_class(config.engine)(config, self.router, self.metrics, self.health)
+        self.engine = ENGINES[config.engine](config, self.router, self.metrics, self.health)
         self.metrics.set_build_info(__version__, config.engine, self.engine.compiled)
         self._admin_runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []

@@ -21,7 +21,8 @@ from typing import Any
 
 import yaml
 
-from sidecar.config import ConfigError, yaml_error_where
+from sidecar.errors import ConfigError
+from sidecar.validation import yaml_error_where
 
 WORKSPACE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 MIN_TOKEN_CHARS = 16

@@ -59,7 +59,8 @@ def _fail(message: str) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from sidecar import logs
     from sidecar.app import serve
-    from sidecar.config import ConfigError, build_config
+    from sidecar.config import build_config
+    from sidecar.errors import ConfigError
 
     flags = {k: getattr(args, k) for k in ("listen", "upstream", "mode", "mode_opt", "admin", "engine",
                                            "log_level", "state", "config")}
@@ -86,7 +87,8 @@ def _run_loop(coro: Any) -> Any:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from sidecar.config import ConfigError, build_config
+    from sidecar.config import build_config
+    from sidecar.errors import ConfigError
 
     try:
         config = build_config(file=args.file)  # the SIDECAR_* environment applies, as for `run`

@@ -28,34 +28,15 @@ from pydantic import (
 )
 
 from sidecar import headers as h
+from sidecar.errors import ConfigError
+from sidecar.validation import check_token, split_names, yaml_error_where, yaml_problem
 
-TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 
 ENV_PREFIX = "SIDECAR_"
 # Flag / env name -> top-level config key. Env vars are SIDECAR_<NAME>.
 SCALAR_KEYS = ("listen", "admin", "upstream", "mode", "engine", "log_level", "drain_grace_seconds",
                "shutdown_delay_seconds", "head_timeout_seconds", "admin_tokens_file", "admin_insecure",
                "idle_poll_us")
-
-
-class ConfigError(Exception):
-    """Invalid configuration; ``str()`` names each bad setting."""
-
-
-def split_names(value: Any) -> Any:
-    """Accept a list of names or one comma-separated string; strip each name."""
-    if isinstance(value, str):
-        return [part.strip() for part in value.split(",") if part.strip()] if value.strip() else []
-    if isinstance(value, (list, tuple)):
-        return [v.strip() if isinstance(v, str) else v for v in value]
-    return value
-
-
-def check_token(name: str) -> str:
-    """An RFC 9110 field-name token."""
-    if not name or not TOKEN_RE.match(name):
-        raise ValueError(f"{name!r} is not a valid header name (RFC 9110 token)")
-    return name
 
 
 HeaderName = Annotated[str, BeforeValidator(lambda v: v.strip() if isinstance(v, str) else v)]
@@ -549,18 +530,6 @@ def _overlay(base: dict[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
-
-
-def yaml_error_where(exc: yaml.YAMLError) -> str:
-    """``", line 3, column 7"`` for a YAML error that knows its position (1-based), else ``""``."""
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    return f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-
-
-def yaml_problem(exc: yaml.YAMLError) -> str:
-    """What is wrong, without the excerpt of the file PyYAML quotes (it may hold a secret)."""
-    parts = [p for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p]
-    return ", ".join(parts) if parts else type(exc).__name__
 
 
 def load_file(path: str | Path) -> dict[str, Any]:

@@ -24,7 +24,8 @@ from typing import Any
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import core_schema
 
-from sidecar.config import Config, HostPort, parse_host_port, split_names
+from sidecar.config import Config, HostPort, parse_host_port
+from sidecar.validation import split_names
 
 DRAFT_07 = "http://json-schema.org/draft-07/schema#"
 # The key under `definitions` that --embed writes (the chart refers to it).

@@ -78,6 +78,10 @@ REQUEST_PATH_REJECTIONS = (UNKNOWN_DEPLOYMENT, DEPLOYMENT_CONFLICT, SESSION_REQU
                            SESSION_CLOSED, SESSION_EXPIRED)
 
 
+class ConfigError(Exception):
+    """Invalid configuration; ``str()`` names each bad setting (the process refuses to start)."""
+
+
 class ProxyError(Exception):
     """A request the sidecar answers itself, as ``{"error": {"type", "message", ...}}``."""
 

@@ -39,7 +39,8 @@ import orjson
 
 from sidecar import errors
 from sidecar import headers as h
-from sidecar.config import TOKEN_RE, Config
+from sidecar.config import Config
+from sidecar.validation import TOKEN_RE
 from sidecar.deployments import Deployment, Upstream
 from sidecar.identity import Identity, IdentityReader
 from sidecar.jsonbody import INVALID, TOO_DEEP, TOO_MANY, RepeatedKeys, ScannedBody, scan_body, splice

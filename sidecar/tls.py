@@ -9,9 +9,12 @@ stops the process at start instead of failing each request.
 from __future__ import annotations
 
 import ssl
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-from sidecar.config import ConfigError, TlsConfig
+from sidecar.errors import ConfigError
+
+if TYPE_CHECKING:
+    from sidecar.config import TlsConfig
 
 # Both engines speak HTTP/1.1 upstream: an upstream that negotiates ALPN must not pick h2.
 ALPN = ["http/1.1"]

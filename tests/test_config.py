@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.config import ConfigError, build_config
+from sidecar.errors import ConfigError
+from sidecar.config import build_config
 
 ROOT = Path(__file__).resolve().parent.parent
 UP = "http://127.0.0.1:18000"

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.config import ConfigError
+from sidecar.errors import ConfigError
 from sidecar.deployments import Upstream
 from sidecar.upstream_failures import UpstreamFailureLog
 from tests.engine import RawMessage

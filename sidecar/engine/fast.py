@@ -57,7 +57,7 @@ from typing import Any, cast
 from sidecar import errors
 from sidecar.errors import failure_reason
 from sidecar import headers as h
-from sidecar.engine import is_compiled
+from sidecar.compiled import is_compiled
 from sidecar.engine.base import Engine
 from sidecar.engine.fast_client import (
     BODY_FRAMED,

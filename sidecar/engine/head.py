@@ -23,7 +23,7 @@ from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from typing import Any
 
 from sidecar import headers as h
-from sidecar.engine import is_compiled
+from sidecar.compiled import is_compiled
 
 # Classes of header names, as bits: what the relay drops (hop-by-hop) and what framing reads.
 HAS_CONNECTION = 1

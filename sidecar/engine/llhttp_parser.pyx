@@ -25,7 +25,7 @@ from libc.stdint cimport uint8_t, uint16_t, uint64_t
 
 from sidecar.engine.head cimport locate
 
-from sidecar.engine.parsers import CallbackError, HeadTooLarge, ParseError, UpgradeRequest
+from sidecar.engine.parse_errors import CallbackError, HeadTooLarge, ParseError, UpgradeRequest
 
 # RFC 9112 7.1.1 chunk extensions (after the size), bad whitespace included; RFC 9112 7.1.2 trailer
 # field lines. Both are checked only when present.

@@ -43,21 +43,9 @@ from typing import Any
 
 import httptools
 
+from sidecar.engine.parse_errors import CallbackError, HeadTooLarge, ParseError, UpgradeRequest
 
-class ParseError(Exception):
-    """llhttp refused the bytes (the message is llhttp's reason)."""
-
-
-class HeadTooLarge(ParseError):
-    """A request head, or a request's trailers, exceeds the head limit."""
-
-
-class CallbackError(ParseError):
-    """An owner callback raised (the cause): a defect, not the client's."""
-
-
-class UpgradeRequest(Exception):
-    """The head just handed to the owner asks for a protocol switch (Upgrade or CONNECT)."""
+__all__ = ["CallbackError", "HeadTooLarge", "ParseError", "RequestParser", "ResponseParser", "UpgradeRequest"]
 
 
 _CONTENT_LENGTH = b"content-length"

@@ -20,7 +20,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from sidecar import headers as h
-from sidecar.config import split_names
+from sidecar.validation import split_names
 from sidecar.modes.base import Mode, RoutingContext
 from sidecar.modes.options import HeaderName, Scoped
 

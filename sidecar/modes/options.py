@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, Field
 
 from sidecar import headers as h
-from sidecar.config import check_token
+from sidecar.validation import check_token
 from sidecar.modes import base
 
 

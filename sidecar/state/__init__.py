@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from sidecar.identity import Identity
     from sidecar.lineage import Ended, Turn
 
-__all__ = ["LoadNeeded", "MemoryState", "SessionState", "open_state"]
+__all__ = ["LoadNeeded", "MemoryState", "SessionState"]
 
 
 class LoadNeeded(Exception):
@@ -83,12 +83,3 @@ class SessionState:
 class MemoryState(SessionState):
     """Sessions in this process only (``state.url: memory://``)."""
 
-
-def open_state(config: Any, metrics: Any, tree: Any, api: Any) -> SessionState:
-    """The backend ``config.state.url`` names (memory unless it is a Redis URL); the tree and the
-    API table are the router's, which a shared backend fills and watches."""
-    if not config.state.shared:
-        return MemoryState()
-    from sidecar.state.redis import RedisState
-
-    return RedisState(config, metrics, tree, api)

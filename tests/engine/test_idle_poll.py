@@ -15,7 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.config import ConfigError, build_config
+from sidecar.errors import ConfigError
+from sidecar.config import build_config
 from sidecar.engine import idle_poll
 from sidecar.engine.idle_poll import COOLDOWN, DEFAULT_WINDOW_US, MIN_BUSY, PERIOD, IdlePoller, window_seconds
 from tests.conftest import StartSidecar

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from sidecar.config import ConfigError, build_config
+from sidecar.errors import ConfigError
+from sidecar.config import build_config
 from tests.sessions.support import (TOKEN_A, TOKEN_ADMIN, TOKEN_B, Api, deployment, fetch_spec, tokens_file,
                                     write_yaml)
 from tests.upstream import RecordingUpstream

@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 
-from sidecar.admin import build_admin_app
+from sidecar.admin.server import build_admin_app
 from sidecar.admin.views import MAX_DEPTH, MAX_NODES, VIEWS_LOCK
 from sidecar.lineage import SessionTree, TurnOutcome
 from tests.modes.wire import settled

@@ -1,0 +1,19 @@
+"""What the fast engine's HTTP/1.1 parsers raise (both builds; see :mod:`sidecar.engine.parsers`)."""
+
+from __future__ import annotations
+
+
+class ParseError(Exception):
+    """llhttp refused the bytes (the message is llhttp's reason)."""
+
+
+class HeadTooLarge(ParseError):
+    """A request head, or a request's trailers, exceeds the head limit."""
+
+
+class CallbackError(ParseError):
+    """An owner callback raised (the cause): a defect, not the client's."""
+
+
+class UpgradeRequest(Exception):
+    """The head just handed to the owner asks for a protocol switch (Upgrade or CONNECT)."""

@@ -1,0 +1,81 @@
+"""Each ``.pxd`` (the compiled build's layout of a module, see setup.py) declares exactly the
+fields its Python class has: ``__slots__``, a dataclass's fields in order, or what ``__init__``
+assigns. A field missing from one side breaks only the compiled build (an AttributeError at run
+time, or a field that silently never exists), so this is checked, not kept by hand."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "sidecar"
+PXDS = sorted(p for p in ROOT.rglob("*.pxd") if p.with_suffix(".py").exists())
+
+
+def pxd_classes(text: str) -> dict[str, list[str]]:
+    """``cdef class Name:`` -> its ``cdef public`` (or plain ``cdef``) field names, in order."""
+    out: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        head = re.match(r"cdef class (\w+)\s*(\(.*\))?\s*:", line)
+        if head:
+            current = out.setdefault(head.group(1), [])
+            continue
+        if current is None or not line.startswith("    "):
+            if line and not line.startswith(" "):
+                current = None
+            continue
+        field = re.match(r"    cdef (?:public |readonly )?(.+)$", line.rstrip())
+        if field and "(" not in line and not line.lstrip().startswith(("cdef class", "cdef inline")):
+            first, *rest = field.group(1).split(",")  # "unsigned long long a, b": the type, then names
+            current.extend([first.split()[-1], *(n.strip() for n in rest)])
+    return out
+
+
+def py_fields(cls: ast.ClassDef) -> tuple[str, list[str]]:
+    """How the class declares its fields, and them."""
+    for node in cls.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__slots__" for t in node.targets):
+            return "__slots__", list(ast.literal_eval(node.value))
+    if any(getattr(d, "id", getattr(getattr(d, "func", None), "id", "")) == "dataclass" for d in cls.decorator_list):
+        return "dataclass", [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)
+                             and isinstance(n.target, ast.Name) and "ClassVar" not in ast.unparse(n.annotation)]
+    names: list[str] = []
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            for sub in ast.walk(node):
+                targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(
+                    sub, (ast.AnnAssign, ast.AugAssign)) else []
+                for t in targets:
+                    for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                        if isinstance(el, ast.Attribute) and getattr(el.value, "id", "") == "self" \
+                                and el.attr not in names:
+                            names.append(el.attr)
+    return "__init__", names
+
+
+@pytest.mark.parametrize("pxd", PXDS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_compiled_layout_matches_its_class(pxd: Path) -> None:
+    declared = pxd_classes(pxd.read_text(encoding="utf-8"))
+    tree = ast.parse(pxd.with_suffix(".py").read_text(encoding="utf-8"))
+    classes = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    for name, fields in declared.items():  # (a layout may only type module functions: nothing to match)
+        assert name in classes, f"{pxd.name} declares class {name}, which {pxd.with_suffix('.py').name} lacks"
+        how, expected = py_fields(classes[name])
+        if how == "dataclass":
+            assert fields == expected, f"{name}: pxd {fields} != dataclass fields in order {expected}"
+        else:
+            assert sorted(fields) == sorted(expected), (
+                f"{name}: pxd fields {sorted(set(fields) - set(expected))} not in {how}, "
+                f"{how} {sorted(set(expected) - set(fields))} not in pxd")
+
+
+def test_the_check_reads_layouts_and_finds_a_mismatch() -> None:
+    layout = pxd_classes("cdef class A:\n    cdef public object x, y\n    cdef public long z\n    cpdef f(self)\n")
+    assert layout == {"A": ["x", "y", "z"]}
+    cls = ast.parse("class A:\n    __slots__ = ('x', 'y')\n").body[0]
+    assert isinstance(cls, ast.ClassDef)
+    assert py_fields(cls) == ("__slots__", ["x", "y"]) and sorted(layout["A"]) != ["x", "y"]
