@@ -6,7 +6,7 @@ request head as its raw header block. Each head becomes an :class:`_Exchange`, q
 order; only the head of the queue is routed and forwarded, so pipelined requests are answered in
 order (reading pauses while a later request waits). The exchange rebuilds only the request line
 and the headers it changes: the client's header lines are copied as received minus hop-by-hop /
-``Connection``-named / ``decision.strip`` / Host / Expect / framing ones, then come Host,
+``Connection``-named / ``decision.drop`` / Host / Expect / framing ones, then come Host,
 X-Forwarded-For, X-Forwarded-Proto, ``decision.add`` and the framing the parser found
 (Content-Length or chunked): no header filter can remove or change a message's framing. It streams the body as it is parsed to a
 pooled upstream connection (:mod:`sidecar.engine.fast_client`), and relays the response as it
@@ -93,7 +93,7 @@ from sidecar.engine.head import (
 )
 from sidecar.engine.idle_poll import IdlePoller, window_seconds
 from sidecar.engine.parsers import CallbackError, HeadTooLarge, ParseError, RequestParser, UpgradeRequest
-from sidecar.lineage import TurnOutcome
+from sidecar.context import TurnOutcome
 from sidecar.router import BodyWork, Decision, RequestHead, Router, body_pool
 from sidecar.state import LoadNeeded
 
@@ -820,7 +820,7 @@ class _Exchange:
         shared = client.shared
         pool, base, version_host = shared.upstreams[decision.upstream.pool_key]
         raw = self.raw
-        strip = decision.strip
+        strip = decision.drop
         drops = shared.drops
         drop = drops[strip] if strip in drops else client.engine.drop_for(strip)
         if self.conn_tokens:
@@ -951,29 +951,40 @@ class _Exchange:
         except Exception as exc:
             self._body_failed(exc)
 
-    def _body_ready(self, result: bytes | BodyWork) -> None:
-        """Forward the router's body, or run its body work (a large body) on a worker thread:
-        a future whose callback comes back here, on the loop."""
-        if type(result) is bytes:
-            if result:
-                self.body.append(result)
-            self._forward(self.decision, len(result))
+    def _body_ready(self, result: Decision | BodyWork) -> None:
+        """Forward what the router's complete decision says (it replaces the provisional one),
+        or run its body work (a large body) on a worker thread: a future whose callback comes
+        back here, on the loop."""
+        if type(result) is not BodyWork:
+            self.decision = result
+            body = result.body
+            assert body is not None
+            if body:
+                self.body.append(body)
+            self._forward(result, len(body))
             return
-        assert isinstance(result, BodyWork)
         self.state = TRANSFORMING
         engine = self.client.engine
         future = engine.loop.run_in_executor(engine.body_pool, result.run)
         future.add_done_callback(partial(self._work_done, result))
 
     def _work_done(self, work: BodyWork, future: asyncio.Future[Any]) -> None:
-        if self.state != TRANSFORMING:  # the client left meanwhile (its turn is finished)
+        if self.state != TRANSFORMING:  # the client left meanwhile
             if not future.cancelled():
                 future.exception()  # retrieved: nothing left to report
+            work.abandon(TurnOutcome.CLIENT_ABORTED)
             return
         try:
             if future.cancelled():
                 raise RuntimeError("body work cancelled (the engine is closing)")
-            self._body_ready(work.resume(future.result()))
+            done = future.result()
+        except Exception as exc:  # a defect in the work
+            work.abandon(TurnOutcome.UPSTREAM_FAILED)
+            self._body_failed(exc)
+            self.client.flush()
+            return
+        try:
+            self._body_ready(work.resume(done))
         except LoadNeeded as need:
             self._load(need.identity, need.resume)
         except Exception as exc:
