@@ -27,9 +27,9 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sidecar.engine.idle_poll import DEFAULT_WINDOW_US, IdlePoller  # noqa: E402
-
 import record  # noqa: E402
+
+from sidecar.engine.idle_poll import DEFAULT_WINDOW_US, IdlePoller  # noqa: E402
 
 LOOP_CPU, SENDER_CPU = 0, 1
 # (mean gap between events in us, work per event in us, what it stands for)

@@ -1714,7 +1714,7 @@ def store_table(rows: Sequence[StoreRow], result: CaseResult, args: argparse.Nam
     for row in rows:
         if row.store != "redis" or row.rps is None:
             continue
-        per_second = (lambda n: n / row.seconds) if row.seconds else (lambda n: None)
+        per_second = (lambda n, s=row.seconds: n / s) if row.seconds else (lambda n: None)
         lines.append(
             f"| {row.connections} | {row.requests_counted:,} | {fmt(row.round_trips_per_request, '.4f')} | "
             f"{fmt(row.commands_per_request, '.4f')} | {fmt(row.round_trips_with_script_exists, '.4f')} | "

@@ -31,7 +31,6 @@ from sidecar import headers as h
 from sidecar.errors import ConfigError
 from sidecar.validation import check_token, split_names, yaml_error_where, yaml_problem
 
-
 ENV_PREFIX = "SIDECAR_"
 # Flag / env name -> top-level config key. Env vars are SIDECAR_<NAME>.
 SCALAR_KEYS = ("listen", "admin", "upstream", "mode", "engine", "log_level", "drain_grace_seconds",

@@ -104,7 +104,7 @@ def exhaust(steps: Generator[None, None, T]) -> T:
         try:
             next(steps)
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
 
 
 # Nodes a view builder touches between two pauses.
@@ -345,9 +345,9 @@ class SessionTree:
         if runs is None:
             node.workers = [worker, 1]
             return "first", None
-        previous: str = runs[-2]
+        previous = str(runs[-2])  # runs alternate worker names and turn counts
         if previous == worker:
-            runs[-1] += 1
+            runs[-1] = int(runs[-1]) + 1
             return "same_worker", previous
         if len(runs) >= 2 * WORKER_RUNS:
             del runs[0:2]

@@ -13,8 +13,18 @@ import pytest
 from sidecar.admin.views import MAX_DEPTH
 from tests.modes.wire import settled
 from tests.proxy.test_errors import free_port
-from tests.sessions.support import (TOKEN_A, TOKEN_ADMIN, Api, FakeClock, Launch, OpenAPI, deployment, fetch_spec,
-                                    launcher, tokens_file)
+from tests.sessions.support import (
+    TOKEN_A,
+    TOKEN_ADMIN,
+    Api,
+    FakeClock,
+    Launch,
+    OpenAPI,
+    deployment,
+    fetch_spec,
+    launcher,
+    tokens_file,
+)
 from tests.state.conftest import redis_server  # noqa: F401  (the fixture, for the shared-store test)
 
 
@@ -218,7 +228,7 @@ async def test_every_admin_answer_matches_the_openapi_document(launch, upstream,
     assert seen == documented(spec), sorted(documented(spec) - seen)
 
 
-async def test_shared_store_answers_match_the_openapi_document(redis_server, launch, upstream, http):
+async def test_shared_store_answers_match_the_openapi_document(redis_server, launch, upstream, http):  # noqa: F811 (the fixture imported above)
     """The shared store builds its answers apart from the memory store's: the same document holds."""
     keys = {"deployments": [deployment("chat", upstream.url)], "readiness_check_upstream": False,
             "state": {"url": redis_server.url}}

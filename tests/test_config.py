@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.errors import ConfigError
 from sidecar.config import build_config
+from sidecar.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 UP = "http://127.0.0.1:18000"

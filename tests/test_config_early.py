@@ -15,8 +15,8 @@ import yaml
 
 import sidecar
 from sidecar.auth import PLACEHOLDER, load_tokens
-from sidecar.errors import ConfigError
 from sidecar.config import build_config
+from sidecar.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART_HELPERS = ROOT / "deploy" / "helm" / "session-sidecar" / "templates" / "_helpers.tpl"

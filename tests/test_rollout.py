@@ -135,7 +135,7 @@ class Load:
                             self.ok += 1
                         else:
                             self.failures.append(f"client {i}: status {resp.status}")
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     self.failures.append(f"client {i} ({'keep-alive' if keepalive else 'new connections'}): {exc!r}")
                 await asyncio.sleep(0.005)
 

@@ -34,7 +34,7 @@ from sidecar import errors
 from sidecar import headers as h
 from sidecar.admin.models import SessionCreate
 from sidecar.admin.views import MAX_DEPTH, MAX_NODES, VIEWS_LOCK, run_sliced, views_lock
-from sidecar.auth import Principal, TokenSet, OPEN
+from sidecar.auth import OPEN, Principal, TokenSet
 from sidecar.config import format_validation_error
 from sidecar.lineage import VIEW_STEP, TreeView
 from sidecar.router import Router
@@ -102,7 +102,7 @@ def _wall_offset(router: Router) -> float:
     return time.time() - router.tree.now()
 
 
-_LINEAGE_DEFAULTS = {"root": None, "turns": 0, "in_flight": 0, "final_turn_seen": False, "workers": [],
+_LINEAGE_DEFAULTS: dict[str, Any] = {"root": None, "turns": 0, "in_flight": 0, "final_turn_seen": False, "workers": [],
                      "affinity": {"first": 0, "same_worker": 0, "moved": 0}}
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.errors import ConfigError
 from sidecar.config import build_config
+from sidecar.errors import ConfigError
 from tests.sessions.support import write_yaml
 
 UP = "http://127.0.0.1:18000"

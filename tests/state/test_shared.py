@@ -142,7 +142,7 @@ async def test_a_child_on_another_replica_joins_the_parents_tree(replicas, http,
     assert len({i for _, i in got}) == 1  # and its tree's upstream
     for sc in (a, b):
         # Each replica writes its turns behind (within flush_interval_ms): wait for them, not longer.
-        await _eventually(lambda: api(http, "GET", sc.admin_url + "/v1/trees/C"),
+        await _eventually(lambda sc=sc: api(http, "GET", sc.admin_url + "/v1/trees/C"),
                           lambda got: got[0] == 200 and got[1]["turns"] == 3 and got[1]["children"])
         status, tree = await api(http, "GET", sc.admin_url + "/v1/trees/C")
         assert status == 200, tree
@@ -169,6 +169,21 @@ async def test_a_final_turn_on_one_replica_ends_the_session_once_for_the_fleet(u
     assert (await post(http, a, "f1"))[0] == 200
     await _eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/f1"),
                       lambda got: got[0] == 200 and got[1]["status"] == "active" and got[1]["turns"] == 1)
+
+
+async def test_worker_history_is_one_history_across_replicas(upstream, replicas, http):
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
+    for _ in range(2):
+        assert (await post(http, a, "wh", path="/worker?w=wa"))[0] == 200
+    # written behind within a second, then read on the other replica
+    await _eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/wh"),
+                      lambda got: got[0] == 200 and got[1]["workers"] == [{"worker": "wa", "turns": 2}], timeout=3)
+    assert (await post(http, b, "wh", path="/worker?w=wb"))[0] == 200
+    status, got = await _eventually(
+        lambda: api(http, "GET", a.admin_url + "/v1/sessions/wh"),
+        lambda got: got[0] == 200 and got[1]["workers"] == [{"worker": "wa", "turns": 2}, {"worker": "wb", "turns": 1}],
+        timeout=3)
+    assert got["turns"] == 3 and got["affinity"]["moved"] == 1
 
 
 async def test_idle_expiry_is_claimed_by_one_replica(upstream, replicas, http):
@@ -277,6 +292,27 @@ async def test_a_known_session_costs_no_round_trip_and_a_new_one_at_most_one(ups
     assert metric(a, "sidecar_state_ops_total", {"op": "load", "outcome": "ok"}) == loads + 1
 
 
+async def test_writes_behind_are_one_round_trip_each(upstream, replicas, http, redis_server):
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
+    assert (await post(http, a, "rt-warm"))[0] == 200
+    await asyncio.sleep(1.2)  # a lazy flush and a sweep: every script has run once
+    redis_server.cli("CONFIG", "RESETSTAT")
+    trips = metric(a, "sidecar_state_round_trips_total")
+    for i in range(20):
+        assert (await post(http, a, f"rt-{i % 4}"))[0] == 200
+    await asyncio.sleep(1.2)
+    stats = redis_server.cli("INFO", "commandstats")
+    assert "cmdstat_evalsha:" in stats
+    # scripts run by hash: no SCRIPT EXISTS / LOAD ahead of each pipelined write
+    assert "cmdstat_script" not in stats, stats
+    assert metric(a, "sidecar_state_round_trips_total") > trips
+    # a store that lost its scripts (restart, SCRIPT FLUSH) gets them again; nothing is lost
+    redis_server.cli("SCRIPT", "FLUSH")
+    assert (await post(http, a, "rt-after-flush"))[0] == 200
+    await _eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/rt-after-flush"),
+                      lambda got: got[0] == 200 and got[1]["turns"] == 1)
+
+
 async def test_every_key_has_a_ttl(upstream, replicas, http, redis_server):
     a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
     await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default", "session_id": "ttl-api"})
@@ -337,6 +373,9 @@ async def test_a_replica_killed_mid_session_loses_only_its_unflushed_writes(upst
             async with http.post(A.proxy_url + "/v1/chat/completions", headers={"X-Correlation-ID": "k1"},
                                  data=b"{}") as resp:
                 assert resp.status == 200
+        # turn counts are written behind within a second (the documented bound)
+        await _eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/k1"),
+                          lambda got: got[0] == 200 and got[1]["turns"] == 3, timeout=3)
         assert (await post(http, b, "b1"))[0] == 200
         stream = await http.get(A.proxy_url + "/sse?chunks=50&gap=0.2", headers={"X-Correlation-ID": "k2"})
         assert stream.status == 200

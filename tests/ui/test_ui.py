@@ -187,7 +187,7 @@ def _one(tree: SessionTree, session: str, *, worker: str | None = None, **kw: An
 async def test_order_is_by_newest_activity_in_the_tree():
     clock = Clock()
     tree = SessionTree(clock=clock)
-    for i, root in enumerate(["r0", "r1", "r2"]):
+    for root in ["r0", "r1", "r2"]:
         clock.t += 1
         _one(tree, root)
     clock.t += 1
