@@ -75,7 +75,7 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
                             headers=exc.headers)
     except web.HTTPMethodNotAllowed as exc:
         return web.Response(status=405, content_type="application/json", headers={h.ALLOW: exc.headers[h.ALLOW]},
-                            body=errors.error_body("method_not_allowed", f"{request.method} is not allowed here"))
+                            body=errors.error_body(errors.METHOD_NOT_ALLOWED, f"{request.method} is not allowed here"))
     except web.HTTPNotFound:
         return web.Response(status=404, content_type="application/json",
                             body=errors.error_body(errors.NOT_FOUND, "no such resource"))
