@@ -174,6 +174,16 @@ class _Node:
         self.moves = 0
 
 
+def _lru_append(lru: _Node, node: _Node) -> None:
+    """Link ``node`` as the most recently used idle session (``lru`` is the list's sentinel)."""
+    tail = lru.lru_prev
+    assert tail is not None
+    node.lru_prev = tail
+    node.lru_next = lru
+    tail.lru_next = node
+    lru.lru_prev = node
+
+
 class Turn:
     """Handle of one in-flight request; hand it back to :meth:`SessionTree.finish`."""
 
@@ -321,13 +331,7 @@ class SessionTree:
             return []
         if node.end_reason is not None:
             return [self._end(node, node.end_reason, now)]
-        lru = self._lru
-        tail = lru.lru_prev
-        assert tail is not None
-        node.lru_prev = tail
-        node.lru_next = lru
-        tail.lru_next = node
-        lru.lru_prev = node
+        _lru_append(self._lru, node)
         return []
 
     def set_mode_state(self, turn: Turn, state: str) -> None:
@@ -638,13 +642,7 @@ class SessionTree:
         node.workers = workers
         node.worker_turns = worker_turns
         node.moves = moves
-        lru = self._lru
-        tail = lru.lru_prev
-        assert tail is not None
-        node.lru_prev = tail
-        node.lru_next = lru
-        tail.lru_next = node
-        lru.lru_prev = node
+        _lru_append(self._lru, node)
 
     def is_closed(self, session: str) -> bool:
         """True while ``session`` is tombstoned: ended or closed, and not yet forgotten."""
