@@ -18,7 +18,7 @@ time.perf_counter_ns and, steadier on a shared machine, this process's CPU time.
 in ``--slices`` slices alternating between the two sizes, so that load from other processes
 weighs on both alike, and each slice's requests are made just before it runs, as a server
 parses a request's ids just before routing it (fresh string objects, no cached hash). 90% of
-the requests are a non-final turn (begin + end_turn) of an existing session, 10% start a new
+the requests are a non-final turn (begin + finish) of an existing session, 10% start a new
 session (half roots, half children of an existing session). Three patterns:
 
 - steady: the conversations in progress are the ``--active`` most recently started ones; new
@@ -46,7 +46,8 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from sidecar.lineage import SessionTree, TurnOutcome
+from sidecar.context import TurnOutcome
+from sidecar.lineage import SessionTree
 
 import record
 
@@ -70,7 +71,7 @@ def wire_copy(s: str | None) -> str | None:
 
 def one_turn(tree: SessionTree, session: str, parent: str | None) -> None:
     turn, _ = tree.begin(session, parent=parent, root_hint=None, final=False, deployment=DEPLOYMENT)
-    tree.end_turn(turn, COMPLETED)
+    tree.finish(turn, COMPLETED)
 
 
 def populate(tree: SessionTree, n: int, rng: random.Random, keep: Ids | None) -> None:
@@ -149,11 +150,11 @@ class Workload:
 
 def run_ops(tree: SessionTree, ops: Ops) -> tuple[int, int]:
     """(wall ns, CPU ns of this process) to run ``ops`` through ``tree``."""
-    begin, end_turn = tree.begin, tree.end_turn
+    begin, finish = tree.begin, tree.finish
     cpu, wall = time.process_time_ns(), time.perf_counter_ns()
     for session, parent, final in ops:
         turn, _ = begin(session, parent=parent, root_hint=None, final=final, deployment=DEPLOYMENT)
-        end_turn(turn, COMPLETED)
+        finish(turn, COMPLETED)
     return time.perf_counter_ns() - wall, time.process_time_ns() - cpu
 
 

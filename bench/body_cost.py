@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 
 from sidecar import jsonscan  # noqa: E402
 from sidecar.config import build_config  # noqa: E402
+from sidecar.context import TurnOutcome  # noqa: E402
 from sidecar.jsonbody import scan_body, splice  # noqa: E402
 from sidecar.metrics import Metrics  # noqa: E402
 from sidecar.router import RequestHead, Router  # noqa: E402
@@ -89,10 +90,9 @@ def router_path() -> Callable[[bytes], Any]:
                                                         "content-length": "1024"})
 
     def run(body: bytes) -> Any:
-        decision = router.route(head)
-        out = router.transform_body(decision, body, len(body))
-        router.finish(decision, "completed")  # type: ignore[arg-type]
-        return out
+        decision = router.transform_body(router.route(head), body, len(body))
+        router.finish(decision, TurnOutcome.COMPLETED)
+        return decision.body
 
     return run
 

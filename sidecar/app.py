@@ -16,7 +16,7 @@ from sidecar import __version__
 from sidecar.admin.server import build_admin_app
 from sidecar.auth import TokenSet, load_tokens
 from sidecar.config import Config
-from sidecar.effects import EffectRunner
+from sidecar.end_actions import EndActionRunner
 from sidecar.engine.aiohttp_engine import AiohttpEngine
 from sidecar.engine.base import Engine
 from sidecar.engine.fast import FastEngine
@@ -48,7 +48,7 @@ class Sidecar:
                  session_clock: Clock | None = None) -> None:
         self.config = config
         self.metrics = Metrics(registry)
-        self.effects = EffectRunner(self.metrics)
+        self.effects = EndActionRunner(self.metrics)
         # ``session_clock``: wall-clock seconds of the API session store (tests inject one).
         store = SessionStore(config.sessions.api, clock=session_clock or time.time)
         s = config.sessions

@@ -15,8 +15,8 @@ cdef class Deployment:
     cdef public frozenset models
     cdef public object health_check
     cdef public object balancer
-    cdef public frozenset strip_headers
-    cdef public frozenset strip_sessionless
+    cdef public frozenset drop
+    cdef public frozenset drop_sessionless
     cdef public bint observes_responses
     cdef public DeploymentStats stats
     cdef public bint rewrites_body

@@ -80,10 +80,10 @@ class Deployment:
     models: frozenset[str]
     health_check: HealthCheckConfig | None
     balancer: Balancer[Upstream]
-    # Lower-case names of client headers never forwarded, for requests of a session and for
-    # requests without one (see :func:`never_forward`).
-    strip_headers: frozenset[str] = field(default_factory=frozenset)
-    strip_sessionless: frozenset[str] = field(default_factory=frozenset)
+    # Lower-case names of client headers dropped (never forwarded), for requests of a session
+    # and for requests without one (see :func:`dropped_headers`).
+    drop: frozenset[str] = field(default_factory=frozenset)
+    drop_sessionless: frozenset[str] = field(default_factory=frozenset)
     # Whether the mode overrides on_response (the router skips the call otherwise).
     observes_responses: bool = False
     # Per-request metric children (set by the router, which owns the metrics).
@@ -101,12 +101,12 @@ class Deployment:
     def from_config(cls, cfg: DeploymentConfig, *, selector_header: str = "",
                     identity_headers: Iterable[str] = (), max_overrides: int = 100_000) -> Deployment:
         """Build the runtime deployment. ``selector_header`` and ``identity_headers`` (every
-        header the identity reader consumes) feed the never-forward sets."""
+        header the identity reader consumes) feed the dropped-header sets."""
         mode = load_mode(cfg.mode).from_options(cfg.mode_options) if cfg.mode else None
         ctx = _tls_context(cfg)
         server_name = cfg.tls.server_name if cfg.tls is not None else None
         upstreams = tuple(Upstream.parse(u, i, ctx, server_name, cfg.name) for i, u in enumerate(cfg.upstreams))
-        session_strip, sessionless_strip = never_forward(cfg, mode, selector_header, identity_headers)
+        drop, drop_sessionless = dropped_headers(cfg, mode, selector_header, identity_headers)
         return cls(
             name=cfg.name,
             mode=mode,
@@ -121,8 +121,8 @@ class Deployment:
             health_check=cfg.health_check,
             balancer=Balancer(cfg.name, upstreams, failback=cfg.failback, health_check=cfg.health_check,
                               max_overrides=max_overrides),
-            strip_headers=session_strip,
-            strip_sessionless=sessionless_strip,
+            drop=drop,
+            drop_sessionless=drop_sessionless,
             observes_responses=mode is not None and type(mode).on_response is not Mode.on_response,
             rewrites_body=mode is not None and mode.mutates_body,
             only_upstream=upstreams[0] if len(upstreams) == 1 else None,
@@ -143,7 +143,7 @@ def _tls_context(cfg: DeploymentConfig) -> ssl.SSLContext | None:
     return client_context(cfg.tls, cfg._path)
 
 
-def never_forward(cfg: DeploymentConfig, mode: Mode | None, selector_header: str,
+def dropped_headers(cfg: DeploymentConfig, mode: Mode | None, selector_header: str,
                   identity_headers: Iterable[str]) -> tuple[frozenset[str], frozenset[str]]:
     """The one place that decides which client headers never reach a deployment's upstream.
 

@@ -3,6 +3,7 @@
 # their __slots__, and SessionTree's to the attributes its __init__ sets; the per-request
 # methods' signatures must match lineage.py.
 cimport cython
+from sidecar.context cimport RoutingContext
 
 cdef class _Node:
     cdef public object session, deployment, end_reason, mode_state, workers
@@ -10,19 +11,8 @@ cdef class _Node:
     cdef public double created_at, last_active_at
     cdef public long turns, in_flight, flags, tree_live, tree_in_flight, worker_turns, moves
 
-cdef class TurnFacts:
-    # Field order is the dataclass's.
-    cdef public object session
-    cdef public object parent
-    cdef public object root
-    cdef public bint is_final_turn
-    cdef public object is_parent_final
-    cdef public bint is_tree_final
-    cdef public long turn
-    cdef public object mode_state
-
 cdef class Turn:
-    cdef public TurnFacts facts
+    cdef public RoutingContext ctx
     cdef public _Node _node
     cdef public bint _final, _open
 
@@ -39,4 +29,4 @@ cdef class SessionTree:
                    in_flight=long, turns=long)
     cpdef begin(self, session, parent, root_hint, final, deployment)
     @cython.locals(node=_Node, root=_Node, lru=_Node, tail=_Node, in_flight=long)
-    cpdef end_turn(self, Turn turn, outcome)
+    cpdef finish(self, Turn turn, outcome)

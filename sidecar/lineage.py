@@ -7,17 +7,17 @@ per request.
 When each call runs, and what it returns:
 
 - :meth:`SessionTree.begin` runs when a request that names a session arrives, before it is
-  forwarded. It returns the request's :class:`Turn` (whose ``facts`` feed the routing context)
+  forwarded. It returns the request's :class:`Turn` (whose ``ctx`` is the request's routing context)
   and the sessions evicted to stay under ``max_live``.
-- :meth:`SessionTree.end_turn` runs strictly after the last response byte was written, or once
+- :meth:`SessionTree.finish` runs strictly after the last response byte was written, or once
   the request failed or its client left. A session ends there when its final turn is over and
   nothing else of it is in flight, or when it was closed while in flight.
 - :meth:`SessionTree.close`, :meth:`SessionTree.expire` and :meth:`SessionTree.shutdown` run
   between requests (sessions API, periodic sweep, after the drain).
 
-Every real session ends exactly once: the call that ends it returns one :class:`Ended` for it,
+Every real session ends exactly once: the call that ends it returns one :class:`SessionEnd` for it,
 and the caller runs the end-of-session hooks. Placeholders (nodes created only because a child
-or a root hint named them) never had a request: they produce no :class:`Ended` and are dropped
+or a root hint named them) never had a request: they produce no :class:`SessionEnd` and are dropped
 silently when their last descendant leaves.
 
 Lineage is fixed by a session's first request. A child naming an unknown parent creates a
@@ -53,18 +53,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any, TypeVar
+
+from sidecar.context import EndReason, RoutingContext, SessionEnd, TurnOutcome
 
 __all__ = [
     "Clock",
-    "EndReason",
-    "Ended",
     "SessionTree",
     "Turn",
-    "TurnFacts",
     "TreeView",
-    "TurnOutcome",
     "VIEW_STEP",
     "exhaust",
     "FORGETTING",
@@ -75,26 +72,6 @@ Clock = Callable[[], float]
 log = logging.getLogger("sidecar.lineage")
 
 
-class EndReason(StrEnum):
-    """Why a session ended; a closed set, usable as a metric label."""
-
-    FINAL_TURN_COMPLETED = "final_turn_completed"
-    FINAL_TURN_FAILED = "final_turn_failed"
-    CLIENT_ABANDONED = "client_abandoned"
-    API_CLOSED = "api_closed"
-    IDLE_EXPIRED = "idle_expired"
-    EVICTED = "evicted"
-    SHUTDOWN = "shutdown"
-
-
-class TurnOutcome(StrEnum):
-    """How one proxied request finished."""
-
-    COMPLETED = "completed"
-    UPSTREAM_FAILED = "upstream_failed"
-    CLIENT_ABORTED = "client_aborted"
-
-
 _FINAL_TURN_REASON = {
     TurnOutcome.COMPLETED: EndReason.FINAL_TURN_COMPLETED,
     TurnOutcome.UPSTREAM_FAILED: EndReason.FINAL_TURN_FAILED,
@@ -102,40 +79,6 @@ _FINAL_TURN_REASON = {
 }
 # With a shared store, these local ends only forget the node (the store ends sessions fleet-wide).
 FORGETTING = frozenset({EndReason.IDLE_EXPIRED, EndReason.EVICTED, EndReason.SHUTDOWN})
-
-
-@dataclass(frozen=True, slots=True)
-class Ended:
-    """One end-of-session event, emitted exactly once per real session."""
-
-    session: str
-    parent: str | None
-    root: str
-    deployment: str
-    reason: EndReason
-    turns: int
-
-
-# Not frozen: a frozen dataclass costs ~1.5 us per construction on the request path; treat as
-# read-only. No slots=True: compiled (lineage.pxd), it is an extension type with fixed fields.
-@dataclass
-class TurnFacts:
-    """The lineage facts of one request, computed by :meth:`SessionTree.begin`.
-
-    ``is_parent_final`` is None for roots and when the parent is a placeholder, otherwise True
-    once the parent ended, was closed or has begun its final turn. ``is_tree_final`` is True
-    only for a final turn that is the only request in flight in its tree while every other
-    session of the tree has ended. ``turn`` is this session's 1-based request index.
-    """
-
-    session: str
-    parent: str | None
-    root: str
-    is_final_turn: bool
-    is_parent_final: bool | None
-    is_tree_final: bool
-    turn: int
-    mode_state: str | None = None
 
 
 @dataclass(slots=True)
@@ -191,7 +134,7 @@ class _Node:
 
     ``parent`` is the structural parent (for a hinted session, the node of its root hint).
     ``root`` is a union-find link towards the tree's root node (the root points to itself);
-    read it through :meth:`SessionTree._find`. ``tree_live`` / ``tree_in_flight`` are the
+    read it through :meth:`SessionTree._root_of`. ``tree_live`` / ``tree_in_flight`` are the
     tree's counters, kept on the root node only. Children form a doubly linked sibling list;
     idle live sessions form the LRU list through ``lru_prev`` / ``lru_next``.
     """
@@ -232,18 +175,18 @@ class _Node:
 
 
 class Turn:
-    """Handle of one in-flight request; hand it back to :meth:`SessionTree.end_turn`."""
+    """Handle of one in-flight request; hand it back to :meth:`SessionTree.finish`."""
 
-    __slots__ = ("facts", "_node", "_final", "_open")
+    __slots__ = ("ctx", "_node", "_final", "_open")
 
-    def __init__(self, node: _Node, facts: TurnFacts, final: bool) -> None:
-        self.facts = facts
+    def __init__(self, node: _Node, ctx: RoutingContext, final: bool) -> None:
+        self.ctx = ctx
         self._node = node
         self._final = final
         self._open = True
 
     def __repr__(self) -> str:
-        return f"Turn({self.facts!r}, open={self._open})"
+        return f"Turn({self.ctx!r}, open={self._open})"
 
 
 class SessionTree:
@@ -309,22 +252,22 @@ class SessionTree:
     # -- request path ----------------------------------------------------------------------------
 
     def begin(self, session: str, parent: str | None, root_hint: str | None, final: bool,
-              deployment: str) -> tuple[Turn, Sequence[Ended]]:
-        """Register one request of ``session`` and compute its facts.
+              deployment: str) -> tuple[Turn, Sequence[SessionEnd]]:
+        """Register one request of ``session`` and compute its routing context.
 
         Returns its turn and the sessions evicted to make room (the caller ends them).
         """
         # Flattened: this runs once per request of a session.
         now = self._clock()
         node = self._nodes.get(session)
-        evicted: Sequence[Ended] = ()  # nearly always nothing: no list to allocate
+        evicted: Sequence[SessionEnd] = ()  # nearly always nothing: no list to allocate
         if node is None or node.flags & _NOT_JOINABLE:
-            node = self._admit(session, node, parent, root_hint, deployment, now)
+            node = self._place(session, node, parent, root_hint, deployment, now)
             if self._live + self._held_ended > self._max_live:
                 evicted = self._evict(now)
         root = node.root
         if root.root is not root:
-            root = self._find(node)
+            root = self._root_of(node)
         flags = node.flags
         if root_hint is not None and root_hint != root.session and not flags & _CONFLICT:
             flags |= _CONFLICT
@@ -352,11 +295,12 @@ class SessionTree:
             parent_id = parent_node.session
             pflags = parent_node.flags
             parent_final = None if pflags & _PLACEHOLDER else bool(pflags & (_FINAL_SEEN | _CLOSED | _ENDED))
-        facts = TurnFacts(node.session, parent_id, root.session, final, parent_final,
-                          final and root.tree_live == 1 and root.tree_in_flight == 1, turns, node.mode_state)
-        return Turn(node, facts, final), evicted
+        ctx = RoutingContext(node.session, parent_id, root.session, final, parent_final,
+                             final and root.tree_live == 1 and root.tree_in_flight == 1, turns, deployment,
+                             node.mode_state)
+        return Turn(node, ctx, final), evicted
 
-    def end_turn(self, turn: Turn, outcome: TurnOutcome) -> list[Ended]:
+    def finish(self, turn: Turn, outcome: TurnOutcome) -> list[SessionEnd]:
         """The request of ``turn`` is over. Idempotent: a second call returns []."""
         if not turn._open:
             return []
@@ -369,7 +313,7 @@ class SessionTree:
         in_flight = node.in_flight = node.in_flight - 1
         root = node.root
         if root.root is not root:
-            root = self._find(node)
+            root = self._root_of(node)
         root.tree_in_flight -= 1
         if turn._final and node.end_reason is None:
             node.end_reason = _FINAL_TURN_REASON[outcome]
@@ -387,7 +331,7 @@ class SessionTree:
         return []
 
     def set_mode_state(self, turn: Turn, state: str) -> None:
-        """Remember ``state`` for the session of ``turn`` (handed to its later turns' facts)."""
+        """Remember ``state`` for the session of ``turn`` (handed to its later turns' routing contexts)."""
         node = turn._node
         if not node.flags & _ENDED:
             node.mode_state = state
@@ -414,11 +358,11 @@ class SessionTree:
 
     # -- session lifecycle -----------------------------------------------------------------------
 
-    def close(self, session: str, reason: EndReason = EndReason.API_CLOSED) -> list[Ended]:
+    def close(self, session: str, reason: EndReason = EndReason.API_CLOSED) -> list[SessionEnd]:
         """Close ``session`` through the API (``reason``: why the API ended it).
 
-        Its id is tombstoned at once. Its :class:`Ended` is returned now when nothing of it is in
-        flight, otherwise by the :meth:`end_turn` that drains it; if a final turn already
+        Its id is tombstoned at once. Its :class:`SessionEnd` is returned now when nothing of it is in
+        flight, otherwise by the :meth:`finish` that drains it; if a final turn already
         finished while other requests were draining, that turn's reason is kept. Unknown,
         placeholder, ended or already closed ids return [].
         """
@@ -434,7 +378,7 @@ class SessionTree:
             return []
         return [self._end(node, node.end_reason, now)]
 
-    def expire(self, limit: int = 1 << 62) -> tuple[list[Ended], bool]:
+    def expire(self, limit: int = 1 << 62) -> tuple[list[SessionEnd], bool]:
         """End sessions idle (nothing in flight) for at least ``idle_ttl``; prune old tombstones.
 
         Walks from the least recently active end and stops at the first session still fresh, or
@@ -442,7 +386,7 @@ class SessionTree:
         backlog). Returns the ended sessions and whether work was left for another call.
         """
         now = self._clock()
-        ended: list[Ended] = []
+        ended: list[SessionEnd] = []
         cutoff = now - self._idle_ttl
         lru = self._lru
         node = lru.lru_next
@@ -468,7 +412,7 @@ class SessionTree:
             del tombs[oldest]
         return ended, False
 
-    def shutdown(self) -> list[Ended]:
+    def shutdown(self) -> list[SessionEnd]:
         """End every live session with SHUTDOWN, in-flight ones included."""
         now = self._clock()
         ended = [self._end(node, EndReason.SHUTDOWN, now) for node in list(self._detached)]
@@ -496,13 +440,13 @@ class SessionTree:
         if node is None or node.flags & _NOT_JOINABLE:
             return None
         parent = node.parent
-        return (node.deployment, None if parent is None else parent.session, self._find(node).session,
+        return (node.deployment, None if parent is None else parent.session, self._root_of(node).session,
                 node.flags & (_FINAL_SEEN | _HINTED), node.turns, node.created_at, node.last_active_at)
 
     def root_of(self, session: str) -> str | None:
         """The root id of the tree holding ``session``; None if no tree holds it."""
         node = self._nodes.get(session)
-        return None if node is None else self._find(node).session
+        return None if node is None else self._root_of(node).session
 
     # The two builders below are generators: they pause (yield None) every ``step`` nodes they
     # touch, so that a caller on the event loop can let requests run in between (the admin
@@ -527,7 +471,7 @@ class SessionTree:
         node = self._nodes.get(session)
         if node is None:
             return None
-        top = self._find(node)
+        top = self._root_of(node)
         depth_limit = sys.maxsize if max_depth is None else max_depth
         budget = (sys.maxsize if max_nodes is None else max_nodes) - 1  # the root is always shown
         out = self._as_dict(top)
@@ -620,7 +564,7 @@ class SessionTree:
                 yield
             if nodes.get(node.session) is not node:
                 continue  # released during a pause
-            top = self._find(node)  # path compression only shortens links: safe from a view
+            top = self._root_of(node)  # path compression only shortens links: safe from a view
             at = node.last_active_at
             seen = newest.get(top)
             if seen is None or at > seen:
@@ -708,7 +652,7 @@ class SessionTree:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _admit(self, session: str, old: _Node | None, parent: str | None, root_hint: str | None,
+    def _place(self, session: str, old: _Node | None, parent: str | None, root_hint: str | None,
                deployment: str, now: float) -> _Node:
         """Place the first request of a session: a new id, a placeholder, or the id of a node
         still held (ended with live descendants, or closed and draining)."""
@@ -738,7 +682,7 @@ class SessionTree:
         else:
             self._trees += 1
             return node
-        root = self._find(above)
+        root = self._root_of(above)
         node.root = root
         node.tree_live = 0
         self._link_child(above, node)
@@ -764,7 +708,7 @@ class SessionTree:
     def _attach(self, node: _Node, above: _Node, hinted: int) -> None:
         """Hang the root ``node`` and its whole tree below ``above`` (its tree joins ``above``'s),
         unless ``above`` is in ``node``'s own tree."""
-        root = self._find(above)
+        root = self._root_of(above)
         if root is node:
             log.debug("session %s names its own descendant %s above it; lineage ignored",
                       node.session, above.session)
@@ -792,7 +736,7 @@ class SessionTree:
         node.worker_turns = node.moves = 0
         self._held_ended -= 1
         self._live += 1
-        self._find(node).tree_live += 1
+        self._root_of(node).tree_live += 1
         return node
 
     def _take_over(self, old: _Node, deployment: str, now: float) -> _Node:
@@ -812,7 +756,7 @@ class SessionTree:
             old.tree_live = old.tree_in_flight = 0
             old.root = node  # every union-find path into the old root now leads to the new one
         else:
-            root = self._find(old)
+            root = self._root_of(old)
             node.root = root
             node.tree_live = 0
             root.tree_live += 1
@@ -843,12 +787,12 @@ class SessionTree:
             self._trees += 1
         return node
 
-    def _end(self, node: _Node, reason: EndReason, now: float) -> Ended:
+    def _end(self, node: _Node, reason: EndReason, now: float) -> SessionEnd:
         """End a live session: counters, tombstone, and release of what only it held."""
-        root = self._find(node)
+        root = self._root_of(node)
         flags = node.flags
         parent = node.parent
-        ended = Ended(node.session, None if parent is None or flags & _HINTED else parent.session,
+        ended = SessionEnd(node.session, None if parent is None or flags & _HINTED else parent.session,
                       root.session, node.deployment, reason, node.turns)
         node.flags = flags | _ENDED
         node.end_reason = reason
@@ -894,13 +838,13 @@ class SessionTree:
                 return
             if pflags & _PLACEHOLDER:
                 self._live -= 1
-                self._find(parent).tree_live -= 1
+                self._root_of(parent).tree_live -= 1
             else:
                 self._held_ended -= 1
             node = parent
 
-    def _evict(self, now: float) -> list[Ended]:
-        evicted: list[Ended] = []
+    def _evict(self, now: float) -> list[SessionEnd]:
+        evicted: list[SessionEnd] = []
         lru = self._lru
         while self._live + self._held_ended > self._max_live:
             victim = lru.lru_next
@@ -918,7 +862,7 @@ class SessionTree:
         if len(tombs) > self._tombstone_max:
             tombs.popitem(last=False)
 
-    def _find(self, node: _Node) -> _Node:
+    def _root_of(self, node: _Node) -> _Node:
         """The root node of ``node``'s tree, compressing the path to it."""
         root = node.root
         if root.root is root:
@@ -962,7 +906,7 @@ class SessionTree:
         return {
             "session": node.session,
             "parent": None if parent is None or flags & _HINTED else parent.session,
-            "root": self._find(node).session,
+            "root": self._root_of(node).session,
             "deployment": node.deployment,
             "created_at": node.created_at,
             "last_active_at": node.last_active_at,

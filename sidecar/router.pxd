@@ -4,8 +4,8 @@
 cimport cython
 from sidecar.deployments cimport Deployment
 from sidecar.identity cimport Identity, IdentityReader
-from sidecar.lineage cimport SessionTree, Turn, TurnFacts
-from sidecar.modes.context cimport RoutingContext
+from sidecar.lineage cimport SessionTree, Turn
+from sidecar.context cimport RoutingContext
 
 cdef class RequestHead:
     cdef public object method
@@ -18,20 +18,22 @@ cdef class _Pending:
     cdef public object selected
     cdef public object decided
 
+cdef class _Admission:
+    cdef public Turn turn
+    cdef public object api_session
+
 cdef class Decision:
     cdef public Deployment deployment
     cdef public object upstream
-    cdef public frozenset strip
+    cdef public frozenset drop
     cdef public tuple add
     cdef public bint needs_body
     cdef public object ctx
-    cdef public Turn turn
-    cdef public bint finished
     cdef public object max_body_bytes
-    cdef public object api_session
-    cdef public _Pending pending
     cdef public object request_id
+    cdef public object body
     cdef public long status
+    cdef public object _held
 
 cdef class Router:
     cdef public object config, metrics, deployments, _by_name, _by_model, _selection_body_limit, store, effects
@@ -49,7 +51,6 @@ cdef class Router:
     cdef public SessionTree tree
     @cython.locals(ident=Identity, dep=Deployment)
     cpdef Decision route(self, RequestHead head, bint loaded=*)
-    @cython.locals(pending=_Pending)
     cpdef transform_body(self, Decision decision, body, size)
     @cython.locals(ident=Identity)
     cpdef tuple _read_body(self, _Pending pending, body)
@@ -60,8 +61,9 @@ cdef class Router:
     cpdef _check_session(self, Deployment dep, session, rec)
     cpdef _choose(self, session, rec, selected, model_dep)
     cpdef binding(self, session, rec=*)
-    @cython.locals(f=TurnFacts, turn=Turn, decision=Decision, add=tuple, ctx=RoutingContext)
+    @cython.locals(turn=Turn, decision=Decision, add=tuple, ctx=RoutingContext)
     cpdef Decision _admit(self, Deployment dep, Identity ident, headers, rec, request_id)
     @cython.locals(turn=Turn, dep=Deployment)
     cpdef on_response(self, Decision decision, long status, headers)
+    @cython.locals(turn=Turn)
     cpdef finish(self, Decision decision, outcome)

@@ -1,10 +1,13 @@
 """The routing decision: identity -> deployment -> session admission -> lineage -> mode.
 
-Engines call :meth:`Router.route` with a request head, forward what the returned
-:class:`Decision` says, call :meth:`Router.transform_body` when ``decision.needs_body``, and
-call :meth:`Router.finish` exactly once after the last response byte reached the client (or
-the request failed). Everything here is synchronous: no I/O, no awaits, so the lineage tree and
-the API session store need no locks, and a sessions-API close is ordered with every admission.
+Engines call :meth:`Router.route` with a request head and forward what the returned
+:class:`Decision` says; when ``decision.needs_body`` they read the body and call
+:meth:`Router.transform_body`, whose complete decision replaces the first one (and carries the
+body to forward). An engine calls :meth:`Router.finish` exactly once for the decision it holds,
+after the last response byte reached the client or once the request failed; a call that raises
+returned no decision, and the router has finished whatever it had admitted. Everything here is
+synchronous: no I/O, no awaits, so the lineage tree and the API session store need no locks, and a
+sessions-API close is ordered with every admission.
 
 A request's deployment is, in order: its session's binding (an API session's deployment, or the
 deployment of the live session's first request), the selector header (``deployment_header``),
@@ -45,16 +48,16 @@ from sidecar.deployments import Deployment, Upstream
 from sidecar.identity import Identity, IdentityReader
 from sidecar.jsonbody import INVALID, TOO_DEEP, TOO_MANY, RepeatedKeys, ScannedBody, scan_body, splice
 from sidecar.jsonscan import INLINE_BYTES, join
-from sidecar.lineage import EndReason, Ended, SessionTree, Turn, TurnOutcome
+from sidecar.context import EndReason, RoutingContext, SessionEnd, TurnOutcome
+from sidecar.lineage import SessionTree, Turn
 from sidecar.metrics import Metrics
-from sidecar.modes.base import BodyPatch, EndAction, Mode, SessionEnd
-from sidecar.modes.context import RoutingContext
+from sidecar.modes.base import BodyPatch, EndAction, Mode
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
 from sidecar.state import LoadNeeded, MemoryState, SessionState
 
 log = logging.getLogger("sidecar.router")
 
-EffectSink = Callable[[Deployment, EndAction, str], None]
+EndActionSink = Callable[[Deployment, EndAction, str], None]
 
 # Sessions one idle sweep ends at most before it yields the event loop (a few ms of work).
 EXPIRE_BATCH = 1000
@@ -88,33 +91,44 @@ class _Pending:
     decided: Deployment | None  # by binding or selector; None: by model, else the default
 
 
+class _Admission:
+    """The router's hold on an admitted request of a session: its turn in the lineage tree and
+    its API session, released once by :meth:`Router.finish`."""
+
+    __slots__ = ("turn", "api_session")
+
+    def __init__(self, turn: Turn, api_session: ApiSession | None) -> None:
+        self.turn = turn
+        self.api_session = api_session
+
+
 @dataclass
 class Decision:
-    """How to forward one request. ``add`` headers go after the client's (minus ``strip``).
+    """How to forward one request: to ``upstream`` of ``deployment``, with the client's headers
+    minus ``drop`` (lower-case names), then ``add``.
 
-    While ``needs_body`` is set and ``transform_body`` has not run yet, only ``max_body_bytes``
-    (then the limit for bodies the sidecar reads as JSON) is final and ``deployment`` is
-    provisional (use it for error labels only); ``upstream``,
-    ``strip``, ``add``, ``ctx`` and ``turn`` are filled in by ``transform_body``.
-    ``api_session`` and ``pending`` belong to the router.
+    A decision with ``needs_body`` is provisional: only ``max_body_bytes`` (then the limit for
+    bodies the sidecar reads as JSON) is final, and ``deployment`` labels errors. The engine
+    reads the body and calls :meth:`Router.transform_body`, which returns the complete decision
+    whose ``body`` is the body to forward. ``_held`` is the router's (what :meth:`Router.finish`
+    releases); engines never read it. Built only by the router's constructors below.
     """
 
     deployment: Deployment
     upstream: Upstream
-    strip: frozenset[str]
+    drop: frozenset[str]
     add: tuple[tuple[str, str], ...]
     needs_body: bool
     ctx: RoutingContext | None
-    turn: Turn | None
-    finished: bool = False
     # Buffer at most this many body bytes (413 above it).
-    max_body_bytes: int = 0
-    api_session: ApiSession | None = None
-    pending: _Pending | None = None
+    max_body_bytes: int
     # The client's X-Request-ID, for log lines (see :meth:`log_fields`).
-    request_id: str | None = None
+    request_id: str | None
+    # The body to forward (set by transform_body; None when the engine streams the client's).
+    body: bytes | None = None
     # The upstream's response status once its head arrived (0 before).
     status: int = 0
+    _held: _Pending | _Admission | None = None
 
     def log_fields(self) -> dict[str, Any]:
         """What every log line about this request carries: request id and deployment."""
@@ -122,19 +136,47 @@ class Decision:
                 "mode": self.deployment.mode_name}
 
 
+# The decisions' constructors. Positional: a class called with keywords costs a dict per call,
+# and these run once per request.
+
+def _sessionless(dep: Deployment, request_id: str | None) -> Decision:
+    """A request of no session: forwarded as is (minus the deployment's sessionless drops)."""
+    return Decision(dep, dep.pick_upstream(None), dep.drop_sessionless, (), False, None, dep.max_body_bytes,
+                    request_id)
+
+
+def _awaiting_body(dep: Deployment, limit: int, pending: _Pending, request_id: str | None) -> Decision:
+    """A provisional decision: admission waits for the body (``limit``: the bytes to read at most)."""
+    return Decision(dep, dep.upstreams[0], dep.drop_sessionless, (), True, None, limit, request_id, None, 0,
+                    pending)
+
+
+def _admitted(dep: Deployment, upstream: Upstream, ctx: RoutingContext, turn: Turn, rec: ApiSession | None,
+              request_id: str | None) -> Decision:
+    """An admitted request of a session (its mode's headers and body flag are set after)."""
+    return Decision(dep, upstream, dep.drop, (), False, ctx, dep.max_body_bytes, request_id, None, 0,
+                    _Admission(turn, rec))
+
+
 class BodyWork:
-    """Body work the router hands back instead of a body when the body is large: the engine
+    """Body work the router hands back instead of a decision when the body is large: the engine
     calls ``run()`` on a worker thread (:func:`body_pool`; it only reads its arguments), then
-    ``resume(result)`` on the event loop, which returns the body to forward or more work, or
-    raises :class:`~sidecar.errors.ProxyError` like ``transform_body``. An exception from
-    ``run`` is a defect (answer 500 and finish the turn); if the client left meanwhile, the
-    engine finishes the turn and drops the result."""
+    ``resume(result)`` on the event loop, which returns the complete decision or more work, or
+    raises like ``transform_body``. The engine calls exactly one of ``resume`` and
+    ``abandon(outcome)``: the latter when ``run`` raised (a defect: answer 500) or the client left
+    meanwhile; it releases what the router admitted for the request."""
 
-    __slots__ = ("run", "resume")
+    __slots__ = ("run", "resume", "abandon")
 
-    def __init__(self, run: Callable[[], Any], resume: Callable[[Any], bytes | BodyWork]) -> None:
+    def __init__(self, run: Callable[[], Any], resume: Callable[[Any], Decision | BodyWork],
+                 abandon: Callable[[TurnOutcome], None] | None = None) -> None:
         self.run = run
         self.resume = resume
+        self.abandon = abandon or _nothing_held
+
+
+def _nothing_held(outcome: TurnOutcome) -> None:
+    """The ``abandon`` of body work that runs before admission: nothing to release."""
 
 
 def body_pool() -> ThreadPoolExecutor:
@@ -145,6 +187,8 @@ def body_pool() -> ThreadPoolExecutor:
 
 # What the scan of a request's body found: the scan, the identity, the model's deployment.
 _Read = tuple[ScannedBody, Identity, "Deployment | None"]
+# A body rewrite to finish off the event loop: (run on a worker thread, resume with its outcome).
+_Steps = tuple[Callable[[], Any], Callable[[Any], bytes]]
 
 
 class Router:
@@ -152,7 +196,7 @@ class Router:
     the deployments' modes."""
 
     def __init__(self, config: Config, metrics: Metrics, *, tree: SessionTree | None = None,
-                 store: SessionStore | None = None, effects: EffectSink | None = None,
+                 store: SessionStore | None = None, effects: EndActionSink | None = None,
                  state: SessionState | None = None) -> None:
         self.config = config
         self.metrics = metrics
@@ -222,42 +266,37 @@ class Router:
             dep = self.default  # the common sessionless case, kept cheap
             if dep.strict:
                 raise _session_required(dep)
-            return Decision(dep, dep.pick_upstream(None), dep.strip_sessionless, (), False, None, None,
-                            False, dep.max_body_bytes, None, None, request_id)
+            return _sessionless(dep, request_id)
         if body_identity and _declares_body(head):
             # The session is named by the body (configured body signals): admission waits for it
             # (and the session's binding may name any deployment).
             dep = selected or self.default
             limit = self._selection_body_limit if selected is None else dep.limits.max_parsed_body_bytes
-            return Decision(dep, dep.upstreams[0], dep.strip_sessionless, (), True, None, None,
-                            max_body_bytes=limit, pending=_Pending(ident, headers, selected, selected),
-                            request_id=request_id)
+            return _awaiting_body(dep, limit, _Pending(ident, headers, selected, selected), request_id)
         rec = self._api_sessions.get(session) if session is not None and self._api_sessions else None
         # One deployment: binding, selector and model can only name it (an unknown name was refused).
         decided = self.default if self._single else self._choose(session, rec, selected, None)
         if decided is None and self._route_by_model and _declares_body(head):
-            return Decision(self.default, self.default.upstreams[0], self.default.strip_sessionless, (), True,
-                            None, None, max_body_bytes=self._selection_body_limit,
-                            pending=_Pending(ident, headers, selected, None), request_id=request_id)
+            return _awaiting_body(self.default, self._selection_body_limit, _Pending(ident, headers, selected, None),
+                                  request_id)
         dep = decided or self.default
         if rec is not None or dep.strict:
             self._check_session(dep, session, rec)  # refuse early, before any body is read
         if dep.rewrites_body and session is not None and _declares_body(head):
-            return Decision(dep, dep.upstreams[0], dep.strip_sessionless, (), True, None, None, False,
-                            dep.limits.max_parsed_body_bytes, None, _Pending(ident, headers, selected, decided),
-                            request_id)
+            return _awaiting_body(dep, dep.limits.max_parsed_body_bytes, _Pending(ident, headers, selected, decided),
+                                  request_id)
         return self._admit(dep, ident, headers, rec, request_id)
 
-    def transform_body(self, decision: Decision, body: bytes | list[bytes], size: int) -> bytes | BodyWork:
+    def transform_body(self, decision: Decision, body: bytes | list[bytes], size: int) -> Decision | BodyWork:
         """Second phase of a ``needs_body`` decision: scan the body (``size`` bytes, as one
         ``bytes`` or the chunks it arrived in), choose the deployment by its model when still
-        open, admit the request, and return the body to forward (spliced or rewritten by a body
-        mode; otherwise the body as received), or :class:`BodyWork` for a body larger than
-        :data:`~sidecar.jsonscan.INLINE_BYTES`. Raises :class:`errors.ProxyError` to answer
-        directly."""
-        pending = decision.pending
-        assert pending is not None, "transform_body called for a decision that needs no body"
-        decision.pending = None
+        open, admit the request, and return the complete decision, whose ``body`` is the body to
+        forward (spliced or rewritten by a body mode; otherwise the body as received), or
+        :class:`BodyWork` for a body larger than :data:`~sidecar.jsonscan.INLINE_BYTES`. Raises
+        :class:`errors.ProxyError` to answer directly. Call it once per provisional decision."""
+        pending = decision._held
+        assert type(pending) is _Pending, "transform_body called for a decision that needs no body"
+        decision._held = None
         if size > INLINE_BYTES:
             return BodyWork(partial(self._read_body, pending, body), partial(self._admit_body, decision, pending))
         return self._admit_body(decision, pending, self._read_body(pending, body))
@@ -279,7 +318,7 @@ class Router:
         return scanned, ident, model_dep
 
     def _admit_body(self, decision: Decision, pending: _Pending, read: _Read, loaded: bool = False
-                    ) -> bytes | BodyWork:
+                    ) -> Decision | BodyWork:
         """Admission of a request whose body was read (on the event loop), then its body mode.
         With a shared store, a session the body names that this replica does not hold raises
         :class:`~sidecar.state.LoadNeeded` whose ``resume`` continues here once loaded."""
@@ -296,12 +335,11 @@ class Router:
                                  "reads too often")
         # Re-resolved at admission: the session may have been bound or closed while the body
         # was read.
-        rec = self._api_sessions.get(ident.session) if ident.session is not None else None
+        rec = self._api_sessions.get(session) if session is not None else None
         if self._single:  # binding, selector and model can only name it (an unknown name was refused)
             dep = self.default
         else:
-            dep = self._choose(ident.session, rec, pending.selected, model_dep) or self.default
-        decision.deployment = dep
+            dep = self._choose(session, rec, pending.selected, model_dep) or self.default
         if len(body) > dep.max_body_bytes:
             raise errors.request_too_large(dep.name, dep.max_body_bytes)
         limits = dep.limits
@@ -309,19 +347,29 @@ class Router:
             raise errors.request_too_large(dep.name, limits.max_parsed_body_bytes, True)
         if scanned.status > limits.max_json_depth:
             raise _too_deep(dep, limits.max_json_depth)
-        self._check_session(dep, ident.session, rec)
+        self._check_session(dep, session, rec)
         admitted = self._admit(dep, ident, pending.headers, rec, decision.request_id)
-        decision.deployment = admitted.deployment
-        decision.upstream = admitted.upstream
-        decision.strip = admitted.strip
-        decision.add = admitted.add
-        decision.ctx = admitted.ctx
-        decision.turn = admitted.turn
-        decision.api_session = admitted.api_session
-        decision.max_body_bytes = dep.max_body_bytes
-        if not admitted.needs_body:
-            return body
-        return self._rewrite(decision, scanned)
+        if admitted.ctx is None or not dep.rewrites_body:
+            admitted.body = body
+            return admitted
+        return self._completed(admitted, partial(self._rewrite, admitted, scanned))
+
+    def _completed(self, admitted: Decision, step: Callable[[], bytes | _Steps]) -> Decision | BodyWork:
+        """Run one step of an admitted decision's body rewrite: its body, or body work to run off
+        the loop. A step that raises releases the admission first (the engine never held it)."""
+        try:
+            result = step()
+        except BaseException:
+            self.finish(admitted, TurnOutcome.UPSTREAM_FAILED)
+            raise
+        if type(result) is bytes:
+            admitted.body = result
+            return admitted
+        run, resume = result
+        return BodyWork(run, partial(self._resume, admitted, resume), partial(self.finish, admitted))
+
+    def _resume(self, admitted: Decision, resume: Callable[[Any], bytes], outcome: Any) -> Decision | BodyWork:
+        return self._completed(admitted, partial(resume, outcome))
 
     def _selected(self, name: str) -> Deployment:
         """The deployment the selector header names (raises for an unknown name)."""
@@ -389,8 +437,7 @@ class Router:
         step): begin its turn, ask the mode."""
         session = ident.session
         if session is None:
-            return Decision(dep, dep.pick_upstream(None), dep.strip_sessionless, (), False, None, None,
-                            False, dep.max_body_bytes, None, None, request_id)
+            return _sessionless(dep, request_id)
         parent, root_hint = ident.parent, ident.root
         if rec is not None:
             self.store.begin(rec)
@@ -402,93 +449,85 @@ class Router:
             self.state.begun(turn)
         if evicted:
             self._ended(evicted)
-        # Positional: RoutingContext and Decision are built once per request of a session.
-        f = turn.facts
-        ctx = RoutingContext(f.session, f.parent, f.root, f.is_final_turn, f.is_parent_final, f.is_tree_final,
-                             f.turn, dep.name, f.mode_state)
-        upstream = dep.only_upstream or dep.pick_upstream(f.root)
+        ctx = turn.ctx
+        upstream = dep.only_upstream or dep.pick_upstream(ctx.root)
         # The request id is set before mode hooks can fail (their error log carries it).
-        decision = Decision(dep, upstream, dep.strip_headers, (), False, ctx, turn,
-                            False, dep.max_body_bytes, rec, None, request_id)
+        decision = _admitted(dep, upstream, ctx, turn, rec, request_id)
         mode = dep.mode
         if mode is None:
             if dep.strict and self._primary_session_header:
-                decision.add = ((self._primary_session_header, f.session),)  # the validated id
+                decision.add = ((self._primary_session_header, ctx.session),)  # the validated id
             return decision
         try:
             add = tuple(mode.request_headers(ctx))  # no copy when the mode returned a tuple
             if add:
                 _check_added(add)
         except Exception as exc:
-            self._mode_failed(decision, "request_headers", exc)
+            self.finish(decision, TurnOutcome.UPSTREAM_FAILED)  # never handed out: released here
+            raise self._mode_failed(decision, "request_headers", exc) from exc
         if add and dep.trust_client_headers:
             # A trusted client's own copy wins: keep it and add nothing under that name.
             add = _not_sent_by_client(add, headers)
         if add:
             decision.add = add
             dep.stats.headers_injected.inc()  # type: ignore[union-attr]
-        decision.needs_body = mode.mutates_body
         return decision
 
-    def _rewrite(self, decision: Decision, scanned: ScannedBody) -> bytes | BodyWork:
+    def _rewrite(self, decision: Decision, scanned: ScannedBody) -> bytes | _Steps:
         """The body-mode rewrite of an admitted request: a JSON object body gets the mode's
         patch spliced in (or goes through its ``transform_body``); any other body passes
-        unchanged (or is refused, as the deployment says)."""
+        unchanged (or is refused, as the deployment says). A large body's rewrite is returned as
+        ``(run, resume)``: ``run`` off the loop, ``resume(its outcome)`` back on it."""
         dep = decision.deployment
         mode = dep.mode
-        assert mode is not None and decision.ctx is not None
+        ctx = decision.ctx
+        assert mode is not None and ctx is not None
         body = scanned.data
         if not scanned.is_object:
             return self._not_object(decision, body, scanned.status == INVALID)
         if dep.name not in self._patching:
             if len(body) > INLINE_BYTES:
-                return BodyWork(partial(_attempt, _transform, mode, decision.ctx, body),
-                                partial(self._transformed, decision, body))
-            return self._transformed(decision, body, _attempt(_transform, mode, decision.ctx, body))
+                return partial(_attempt, _transform, mode, ctx, body), partial(self._transformed, decision, body)
+            return self._transformed(decision, body, _attempt(_transform, mode, ctx, body))
         try:
-            patch = mode.body_patch(decision.ctx)
+            patch = mode.body_patch(ctx)
             if patch is not None and (type(patch) is not BodyPatch or type(patch.path) is not tuple
                                       or not patch.path or type(patch.path[0]) is not str):
                 raise TypeError(f"body_patch must return a BodyPatch with a non-empty tuple of keys, or None "
                                 f"(got {patch!r:.200})")
         except Exception as exc:
-            self._mode_failed(decision, "body_patch", exc)
+            raise self._mode_failed(decision, "body_patch", exc) from exc
         if patch is None:
             dep.stats.rewritten().inc()  # type: ignore[union-attr]
             return body
         if patch.path[0] not in self._patch_roots:
             self._locate_root(patch.path[0])
         if len(body) > INLINE_BYTES:
-            return BodyWork(partial(_attempt, splice, scanned, patch.path, patch.values, patch.owned),
-                            partial(self._spliced, decision))
-        try:
-            new = splice(scanned, patch.path, patch.values, patch.owned)
-        except Exception as exc:
-            self._body_failed(decision, "body_patch", exc)
-        dep.stats.rewritten().inc()  # type: ignore[union-attr]
-        return new
+            return (partial(_attempt, splice, scanned, patch.path, patch.values, patch.owned),
+                    partial(self._spliced, decision))
+        return self._spliced(decision, _attempt(splice, scanned, patch.path, patch.values, patch.owned))
 
     def _spliced(self, decision: Decision, outcome: tuple[Any, Exception | None]) -> bytes:
         new, exc = outcome
         if exc is not None:
-            self._body_failed(decision, "body_patch", exc)
+            raise self._body_failed(decision, "body_patch", exc) from exc
         decision.deployment.stats.rewritten().inc()  # type: ignore[union-attr]
         return new  # type: ignore[no-any-return]
 
     def _transformed(self, decision: Decision, body: bytes, outcome: tuple[Any, Exception | None]) -> bytes:
         new, exc = outcome
         if exc is not None:
-            self._body_failed(decision, "transform_body", exc)
+            raise self._body_failed(decision, "transform_body", exc) from exc
         if new is None:  # valid JSON that orjson refuses to parse (1e400, an unpaired surrogate escape)
             return self._not_object(decision, body, True)
         decision.deployment.stats.rewritten().inc()  # type: ignore[union-attr]
         return new  # type: ignore[no-any-return]
 
-    def _body_failed(self, decision: Decision, hook: str, exc: Exception) -> None:
-        if isinstance(exc, RepeatedKeys):  # the client's body, not the mode
-            self.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-            raise _repeated_keys(decision.deployment, str(exc)) from exc
-        self._mode_failed(decision, hook, exc)
+    def _body_failed(self, decision: Decision, hook: str, exc: Exception) -> errors.ProxyError:
+        """The error that answers a failed body rewrite: the client's body, or the mode."""
+        if isinstance(exc, RepeatedKeys):
+            return _repeated_keys(decision.deployment, str(exc))
+        return self._mode_failed(decision, hook, exc)
 
     def _not_object(self, decision: Decision, body: bytes, invalid: bool) -> bytes:
         """A body mode's request whose body is not a JSON object: passed unchanged and counted,
@@ -498,7 +537,6 @@ class Router:
         if dep.reject_non_object_body:
             counter.labels(dep.mode_name, "rejected").inc()
             self.metrics.rejected.labels("non_object_body").inc()
-            self.finish(decision, TurnOutcome.UPSTREAM_FAILED)
             raise errors.ProxyError(
                 errors.INVALID_JSON_BODY,
                 f"deployment {dep.name!r} (mode {dep.mode_name}) needs a JSON object request body",
@@ -518,9 +556,10 @@ class Router:
         """The upstream's response head for ``decision`` arrived (``headers``: lower-case name
         lookup). Records which worker served the turn and lets the mode observe the response."""
         decision.status = status
-        turn = decision.turn
-        if turn is None:
+        held = decision._held
+        if type(held) is not _Admission:
             return
+        turn = held.turn
         dep = decision.deployment
         if dep.observes_responses:
             assert dep.mode is not None and decision.ctx is not None
@@ -554,9 +593,9 @@ class Router:
         if outcome == "moved":
             extra: dict[str, Any] = {"event": "moved", **decision.log_fields(),
                                      "from_worker": previous, "to_worker": interned,
-                                     "turn": turn.facts.turn}
+                                     "turn": turn.ctx.turn}
             if log.isEnabledFor(logging.DEBUG):  # session ids only at debug level
-                extra["session"] = turn.facts.session
+                extra["session"] = turn.ctx.session
             log.info("session moved to another worker", extra=extra)
 
     def upstream_unreachable(self, decision: Decision) -> None:
@@ -564,33 +603,34 @@ class Router:
         unhealthy so the tree's next request fails over (see :mod:`sidecar.balancer`)."""
         decision.deployment.balancer.mark_unreachable(decision.upstream)
 
-    def _mode_failed(self, decision: Decision, hook: str, exc: Exception) -> Any:
+    def _mode_failed(self, decision: Decision, hook: str, exc: Exception) -> errors.ProxyError:
+        """Count and log a mode hook's failure; the error that answers the request."""
         dep = decision.deployment
         self.metrics.plugin_errors.labels(dep.mode_name, hook).inc()
         log.error("mode %s failed in %s: %r", dep.mode_name, hook, exc, extra={**decision.log_fields(), "hook": hook})
-        self.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-        raise errors.ProxyError(errors.MODE_ERROR, f"routing mode {dep.mode_name!r} failed in {hook}: {exc}",
-                                mode=dep.mode_name, deployment=dep.name) from exc
+        return errors.ProxyError(errors.MODE_ERROR, f"routing mode {dep.mode_name!r} failed in {hook}: {exc}",
+                                 mode=dep.mode_name, deployment=dep.name)
 
     def finish(self, decision: Decision, outcome: TurnOutcome) -> None:
-        """The request is over (last byte written, failed, or abandoned). Idempotent."""
-        if decision.finished:
-            return
-        decision.finished = True
+        """The request is over (last byte written, failed, or abandoned): release its turn and
+        its API session. Engines call it exactly once per decision they hold."""
+        held = decision._held
+        decision._held = None
         if log.isEnabledFor(logging.DEBUG):  # the access log: debug level (it names sessions)
             ctx = decision.ctx
             log.debug("request finished", extra={
                 "event": "request", **decision.log_fields(), "status": decision.status, "outcome": str(outcome),
                 "session": ctx.session if ctx else None, "turn": ctx.turn if ctx else None})
-        if decision.api_session is not None:
-            self.store.end(decision.api_session)
-        turn = decision.turn
-        if turn is not None:
-            ended = self.tree.end_turn(turn, outcome)
-            if self._shared:
-                self.state.finished(turn)
-            if ended:
-                self._ended(ended)
+        if type(held) is not _Admission:
+            return
+        if held.api_session is not None:
+            self.store.finish(held.api_session)
+        turn = held.turn
+        ended = self.tree.finish(turn, outcome)
+        if self._shared:
+            self.state.finished(turn)
+        if ended:
+            self._ended(ended)
 
     # -- session lifecycle ------------------------------------------------------------------
 
@@ -643,13 +683,13 @@ class Router:
     def deployment(self, name: str) -> Deployment | None:
         return self._by_name.get(name)
 
-    def _ended(self, ended: Sequence[Ended]) -> None:
+    def _ended(self, ended: Sequence[SessionEnd]) -> None:
         """Sessions that ended in the tree: their end-of-session actions run now, or, with a
         shared store, once the store let this replica claim them (:meth:`end_session`)."""
         for e in self.state.local_ends(ended):
             self.end_session(e)
 
-    def end_session(self, e: Ended) -> None:
+    def end_session(self, e: SessionEnd) -> None:
         """The end of one session, exactly once: count it, run the mode's end-of-session hook
         and hand its actions to the effects runner, forget the tree's upstream override."""
         dep = self.deployment(e.deployment)
@@ -659,7 +699,7 @@ class Router:
         if dep is not None and dep.balancer.overrides and self.tree.get(e.root) is None:
             dep.balancer.forget(e.root)  # the tree is gone
 
-    def _end_actions(self, e: Ended, dep: Deployment | None) -> None:
+    def _end_actions(self, e: SessionEnd, dep: Deployment | None) -> None:
         if dep is None or dep.mode is None:
             return
         end = SessionEnd(session=e.session, parent=e.parent, root=e.root, deployment=e.deployment,

@@ -217,7 +217,7 @@ class SessionStore:
         rec.in_flight += 1
         rec.last_active_at = self._clock()
 
-    def end(self, rec: ApiSession) -> None:
+    def finish(self, rec: ApiSession) -> None:
         """A request of ``rec`` is over (also after the session was closed)."""
         rec.in_flight -= 1
         if rec.status is SessionStatus.ACTIVE:

@@ -28,7 +28,10 @@ def client_context(tls: TlsConfig | None, where: str = "") -> ssl.SSLContext:
     ``SSL_CERT_DIR`` override), certificate and host name verification, TLS 1.2 or later.
     ``ca_file`` replaces the system bundle; ``verify: false`` checks nothing.
     """
-    tls = tls or TlsConfig()
+    if tls is None:
+        ctx = ssl.create_default_context()
+        ctx.set_alpn_protocols(ALPN)
+        return ctx
     prefix = f"{where}tls."
     if tls.ca_file is not None:
         _readable(tls.ca_file, prefix + "ca_file")

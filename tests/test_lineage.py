@@ -8,7 +8,8 @@ import logging
 import pytest
 
 from sidecar import lineage
-from sidecar.lineage import EndReason, Ended, SessionTree, Turn, TurnFacts, TurnOutcome, VIEW_STEP, exhaust
+from sidecar.context import EndReason, RoutingContext, SessionEnd, TurnOutcome
+from sidecar.lineage import VIEW_STEP, SessionTree, Turn, exhaust
 
 COMPLETED = TurnOutcome.COMPLETED
 FAILED = TurnOutcome.UPSTREAM_FAILED
@@ -24,12 +25,12 @@ class Clock:
 
 
 class Harness:
-    """Drives one tree and keeps every Ended it returned, to check exactly-once ends."""
+    """Drives one tree and keeps every SessionEnd it returned, to check exactly-once ends."""
 
     def __init__(self, **kwargs: float) -> None:
         self.clock = Clock()
         self.tree = SessionTree(clock=self.clock, **kwargs)  # type: ignore[arg-type]
-        self.ended: list[Ended] = []
+        self.ended: list[SessionEnd] = []
 
     def begin(self, session: str, parent: str | None = None, *, final: bool = False,
               root_hint: str | None = None, deployment: str = "dep") -> Turn:
@@ -38,29 +39,29 @@ class Harness:
         self.ended += evicted
         return turn
 
-    def end(self, turn: Turn, outcome: TurnOutcome = COMPLETED) -> list[Ended]:
-        ended = self.tree.end_turn(turn, outcome)
+    def end(self, turn: Turn, outcome: TurnOutcome = COMPLETED) -> list[SessionEnd]:
+        ended = self.tree.finish(turn, outcome)
         self.ended += ended
         return ended
 
     def turn(self, session: str, parent: str | None = None, *, final: bool = False,
-             root_hint: str | None = None, outcome: TurnOutcome = COMPLETED) -> TurnFacts:
+             root_hint: str | None = None, outcome: TurnOutcome = COMPLETED) -> RoutingContext:
         """One whole request: begin, then end."""
         turn = self.begin(session, parent, final=final, root_hint=root_hint)
         self.end(turn, outcome)
-        return turn.facts
+        return turn.ctx
 
-    def close(self, session: str) -> list[Ended]:
+    def close(self, session: str) -> list[SessionEnd]:
         ended = self.tree.close(session)
         self.ended += ended
         return ended
 
-    def expire(self, limit: int = 1 << 62) -> list[Ended]:
+    def expire(self, limit: int = 1 << 62) -> list[SessionEnd]:
         ended, _ = self.tree.expire(limit)
         self.ended += ended
         return ended
 
-    def shutdown(self) -> list[Ended]:
+    def shutdown(self) -> list[SessionEnd]:
         ended = self.tree.shutdown()
         self.ended += ended
         return ended
@@ -94,13 +95,13 @@ def walk(view: dict | None) -> list[dict]:
 def test_lone_session_turns_and_final() -> None:
     h = Harness()
     first = h.turn("s")
-    assert first == TurnFacts(session="s", parent=None, root="s", is_final_turn=False,
-                              is_parent_final=None, is_tree_final=False, turn=1)
+    assert first == RoutingContext(session="s", parent=None, root="s", is_final_turn=False,
+                          is_parent_final=None, is_tree_final=False, turn=1, deployment="dep")
     assert h.turn("s").turn == 2
     turn = h.begin("s", final=True)
-    assert turn.facts == TurnFacts(session="s", parent=None, root="s", is_final_turn=True,
-                                   is_parent_final=None, is_tree_final=True, turn=3)
-    assert h.end(turn) == [Ended("s", None, "s", "dep", EndReason.FINAL_TURN_COMPLETED, 3)]
+    assert turn.ctx == RoutingContext(session="s", parent=None, root="s", is_final_turn=True,
+                          is_parent_final=None, is_tree_final=True, turn=3, deployment="dep")
+    assert h.end(turn) == [SessionEnd("s", None, "s", "dep", EndReason.FINAL_TURN_COMPLETED, 3)]
     assert h.tree.live_sessions == 0 and h.tree.live_trees == 0
     assert h.tree.get("s") is None and h.tree.is_closed("s")
 
@@ -152,7 +153,7 @@ def test_child_spawned_by_an_in_flight_tree_final_turn() -> None:
     h = Harness()
     h.turn("r")
     root_final = h.begin("r", final=True)
-    assert root_final.facts.is_tree_final is True
+    assert root_final.ctx.is_tree_final is True
     child = h.turn("d", "r")  # spawned while the root's final turn is still streaming
     assert child.is_parent_final is True and child.is_tree_final is False
     h.end(root_final)
@@ -204,12 +205,12 @@ def test_concurrent_turns_of_one_session() -> None:
     h = Harness()
     first = h.begin("s")
     final = h.begin("s", final=True)
-    assert (first.facts.turn, final.facts.turn) == (1, 2)
-    assert final.facts.is_tree_final is False  # another request of the tree is in flight
+    assert (first.ctx.turn, final.ctx.turn) == (1, 2)
+    assert final.ctx.is_tree_final is False  # another request of the tree is in flight
     assert h.tree.get("s")["in_flight"] == 2  # type: ignore[index]
     assert h.end(final) == []  # the session ends only when nothing of it is in flight
     assert h.tree.get("s")["ended"] is False  # type: ignore[index]
-    assert h.end(first) == [Ended("s", None, "s", "dep", EndReason.FINAL_TURN_COMPLETED, 2)]
+    assert h.end(first) == [SessionEnd("s", None, "s", "dep", EndReason.FINAL_TURN_COMPLETED, 2)]
     assert h.end(first) == [] and h.end(final) == []
 
 
@@ -227,7 +228,7 @@ def test_final_turn_outcome_sets_the_reason(outcome: TurnOutcome, reason: EndRea
     h.turn("c", "r", outcome=ABORTED)  # a non-final turn ends nothing, whatever its outcome
     assert h.ended == []
     h.turn("c", "r", final=True, outcome=outcome)
-    assert h.ended == [Ended("c", "r", "r", "dep", reason, 2)]
+    assert h.ended == [SessionEnd("c", "r", "r", "dep", reason, 2)]
     assert h.tree.ended_by_reason[reason] == 1
 
 
@@ -235,7 +236,7 @@ def test_api_close_of_an_idle_session() -> None:
     h = Harness()
     h.turn("r")
     h.turn("c", "r")
-    assert h.close("c") == [Ended("c", "r", "r", "dep", EndReason.API_CLOSED, 1)]
+    assert h.close("c") == [SessionEnd("c", "r", "r", "dep", EndReason.API_CLOSED, 1)]
     assert h.tree.is_closed("c")
     assert h.close("c") == [] and h.close("unknown") == []
     assert h.turn("r").is_tree_final is False and h.tree.tree("r")["children"] == []  # type: ignore[index]
@@ -247,7 +248,7 @@ def test_api_close_in_flight_is_reported_by_end_turn() -> None:
     assert h.close("s") == []
     assert h.tree.is_closed("s")  # closed at once
     assert h.close("s") == []  # closing again changes nothing
-    assert h.end(turn) == [Ended("s", None, "s", "dep", EndReason.API_CLOSED, 1)]
+    assert h.end(turn) == [SessionEnd("s", None, "s", "dep", EndReason.API_CLOSED, 1)]
     assert h.reasons() == {"s": EndReason.API_CLOSED}
 
 
@@ -256,9 +257,9 @@ def test_request_on_a_closed_session_still_draining_starts_a_new_one() -> None:
     old = h.begin("s")
     h.close("s")
     new = h.begin("s")
-    assert new.facts.turn == 1 and h.tree.tombstone_reuses == 1
+    assert new.ctx.turn == 1 and h.tree.tombstone_reuses == 1
     assert not h.tree.is_closed("s")
-    assert h.end(old) == [Ended("s", None, "s", "dep", EndReason.API_CLOSED, 1)]
+    assert h.end(old) == [SessionEnd("s", None, "s", "dep", EndReason.API_CLOSED, 1)]
     assert h.tree.get("s")["in_flight"] == 1  # type: ignore[index]  # the new session is untouched
     assert h.end(new) == []
     assert h.tree.live_sessions == 1
@@ -267,7 +268,7 @@ def test_request_on_a_closed_session_still_draining_starts_a_new_one() -> None:
 def test_close_with_a_reason() -> None:
     h = Harness()
     h.turn("s")
-    assert h.tree.close("s", EndReason.IDLE_EXPIRED) == [Ended("s", None, "s", "dep", EndReason.IDLE_EXPIRED, 1)]
+    assert h.tree.close("s", EndReason.IDLE_EXPIRED) == [SessionEnd("s", None, "s", "dep", EndReason.IDLE_EXPIRED, 1)]
 
 
 def test_bound_deployment() -> None:
@@ -285,7 +286,7 @@ def test_close_after_final_turn_finished_keeps_the_final_reason() -> None:
     other = h.begin("s")
     h.end(h.begin("s", final=True))
     assert h.close("s") == []
-    assert h.end(other) == [Ended("s", None, "s", "dep", EndReason.FINAL_TURN_COMPLETED, 2)]
+    assert h.end(other) == [SessionEnd("s", None, "s", "dep", EndReason.FINAL_TURN_COMPLETED, 2)]
 
 
 def test_idle_expiry() -> None:
@@ -297,7 +298,7 @@ def test_idle_expiry() -> None:
     h.clock.now += 29.9
     assert h.expire() == []
     h.clock.now += 0.1
-    assert h.expire() == [Ended("old", None, "old", "dep", EndReason.IDLE_EXPIRED, 1)]
+    assert h.expire() == [SessionEnd("old", None, "old", "dep", EndReason.IDLE_EXPIRED, 1)]
     h.clock.now += 1000  # a request in flight keeps its session alive however long it takes
     assert [e.session for e in h.expire()] == ["young"]
     h.end(busy)  # idle from now on
@@ -416,7 +417,7 @@ def test_reused_id_of_an_ended_ancestor_takes_its_place() -> None:
     assert h.turn("c", "r").is_parent_final is False
     # r is counted once against the cap (live, no longer held as ended): room for one more
     h.turn("x")
-    assert h.ended == [Ended("r", None, "r", "dep", EndReason.FINAL_TURN_COMPLETED, 2)]
+    assert h.ended == [SessionEnd("r", None, "r", "dep", EndReason.FINAL_TURN_COMPLETED, 2)]
     assert h.turn("r", final=True).is_tree_final is False  # the new r ends, held for c again
     assert ids(h.tree.tree("r")) == ["r", "c"] and h.tree.get("r")["ended"] is True  # type: ignore[index]
     assert h.turn("c", "r", final=True).is_tree_final is True
@@ -447,7 +448,7 @@ def test_reused_id_of_a_closed_root_still_draining_takes_its_place() -> None:
     h.turn("c", "r")
     assert h.close("r") == []  # draining
     new = h.begin("r", "elsewhere")
-    assert (new.facts.turn, new.facts.parent, new.facts.root) == (1, None, "r")
+    assert (new.ctx.turn, new.ctx.parent, new.ctx.root) == (1, None, "r")
     assert h.tree.get("elsewhere") is None and h.tree.tombstone_reuses == 1
     view = h.tree.tree("c")
     assert ids(view) == ["r", "c"] and view is not None
@@ -455,7 +456,7 @@ def test_reused_id_of_a_closed_root_still_draining_takes_its_place() -> None:
     assert h.tree.live_sessions == 3 and h.tree.live_trees == 1  # old r, new r, c
     assert h.turn("c", "r").is_parent_final is False
     # the old r drains alone and ends once, with its own facts
-    assert h.end(old) == [Ended("r", None, "r", "dep", EndReason.API_CLOSED, 1)]
+    assert h.end(old) == [SessionEnd("r", None, "r", "dep", EndReason.API_CLOSED, 1)]
     assert h.end(old) == []
     assert h.tree.live_sessions == 2 and h.tree.live_trees == 1 and ids(h.tree.tree("r")) == ["r", "c"]
     assert h.tree.get("r")["in_flight"] == 1  # type: ignore[index]
@@ -473,7 +474,7 @@ def test_a_draining_session_counts_in_its_tree_until_it_ends() -> None:
     h.begin("r", final=True)  # a new r: alone in the tree but for the old r, still draining
     assert h.tree.live_trees == 1 and h.tree.live_sessions == 2
     final = h.begin("r", final=True)
-    assert final.facts.is_tree_final is False
+    assert final.ctx.is_tree_final is False
     h.end(old)
     assert h.turn("r", final=True).is_tree_final is False  # the new r's first turn is in flight
     h.shutdown()
@@ -493,7 +494,7 @@ def test_reused_id_of_a_closed_inner_node_still_draining_takes_its_place() -> No
     h.turn("s")  # takes the old s's place among p's children, with its children
     assert ids(h.tree.tree("p")) == ["p", "a", "s", "g1", "g2", "b"]
     assert h.turn("g1", "s").is_parent_final is False
-    assert h.end(old) == [Ended("s", "p", "p", "dep", EndReason.API_CLOSED, 1)]
+    assert h.end(old) == [SessionEnd("s", "p", "p", "dep", EndReason.API_CLOSED, 1)]
     assert ids(h.tree.tree("p")) == ["p", "a", "s", "g1", "g2", "b"]
     assert h.tree.live_sessions == 6 and h.tree.live_trees == 1
     for s, parent in (("a", "p"), ("b", "p"), ("g1", "s"), ("g2", "s"), ("p", None)):
@@ -575,7 +576,7 @@ def test_random_workload_keeps_every_live_session_reachable_and_ends_each_once(s
             session = rng.choice(pool)
             parent = rng.choice([None, *pool])
             turn = h.begin(session, parent, final=rng.random() < 0.25)
-            if turn.facts.turn == 1:
+            if turn.ctx.turn == 1:
                 live[session] = live.get(session, 0) + 1
             open_turns.append(turn)
         elif op < 0.85:
@@ -598,7 +599,7 @@ def test_random_workload_keeps_every_live_session_reachable_and_ends_each_once(s
                 continue
             root = h.tree.root_of(session)
             if root is None:  # only a closed session still draining, whose successor left, is linked nowhere
-                assert any(t.facts.session == session for t in open_turns), session
+                assert any(t.ctx.session == session for t in open_turns), session
             else:
                 assert session in ids(h.tree.tree(root)), session
     h.shutdown()

@@ -14,7 +14,8 @@ import aiohttp
 import pytest
 
 from sidecar.config import build_config
-from sidecar.lineage import SessionTree, TurnOutcome
+from sidecar.context import TurnOutcome
+from sidecar.lineage import SessionTree
 from sidecar.metrics import Metrics
 from sidecar.modes.base import EndAction, SessionEnd
 from sidecar.modes.dynamo import DynamoHeaders

@@ -16,7 +16,7 @@ from typing import Any
 
 from sidecar import errors
 from sidecar.auth import Principal
-from sidecar.lineage import EndReason
+from sidecar.context import EndReason
 from sidecar.router import Router
 from sidecar.sessions import SessionStatus, rfc3339
 from sidecar.state.records import Record

@@ -30,7 +30,7 @@ from sidecar import headers as h
 from sidecar.engine.base import Engine
 from sidecar.engine.head import origin_form, valid_host
 from sidecar.errors import failure_reason
-from sidecar.lineage import TurnOutcome
+from sidecar.context import TurnOutcome
 from sidecar.router import BodyWork, Decision, RequestHead, body_pool
 from sidecar.state import LoadNeeded
 
@@ -296,7 +296,8 @@ class AiohttpEngine(Engine):
             if decision.needs_body:
                 try:
                     chunks, size = await _read_bounded(request, limit, dep.timeouts.idle)
-                    body = await self._transform(decision, chunks, size)
+                    decision = await self._transform(decision, chunks, size)
+                    body = decision.body
                 except _TooLarge:
                     router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
                     return self._error(_too_large(dep.name, limit, True), dep.name, dep.mode_name, "body_too_large")
@@ -334,9 +335,10 @@ class AiohttpEngine(Engine):
             out[h.CONTENT_LENGTH] = str(request.content_length)
         return await self._exchange(request, target, decision, out, body, t0)
 
-    async def _transform(self, decision: Decision, chunks: list[bytes], size: int) -> bytes:
-        """The body to forward: the router's, after its body work (a large body) ran on a
-        worker thread, and after the session it names was loaded from the shared store."""
+    async def _transform(self, decision: Decision, chunks: list[bytes], size: int) -> Decision:
+        """The router's complete decision (with the body to forward), after its body work (a
+        large body) ran on a worker thread, and after the session the body names was loaded
+        from the shared store."""
         router = self.router
         step: Any = partial(router.transform_body, decision, chunks[0] if len(chunks) == 1 else chunks, size)
         while True:
@@ -348,7 +350,14 @@ class AiohttpEngine(Engine):
                 result = need.resume()
             if not isinstance(result, BodyWork):
                 return result
-            done = await asyncio.get_running_loop().run_in_executor(self._body_pool, result.run)
+            try:
+                done = await asyncio.get_running_loop().run_in_executor(self._body_pool, result.run)
+            except asyncio.CancelledError:  # the client left
+                result.abandon(TurnOutcome.CLIENT_ABORTED)
+                raise
+            except Exception:
+                result.abandon(TurnOutcome.UPSTREAM_FAILED)
+                raise
             step = partial(result.resume, done)
 
     async def _exchange(self, request: web.BaseRequest, target: str, decision: Decision, out: CIMultiDict[str],
@@ -500,7 +509,7 @@ def _forward_headers(decision: Decision, request: web.BaseRequest) -> CIMultiDic
     """The client's headers minus hop-by-hop and stripped ones, plus forwarding and mode headers.
     The framing fields are never copied: the caller writes them from the parsed message."""
     src = request.headers
-    drop = h.HOP_BY_HOP | h.FRAMING | h.connection_tokens(src.getall(h.CONNECTION, ())) | decision.strip
+    drop = h.HOP_BY_HOP | h.FRAMING | h.connection_tokens(src.getall(h.CONNECTION, ())) | decision.drop
     out: CIMultiDict[str] = CIMultiDict()
     xff = None
     for name, value in src.items():

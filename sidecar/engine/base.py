@@ -8,24 +8,21 @@ An engine owns the proxy listener and the upstream connection pool. Per request 
    counted in ``rejected`` with ``exc.type`` as the reason;
 2. refuse a body above ``decision.max_body_bytes`` with 413 (declared length up front, streamed
    bytes as they arrive);
-3. if ``decision.needs_body``: buffer the whole body (empty if none; ``route`` sets it only for
-   requests that may carry one: a method other than GET/HEAD, or Content-Length > 0, or
+3. if ``decision.needs_body`` (a provisional decision: only ``max_body_bytes`` is final, and
+   ``deployment`` labels errors): buffer the whole body (empty if none; ``route`` sets it only
+   for requests that may carry one: a method other than GET/HEAD, or Content-Length > 0, or
    Transfer-Encoding) and call ``router.transform_body(decision, body, size)`` (``body``: the
    bytes, or the list of chunks they arrived in, which the router joins off the loop when the
-   body is large; ``size``: their length), which returns the
-   bytes to forward (send them with a fresh Content-Length) or raises
-   :class:`~sidecar.errors.ProxyError` (answer it like in 1, after ``router.finish``). For a
-   large body it returns :class:`~sidecar.router.BodyWork` instead: run ``work.run`` on the
-   engine's :func:`~sidecar.router.body_pool` and hand its result to ``work.resume`` on the
-   event loop, until bytes come back; if the client left meanwhile, finish the turn and drop
-   the result. Any other exception on this path is a defect: finish the turn, answer 500
-   ``internal_error``. Until it returned, only
-   ``decision.max_body_bytes`` is final and ``decision.deployment`` is provisional (labels
-   only): ``transform_body`` may change ``deployment``, ``upstream``, ``strip`` and ``add``
-   (it is where the deployment is chosen by the body's model and the request admitted). So the
-   upstream request head is built only after it, for these requests;
+   body is large; ``size``: their length). It returns the complete decision, which replaces
+   the provisional one: forward its ``body`` with a fresh Content-Length (it is where the
+   deployment is chosen by the body's model and the request admitted, so the upstream head of
+   such a request is built only after it). It raises :class:`~sidecar.errors.ProxyError` to
+   answer like in 1. For a large body it returns :class:`~sidecar.router.BodyWork` instead: run
+   ``work.run`` on the engine's :func:`~sidecar.router.body_pool` and hand its result to
+   ``work.resume`` on the event loop, until a decision comes back; call ``work.abandon(outcome)``
+   instead when ``run`` raised (a defect: answer 500 ``internal_error``) or the client left;
 4. build the upstream head: the client's headers minus hop-by-hop ones (and those named in
-   ``Connection``) and ``decision.strip``, then ``decision.add`` and ``X-Forwarded-For`` /
+   ``Connection``) and ``decision.drop``, then ``decision.add`` and ``X-Forwarded-For`` /
    ``X-Forwarded-Proto``; send it to ``decision.upstream``, streaming the body when it was not
    buffered;
 5. if connecting to ``decision.upstream`` fails, call ``router.upstream_unreachable(decision)``
@@ -34,9 +31,10 @@ An engine owns the proxy listener and the upstream connection pool. Per request 
 6. when the upstream's response head arrives, call
    ``router.on_response(decision, status, headers)`` (``headers``: lower-case name lookup) before
    relaying it: it records which worker served the turn and lets the mode observe the response;
-7. relay the response chunk by chunk, and call ``router.finish`` exactly once after the last
-   byte reached the client, the upstream failed, or the client left (also after a
-   ``ProxyError`` from ``transform_body``: it is idempotent).
+7. relay the response chunk by chunk, and call ``router.finish`` exactly once for the decision
+   it holds (the provisional one while ``transform_body`` has not returned), after the last
+   byte reached the client, the upstream failed, or the client left. A router call that raised
+   returned no decision: what it had admitted, it released itself.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ client left. The exchange then:
    session must come from the shared store), reads the body first when the mode needs it
    (``_send_transformed``);
 2. builds the upstream request head (``_forward``): the client's header lines copied as received
-   minus hop-by-hop / ``Connection``-named / ``decision.strip`` / Host / Expect / framing ones,
+   minus hop-by-hop / ``Connection``-named / ``decision.drop`` / Host / Expect / framing ones,
    then Host, X-Forwarded-For, X-Forwarded-Proto, ``decision.add`` and the framing the parser
    found (Content-Length or chunked): no header filter can remove or change a message's framing;
 3. sends it with the body parsed so far on a pooled connection (:mod:`sidecar.engine.fast_upstream`)
@@ -71,7 +71,7 @@ from sidecar.engine.head import (
 )
 from sidecar.engine.idle_poll import IdlePoller
 from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW, LENGTH, BodyRelay, ClientOutput
-from sidecar.lineage import TurnOutcome
+from sidecar.context import TurnOutcome
 from sidecar.router import BodyWork, Decision, RequestHead, Router
 from sidecar.state import LoadNeeded
 
@@ -146,15 +146,15 @@ class Shared:
         if drained is not None and self.in_flight == 0 and not drained.done():
             drained.set_result(None)
 
-    def drop_for(self, strip: frozenset[str]) -> frozenset[str]:
-        """Request headers never forwarded for a decision's ``strip`` (cached: one per deployment)."""
+    def drop_for(self, drop: frozenset[str]) -> frozenset[str]:
+        """Request headers never forwarded for a decision's ``drop`` (cached: one per deployment)."""
         drops = self.drops
-        if strip in drops:
-            return drops[strip]
-        drop = wire.REQUEST_DROP | {s.lower() for s in strip}
+        if drop in drops:
+            return drops[drop]
+        never = wire.REQUEST_DROP | {name.lower() for name in drop}
         if len(drops) < 64:
-            drops[strip] = drop
-        return drop
+            drops[drop] = never
+        return never
 
 
 class ClientSide:
@@ -385,9 +385,9 @@ class Exchange:
         shared = self.shared
         pool, base, version_host = shared.upstreams[decision.upstream.pool_key]
         raw = self.raw
-        strip = decision.strip
+        dropped = decision.drop
         drops = shared.drops
-        drop = drops[strip] if strip in drops else shared.drop_for(strip)
+        drop = drops[dropped] if dropped in drops else shared.drop_for(dropped)
         if self.conn_tokens:
             drop = drop | self.conn_tokens
         add = decision.add
@@ -400,7 +400,7 @@ class Exchange:
         parts = [self.method, base, self.target, version_host]
         copy_block(raw, self.first, self.end, parts, name_table(drop))
         if self.special:
-            self._forwarded_for(parts, drop, strip)
+            self._forwarded_for(parts, drop, dropped)
         else:
             parts.append(client.xff_xfp)
         for name, value in add:
@@ -445,12 +445,12 @@ class Exchange:
         conn.bind(self, client.write_paused)
         self._send(conn, parts)
 
-    def _forwarded_for(self, parts: list[bytes], drop: frozenset[str] | set[str], strip: frozenset[str]) -> None:
+    def _forwarded_for(self, parts: list[bytes], drop: frozenset[str] | set[str], dropped: frozenset[str]) -> None:
         """X-Forwarded-For / -Proto when the client sent forwarding headers of its own."""
         client = self.client
         raw, first, end = self.raw, self.first, self.end
         xff = b""
-        if wire.XFF not in self.conn_tokens and wire.XFF not in strip:
+        if wire.XFF not in self.conn_tokens and wire.XFF not in dropped:
             xff = b", ".join(header_values(raw, first, end, wire.XFF_B, False))
         parts += (wire.XFF_LINE, xff + b", " + client.peer if xff else client.peer, b"\r\n")
         if wire.XFP in drop or not has_header(raw, first, end, wire.XFP_B):
@@ -501,29 +501,42 @@ class Exchange:
         except Exception as exc:
             self._body_failed(exc)
 
-    def _body_ready(self, result: bytes | BodyWork) -> None:
-        """Forward the router's body, or run its body work (a large body) on a worker thread:
-        a future whose callback comes back here, on the loop."""
-        if type(result) is bytes:
-            if result:
-                self.body.append(result)
-            self._forward(self.decision, len(result))
+    def _body_ready(self, result: Decision | BodyWork) -> None:
+        """Forward what the router's complete decision says (it replaces the provisional one),
+        or run its body work (a large body) on a worker thread: a future whose callback comes
+        back here, on the loop."""
+        if type(result) is not BodyWork:
+            self.decision = decision = result
+            body = decision.body
+            assert body is not None
+            if body:
+                self.body.append(body)
+            self._forward(decision, len(body))
             return
-        assert isinstance(result, BodyWork)
         self.state = TRANSFORMING
         engine = self.shared.engine
         future = engine.loop.run_in_executor(engine.body_pool, result.run)
         future.add_done_callback(partial(self._work_done, result))
 
     def _work_done(self, work: BodyWork, future: asyncio.Future[Any]) -> None:
-        if self.state != TRANSFORMING:  # the client left meanwhile (its turn is finished)
+        """The body work ran: resume it, or abandon it (the client left meanwhile, or it raised);
+        exactly one of the two per work."""
+        if self.state != TRANSFORMING:  # the client left meanwhile
             if not future.cancelled():
                 future.exception()  # retrieved: nothing left to report
+            work.abandon(_CLIENT_ABORTED)
             return
         try:
             if future.cancelled():
                 raise RuntimeError("body work cancelled (the engine is closing)")
-            self._body_ready(work.resume(future.result()))
+            done = future.result()
+        except Exception as exc:  # a defect in the work
+            work.abandon(_UPSTREAM_FAILED)
+            self._body_failed(exc)
+            self.client.flush()
+            return
+        try:
+            self._body_ready(work.resume(done))
         except LoadNeeded as need:
             self._load(need.identity, need.resume)
         except Exception as exc:

@@ -28,17 +28,6 @@ cdef long _CONNECTION_BIT, _NAMES_BIT, _DROPPED
 
 cdef (Py_ssize_t, Py_ssize_t) _clamp(bytes raw, Py_ssize_t first, Py_ssize_t end)
 
-# _find's compiled body: memchr (vectorized) instead of a loop over the bytes.
-cdef extern from *:
-    """
-    #include <string.h>
-    static CYTHON_INLINE Py_ssize_t sidecar_head_find(PyObject *raw, int c, Py_ssize_t i, Py_ssize_t end) {
-        const char *s = PyBytes_AS_STRING(raw);
-        const char *p = i < end ? (const char *)memchr(s + i, c, (size_t)(end - i)) : NULL;
-        return p ? (Py_ssize_t)(p - s) : end;
-    }
-    """
-    Py_ssize_t _memchr_find "sidecar_head_find" (bytes raw, int c, Py_ssize_t i, Py_ssize_t end)
 cdef inline Py_ssize_t _find(bytes raw, long c, Py_ssize_t i, Py_ssize_t end)
 @cython.locals(colon=Py_ssize_t, eol=Py_ssize_t)
 cdef inline (Py_ssize_t, Py_ssize_t) _line(bytes raw, Py_ssize_t at, Py_ssize_t end)

@@ -91,23 +91,15 @@ def _clamp(raw: bytes, first: int, end: int) -> tuple[int, int]:
 
 def _find(raw: bytes, c: int, i: int, end: int) -> int:
     """Index of the first byte ``c`` in ``raw[i:end]``, ``end`` if there is none."""
-    if _COMPILED:
-        return _memchr_find(raw, c, i, end)  # noqa: F821  (C: declared in head.pxd)
-    j = raw.find(c, i, end)
-    return end if j < 0 else j
+    while i < end and raw[i] != c:
+        i += 1
+    return i
 
 
 def _line(raw: bytes, at: int, end: int) -> tuple[int, int]:
     """The ``:`` and the LF of the header line that starts at ``at`` (``end`` for one missing)."""
-    if _COMPILED:
-        colon = _find(raw, 58, at, end)
-        return colon, _find(raw, 10, colon, end)
-    # Uncompiled, one call here per line (not two to _find) is what the scans cost.
-    colon = raw.find(b":", at, end)
-    if colon < 0:
-        return end, end
-    eol = raw.find(b"\n", colon, end)
-    return colon, (end if eol < 0 else eol)
+    colon = _find(raw, 58, at, end)
+    return colon, _find(raw, 10, colon, end)
 
 
 def _value_at(raw: bytes, colon: int, eol: int) -> int:
@@ -121,8 +113,6 @@ def _value_at(raw: bytes, colon: int, eol: int) -> int:
 def _same(raw: bytes, at: int, lower: bytes) -> bool:
     """``raw[at:at + len(lower)]`` is ``lower`` (a lower-case name) but for the case of letters
     (the caller checked the length)."""
-    if not _COMPILED:  # a loop per byte is what costs most in the interpreter
-        return raw[at:at + len(lower)].lower() == lower
     for k in range(len(lower)):
         c = raw[at + k]
         if 65 <= c <= 90:  # A-Z
@@ -157,13 +147,9 @@ def locate(raw: bytes, at: int) -> tuple[int, int, int]:
     while start < n and (raw[start] == 13 or raw[start] == 10):
         start += 1
     first = _find(raw, 10, start, n) + 1
-    if _COMPILED:
-        end = first
-        while end < n and raw[end] != 13:  # a header line starts with a name, the blank line with CR
-            end = _find(raw, 10, end, n) + 1
-    else:
-        blank = raw.find(b"\r\n\r\n", first - 2)
-        end = n if blank < 0 else blank + 2
+    end = first
+    while end < n and raw[end] != 13:  # a header line starts with a name, the blank line with CR
+        end = _find(raw, 10, end, n) + 1
     return start, first, end
 
 
@@ -179,8 +165,6 @@ def relay_block(raw: bytes, first: int, end: int, out: list[bytes], extra: set[s
     Content-Length, is never dropped through ``extra``), as few slices as possible (each run of kept lines is
     one); return the HAS_* bits of the names in the block, plus NAMES_HEADERS when a Connection
     header may name more (then the caller relays again with those names as ``extra``)."""
-    if not _COMPILED:
-        return _relay_block_py(raw, first, end, out, extra)
     first, end = _clamp(raw, first, end)  # (the C scans index without bounds checks)
     bits = 0
     run = first  # start of the current run of kept lines
@@ -222,8 +206,6 @@ def _next_value(raw: bytes, i: int, end: int, lower: bytes) -> tuple[int, int]:
 def header_values(raw: bytes, first: int, end: int, lower: bytes, first_only: bool) -> list[bytes]:
     """The values of the header ``lower`` (a lower-case name) in the block ``raw[first:end]``, in
     order (only the first with ``first_only``)."""
-    if not _COMPILED:
-        return _header_values_py(raw, first, end, lower, first_only)
     first, end = _clamp(raw, first, end)  # (the C scans index without bounds checks)
     out: list[bytes] = []
     v, eol = _next_value(raw, first, end, lower)
@@ -238,9 +220,6 @@ def header_values(raw: bytes, first: int, end: int, lower: bytes, first_only: bo
 def first_value(raw: bytes, first: int, end: int, lower: bytes) -> bytes | None:
     """The first value of the header ``lower`` (a lower-case name) in the block ``raw[first:end]``,
     None without one."""
-    if not _COMPILED:
-        found = _header_values_py(raw, first, end, lower, True)
-        return found[0] if found else None
     first, end = _clamp(raw, first, end)  # (the C scans index without bounds checks)
     v, eol = _next_value(raw, first, end, lower)
     return raw[v:eol - 1] if v >= 0 else None
@@ -286,9 +265,6 @@ def _next_listed(raw: bytes, i: int, end: int, table: tuple[tuple[bytes, ...], .
 def copy_block(raw: bytes, first: int, end: int, out: list[bytes], table: tuple[tuple[bytes, ...], ...]) -> None:
     """Append the lines of the block ``raw[first:end]`` whose names are not in ``table`` (see
     :func:`name_table`) to ``out``, byte for byte, one slice per run of kept lines."""
-    if not _COMPILED:
-        _copy_block_py(raw, first, end, out, table)
-        return
     first, end = _clamp(raw, first, end)  # (the C scans index without bounds checks)
     run = first
     at, nxt = _next_listed(raw, first, end, table)
@@ -312,8 +288,6 @@ def scan_request(raw: bytes, first: int, end: int, table: tuple[tuple[bytes, ...
     """The request-level facts of the block ``raw[first:end]`` in one scan, as bits: LISTED when a
     header's name is in ``table`` (see :func:`name_table`), HOST_SEEN / HOST_REPEATED for one or
     more Host lines, HOST_INVALID when a Host value is not a valid ``uri-host [":" port]``."""
-    if not _COMPILED:
-        return _scan_request_py(raw, first, end, table)
     first, end = _clamp(raw, first, end)  # (the C scans index without bounds checks)
     bits = 0
     i = first
@@ -391,8 +365,20 @@ def has_header(raw: bytes, first: int, end: int, lower: bytes) -> bool:
     return first_value(raw, first, end, lower) is not None
 
 
-# Uncompiled, the same scans as above cost one Python call per line: these versions iterate
-# with bytes methods instead (same results; the test suite runs on both builds).
+# Interpreted, the scans above cost a Python operation per byte: these versions of them do the
+# same with bytes methods (the same contracts; the test suite runs on both builds). They replace
+# the scans at import time in the interpreted build (see the end of the module).
+
+
+def _locate_py(raw: bytes, at: int) -> tuple[int, int, int]:
+    n = len(raw)
+    start = 0 if at < 0 else at
+    while start < n and (raw[start] == 13 or raw[start] == 10):
+        start += 1
+    lf = raw.find(b"\n", start)
+    first = n + 1 if lf < 0 else lf + 1
+    blank = raw.find(b"\r\n\r\n", first - 2)
+    return start, first, (n if blank < 0 else blank + 2)
 
 
 def _relay_block_py(raw: bytes, first: int, end: int, out: list[bytes], extra: set[str] | None) -> int:
@@ -453,6 +439,11 @@ def _scan_request_py(raw: bytes, first: int, end: int, table: tuple[tuple[bytes,
     return bits
 
 
+def _first_value_py(raw: bytes, first: int, end: int, lower: bytes) -> bytes | None:
+    found = _header_values_py(raw, first, end, lower, True)
+    return found[0] if found else None
+
+
 def _header_values_py(raw: bytes, first: int, end: int, lower: bytes, first_only: bool) -> list[bytes]:
     out = []
     block = raw[first:end]
@@ -497,9 +488,7 @@ def header_map(raw: bytes, first: int, end: int) -> Mapping[str, str]:
     """What the router reads a block through: compiled, a :class:`HeaderBlock` (its lookups scan
     in C, and most names looked up are absent); interpreted, the :func:`decoded` dict (the
     interpreter decodes a block once faster than it scans it per lookup)."""
-    if _COMPILED:
-        return HeaderBlock(raw, first, end)
-    return decoded(raw, first, end)
+    return HeaderBlock(raw, first, end)
 
 
 def _name_bit(raw: bytes, at: int, n: int) -> int:
@@ -539,8 +528,6 @@ class HeaderBlock:
         self._decoded: dict[str, str] | None = None  # _dict() once built
 
     def get(self, key: str, default: Any = None) -> Any:
-        if not _COMPILED:  # interpreted, scans cost more than decoding the block once
-            return self._dict().get(key, default)
         lower = _KEY_BYTES.get(key) if type(key) is str else None
         if lower is None:
             try:
@@ -601,4 +588,14 @@ class HeaderBlock:
 
 Mapping.register(HeaderBlock)
 
+# The implementations, chosen once: compiled, the scans above run as C loops; interpreted, their
+# bytes-method versions run instead.
 _COMPILED = is_compiled(sys.modules[__name__])
+if not _COMPILED:
+    locate = _locate_py
+    relay_block = _relay_block_py
+    copy_block = _copy_block_py
+    scan_request = _scan_request_py
+    header_values = _header_values_py
+    first_value = _first_value_py
+    header_map = decoded

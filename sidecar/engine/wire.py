@@ -23,7 +23,7 @@ XFP = h.X_FORWARDED_PROTO.lower()
 HOP = frozenset(n.lower() for n in h.HOP_BY_HOP)
 # Never copied from the client: hop-by-hop fields, and the fields the engine writes itself from
 # what it parsed (Host, the framing: Content-Length / Transfer-Encoding), so that no header
-# filter (Connection tokens, a mode's strip list) can ever remove or change a message's framing.
+# filter (Connection tokens, a mode's drop list) can ever remove or change a message's framing.
 REQUEST_DROP = HOP | {h.HOST.lower(), CONTENT_LENGTH, EXPECT, XFF}
 
 # Lower-case names as bytes, for the scans of raw header blocks (sidecar.engine.head).

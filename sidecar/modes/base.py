@@ -20,19 +20,9 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from sidecar.modes.context import RoutingContext as RoutingContext  # part of the contract
-
-
-@dataclass(frozen=True, slots=True)
-class SessionEnd:
-    """A session that ended (exactly once per session), with the reason."""
-
-    session: str
-    parent: str | None
-    root: str
-    deployment: str
-    reason: str
-    turns: int
+from sidecar.context import EndReason as EndReason  # the contract: what modes receive
+from sidecar.context import RoutingContext as RoutingContext
+from sidecar.context import SessionEnd as SessionEnd
 
 
 class BodyPatch(NamedTuple):

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sidecar.identity import Identity
-    from sidecar.lineage import Ended, Turn
+    from sidecar.context import SessionEnd
+    from sidecar.lineage import Turn
 
 __all__ = ["LoadNeeded", "MemoryState", "SessionState"]
 
@@ -45,7 +46,7 @@ class SessionState:
 
     def __init__(self) -> None:
         # Set by the app: runs the end-of-session actions of a session this replica claimed.
-        self.on_claimed: Callable[[Ended], None] | None = None
+        self.on_claimed: Callable[[SessionEnd], None] | None = None
         # Set by the app: another replica started closing a session (id, reason).
         self.on_closing: Callable[[str, str], None] | None = None
 
@@ -69,7 +70,7 @@ class SessionState:
     def touched(self, turn: Turn, *, mode_state: bool = False) -> None:
         """The session's worker history, or its mode state, changed."""
 
-    def local_ends(self, ended: Sequence[Ended]) -> Sequence[Ended]:
+    def local_ends(self, ended: Sequence[SessionEnd]) -> Sequence[SessionEnd]:
         """Sessions that ended here (the local tree's events). Returns the ones whose
         end-of-session actions run now; a shared backend claims them first (exactly once across
         the fleet) and hands them to ``on_claimed`` later."""

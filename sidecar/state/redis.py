@@ -43,7 +43,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from sidecar.config import Config
-from sidecar.lineage import EndReason, Ended, SessionTree, Turn
+from sidecar.context import EndReason, SessionEnd
+from sidecar.lineage import SessionTree, Turn
 from sidecar.metrics import Metrics
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
 from sidecar.state import LoadNeeded, SessionState
@@ -314,7 +315,7 @@ class RedisState(SessionState):
         sid = node.session
         entry = self._dirty.get(sid)
         if entry is None:
-            created = turn.facts.turn == 1
+            created = turn.ctx.turn == 1
             entry = self._dirty[sid] = _Dirty(node, 0 if created else node.turns - 1, node.in_flight - 1, created)
             if len(self._dirty) > MAX_DIRTY:
                 self._drop_oldest()
@@ -360,7 +361,7 @@ class RedisState(SessionState):
         else:
             entry.workers = True
 
-    def local_ends(self, ended: Sequence[Ended]) -> Sequence[Ended]:
+    def local_ends(self, ended: Sequence[SessionEnd]) -> Sequence[SessionEnd]:
         for e in ended:
             if e.reason in _FORGOTTEN:
                 continue  # this cache forgot it; the store's sweep ends it fleet-wide
@@ -522,7 +523,7 @@ class RedisState(SessionState):
         sid, deployment, parent, root, turns, reason = row[0], row[1], row[2] or None, row[3], int(row[4]), row[5]
         self._forget(sid, reason)
         if self.on_claimed is not None:
-            self.on_claimed(Ended(sid, parent, root, deployment, EndReason(reason), turns))
+            self.on_claimed(SessionEnd(sid, parent, root, deployment, EndReason(reason), turns))
 
     def _forget(self, sid: str, reason: str | None) -> None:
         """The session ended in the store: this cache drops it (no local end actions)."""

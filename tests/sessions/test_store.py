@@ -22,7 +22,7 @@ def test_sliding_ttl_and_in_flight_never_expires():
     s.begin(rec)  # a long request: in flight across its TTL
     clock.advance(30)
     assert s.expire() == [] and rec.status is SessionStatus.ACTIVE
-    s.end(rec)
+    s.finish(rec)
     assert rec.expires_at == 1048.0
     clock.advance(9)
     assert s.expire() == []

@@ -13,7 +13,8 @@ import aiohttp
 
 from sidecar.admin.server import build_admin_app
 from sidecar.admin.views import MAX_DEPTH, MAX_NODES, VIEWS_LOCK
-from sidecar.lineage import SessionTree, TurnOutcome
+from sidecar.context import TurnOutcome
+from sidecar.lineage import SessionTree
 from tests.modes.wire import settled
 from tests.sessions.support import metrics_text
 from tests.upstream import RecordingUpstream
@@ -122,7 +123,7 @@ def fill(tree: SessionTree, children: int, grandchildren: int) -> None:
     """One tree straight into the sidecar's lineage tree (as its requests would make it)."""
     def one(session: str, parent: str | None) -> None:
         turn, _ = tree.begin(session, parent=parent, root_hint=None, final=False, deployment="default")
-        tree.end_turn(turn, TurnOutcome.COMPLETED)
+        tree.finish(turn, TurnOutcome.COMPLETED)
 
     one("big", None)
     for i in range(children):

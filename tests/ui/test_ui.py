@@ -21,7 +21,8 @@ import pytest
 from aiohttp import web
 
 from sidecar.admin.ui import MAX_DEPTH, MAX_NODES, PAGE, add_ui_routes, snapshot, snapshot_steps
-from sidecar.lineage import SessionTree, TurnOutcome
+from sidecar.context import TurnOutcome
+from sidecar.lineage import SessionTree
 
 ROOT_A = "agent-run-2f9c1e7a-77d4-4c1b-9a0e-planner"  # long: drawn truncated, full id on hover
 XSS = '<img src=x onerror="document.title=\'pwned\'">'  # ids are client-supplied
@@ -180,7 +181,7 @@ def _one(tree: SessionTree, session: str, *, worker: str | None = None, **kw: An
                          deployment="default", **kw)
     if worker is not None:
         tree.record_worker(turn, worker)
-    tree.end_turn(turn, TurnOutcome.COMPLETED)
+    tree.finish(turn, TurnOutcome.COMPLETED)
 
 
 async def test_order_is_by_newest_activity_in_the_tree():
@@ -204,7 +205,7 @@ async def test_tree_final_when_every_live_session_saw_its_final_turn():
     assert (await snapshot(tree))["trees"][0]["final"] is False
     tree.begin("root", parent=None, root_hint=None, final=True, deployment="default")
     assert (await snapshot(tree))["trees"][0]["final"] is True
-    tree.end_turn(turn, TurnOutcome.COMPLETED)
+    tree.finish(turn, TurnOutcome.COMPLETED)
 
 
 async def test_node_budget_and_depth_cut_are_reported():

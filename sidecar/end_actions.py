@@ -15,10 +15,10 @@ from sidecar.deployments import Deployment, Upstream
 from sidecar.metrics import Metrics
 from sidecar.modes.base import EndAction
 
-log = logging.getLogger("sidecar.effects")
+log = logging.getLogger("sidecar.end_actions")
 
 
-class EffectRunner:
+class EndActionRunner:
     """Queue + worker for :class:`EndAction` calls."""
 
     def __init__(self, metrics: Metrics, *, max_queue: int = 10_000, retries: int = 3,
