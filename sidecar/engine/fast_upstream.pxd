@@ -21,6 +21,7 @@ cdef class UpstreamConnection:
     cpdef data_received(self, bytes data)
     @cython.locals(used=Py_ssize_t)
     cpdef _body(self, BodyRelay relay, bytes data)
+    cpdef bint usable(self, double now) except -1
     cpdef send(self, bytes data, bint last)
     @cython.locals(pieces=list, raw=bytes, max_head=Py_ssize_t, k=Py_ssize_t, stop=Py_ssize_t, start=Py_ssize_t,
                    first=Py_ssize_t, end=Py_ssize_t, status=long, now=double, relay=BodyRelay)

@@ -186,6 +186,12 @@ class UpstreamConnection:
         if self.write_paused:
             ex.peer_full(True)
 
+    def usable(self, now: float) -> bool:
+        """Still open, and nothing (FIN or stray bytes) arrived while it sat in the pool (the
+        socket is polled only after :data:`STALE_CHECK_AFTER` of idleness)."""
+        return not self.lost and not self.transport.is_closing() and (  # type: ignore[union-attr]
+            now - self.idle_since < STALE_CHECK_AFTER or not self._poll.poll(0))
+
     def send(self, data: bytes, last: bool) -> None:
         """Write request bytes (``last``: the request is complete with them)."""
         self.sent_all = last
@@ -354,9 +360,7 @@ class UpstreamPool:
         idle = self.idle
         while idle:
             conn = idle.pop()
-            # Still open, and nothing (FIN or stray bytes) arrived while it sat in the pool.
-            if not conn.lost and not conn.transport.is_closing() and (  # type: ignore[union-attr]
-                    now - conn.idle_since < STALE_CHECK_AFTER or not conn._poll.poll(0)):
+            if conn.usable(now):
                 return conn
             self.drop(conn)  # closed by the upstream while pooled: never written to
         return None

@@ -133,6 +133,7 @@ async def test_an_event_split_across_reads_is_delivered_byte_exact(cut: int, raw
     assert up.connections == 1
 
 
+@FAST  # (the aiohttp engine's client does not report these framing errors mid-body: the stream hangs)
 @pytest.mark.parametrize("bad", [
     b"zz\r\nabc\r\n",  # not a size
     b"5\r\nhello!!\r\n",  # data longer than its size (no CRLF after it)
@@ -141,7 +142,7 @@ async def test_an_event_split_across_reads_is_delivered_byte_exact(cut: int, raw
     b"5;\x01\r\nhello\r\n",  # a control character in an extension
 ])
 async def test_chunk_framing_error_mid_stream_aborts_the_client_connection(bad: bytes, raw_upstream: Any,
-                                                                          start_sidecar: Any, engine: str) -> None:
+                                                                          start_sidecar: Any) -> None:
     up = await raw_upstream({"/s": paced([SSE_HEAD + event(0), bad + event(1) + b"0\r\n\r\n"])})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
     reader, writer, got = await stream(sc, b"/s")
@@ -154,11 +155,10 @@ async def test_chunk_framing_error_mid_stream_aborts_the_client_connection(bad: 
     writer.close()
     assert b'"i":0' in got  # the event before the error went through
     assert b'"i":1' not in got and not got.endswith(b"0\r\n\r\n")  # incomplete: the client can tell
-    if engine == "fast":
-        assert bytes(got) == event(0)
-        errors = sc.metrics.registry.get_sample_value("sidecar_upstream_errors_total",
-                                                      {"deployment": "default", "kind": "reset"})
-        assert errors == 1.0
+    assert bytes(got) == event(0)
+    errors = sc.metrics.registry.get_sample_value("sidecar_upstream_errors_total",
+                                                  {"deployment": "default", "kind": "reset"})
+    assert errors == 1.0
 
 
 @FAST
