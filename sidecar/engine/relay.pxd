@@ -2,6 +2,12 @@
 # equal to each class's __slots__; the framing scan reads the bytes as C chars.
 cimport cython
 
+# The modes and framing states as C constants (see relay.py: the public mode names stay Python ints).
+cdef long _LENGTH, _CHUNKED, _DECHUNK, _EOF_CHUNKED, _EOF_RAW
+cdef long _SIZE, _EXT, _SIZE_LF, _DATA, _DATA_CR, _DATA_LF, _TRAILER, _TRAILER_LINE, _TRAILER_LF, _END_LF, _DONE
+cdef long _MAX_DIGITS, _CR, _LF, _HTAB, _DEL
+cdef bytes _LAST_CHUNK
+
 cdef class ClientOutput:
     cdef public object transport
     cdef public list parts

@@ -27,6 +27,10 @@ import asyncio
 from sidecar.engine.parse_errors import ParseError
 
 LENGTH, CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW = range(5)
+# The same modes for this module's own comparisons: the compiled build declares the private
+# constants below as C longs (relay.pxd), so the per-event code compares machine integers; a
+# constant declared that way is not importable, hence the public names above.
+_LENGTH, _CHUNKED, _DECHUNK, _EOF_CHUNKED, _EOF_RAW = LENGTH, CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW
 
 # Chunked framing states.
 _SIZE, _EXT, _SIZE_LF, _DATA, _DATA_CR, _DATA_LF, _TRAILER, _TRAILER_LINE, _TRAILER_LF, _END_LF, _DONE = range(11)
@@ -75,7 +79,7 @@ class BodyRelay:
         self.digits = 0
         self.budget = budget  # trailer bytes still allowed (the response head limit)
         self.reads = 0
-        self.done = mode == LENGTH and length == 0
+        self.done = mode == _LENGTH and length == 0
 
     def feed(self, data: bytes) -> int:
         """Relay the body's part of ``data`` (and flush the client's output); return how many
@@ -85,7 +89,7 @@ class BodyRelay:
         mode = self.mode
         n = len(data)
         parts = self.output.parts
-        if mode == LENGTH:
+        if mode == _LENGTH:
             left = self.left
             if n < left:
                 self.left = left - n
@@ -95,9 +99,9 @@ class BodyRelay:
                 self.left = 0
                 self.done = True
                 n = left
-        elif mode == CHUNKED or mode == DECHUNK:
+        elif mode == _CHUNKED or mode == _DECHUNK:
             n = self._chunks(data, parts)
-        elif mode == EOF_CHUNKED:
+        elif mode == _EOF_CHUNKED:
             if n:
                 parts += (b"%x\r\n" % n, data, b"\r\n")
         else:
@@ -108,9 +112,9 @@ class BodyRelay:
     def eof(self) -> bool:
         """The upstream closed: whether that ends the body (it does when the close delimits it);
         if so, the end goes to the client."""
-        if self.mode == EOF_CHUNKED:
+        if self.mode == _EOF_CHUNKED:
             self.output.parts.append(_LAST_CHUNK)
-        elif self.mode != EOF_RAW:
+        elif self.mode != _EOF_RAW:
             return False
         self.done = True
         self.output.flush()
@@ -123,7 +127,7 @@ class BodyRelay:
         state = self.state
         left = self.left
         digits = self.digits
-        through = self.mode == CHUNKED
+        through = self.mode == _CHUNKED
         pos = 0
         # Start of the run of bytes passed through as they are (-1: in a part that is dropped).
         seg = -1 if state == _EXT or state == _TRAILER or state == _TRAILER_LINE or state == _TRAILER_LF else 0
