@@ -422,8 +422,6 @@ class Exchange:
         dep = decision.deployment
         t = dep.timeouts
         now = perf_counter()
-        stats = dep.stats
-        stats.added.observe(now - self.t0)  # type: ignore[union-attr]
         self.state = CONNECTING
         self.connect_timeout = t.connect
         self.idle_timeout = idle = t.idle
@@ -440,10 +438,12 @@ class Exchange:
             pool.acquire(self)
             if self.state == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
                 client.flow.pause(WAITING)
-            return
-        self.conn = conn
-        conn.bind(self, client.write_paused)
-        self._send(conn, parts)
+        else:
+            self.conn = conn
+            conn.bind(self, client.write_paused)
+            self._send(conn, parts)
+        stats = dep.stats  # (the request left first: the metric is off its latency path)
+        stats.added.observe(now - self.t0)  # type: ignore[union-attr]
 
     def _forwarded_for(self, parts: list[bytes], drop: frozenset[str] | set[str], dropped: frozenset[str]) -> None:
         """X-Forwarded-For / -Proto when the client sent forwarding headers of its own."""
