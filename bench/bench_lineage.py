@@ -46,10 +46,10 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import record
+
 from sidecar.context import TurnOutcome
 from sidecar.lineage import SessionTree
-
-import record
 
 DEPLOYMENT = "default"
 COMPLETED = TurnOutcome.COMPLETED

@@ -27,9 +27,9 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sidecar.engine.idle_poll import IdlePoller  # noqa: E402
-
 import record  # noqa: E402
+
+from sidecar.engine.idle_poll import IdlePoller  # noqa: E402
 
 # A typical opted-in window (the setting's default is 0: off).
 WINDOW_US = 200

@@ -1,13 +1,14 @@
 """Proxy benchmark: the sidecar against nginx and Envoy doing the same header injection.
 
-    python bench/proxy_bench.py [--cases a,b,c,d,e,f,g,h] [--engines fast,aiohttp] [--rounds 5]
-                                [--duration 5] [--warmup 1] [--prefill 1000000]
+    python bench/proxy_bench.py [--cases a,b,c,d,e,f,g,h,i] [--engines fast,aiohttp] [--rounds 5]
+                                [--duration 5] [--warmup 1] [--prefill 1000000] [--store-prefill 100000]
                                 [--stream-n 200] [--stream-n-large 1000] [--stream-events 100]
                                 [--stream-gap-ms 20] [--stream-bytes 110]
 
 Run it with the project's interpreter (.venv/bin/python); scripts/install_bench_tools.sh
-installs nginx, wrk and Envoy. Everything listens on 127.0.0.1 and every process started here is
-stopped by its process group on exit, Ctrl-C included.
+installs nginx, wrk and Envoy, scripts/install_redis.sh the Redis server of case i. Everything
+listens on 127.0.0.1 and every process started here is stopped by its process group on exit,
+Ctrl-C included.
 
 Layout on a two-core machine: the proxy under test runs on core 0; the load (wrk, or the stream
 driver) and the stand-in for the inference gateway (a fixed-answer nginx, or the paced SSE
@@ -28,6 +29,11 @@ Cases:
   h  tls           header mode to an https:// upstream (TLS origination), 64 connections: each
                    contender against itself to the plain upstream, and the sidecar against nginx
                    and Envoy doing the same origination
+  i  store         the fast engine in header mode with the Redis session store (a local
+                   redis-server on the load core) against the memory store, at 64 connections and
+                   at 1, every session known: throughput, latency, store round trips and commands
+                   per request (the sidecar's counters, Redis's commandstats); then bytes per
+                   session in Redis (--store-prefill new sessions between two memory readings)
 
 Every run writes bench/results/<date>-proxy_bench-<commit>.md (the tables, the targets and their
 verdicts, the machine facts) and a .json of the same name with every round's numbers
@@ -58,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import record
+import store_probe
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -102,6 +109,18 @@ LOAD_SATURATED = 0.9
 LOAD_LATE_MS = 1.0
 # A contender that waited this share of a stream run for its core shared it with other processes.
 PROXY_WAIT_NOTE = 0.05
+# Store case (i): Redis against the memory store.
+TARGET_STORE_RPS_VS_MEMORY = 0.8
+TARGET_STORE_P50_OVER_MEMORY_MS = 0.05
+TARGET_STORE_ROUND_TRIPS_PER_REQUEST = 0.2
+TARGET_STORE_BYTES_PER_SESSION = 400
+STORE_LOADS = (64, 1)  # the store case's two loads (wrk connections), each measured every round
+STORE_PREFIX = "sidecar:"  # the sidecar's default state.key_prefix
+# Before a memory reading: the writes behind of what came before (new sessions within a tick,
+# turn counts and holders within the 1 s lazy flush) have reached the store.
+STORE_SETTLE_SECONDS = 2.5
+STORE_SAMPLE_KEYS = 200  # session hashes whose MEMORY USAGE is read
+STORE_WARMUPS = 3  # warm-up runs at most, until every measured session is known
 
 
 class BenchError(Exception):
@@ -116,24 +135,35 @@ class BenchError(Exception):
 class Tools:
     nginx: str
     wrk: str
-    envoy: str
     taskset: str
+    envoy: str = ""  # "" when no case of the run has an Envoy contender
+    redis_server: str = ""  # "" when the run has no store case (i)
 
 
-def find_tools(tools_dir: Path) -> Tools:
+ENVOY_CASES = "abdfgh"  # cases with an Envoy contender
+STORE_CASES = "i"  # cases that run a Redis server
+
+
+def find_tools(tools_dir: Path, cases: Sequence[str] = tuple(ENVOY_CASES + STORE_CASES)) -> Tools:
+    """The tools the given cases need (Envoy only for cases with an Envoy contender, redis-server
+    only for the store case); BenchError naming the missing ones and how to install them."""
     envoy = tools_dir / "bench" / "bin" / "envoy"
     found = {
         "nginx": shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin"),
         "wrk": shutil.which("wrk"),
-        "envoy": str(envoy) if os.access(envoy, os.X_OK) else None,
         "taskset": shutil.which("taskset"),
     }
-    missing = [name for name, path in found.items() if path is None]
+    if any(c in ENVOY_CASES for c in cases):
+        found["envoy"] = str(envoy) if os.access(envoy, os.X_OK) else None
+    if any(c in STORE_CASES for c in cases):
+        found["redis_server"] = shutil.which("redis-server") or shutil.which("redis-server", path="/usr/sbin:/sbin")
+    missing = [name.replace("_", "-") for name, path in found.items() if path is None]
     if missing:
         raise BenchError(
             f"missing benchmark tools: {', '.join(missing)} (envoy is looked for at {envoy}).\n"
             f"Install them with scripts/install_bench_tools.sh (run as root; it puts Envoy in "
-            f"$SIDECAR_TOOLS_DIR/bench, default .tools/bench).")
+            f"$SIDECAR_TOOLS_DIR/bench, default .tools/bench) and, for the store case, "
+            f"scripts/install_redis.sh.")
     if (os.cpu_count() or 1) < 2:
         raise BenchError("needs two CPU cores: one for the proxy, one for the load and the upstream")
     return Tools(**found)  # type: ignore[arg-type]
@@ -145,12 +175,16 @@ def tool_versions(tools: Tools) -> dict[str, str]:
         match = re.search(pattern, out.stdout + out.stderr)
         return match.group(match.re.groups).strip() if match else "unknown"
 
-    return {
+    versions = {
         "nginx": probe([tools.nginx, "-v"], r"nginx/(\S+)"),
         "wrk": probe([tools.wrk, "-v"], r"wrk (\S+)"),
-        "envoy": probe([tools.envoy, "--version"], r"[0-9a-f]{40}/([^/ \n]+)"),
-        "sidecar": probe([sys.executable, "-m", "sidecar", "--version"], r"sidecar (\S+)"),
     }
+    if tools.envoy:
+        versions["envoy"] = probe([tools.envoy, "--version"], r"[0-9a-f]{40}/([^/ \n]+)")
+    if tools.redis_server:
+        versions["redis-server"] = probe([tools.redis_server, "--version"], r"v=(\S+)")
+    versions["sidecar"] = probe([sys.executable, "-m", "sidecar", "--version"], r"sidecar (\S+)")
+    return versions
 
 
 def raise_file_limit() -> None:
@@ -300,6 +334,7 @@ class Spec:
     subject_of: str | None = None
     idle_poll_us: int | None = None  # the sidecar's idle_poll_us setting; None: its default
     tls: bool = False  # to the upstream's https:// port (case h)
+    store: bool = False  # state.url to the case's Redis server (case i); else the memory store
 
 
 @dataclass
@@ -441,6 +476,7 @@ class Lab:
         self.upstream_port = 0
         self.tls_port = 0  # the same upstream's https:// port
         self.pki = workdir / "pki"
+        self.store: Store | None = None  # the store case's Redis server, while that case runs
         self._stream: StreamLoad | None = None
         self._count = 0
 
@@ -483,6 +519,29 @@ class Lab:
         self.upstream_port = port
         self.tls_port = tls_port
 
+    def start_store(self) -> Store:
+        """A Redis server for the store case, pinned to the load core beside the upstream and
+        wrk; no persistence (nothing is written to disk during a run)."""
+        port = free_port()
+        directory = self.workdir / "redis"
+        directory.mkdir(parents=True, exist_ok=True)
+        proc = self.procs.start("redis", [self.tools.redis_server, "--port", str(port), "--bind", HOST,
+                                          "--save", "", "--appendonly", "no", "--dir", str(directory)], LOAD_CPU)
+        probe = store_probe.StoreProbe(HOST, port)
+        try:
+            wait_until(probe.ping, proc)
+        except BenchError as exc:
+            self.procs.stop(proc)
+            raise BenchError(f"redis-server did not start: {exc}: {self.procs.log_tail('redis')}") from exc
+        self.store = Store(proc, port, probe, probe.version())
+        return self.store
+
+    def stop_store(self) -> None:
+        if self.store is not None:
+            self.store.probe.close()
+            self.procs.stop(self.store.proc)
+            self.store = None
+
     @property
     def stream(self) -> StreamLoad:
         """The streaming cases' load process, started on first use."""
@@ -521,6 +580,11 @@ class Lab:
             config = sidecar_config(spec, case, args)
             if spec.tls:
                 config["tls"] = {"ca_file": str(prefix / "ca.pem"), "server_name": TLS_NAME}
+            if spec.store:
+                if self.store is None:
+                    raise BenchError("no Redis server is running for a contender with the Redis store")
+                config["state"] = {"url": f"redis://{HOST}:{self.store.port}", "key_prefix": STORE_PREFIX,
+                                   "required": True}
             conf.write_text(json.dumps(config))  # JSON is YAML
             proc = self.procs.start(name, [
                 sys.executable, "-m", "sidecar", "run", "--listen", f"{HOST}:{port}",
@@ -554,11 +618,23 @@ class Lab:
         return None
 
 
+@dataclass
+class Store:
+    """The store case's running Redis server."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    probe: store_probe.StoreProbe
+    version: str
+
+
 def sidecar_config(spec: Spec, case: Case, args: argparse.Namespace) -> dict[str, Any]:
     """The sidecar's config file for one contender."""
-    config: dict[str, Any] = {"drain_grace_seconds": 1}
-    if case.key == "e":  # nothing may expire or be evicted during the case
-        config["sessions"] = {"max_live_sessions": max(2_000_000, 2 * args.prefill), "idle_ttl_seconds": 36000}
+    # No shutdown delay: there is no load balancer to leave when a case ends.
+    config: dict[str, Any] = {"drain_grace_seconds": 1, "shutdown_delay_seconds": 0}
+    if case.key in "ei":  # nothing may expire or be evicted during the case (nor in the store)
+        prefilled = args.prefill if case.key == "e" else args.store_prefill
+        config["sessions"] = {"max_live_sessions": max(2_000_000, 2 * prefilled), "idle_ttl_seconds": 36000}
     if case.streams:
         # One upstream connection per stream, as nginx and Envoy open here.
         config["limits"] = {"max_connections_per_upstream": max(512, 2 * case.streams)}
@@ -585,6 +661,10 @@ class Run:
     proxy_cpu_share: float  # CPU time of the contender's processes / seconds
     requests_per_cpu_second: float
     load_average: float  # the machine's 1-minute load average at the end of the run
+    connections: int = 0
+    # Store case (i): the sidecar's counter deltas over the run (store_probe.parse_metrics keys:
+    # requests, round_trips, commands, ops:<op>:<outcome>, ...) and the Redis server's CPU time.
+    store: dict[str, float] = field(default_factory=dict)
 
 
 def wrk_argv(tools: Tools, url: str, script: str, connections: int, duration: float,
@@ -618,21 +698,59 @@ def run_wrk(argv: list[str], timeout: float) -> dict[str, Any]:
 
 
 def measure(tools: Tools, case: str, contender: Contender, round_: int,
-            connections: int, duration: float, script_args: Sequence[str]) -> Run:
+            connections: int, duration: float, script_args: Sequence[str], store: Store | None = None) -> Run:
+    """One wrk run against the contender. With ``store`` (case i), also the sidecar's request and
+    store counters (admin /metrics) and the Redis server's CPU time, read just before and just
+    after the run."""
     assert contender.proc is not None
     argv = wrk_argv(tools, contender.url, "post.lua", connections, duration, script_args)
+    before = sidecar_counters(contender) if store is not None else {}
+    calls0 = store_calls(store) if store is not None else {}
+    store_cpu0 = group_cpu_seconds(store.proc.pid) if store is not None else 0.0
     cpu0 = group_cpu_seconds(contender.proc.pid)
     result = run_wrk(argv, timeout=duration + 30)
     cpu1 = group_cpu_seconds(contender.proc.pid)
     seconds = result["duration_us"] / 1e6 or 1e-9
     requests = result["requests"]
     cpu = cpu1 - cpu0
+    counted: dict[str, float] = {}
+    if store is not None:
+        store_cpu = group_cpu_seconds(store.proc.pid) - store_cpu0
+        calls1 = store_calls(store)
+        after = sidecar_counters(contender)
+        if before and after:
+            counted = store_probe.delta(after, before)
+        if calls0 and calls1:
+            counted.update(store_probe.delta(calls1, calls0))
+        counted["store_cpu_s"] = round(store_cpu, 3)
     return Run(case=case, contender=contender.spec.label, round=round_, rps=requests / seconds,
                p50_ms=result["p50_us"] / 1000, p99_ms=result["p99_us"] / 1000, requests=requests,
                seconds=round(seconds, 3), errors=sum(result["errors"].values()),
                proxy_cpu_share=round(cpu / seconds, 3),
                requests_per_cpu_second=round(requests / cpu) if cpu else 0.0,
-               load_average=os.getloadavg()[0])
+               load_average=os.getloadavg()[0], connections=connections, store=counted)
+
+
+def store_calls(store: Store) -> dict[str, float]:
+    """The Redis server's command calls so far (store_probe.StoreProbe.command_calls); {} when it
+    does not answer. Around a run of the Redis contender they are that contender's: nothing else
+    talks to the server then but this harness (two INFO calls per run)."""
+    try:
+        return store.probe.command_calls()
+    except OSError as exc:
+        log(f"redis-server did not answer INFO commandstats: {exc}")
+        return {}
+
+
+def sidecar_counters(contender: Contender) -> dict[str, float]:
+    """The sidecar's request and store counters now; {} when its admin /metrics does not answer."""
+    if contender.admin_port is None:
+        return {}
+    try:
+        return store_probe.counters(HOST, contender.admin_port)
+    except (OSError, http.client.HTTPException) as exc:
+        log(f"{contender.spec.label}: admin /metrics did not answer: {exc}")
+        return {}
 
 
 def prefill(tools: Tools, contender: Contender, total: int, timeout: float) -> dict[str, Any]:
@@ -743,6 +861,12 @@ class Case:
     sse: bool = False
     streams: int = 0  # concurrent paced streams (cases f, g); 0: a wrk case
     tls: bool = False  # contenders to the upstream's https:// port, each against itself to the plain one
+    loads: tuple[int, ...] = ()  # wrk connections of each run in a round; () : (connections,)
+    store: bool = False  # a Redis server runs for the case (i), its counters and memory are read
+
+    @property
+    def connection_counts(self) -> tuple[int, ...]:
+        return self.loads or (self.connections,)
 
 
 def sidecar(engine: str) -> str:
@@ -752,6 +876,8 @@ def sidecar(engine: str) -> str:
 POLL_ON = f"{sidecar('fast')} idle poll on"
 PLAIN = "to http://"  # case h: the contender to the upstream's plain port
 POLL_OFF = f"{sidecar('fast')} idle poll off"
+STORE_MEMORY = f"{sidecar('fast')} memory"  # case i: state.url memory:// (the default)
+STORE_REDIS = f"{sidecar('fast')} redis"  # case i: state.url redis://
 
 
 def human(n: int) -> str:
@@ -764,7 +890,7 @@ def human(n: int) -> str:
 
 POST_ARGS = (str(MEASURED_IDS), "POST", CHAT_PATH, "1024")
 CASE_NAMES = {"a": "header-64c", "b": "header-1c", "c": "nvext", "d": "sse", "e": "sessions",
-              "f": "stream", "g": "stream-large", "h": "tls"}
+              "f": "stream", "g": "stream-large", "h": "tls", "i": "store"}
 
 
 def make_cases(args: argparse.Namespace | None) -> dict[str, Case]:
@@ -783,10 +909,16 @@ def make_cases(args: argparse.Namespace | None) -> dict[str, Case]:
         "g": Case("g", "stream-large", f"{large} paced SSE streams ({paced})", streams=large),
         "h": Case("h", "tls", "header mode to an https:// upstream (TLS origination), 64 connections", 64,
                   POST_ARGS, tls=True),
+        "i": Case("i", "store", "header mode with the Redis session store against the memory store, "
+                  f"{' and '.join(map(str, STORE_LOADS))} connections", STORE_LOADS[0], POST_ARGS,
+                  loads=STORE_LOADS, store=True),
     }
 
 
 def specs_for(case: Case, engines: Sequence[str], prefill_n: int) -> list[Spec]:
+    if case.store:  # the fast engine, as deployed, whatever --engines says
+        return [Spec(STORE_MEMORY, "sidecar", "fast", baseline_of="fast"),
+                Spec(STORE_REDIS, "sidecar", "fast", subject_of="fast", store=True)]
     if case.key == "c":
         return [spec for e in engines for spec in (
             Spec(f"{sidecar(e)} headers", "sidecar", e, baseline_of=e),
@@ -843,6 +975,9 @@ def log_stream_run(run: StreamRun) -> None:
 def run_case(lab: Lab, case: Case, args: argparse.Namespace) -> CaseResult:
     result = CaseResult(case, specs_for(case, args.engines, args.prefill))
     running: list[Contender] = []
+    store = lab.start_store() if case.store else None
+    if store is not None:
+        result.info["store"] = {"version": store.version, "port": store.port, "key_prefix": STORE_PREFIX}
     try:
         for spec in result.specs:
             try:
@@ -865,35 +1000,120 @@ def run_case(lab: Lab, case: Case, args: argparse.Namespace) -> CaseResult:
         for contender in running:  # round 0: warm-up, not recorded
             if case.streams:
                 measure_stream(lab, case, contender, 0, args)
+            elif case.store:
+                warm_up_sessions(lab, case, contender, args, result)
             else:
                 measure(lab.tools, case.key, contender, 0, case.connections, args.warmup, case.script_args)
         for round_ in range(1, args.rounds + 1):
             shift = (round_ - 1) % max(1, len(running))
-            for contender in running[shift:] + running[:shift]:
-                if contender.exited():
-                    result.skipped.setdefault(contender.spec.label,
-                                              f"exited during the case: {lab.procs.log_tail(contender.log_name)}")
-                    continue
-                if case.streams:
-                    stream_run = measure_stream(lab, case, contender, round_, args)
-                    result.stream_runs.append(stream_run)
-                    log_stream_run(stream_run)
-                    continue
-                run = measure(lab.tools, case.key, contender, round_, case.connections,
-                              args.duration, case.script_args)
-                result.runs.append(run)
-                log(f"{case.key} round {round_}: {run.contender}: {run.rps:,.0f} req/s, "
-                    f"p50 {run.p50_ms:.3f} ms, p99 {run.p99_ms:.3f} ms, errors {run.errors}, "
-                    f"proxy CPU {run.proxy_cpu_share:.0%}")
+            for connections in case.connection_counts:
+                for contender in running[shift:] + running[:shift]:
+                    if contender.exited():
+                        result.skipped.setdefault(contender.spec.label,
+                                                  f"exited during the case: {lab.procs.log_tail(contender.log_name)}")
+                        continue
+                    if case.streams:
+                        stream_run = measure_stream(lab, case, contender, round_, args)
+                        result.stream_runs.append(stream_run)
+                        log_stream_run(stream_run)
+                        continue
+                    run = measure(lab.tools, case.key, contender, round_, connections,
+                                  args.duration, case.script_args, store)
+                    result.runs.append(run)
+                    log(f"{case.key} round {round_}: {run.contender}"
+                        f"{f' {connections}c' if case.loads else ''}: {run.rps:,.0f} req/s, "
+                        f"p50 {run.p50_ms:.3f} ms, p99 {run.p99_ms:.3f} ms, errors {run.errors}, "
+                        f"proxy CPU {run.proxy_cpu_share:.0%}{store_line(run)}")
         for contender in running:
             if contender.spec.kind == "sidecar" and contender.proc is not None:
                 info = result.info.setdefault(contender.spec.label, {})
                 info["rss_mib_end"] = rss_mib(contender.proc.pid)
                 info["live_sessions_end"] = lab.live_sessions(contender)
+        if store is not None:
+            for contender in running:
+                if contender.spec.store and not contender.exited():
+                    info = result.info.setdefault(contender.spec.label, {})
+                    try:
+                        info["memory"] = store_memory(lab, store, contender, args)
+                    except (OSError, BenchError) as exc:  # the throughput figures still count
+                        info["memory_error"] = str(exc)
+                        log(f"{case.key}: {contender.spec.label}: no memory reading: {exc}")
     finally:
         for contender in running:
             lab.stop(contender)
+        lab.stop_store()
     return result
+
+
+def store_line(run: Run) -> str:
+    """The store counters of a case-i run, for the progress log."""
+    c = run.store
+    if not c.get("requests"):
+        return ""
+    return (f", store: {c.get('round_trips', 0) / c['requests']:.4f} round trips and "
+            f"{c.get('commands', 0) / c['requests']:.4f} commands per request, "
+            f"{c.get('ops:load:ok', 0):.0f} loads, Redis CPU {c.get('store_cpu_s', 0) / run.seconds:.0%}")
+
+
+def warm_up_sessions(lab: Lab, case: Case, contender: Contender, args: argparse.Namespace,
+                     result: CaseResult) -> None:
+    """The store case's warm-up: each load once, repeated (up to STORE_WARMUPS times) until the
+    contender holds every measured session, so that the measured runs see known sessions only (a
+    first request of a session, or one the sidecar does not hold, waits for a load from the
+    store)."""
+    for attempt in range(1, STORE_WARMUPS + 1):
+        for connections in case.connection_counts:
+            measure(lab.tools, case.key, contender, 0, connections, args.warmup, case.script_args)
+        live = lab.live_sessions(contender) or 0
+        if live >= MEASURED_IDS:
+            result.info.setdefault(contender.spec.label, {})["warmups"] = attempt
+            return
+    note = f"after {STORE_WARMUPS} warm-ups it held {live} sessions of the {MEASURED_IDS} measured"
+    result.info.setdefault(contender.spec.label, {})["warmup_note"] = note
+    log(f"{case.key}: {contender.spec.label}: {note}")
+
+
+def store_memory(lab: Lab, store: Store, contender: Contender, args: argparse.Namespace) -> dict[str, Any]:
+    """Bytes per session in Redis: --store-prefill new sessions through the contender between two
+    readings of the store's memory (each after the writes behind settled). The whole store's
+    used_memory delta per new session is the figure judged; MEMORY USAGE of a sample of session
+    hashes, the live-session sorted set's growth and the growth of the keyspace's hash tables
+    show where it goes."""
+    probe = store.probe
+    time.sleep(STORE_SETTLE_SECONDS)
+    before = probe.snapshot(STORE_PREFIX)
+    counted0 = sidecar_counters(contender)
+    log(f"i: {contender.spec.label}: prefilling {args.store_prefill} sessions for the memory reading")
+    fill = prefill(lab.tools, contender, args.store_prefill, args.prefill_timeout)
+    counted1 = sidecar_counters(contender)
+    made = store_probe.delta(counted1, counted0) if counted0 and counted1 else {}
+    # Every new session reaches the store within a flush interval or two; wait for them (bounded),
+    # then for a lazy flush (holders, turn counts) and a sweep.
+    expected = before["live_members"] + int(made.get("requests", 0))
+    deadline = time.monotonic() + 30
+    while probe.live_members(STORE_PREFIX) < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(STORE_SETTLE_SECONDS)
+    after = probe.snapshot(STORE_PREFIX)
+    hashes = probe.hash_usage(STORE_PREFIX + "s:00000000-fill-*", STORE_SAMPLE_KEYS)
+    settled = sidecar_counters(contender)
+    sessions = after["live_members"] - before["live_members"]
+    per = (lambda key: (after[key] - before[key]) / sessions) if sessions > 0 else (lambda key: None)
+    tables = None if sessions <= 0 else (after["hashtable_main"] + after["hashtable_expires"]
+                                         - before["hashtable_main"] - before["hashtable_expires"]) / sessions
+    info: dict[str, Any] = {
+        "prefill": fill, "sessions": sessions, "expected_sessions": expected - before["live_members"],
+        "before": before, "after": after, "hashes": hashes,
+        "bytes_per_session": per("used_memory"),
+        "live_member_bytes": per("live_usage"),
+        "hashtable_bytes": tables,
+        "prefill_counters": made,
+        "store_up": settled.get("store_up"), "dropped_writes": settled.get("dropped"),
+    }
+    log(f"i: {contender.spec.label}: {sessions} sessions: {fmt(info['bytes_per_session'], ',.0f')} B per "
+        f"session (used_memory delta); hash {fmt(hashes.get('mean'), ',.0f')} B, live member "
+        f"{fmt(info['live_member_bytes'], ',.0f')} B, hash tables {fmt(tables, ',.0f')} B")
+    return info
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1055,6 +1275,107 @@ def summarize_streams(result: CaseResult) -> list[StreamRow]:
     return rows
 
 
+@dataclass
+class StoreRow:
+    """One contender at one load of the store case (i): medians over rounds; the redis row's
+    comparisons with the memory row are taken within rounds; per-request figures are totals over
+    the measured runs (counter deltas) divided by the proxied requests counted over them."""
+
+    case: str
+    connections: int
+    contender: str
+    store: str  # memory | redis
+    rps: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    vs_memory: float | None = None  # req/s over the memory store's, same round and load
+    p50_over_memory_ms: float | None = None
+    p99_over_memory_ms: float | None = None
+    proxy_cpu_share: float | None = None
+    requests_per_cpu_second: float | None = None
+    cpu_vs_memory: float | None = None  # req/CPU-s over the memory store's
+    store_cpu_share: float | None = None  # the Redis server's CPU time over the run's wall time
+    seconds: float = 0.0  # the measured runs' durations, summed
+    requests_counted: int = 0  # sidecar_requests_total deltas, summed over the measured runs
+    round_trips_per_request: float | None = None  # the sidecar's own counters
+    commands_per_request: float | None = None
+    # The Redis server's view (INFO commandstats): SCRIPT EXISTS calls, which redis-py sends as a
+    # round trip of its own before every pipeline that runs a script and the sidecar's round-trip
+    # counter does not count; every command the server ran per request, scripts' included.
+    script_exists: int = 0
+    round_trips_with_script_exists: float | None = None
+    redis_calls_per_request: float | None = None
+    store_cpu_us_per_request: float | None = None
+    loads: int = 0  # store loads during the measured runs (0: every session was known)
+    flush_ms: float | None = None  # mean time of a flush round trip, as the sidecar timed it
+    flushes: int = 0
+    sweeps: int = 0
+    store_errors: int = 0  # store operations that failed
+    errors: int = 0
+    note: str = ""
+
+
+def summarize_store(result: CaseResult) -> list[StoreRow]:
+    rows = []
+    baseline = next((s.label for s in result.specs if not s.store), None)
+    for connections in result.case.connection_counts:
+        runs = [run for run in result.runs if run.connections == connections]
+        for spec in result.specs:
+            row = StoreRow(f"{result.case.key} {result.case.name}", connections, spec.label,
+                           "redis" if spec.store else "memory")
+            mine = [run for run in runs if run.contender == spec.label]
+            if not mine:
+                row.note = f"skipped: {result.skipped.get(spec.label, 'not measured')}"
+                rows.append(row)
+                continue
+            row.rps = median_or_none([r.rps for r in mine])
+            row.p50_ms = median_or_none([r.p50_ms for r in mine])
+            row.p99_ms = median_or_none([r.p99_ms for r in mine])
+            row.proxy_cpu_share = median_or_none([r.proxy_cpu_share for r in mine])
+            row.requests_per_cpu_second = median_or_none([r.requests_per_cpu_second for r in mine])
+            row.store_cpu_share = median_or_none([r.store["store_cpu_s"] / r.seconds for r in mine
+                                                  if "store_cpu_s" in r.store])
+            row.errors = sum(r.errors for r in mine)
+            totals: dict[str, float] = {}
+            for r in mine:
+                for key, value in r.store.items():
+                    totals[key] = totals.get(key, 0.0) + value
+            row.seconds = sum(r.seconds for r in mine)
+            row.requests_counted = int(totals.get("requests", 0))
+            row.script_exists = int(totals.get("redis:script|exists", 0))
+            if row.requests_counted:
+                n = row.requests_counted
+                row.round_trips_per_request = totals.get("round_trips", 0.0) / n
+                row.commands_per_request = totals.get("commands", 0.0) / n
+                row.round_trips_with_script_exists = (totals.get("round_trips", 0.0) + row.script_exists) / n
+                if "redis:all" in totals:
+                    row.redis_calls_per_request = totals["redis:all"] / n
+                if "store_cpu_s" in totals:
+                    row.store_cpu_us_per_request = totals["store_cpu_s"] * 1e6 / n
+            row.loads = int(totals.get("ops:load:ok", 0) + totals.get("ops:load:error", 0))
+            row.flushes = int(totals.get("ops:flush:ok", 0))
+            if totals.get("latency_count:flush"):
+                row.flush_ms = totals.get("latency_sum:flush", 0.0) * 1000 / totals["latency_count:flush"]
+            row.sweeps = int(totals.get("ops:sweep:ok", 0))
+            row.store_errors = int(sum(v for k, v in totals.items() if k.startswith("ops:") and k.endswith(":error")))
+            if spec.store and baseline is not None:
+                row.vs_memory = round_ratio(runs, spec.label, baseline)
+                row.cpu_vs_memory = round_ratio(runs, spec.label, baseline, "requests_per_cpu_second")
+                row.p50_over_memory_ms = round_difference(runs, spec.label, baseline, "p50_ms")
+                row.p99_over_memory_ms = round_difference(runs, spec.label, baseline, "p99_ms")
+            notes = [result.skipped[spec.label]] if spec.label in result.skipped else []
+            info = result.info.get(spec.label, {})
+            if info.get("warmup_note"):
+                notes.append(info["warmup_note"])
+            if row.loads:
+                notes.append(f"{row.loads} store loads during the measured runs (sessions not held)")
+            if row.store_errors:
+                notes.append(f"{row.store_errors} store operations failed")
+            row.note = "; ".join(notes)
+            rows.append(row)
+    return rows
+
+
 @dataclass(frozen=True)
 class TargetDef:
     cases: str  # case keys it applies to
@@ -1145,6 +1466,69 @@ def targets(results: dict[str, CaseResult], rows: Sequence[Row | StreamRow]) -> 
     return sorted(out, key=lambda t: t.case)  # stable: within a case, in TARGETS order
 
 
+def store_targets(results: dict[str, CaseResult], rows: Sequence[StoreRow]) -> list[Target]:
+    """The store case's verdicts: throughput and 1-connection p50 of the Redis store against the
+    memory store, round trips per proxied request at each load, bytes per session in Redis. A
+    comparison with errors on either side, or with failed store operations, is invalid, as is
+    the memory figure after an incomplete prefill or with the store down or writes dropped."""
+    if "i" not in results:
+        return []
+    result = results["i"]
+    by = {(row.connections, row.store): row for row in rows if row.case.startswith("i ")}
+    wide, one = STORE_LOADS[0], STORE_LOADS[-1]
+    out = []
+
+    def judge(text: str, contender: str, value: float | None, threshold: float, at_most: bool, unit: str,
+              compared: Sequence[StoreRow | None]) -> None:
+        errors = sum(r.errors for r in compared if r is not None)
+        store_errors = sum(r.store_errors for r in compared if r is not None)
+        if value is None:
+            skipped = result.skipped.get(STORE_REDIS) or result.skipped.get(STORE_MEMORY)
+            verdict = f"skipped ({skipped})" if skipped else "not measured"
+        elif errors:
+            verdict = f"invalid ({errors} errors)"
+        elif store_errors:
+            verdict = f"invalid ({store_errors} store operations failed)"
+        else:
+            met = value <= threshold if at_most else value >= threshold
+            verdict = "met" if met else "not met"
+        out.append(Target("i", text, contender, value, unit, verdict))
+
+    redis_wide, memory_wide = by.get((wide, "redis")), by.get((wide, "memory"))
+    redis_one, memory_one = by.get((one, "redis")), by.get((one, "memory"))
+    judge(f"store, {wide}c: req/s with Redis >= {TARGET_STORE_RPS_VS_MEMORY}x the memory store", STORE_REDIS,
+          redis_wide.vs_memory if redis_wide else None, TARGET_STORE_RPS_VS_MEMORY, False, "x",
+          [redis_wide, memory_wide])
+    judge(f"store, {one}c: p50 of known sessions with Redis <= the memory store's + "
+          f"{TARGET_STORE_P50_OVER_MEMORY_MS} ms", STORE_REDIS, redis_one.p50_over_memory_ms if redis_one else None,
+          TARGET_STORE_P50_OVER_MEMORY_MS, True, "ms", [redis_one, memory_one])
+    for row in (redis_wide, redis_one):
+        if row is not None:
+            judge(f"store, {row.connections}c: store round trips per proxied request <= "
+                  f"{TARGET_STORE_ROUND_TRIPS_PER_REQUEST}", STORE_REDIS, row.round_trips_per_request,
+                  TARGET_STORE_ROUND_TRIPS_PER_REQUEST, True, "/req", [row])
+    memory = result.info.get(STORE_REDIS, {}).get("memory")
+    text = f"store: bytes per session in Redis <= {TARGET_STORE_BYTES_PER_SESSION} (whole-store used_memory delta)"
+    if memory is None:
+        skipped = result.skipped.get(STORE_REDIS)
+        failed = result.info.get(STORE_REDIS, {}).get("memory_error")
+        verdict = f"skipped ({skipped})" if skipped else f"not measured ({failed})" if failed else "not measured"
+        out.append(Target("i", text, STORE_REDIS, None, "B", verdict))
+    else:
+        value = memory.get("bytes_per_session")
+        if value is not None and not memory["prefill"].get("completed"):
+            verdict = f"invalid (prefill incomplete: {memory['sessions']} sessions)"
+        elif value is not None and (memory.get("store_up") != 1.0 or memory.get("dropped_writes")):
+            verdict = (f"invalid (store up: {memory.get('store_up')}, "
+                       f"{memory.get('dropped_writes')} writes dropped)")
+        elif value is None:
+            verdict = "not measured"
+        else:
+            verdict = "met" if value <= TARGET_STORE_BYTES_PER_SESSION else "not met"
+        out.append(Target("i", text, STORE_REDIS, value, "B", verdict))
+    return out
+
+
 def polling_statement(target_list: Sequence[Target]) -> str | None:
     """Which of the fast engine's two 1-connection contenders met the 1-connection target."""
     by = {t.contender: t for t in target_list if t.case == "b"}
@@ -1165,6 +1549,10 @@ def fmt(value: float | None, spec: str, suffix: str = "") -> str:
 def measured_text(target: Target) -> str:
     if target.unit == "ms":
         return fmt(target.measured, "+.3f", " ms")
+    if target.unit == "/req":
+        return fmt(target.measured, ".4f", " per request")
+    if target.unit == "B":
+        return fmt(target.measured, ",.0f", " B")
     return fmt(target.measured, ".2f", "x")
 
 
@@ -1282,8 +1670,126 @@ def growth_table(rows: Sequence[StreamRow]) -> list[str]:
     return lines
 
 
+def store_table(rows: Sequence[StoreRow], result: CaseResult, args: argparse.Namespace) -> list[str]:
+    store = result.info.get("store", {})
+    lines = [
+        f"Store case (i): the fast engine in `dynamo_headers` mode with the memory store (`{STORE_MEMORY}`) and "
+        f"with the Redis store (`{STORE_REDIS}`: redis-server {store.get('version', '?')} on core {LOAD_CPU} beside "
+        f"wrk and the upstream, no persistence), {args.rounds} interleaved rounds x {args.duration:g} s per "
+        f"contender and load; every round runs both at {' and at '.join(map(str, STORE_LOADS))} connection(s). "
+        f"The warm-up sends every one of the {MEASURED_IDS} session ids first, so the measured requests are of "
+        "known sessions.",
+        "",
+        "| connections | store | req/s | x memory | p50 ms | p50 - memory ms | p99 ms | p99 - memory ms | proxy CPU "
+        "| req/CPU-s | req/CPU-s x memory | Redis CPU | errors |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    notes = []
+    for row in rows:
+        if row.rps is None:
+            lines.append(f"| {row.connections} | {row.store} | skipped | | | | | | | | | | |")
+            notes.append(f"- {row.connections} connections / {row.store}: {cell(row.note)}")
+            continue
+        lines.append(
+            f"| {row.connections} | {row.store} | {fmt(row.rps, ',.0f')} | {fmt(row.vs_memory, '.2f')} | "
+            f"{fmt(row.p50_ms, '.3f')} | {fmt(row.p50_over_memory_ms, '+.3f')} | {fmt(row.p99_ms, '.3f')} | "
+            f"{fmt(row.p99_over_memory_ms, '+.3f')} | {fmt(row.proxy_cpu_share, '.0%')} | "
+            f"{fmt(row.requests_per_cpu_second, ',.0f')} | {fmt(row.cpu_vs_memory, '.2f')} | "
+            f"{fmt(row.store_cpu_share, '.0%')} | {row.errors} |")
+        if row.note:
+            notes.append(f"- {row.connections} connections / {row.store}: {cell(row.note)}")
+    lines += [
+        "",
+        "x memory: the Redis store's req/s (and req/CPU-s) over the memory store's at the same load in the same "
+        "round, median over rounds; - memory: the same for the latency percentiles, as differences. Redis CPU: "
+        "the Redis server's CPU time over the run's wall time (it shares the load core with wrk and the "
+        "upstream: when that core is the limit, the Redis contender's req/s is lowered by it).",
+        "",
+        "Store traffic of the Redis contender over the measured runs:",
+        "",
+        "| connections | requests | store round trips/req | commands/req | + SCRIPT EXISTS: round trips/req "
+        "| flushes/s | flush ms | sweeps/s | loads | Redis commands/req | Redis CPU us/req |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        if row.store != "redis" or row.rps is None:
+            continue
+        per_second = (lambda n, s=row.seconds: n / s) if row.seconds else (lambda n: None)
+        lines.append(
+            f"| {row.connections} | {row.requests_counted:,} | {fmt(row.round_trips_per_request, '.4f')} | "
+            f"{fmt(row.commands_per_request, '.4f')} | {fmt(row.round_trips_with_script_exists, '.4f')} | "
+            f"{fmt(per_second(row.flushes), '.1f')} | {fmt(row.flush_ms, '.1f')} | "
+            f"{fmt(per_second(row.sweeps), '.1f')} | {row.loads} | "
+            f"{fmt(row.redis_calls_per_request, '.2f')} | {fmt(row.store_cpu_us_per_request, '.1f')} |")
+    lines += [
+        "",
+        "requests: the sidecar's `sidecar_requests_total` over the measured runs (read just before and after each "
+        "run, so the idle writes between runs are left out). store round trips/req, commands/req: its "
+        "`sidecar_state_round_trips_total` and `sidecar_state_commands_total` over those requests (a script call "
+        "counts as one command). + SCRIPT EXISTS: the round trips again with the `SCRIPT EXISTS` calls Redis "
+        "counted (redis-py sends one, as a round trip of its own, before every pipeline that runs a script; the "
+        "sidecar's counter leaves them out). flushes/s, sweeps/s: its `sidecar_state_ops_total` for those "
+        "operations per second of measured run; flush ms: the mean time of a flush as the sidecar timed it "
+        "(`sidecar_state_latency_seconds`, event-loop delays included). loads: store loads during the measured runs (requests of sessions "
+        "the sidecar did not hold). Redis commands/req: every command the server ran (`INFO commandstats`, the "
+        "commands the scripts run included) per request. Redis CPU us/req: the server's CPU time per request.",
+    ]
+    lines += ["", *notes] if notes else []
+    memory = result.info.get(STORE_REDIS, {}).get("memory")
+    if memory:
+        lines += ["", *memory_table(memory)]
+    return lines
+
+
+def memory_table(memory: dict[str, Any]) -> list[str]:
+    before, after, hashes = memory["before"], memory["after"], memory["hashes"]
+    n = memory["sessions"]
+    fill = memory["prefill"]
+    made = memory.get("prefill_counters", {})
+
+    def row(name: str, total: float | None, per: float | None) -> str:
+        return f"| {name} | {fmt(total, ',.0f')} | {fmt(per, ',.1f')} |"
+
+    used = after["used_memory"] - before["used_memory"]
+    live = after["live_usage"] - before["live_usage"]
+    tables = (after["hashtable_main"] + after["hashtable_expires"]
+              - before["hashtable_main"] - before["hashtable_expires"])
+    hash_mean = hashes.get("mean")
+    rest = None if hash_mean is None or n <= 0 else used / n - hash_mean - live / n - tables / n
+    incomplete = "" if fill.get("completed") else " (INCOMPLETE: --prefill-timeout reached)"
+    lines = [
+        f"Bytes per session in Redis: {n:,} new sessions (one request each, {PREFILL_CONNECTIONS} connections, "
+        f"{fill.get('seconds')} s{incomplete}) through `{STORE_REDIS}` after the rounds, between two readings of "
+        f"the store taken {STORE_SETTLE_SECONDS:g} s after the writes behind settled ({before['keys']:,} keys "
+        f"before, {after['keys']:,} after; the live-session set `{STORE_PREFIX}live` grew from "
+        f"{before['live_members']:,} to {after['live_members']:,} members, {after['live_encoding']}).",
+        "",
+        "| measure | bytes | per new session |",
+        "|---|---:|---:|",
+        row("whole store: `INFO memory` used_memory after - before (judged)", used, used / n if n > 0 else None),
+        row(f"session hash: `MEMORY USAGE` (SAMPLES 0), mean of {hashes.get('sampled', 0)} keys "
+            f"({hashes.get('encoding', '?')}, {hashes.get('fields', '?')} fields; min {hashes.get('min', '—')}, "
+            f"max {hashes.get('max', '—')})", None, hash_mean),
+        row(f"live-session sorted set: `MEMORY USAGE {STORE_PREFIX}live` after - before", live,
+            live / n if n > 0 else None),
+        row("keyspace hash tables (main + expires: buckets and entries): `MEMORY STATS` after - before", tables,
+            tables / n if n > 0 else None),
+        row("rest: the first row minus the three above (the key's entry in the main table is counted twice, "
+            "in the hash's `MEMORY USAGE` and in the tables, so this can come out below 0)", None, rest),
+    ]
+    if n > 0 and made.get("requests"):
+        lines += ["", f"Store traffic of the prefill ({made['requests']:,.0f} proxied requests, each a new session): "
+                  f"{made.get('round_trips', 0) / made['requests']:.3f} round trips and "
+                  f"{made.get('commands', 0) / made['requests']:.3f} commands per request "
+                  f"({made.get('ops:load:ok', 0):,.0f} loads, {made.get('ops:flush:ok', 0):,.0f} flushes). "
+                  "MEMORY USAGE leaves out a key's entry in the expires table; the hash tables grow in powers of "
+                  "two, so their part per session depends on where the key count falls."]
+    return lines
+
+
 def markdown(rows: Sequence[Row], stream_rows: Sequence[StreamRow], target_list: Sequence[Target],
-             args: argparse.Namespace, meta: dict[str, Any]) -> str:
+             args: argparse.Namespace, meta: dict[str, Any],
+             store: tuple[Sequence[StoreRow], CaseResult] | None = None) -> str:
     lines: list[str] = []
     if meta["non_default"]:
         lines += [f"Parameters differing from the defaults: {', '.join(meta['non_default'])}. "
@@ -1293,6 +1799,8 @@ def markdown(rows: Sequence[Row], stream_rows: Sequence[StreamRow], target_list:
         lines += request_table(rows, args)
     if stream_rows:
         lines += ["", *stream_table(stream_rows, args), *growth_table(stream_rows)]
+    if store is not None:
+        lines += [*([""] if lines and lines[-1] else []), *store_table(store[0], store[1], args)]
     lines += ["", "## Targets", "", "| target | contender | measured | verdict |", "|---|---|---:|---|"]
     lines += [f"| {t.case}: {t.text} | {t.contender} | {measured_text(t)} | {cell(t.verdict)} |" for t in target_list]
     if statement := polling_statement(target_list):
@@ -1325,6 +1833,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=1_000_000, help="live sessions for case e (default 1000000)")
     p.add_argument("--prefill-timeout", type=float, default=1200,
                    help="upper bound of one prefill, seconds (default 1200)")
+    p.add_argument("--store-prefill", type=int, default=100_000,
+                   help="new sessions sent through the Redis store for case i's bytes per session (default 100000)")
     p.add_argument("--stream-n", type=int, default=200, help="concurrent streams in case f (default 200)")
     p.add_argument("--stream-n-large", type=int, default=1000, help="concurrent streams in case g (default 1000)")
     p.add_argument("--stream-events", type=int, default=100, help="events per stream (default 100)")
@@ -1349,8 +1859,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if bad := [e for e in args.engines if e not in ENGINES]:
         p.error(f"--engines: unknown {bad}; choose from {', '.join(ENGINES)}")
-    if args.rounds < 1 or args.duration < 1 or args.warmup < 1 or args.prefill < 1:
-        p.error("--rounds, --duration, --warmup and --prefill must be >= 1")
+    if args.rounds < 1 or args.duration < 1 or args.warmup < 1 or args.prefill < 1 or args.store_prefill < 1:
+        p.error("--rounds, --duration, --warmup, --prefill and --store-prefill must be >= 1")
     if min(args.stream_n, args.stream_n_large, args.stream_events) < 1 or args.stream_gap_ms <= 0 \
             or args.stream_bytes < 89 or args.stream_timeout <= 0:
         p.error("--stream-n, --stream-n-large and --stream-events must be >= 1, --stream-gap-ms and "
@@ -1377,7 +1887,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     tools_dir = Path(os.environ.get("SIDECAR_TOOLS_DIR") or REPO / ".tools")
     try:
-        tools = find_tools(tools_dir)
+        tools = find_tools(tools_dir, args.cases)
     except BenchError as exc:
         print(f"proxy_bench: {exc}", file=sys.stderr)
         return 2
@@ -1414,17 +1924,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         procs.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)
 
-    rows = [row for r in results.values() if not r.case.streams for row in summarize(r)]
+    rows = [row for r in results.values() if not r.case.streams and not r.case.store for row in summarize(r)]
     stream_rows = [row for r in results.values() if r.case.streams for row in summarize_streams(r)]
-    target_list = targets(results, [*rows, *stream_rows])
+    store_rows = [row for r in results.values() if r.case.store for row in summarize_store(r)]
+    target_list = targets(results, [*rows, *stream_rows]) + store_targets(results, store_rows)
     meta["failed_cases"] = failed
-    body = markdown(rows, stream_rows, target_list, args, meta)
+    store = (store_rows, results["i"]) if "i" in results else None
+    body = markdown(rows, stream_rows, target_list, args, meta, store)
     raw = {**meta, "cases": {k: {"name": r.case.name, "title": r.case.title, "connections": r.case.connections,
                                  "streams": r.case.streams, "skipped": r.skipped, "info": r.info,
                                  "runs": [asdict(run) for run in r.runs],
                                  "stream_runs": [asdict(run) for run in r.stream_runs]}
                              for k, r in results.items()},
            "rows": [asdict(row) for row in rows], "stream_rows": [asdict(row) for row in stream_rows],
+           "store_rows": [asdict(row) for row in store_rows],
            "targets": [asdict(t) for t in target_list]}
     md, js = record.write("proxy_bench", f"Proxy benchmark, {facts['date'][:10]}", body, raw, facts, args.out_dir)
     print(body)

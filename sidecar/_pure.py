@@ -15,7 +15,6 @@ from importlib.abc import MetaPathFinder
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 
-
 # Modules that exist only compiled: with sources preferred, they are absent (their importers
 # fall back to pure-Python equivalents).
 COMPILED_ONLY = frozenset({"sidecar.engine.llhttp_parser", "sidecar._jsonscan"})

@@ -21,8 +21,8 @@ from sidecar.engine.aiohttp_engine import AiohttpEngine
 from sidecar.engine.base import Engine
 from sidecar.engine.fast import FastEngine
 from sidecar.health import UpstreamHealth, run_health_checks
-from sidecar.metrics import Metrics
 from sidecar.lineage import SessionTree
+from sidecar.metrics import Metrics
 from sidecar.router import Router
 from sidecar.sessions import Clock, SessionStore
 from sidecar.state import MemoryState, SessionState

@@ -31,7 +31,6 @@ from sidecar import headers as h
 from sidecar.errors import ConfigError
 from sidecar.validation import check_token, split_names, yaml_error_where, yaml_problem
 
-
 ENV_PREFIX = "SIDECAR_"
 # Flag / env name -> top-level config key. Env vars are SIDECAR_<NAME>.
 SCALAR_KEYS = ("listen", "admin", "upstream", "mode", "engine", "log_level", "drain_grace_seconds",
@@ -111,7 +110,7 @@ BODY_SIGNALS = ("prompt_cache_key", "user", "metadata.user_id")
 
 
 class IdentityConfig(_Strict):
-    """Ordered signals of session identity (SPEC section 2); the first present one wins.
+    """Ordered signals of session identity; the first present one wins.
 
     Header signals come first. Body signals (``body``, then ``fingerprint``) are read only when
     configured and only when no header named a session: they cost a parse of the request body.
@@ -324,7 +323,8 @@ class StateConfig(_Strict):
     # (circuit breaker) until it answers again.
     timeout_ms: int = Field(250, ge=10, le=10_000)
     # Write-behind: session creation, in-flight changes, closes and mode state are written within
-    # this interval (what a killed replica can lose), turn counts and activity within 1 s.
+    # this interval (what a killed replica can lose), turn counts, activity and worker history
+    # within 1 s.
     flush_interval_ms: int = Field(25, ge=5, le=1000)
     password_file: str | None = None
     # rediss://: the CA bundle the server's certificate is checked against (default: the system's).
@@ -333,6 +333,10 @@ class StateConfig(_Strict):
     @property
     def shared(self) -> bool:
         return not self.url.startswith("memory:")
+
+
+# Per-deployment settings that the top level carries only for the short form (`upstream:`).
+_SHORT_FORM_ONLY = ("trust_client_headers", "non_object_body", "timeouts", "limits", "tls")
 
 
 class Config(_Strict):
@@ -399,6 +403,11 @@ class Config(_Strict):
             raise ValueError("upstream: required (flag --upstream, env SIDECAR_UPSTREAM or `upstream:` in the file)")
         if not short and (self.mode or self.mode_options):
             raise ValueError("mode: with `deployments`, set each deployment's own `mode`")
+        if not short:
+            for name in _SHORT_FORM_ONLY:
+                if name in self.model_fields_set:
+                    raise ValueError(f"{name}: with `deployments`, set it in each deployment (the top-level "
+                                     "setting describes the single `upstream` form only)")
         if self.mode_options and not self.mode:
             raise ValueError("mode_options: given without a mode")
         names = [d.name for d in self.deployments]

@@ -30,7 +30,7 @@ class TurnOutcome(StrEnum):
     CLIENT_ABORTED = "client_aborted"
 
 
-# Not frozen (a frozen dataclass costs ~1.5 us per construction, once per request of a session):
+# Not frozen (a frozen dataclass costs more per construction, once per request of a session):
 # every reader treats it as read-only. No slots=True: compiled (context.pxd), it is an extension
 # type with fixed fields.
 @dataclass

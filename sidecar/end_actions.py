@@ -48,7 +48,7 @@ class EndActionRunner:
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._queue.join(), grace)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("%d end-of-session actions not sent at shutdown", self._queue.qsize())
             self._task.cancel()
             try:
@@ -79,7 +79,7 @@ class EndActionRunner:
                         outcome = "ok" if resp.status < 400 else "rejected"
                         self.metrics.end_actions.labels(dep.mode_name, outcome).inc()
                         return
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 log.debug("end action %s %s failed: %r", action.method, action.path, exc)
             if attempt < self.retries:
                 await asyncio.sleep(self.backoff * (2**attempt))

@@ -19,7 +19,6 @@ INVALID_JSON_BODY = "invalid_json_body"
 JSON_TOO_DEEP = "json_too_deep"
 MODE_ERROR = "mode_error"
 UPGRADE_NOT_SUPPORTED = "upgrade_not_supported"
-SHUTTING_DOWN = "shutting_down"
 HEADERS_TOO_LARGE = "headers_too_large"
 REQUEST_TIMEOUT = "request_timeout"
 INTERNAL_ERROR = "internal_error"
@@ -39,6 +38,7 @@ SESSION_LIMIT_REACHED = "session_limit_reached"
 TREE_NOT_FOUND = "tree_not_found"
 PARENT_NOT_FOUND = "parent_not_found"
 NOT_FOUND = "not_found"
+METHOD_NOT_ALLOWED = "method_not_allowed"
 STORE_UNAVAILABLE = "store_unavailable"
 
 STATUS: dict[str, int] = {
@@ -51,7 +51,6 @@ STATUS: dict[str, int] = {
     JSON_TOO_DEEP: 400,
     MODE_ERROR: 500,
     UPGRADE_NOT_SUPPORTED: 501,
-    SHUTTING_DOWN: 503,
     HEADERS_TOO_LARGE: 431,
     REQUEST_TIMEOUT: 408,
     INTERNAL_ERROR: 500,
@@ -69,6 +68,7 @@ STATUS: dict[str, int] = {
     TREE_NOT_FOUND: 404,
     PARENT_NOT_FOUND: 404,
     NOT_FOUND: 404,
+    METHOD_NOT_ALLOWED: 405,
     STORE_UNAVAILABLE: 503,
 }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-# Inbound session identity (SPEC section 2).
+# Inbound session identity.
 X_CORRELATION_ID = "X-Correlation-ID"
 X_SESSION_AFFINITY = "X-Session-Affinity"
 X_SESSION_ID = "X-Session-ID"
@@ -14,7 +14,7 @@ X_SESSION_FINAL = "X-Session-Final"
 X_DYNAMO_SESSION_FINAL = "X-Dynamo-Session-Final"
 X_REQUEST_ID = "X-Request-ID"
 
-# Outbound gateway headers (SPEC section 3).
+# Outbound gateway headers.
 X_DYNAMO_SESSION_ID = "X-Dynamo-Session-ID"
 X_DYNAMO_PARENT_SESSION_ID = "X-Dynamo-Parent-Session-ID"
 X_SMG_ROUTING_KEY = "X-SMG-Routing-Key"

@@ -227,7 +227,7 @@ async def _check(session: aiohttp.ClientSession, up: Upstream, path: str, timeou
                                ssl=up.tls_context or True, server_hostname=up.server_hostname) as resp:
             await resp.read()
             return 200 <= resp.status < 300, f"answered {resp.status}"
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return False, "timed out"
     except aiohttp.ClientConnectorError as exc:
         return False, failure_reason(exc.os_error)

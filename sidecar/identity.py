@@ -1,4 +1,4 @@
-"""Which session, parent, root and final-turn flag a request declares (SPEC section 2).
+"""Which session, parent, root and final-turn flag a request declares.
 
 Each is an ordered list of header signals; the first one present with a non-empty value wins.
 Header signals never touch the body. When configured, body signals name the session of a
@@ -44,7 +44,7 @@ FINGERPRINT_PARSE_BYTES = 64 * 1024
 _TRUE = frozenset({"true", "1", "yes", "on"})
 
 
-# Not frozen: a frozen dataclass costs ~0.5 us more per construction (once per request with a session).
+# Not frozen: a frozen dataclass costs more per construction (once per request with a session).
 # Treat it as read-only (NO_SESSION is shared by every request without one). No slots=True:
 # compiled (identity.pxd), it is an extension type with fixed fields.
 @dataclass

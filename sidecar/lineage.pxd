@@ -28,5 +28,8 @@ cdef class SessionTree:
     @cython.locals(node=_Node, root=_Node, parent_node=_Node, prev=_Node, nxt=_Node, flags=long, pflags=long,
                    in_flight=long, turns=long)
     cpdef begin(self, session, parent, root_hint, final, deployment)
-    @cython.locals(node=_Node, root=_Node, lru=_Node, tail=_Node, in_flight=long)
+    @cython.locals(node=_Node, root=_Node, in_flight=long)
     cpdef finish(self, Turn turn, outcome)
+
+@cython.locals(tail=_Node)
+cdef void _lru_append(_Node lru, _Node node)

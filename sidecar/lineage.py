@@ -104,7 +104,7 @@ def exhaust(steps: Generator[None, None, T]) -> T:
         try:
             next(steps)
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
 
 
 # Nodes a view builder touches between two pauses.
@@ -172,6 +172,16 @@ class _Node:
         self.workers: list[str | int] | None = None
         self.worker_turns = 0
         self.moves = 0
+
+
+def _lru_append(lru: _Node, node: _Node) -> None:
+    """Link ``node`` as the most recently used idle session (``lru`` is the list's sentinel)."""
+    tail = lru.lru_prev
+    assert tail is not None
+    node.lru_prev = tail
+    node.lru_next = lru
+    tail.lru_next = node
+    lru.lru_prev = node
 
 
 class Turn:
@@ -321,13 +331,7 @@ class SessionTree:
             return []
         if node.end_reason is not None:
             return [self._end(node, node.end_reason, now)]
-        lru = self._lru
-        tail = lru.lru_prev
-        assert tail is not None
-        node.lru_prev = tail
-        node.lru_next = lru
-        tail.lru_next = node
-        lru.lru_prev = node
+        _lru_append(self._lru, node)
         return []
 
     def set_mode_state(self, turn: Turn, state: str) -> None:
@@ -345,9 +349,9 @@ class SessionTree:
         if runs is None:
             node.workers = [worker, 1]
             return "first", None
-        previous: str = runs[-2]
+        previous = str(runs[-2])  # runs alternate worker names and turn counts
         if previous == worker:
-            runs[-1] += 1
+            runs[-1] = int(runs[-1]) + 1
             return "same_worker", previous
         if len(runs) >= 2 * WORKER_RUNS:
             del runs[0:2]
@@ -638,13 +642,7 @@ class SessionTree:
         node.workers = workers
         node.worker_turns = worker_turns
         node.moves = moves
-        lru = self._lru
-        tail = lru.lru_prev
-        assert tail is not None
-        node.lru_prev = tail
-        node.lru_next = lru
-        tail.lru_next = node
-        lru.lru_prev = node
+        _lru_append(self._lru, node)
 
     def is_closed(self, session: str) -> bool:
         """True while ``session`` is tombstoned: ended or closed, and not yet forgotten."""

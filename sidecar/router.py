@@ -43,17 +43,17 @@ import orjson
 from sidecar import errors
 from sidecar import headers as h
 from sidecar.config import Config
-from sidecar.validation import TOKEN_RE
+from sidecar.context import EndReason, RoutingContext, SessionEnd, TurnOutcome
 from sidecar.deployments import Deployment, Upstream
 from sidecar.identity import Identity, IdentityReader
 from sidecar.jsonbody import INVALID, TOO_DEEP, TOO_MANY, RepeatedKeys, ScannedBody, scan_body, splice
 from sidecar.jsonscan import INLINE_BYTES, join
-from sidecar.context import EndReason, RoutingContext, SessionEnd, TurnOutcome
 from sidecar.lineage import SessionTree, Turn
 from sidecar.metrics import Metrics
 from sidecar.modes.base import BodyPatch, EndAction, Mode
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
 from sidecar.state import LoadNeeded, MemoryState, SessionState
+from sidecar.validation import TOKEN_RE
 
 log = logging.getLogger("sidecar.router")
 
@@ -304,7 +304,7 @@ class Router:
     def _read_body(self, pending: _Pending, body: bytes | list[bytes]) -> _Read:
         """Join and scan the body and read what routing needs from it (pure: runs on a worker
         thread for large bodies)."""
-        if type(body) is not bytes:
+        if not isinstance(body, bytes):
             body = join(body)
         scanned = scan_body(body, self._scan_depth, self._top_names)
         ident = pending.ident
@@ -362,7 +362,7 @@ class Router:
         except BaseException:
             self.finish(admitted, TurnOutcome.UPSTREAM_FAILED)
             raise
-        if type(result) is bytes:
+        if isinstance(result, bytes):
             admitted.body = result
             return admitted
         run, resume = result
@@ -512,7 +512,7 @@ class Router:
         if exc is not None:
             raise self._body_failed(decision, "body_patch", exc) from exc
         decision.deployment.stats.rewritten().inc()  # type: ignore[union-attr]
-        return new  # type: ignore[no-any-return]
+        return new
 
     def _transformed(self, decision: Decision, body: bytes, outcome: tuple[Any, Exception | None]) -> bytes:
         new, exc = outcome
@@ -521,7 +521,7 @@ class Router:
         if new is None:  # valid JSON that orjson refuses to parse (1e400, an unpaired surrogate escape)
             return self._not_object(decision, body, True)
         decision.deployment.stats.rewritten().inc()  # type: ignore[union-attr]
-        return new  # type: ignore[no-any-return]
+        return new
 
     def _body_failed(self, decision: Decision, hook: str, exc: Exception) -> errors.ProxyError:
         """The error that answers a failed body rewrite: the client's body, or the mode."""
@@ -702,10 +702,8 @@ class Router:
     def _end_actions(self, e: SessionEnd, dep: Deployment | None) -> None:
         if dep is None or dep.mode is None:
             return
-        end = SessionEnd(session=e.session, parent=e.parent, root=e.root, deployment=e.deployment,
-                         reason=str(e.reason), turns=e.turns)
         try:
-            actions = tuple(dep.mode.on_session_end(end))
+            actions = tuple(dep.mode.on_session_end(e))
         except Exception as exc:  # a broken hook never stops cleanup of other sessions
             self.metrics.plugin_errors.labels(dep.mode_name, "on_session_end").inc()
             log.error("mode %s failed in on_session_end: %r", dep.mode_name, exc,

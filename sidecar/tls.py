@@ -9,6 +9,7 @@ stops the process at start instead of failing each request.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from sidecar.errors import ConfigError
@@ -70,7 +71,7 @@ def _readable(path: str, setting: str) -> None:
         _fail(setting, f"cannot read {path}: {exc.strerror or exc}")
 
 
-def _encrypted(setting: str):  # type: ignore[no-untyped-def]
+def _encrypted(setting: str) -> Callable[[], NoReturn]:
     """A password callback that refuses: without one, OpenSSL would prompt on the terminal."""
 
     def refuse() -> NoReturn:

@@ -102,7 +102,7 @@ async def _probe(http: aiohttp.ClientSession, admin_url: str) -> bool:
         async with http.get(admin_url + "/readyz") as resp:
             await resp.read()
             return resp.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return False
 
 

@@ -9,7 +9,6 @@ import orjson
 from multidict import CIMultiDict
 
 from sidecar.config import IdentityConfig
-from sidecar.modes.ids import fit_id
 from sidecar.identity import (
     FINGERPRINT_MAX_MESSAGES,
     FINGERPRINT_PARSE_BYTES,
@@ -18,6 +17,7 @@ from sidecar.identity import (
     IdentityReader,
 )
 from sidecar.jsonbody import scan_body
+from sidecar.modes.ids import fit_id
 
 
 def session(doc: bytes | dict[str, Any], /, **cfg: Any) -> str | None:

@@ -242,7 +242,7 @@ def test_api_close_of_an_idle_session() -> None:
     assert h.turn("r").is_tree_final is False and h.tree.tree("r")["children"] == []  # type: ignore[index]
 
 
-def test_api_close_in_flight_is_reported_by_end_turn() -> None:
+def test_api_close_in_flight_is_reported_by_finish() -> None:
     h = Harness()
     turn = h.begin("s")
     assert h.close("s") == []

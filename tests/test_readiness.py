@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from sidecar import health
-from tests.engine import RawMessage, reply
+from tests.engine import RawMessage
 from tests.proxy.test_errors import free_port
 from tests.upstream import RecordingUpstream
 

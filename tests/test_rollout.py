@@ -23,6 +23,7 @@ from tests.engine import read_response
 from tests.loopback_service import LoopbackService
 from tests.proxy.test_errors import free_ports
 from tests.test_cli import spawn, stop
+from tests.waiting import wait_for
 
 
 async def readyz(admin_url: str) -> tuple[int, dict]:
@@ -97,13 +98,6 @@ async def wait_ready(admin_url: str, proc: subprocess.Popen, timeout: float = 20
     raise AssertionError("the sidecar did not become ready")
 
 
-async def wait_for(condition, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
-
-
 def start_replica(name: str, upstream_url: str, engine: str, delay: float) -> tuple[subprocess.Popen, int, str]:
     port, admin_port = free_ports(2)
     proc = spawn("--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin_port}", "--upstream", upstream_url,
@@ -135,7 +129,7 @@ class Load:
                             self.ok += 1
                         else:
                             self.failures.append(f"client {i}: status {resp.status}")
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     self.failures.append(f"client {i} ({'keep-alive' if keepalive else 'new connections'}): {exc!r}")
                 await asyncio.sleep(0.005)
 
@@ -149,14 +143,14 @@ async def test_replacing_a_sidecar_under_load_fails_no_request(upstream, engine)
     try:
         await wait_ready(old_admin, old)
         a = service.add("A", old_port, old_admin)
-        await wait_for(lambda: a.ready)
+        await wait_for(lambda: a.ready, timeout=20)
         clients = [asyncio.create_task(load.client(i, keepalive=i % 2 == 0)) for i in range(6)]
-        await wait_for(lambda: load.ok >= 50)
+        await wait_for(lambda: load.ok >= 50, timeout=20)
 
         new, new_port, new_admin = start_replica("B", upstream.url, engine, delay=2.0)
         await wait_ready(new_admin, new)
         b = service.add("B", new_port, new_admin)
-        await wait_for(lambda: b.ready and b.connections > 0)
+        await wait_for(lambda: b.ready and b.connections > 0, timeout=20)
 
         old.send_signal(signal.SIGTERM)
         signalled_at = a.connections
@@ -165,7 +159,7 @@ async def test_replacing_a_sidecar_under_load_fails_no_request(upstream, engine)
         await wait_for(lambda: old.poll() is not None, timeout=30)
         old_logs = log_lines(old)
         served_after = load.ok
-        await wait_for(lambda: load.ok >= served_after + 50)
+        await wait_for(lambda: load.ok >= served_after + 50, timeout=20)
     finally:
         load.running = False
         await asyncio.gather(*clients, return_exceptions=True)

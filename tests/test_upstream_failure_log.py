@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.errors import ConfigError
 from sidecar.deployments import Upstream
+from sidecar.errors import ConfigError
 from sidecar.upstream_failures import UpstreamFailureLog
 from tests.engine import RawMessage
 from tests.proxy.test_errors import free_port

@@ -1,19 +1,61 @@
-"""The OpenAPI 3.1 description of the admin listener, served at ``/openapi.json``."""
+"""The OpenAPI 3.1 description of the admin listener, served at ``/openapi.json``.
+
+Its schemas are generated from the pydantic models of :mod:`sidecar.admin.models` (their
+``$defs`` become ``components/schemas``, refs pointing there), then filled in with this
+configuration's deployment names and TTL limits; paths, parameters and security are written
+here. Nullable scalars read ``"type": ["string", "null"]`` (OpenAPI 3.1 is JSON Schema 2020-12)
+and times ``"format": "date-time"`` (RFC 3339).
+"""
 
 from __future__ import annotations
 
+import copy
+import functools
 from typing import Any
 
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, models_json_schema
+from pydantic_core import core_schema
+
 from sidecar import __version__
-from sidecar.admin.sessions_api import CURSOR_PATTERN, LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT, SESSION_ID_PATTERN
+from sidecar.admin import models
+from sidecar.admin.sessions_api import CURSOR_PATTERN, LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT
 from sidecar.admin.views import MAX_DEPTH, MAX_NODES
 from sidecar.config import Config
 
 _JSON = "application/json"
+_REF = "#/components/schemas/{model}"
+
+
+class _Schemas(GenerateJsonSchema):
+    """pydantic's generator, with nullable scalars as a type list and no per-field titles."""
+
+    def nullable_schema(self, schema: core_schema.NullableSchema) -> JsonSchemaValue:
+        out = super().nullable_schema(schema)
+        variants = out.get("anyOf")
+        if variants is not None and len(variants) == 2 and variants[1] == {"type": "null"}:
+            inner = variants[0]
+            # An enum or a const would have to list null too: those keep the anyOf.
+            if isinstance(inner.get("type"), str) and not {"$ref", "enum", "const"} & inner.keys():
+                rest = {k: v for k, v in out.items() if k != "anyOf"}
+                return {**rest, **inner, "type": [inner["type"], "null"]}
+        return out
+
+    def field_title_should_be_set(self, schema: Any) -> bool:
+        return False
+
+
+@functools.cache
+def _model_schemas() -> dict[str, Any]:
+    """``components/schemas`` generated from the models (the same for every configuration)."""
+    _, top = models_json_schema([(m, "validation") for m in models.DOCUMENTED], ref_template=_REF,
+                                schema_generator=_Schemas)
+    return top["$defs"]
 
 
 def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
+    if name not in _model_schemas():
+        raise KeyError(f"no model named {name!r} in sidecar.admin.models")
+    return {"$ref": _REF.format(model=name)}
 
 
 def _json_body(schema: dict[str, Any], description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -27,136 +69,35 @@ def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str,
     return _json_body(_ref("Error"), description, headers)
 
 
-_UNAUTHORIZED = _error("No or invalid bearer token.",
-                       {"WWW-Authenticate": {"schema": {"type": "string"}, "required": True}})
-_SESSION_NOT_FOUND = _error("Unknown, or not visible to the caller (`session_not_found`).")
-_TIMESTAMP = {"type": "string", "format": "date-time"}
-_NULLABLE_TIMESTAMP = {"type": ["string", "null"], "format": "date-time"}
+def _schemas(config: Config) -> dict[str, Any]:
+    """The models' schemas with what this configuration fixes: the deployments a session may be
+    bound to, the TTL bounds."""
+    api = config.sessions.api
+    schemas = copy.deepcopy(_model_schemas())
+    props = schemas["SessionCreate"]["properties"]
+    props["deployment"]["enum"] = [d.name for d in config.resolved_deployments()]
+    ttl = props["ttl_seconds"]
+    ttl["maximum"] = api.max_ttl_seconds
+    default = "none" if api.default_ttl_seconds is None else f"{api.default_ttl_seconds:g} seconds"
+    ttl["description"] += f" (default: {default})"
+    return schemas
 
 
 def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
     """The document for this configuration (limits and deployment names filled in);
     ``authenticated``: whether ``/v1/*`` requires a bearer token (a tokens file is set)."""
-    api = config.sessions.api
-    deployments = [d.name for d in config.resolved_deployments()]
     session_path = {"name": "session_id", "in": "path", "required": True,
                     "schema": {"type": "string", "minLength": 1, "maxLength": 256}}
     secured: list[dict[str, list[str]]] = [{"bearerAuth": []}] if authenticated else []
-    schemas: dict[str, Any] = {
-        "Error": {
-            "type": "object",
-            "required": ["error"],
-            "properties": {"error": {
-                "type": "object",
-                "required": ["type", "message"],
-                "properties": {"type": {"type": "string", "description": "stable machine-readable type"},
-                               "message": {"type": "string"}},
-                "additionalProperties": True,
-            }},
-        },
-        "SessionCreate": {
-            "type": "object",
-            "required": ["deployment"],
-            "additionalProperties": False,
-            "properties": {
-                "deployment": {"type": "string", "enum": deployments,
-                               "description": "the deployment to bind the session to"},
-                "session_id": {"type": "string", "pattern": SESSION_ID_PATTERN,
-                               "description": "default: a generated UUID. A workspace token chooses ids in its "
-                                              "own namespace only: `<workspace>:` and at least one more "
-                                              "character (any other id is refused with 400 `invalid_request`, "
-                                              "whether or not it exists); admin tokens and an open API choose "
-                                              "any id"},
-                "ttl_seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": api.max_ttl_seconds,
-                                "description": "expire after this long without a request (default "
-                                               f"{api.default_ttl_seconds})"},
-                "parent": {"type": "string", "pattern": SESSION_ID_PATTERN,
-                           "description": "an active session of the same deployment you created"},
-            },
-        },
-        "Session": {
-            "type": "object",
-            "required": ["id", "deployment", "workspace", "status", "origin", "parent", "ttl_seconds",
-                         "created_at", "last_active_at", "expires_at", "ended_at", "root", "turns",
-                         "in_flight", "final_turn_seen"],
-            "properties": {
-                "id": {"type": "string"},
-                "deployment": {"type": "string"},
-                "workspace": {"type": ["string", "null"]},
-                "status": {"type": "string", "enum": ["active", "closed", "expired"]},
-                "origin": {"type": "string", "enum": ["api", "traffic"],
-                           "description": "created through this API, or learned from request headers "
-                                          "(visible to admin tokens only)"},
-                "parent": {"type": ["string", "null"]},
-                "ttl_seconds": {"type": ["number", "null"]},
-                "created_at": _TIMESTAMP,
-                "last_active_at": _NULLABLE_TIMESTAMP,
-                "expires_at": _NULLABLE_TIMESTAMP,
-                "ended_at": _NULLABLE_TIMESTAMP,
-                "root": {"type": ["string", "null"], "description": "root of its lineage tree, once it had a request"},
-                "turns": {"type": "integer", "minimum": 0},
-                "in_flight": {"type": "integer", "minimum": 0},
-                "final_turn_seen": {"type": "boolean"},
-                "placeholder": {"type": "boolean"},
-                "end_reason": {"type": ["string", "null"]},
-                "workers": _ref("WorkerRuns"),
-                "affinity": _ref("Affinity"),
-            },
-        },
-        "WorkerRuns": {
-            "type": "array",
-            "description": "which upstream worker served the session's turns, as runs of consecutive turns "
-                           "on one worker, oldest first (the last 8 runs)",
-            "items": {"type": "object", "required": ["worker", "turns"],
-                      "properties": {"worker": {"type": "string"}, "turns": {"type": "integer", "minimum": 1}}},
-        },
-        "Affinity": {
-            "type": "object",
-            "description": "turns by worker outcome: first, same_worker (as the previous turn), moved",
-            "required": ["first", "same_worker", "moved"],
-            "properties": {k: {"type": "integer", "minimum": 0} for k in ("first", "same_worker", "moved")},
-        },
-        "SessionList": {
-            "type": "object",
-            "required": ["data", "next_cursor"],
-            "properties": {"data": {"type": "array", "items": _ref("Session")},
-                           "next_cursor": {"type": ["string", "null"],
-                                           "description": "pass as `cursor` for the next page; null on the last"}},
-        },
-        "TreeNode": {
-            "type": "object",
-            "required": ["session", "parent", "root", "deployment", "turns", "in_flight", "ended", "children"],
-            "properties": {
-                "session": {"type": "string"},
-                "parent": {"type": ["string", "null"]},
-                "root": {"type": "string"},
-                "deployment": {"type": "string"},
-                "created_at": _TIMESTAMP,
-                "last_active_at": _TIMESTAMP,
-                "turns": {"type": "integer"},
-                "in_flight": {"type": "integer"},
-                "final_turn_seen": {"type": "boolean"},
-                "ended": {"type": "boolean"},
-                "end_reason": {"type": ["string", "null"]},
-                "closed": {"type": "boolean"},
-                "placeholder": {"type": "boolean"},
-                "workers": _ref("WorkerRuns"),
-                "affinity": _ref("Affinity"),
-                "children": {"type": "array", "items": _ref("TreeNode"),
-                             "description": "oldest first; cut by the view's bounds (see `omitted`)"},
-                "omitted": {"type": "integer", "minimum": 0,
-                            "description": "present when the view cut sessions below this node: how many "
-                                           "are not shown"},
-            },
-        },
-        "Status": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
-    }
+    unauthorized = _error("No or invalid bearer token.",
+                          {"WWW-Authenticate": {"schema": {"type": "string"}, "required": True}})
+    session_not_found = _error("Unknown, or not visible to the caller (`session_not_found`).")
     paths: dict[str, Any] = {
         "/healthz": {"get": {"operationId": "healthz", "summary": "Liveness", "security": [],
                              "responses": {"200": _json_body(_ref("Status"), "Alive.")}}},
         "/readyz": {"get": {"operationId": "readyz", "summary": "Readiness", "security": [],
-                            "responses": {"200": _json_body(_ref("Status"), "Ready."),
-                                          "503": _json_body(_ref("Status"), "Not ready or draining.")}}},
+                            "responses": {"200": _json_body(_ref("Readiness"), "Ready."),
+                                          "503": _json_body(_ref("Readiness"), "Not ready or draining.")}}},
         "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus metrics", "security": [],
                              "responses": {"200": {"description": "Prometheus text format.",
                                                    "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
@@ -173,7 +114,7 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                                       {"Location": {"schema": {"type": "string"}, "required": True}}),
                     "400": _error("Invalid body, or a `session_id` outside the workspace token's namespace "
                                   "(`invalid_request`), or unknown deployment (`unknown_deployment`)."),
-                    "401": _UNAUTHORIZED,
+                    "401": unauthorized,
                     "404": _error("`parent` names no active session of the deployment that the caller "
                                   "created (`parent_not_found`)."),
                     "409": _error("The id is taken (`session_exists`)."),
@@ -186,8 +127,7 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "security": secured,
                 "parameters": [
                     {"name": "deployment", "in": "query", "required": False, "schema": {"type": "string"}},
-                    {"name": "status", "in": "query", "required": False,
-                     "schema": {"type": "string", "enum": ["active", "closed", "expired"]}},
+                    {"name": "status", "in": "query", "required": False, "schema": _ref("SessionStatus")},
                     {"name": "limit", "in": "query", "required": False,
                      "schema": {"type": "integer", "minimum": 1, "maximum": LIST_MAX_LIMIT,
                                 "default": LIST_DEFAULT_LIMIT}},
@@ -198,7 +138,7 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "responses": {
                     "200": _json_body(_ref("SessionList"), "One page."),
                     "400": _error("Invalid parameter (`invalid_request`)."),
-                    "401": _UNAUTHORIZED,
+                    "401": unauthorized,
                 },
             },
         },
@@ -209,8 +149,8 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "security": secured,
                 "parameters": [session_path],
                 "responses": {"200": _json_body(_ref("Session"), "The session."),
-                              "401": _UNAUTHORIZED,
-                              "404": _SESSION_NOT_FOUND},
+                              "401": unauthorized,
+                              "404": session_not_found},
             },
         },
         "/v1/sessions/{session_id}/close": {
@@ -223,8 +163,8 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "security": secured,
                 "parameters": [session_path],
                 "responses": {"200": _json_body(_ref("Session"), "The session, closed."),
-                              "401": _UNAUTHORIZED,
-                              "404": _SESSION_NOT_FOUND},
+                              "401": unauthorized,
+                              "404": session_not_found},
             },
         },
         "/v1/trees/{root}": {
@@ -239,7 +179,7 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "parameters": [{"name": "root", "in": "path", "required": True,
                                 "schema": {"type": "string", "minLength": 1, "maxLength": 256}}],
                 "responses": {"200": _json_body(_ref("TreeNode"), "The tree, nested."),
-                              "401": _UNAUTHORIZED,
+                              "401": unauthorized,
                               "404": _error("Unknown, or not visible to the caller (`tree_not_found`).")},
             },
         },
@@ -251,7 +191,7 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                                 "`/v1/*` needs a bearer token when `admin_tokens_file` is set."},
         "paths": paths,
         "components": {
-            "schemas": schemas,
+            "schemas": _schemas(config),
             "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
         },
     }

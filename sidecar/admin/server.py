@@ -14,11 +14,11 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from sidecar import errors
 from sidecar.admin import sessions_api
 from sidecar.admin.openapi import build_openapi
 from sidecar.admin.sessions_api import ROUTER_KEY
 from sidecar.admin.ui import add_ui_routes
-from sidecar import errors
 from sidecar.auth import TokenSet
 from sidecar.health import UpstreamHealth
 from sidecar.metrics import Metrics

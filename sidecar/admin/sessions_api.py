@@ -14,7 +14,8 @@ and the open API choose any id.
 Handlers call the router synchronously (no await between a check and its effect), so a close
 is ordered with every request admission on the event loop. The tree view is the exception: it
 is built in slices that let the proxy run in between (:mod:`sidecar.admin.views`). The shapes
-are documented by :mod:`sidecar.admin.openapi`, served at ``/openapi.json``.
+(request body and answers) are the models of :mod:`sidecar.admin.models`, which the document
+served at ``/openapi.json`` is generated from (:mod:`sidecar.admin.openapi`).
 """
 
 from __future__ import annotations
@@ -27,18 +28,18 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from sidecar import errors
 from sidecar import headers as h
+from sidecar.admin.models import SessionCreate
 from sidecar.admin.views import MAX_DEPTH, MAX_NODES, VIEWS_LOCK, run_sliced, views_lock
-from sidecar.auth import Principal, TokenSet, OPEN
+from sidecar.auth import OPEN, Principal, TokenSet
 from sidecar.config import format_validation_error
 from sidecar.lineage import VIEW_STEP, TreeView
 from sidecar.router import Router
 from sidecar.sessions import ApiSession, SessionExists, SessionLimitReached, SessionStatus, rfc3339
 
-SESSION_ID_PATTERN = r"^[A-Za-z0-9._:@+=~-]{1,256}$"
 LIST_DEFAULT_LIMIT = 100
 LIST_MAX_LIMIT = 1000
 
@@ -74,7 +75,7 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
                             headers=exc.headers)
     except web.HTTPMethodNotAllowed as exc:
         return web.Response(status=405, content_type="application/json", headers={h.ALLOW: exc.headers[h.ALLOW]},
-                            body=errors.error_body("method_not_allowed", f"{request.method} is not allowed here"))
+                            body=errors.error_body(errors.METHOD_NOT_ALLOWED, f"{request.method} is not allowed here"))
     except web.HTTPNotFound:
         return web.Response(status=404, content_type="application/json",
                             body=errors.error_body(errors.NOT_FOUND, "no such resource"))
@@ -101,7 +102,7 @@ def _wall_offset(router: Router) -> float:
     return time.time() - router.tree.now()
 
 
-_LINEAGE_DEFAULTS = {"root": None, "turns": 0, "in_flight": 0, "final_turn_seen": False, "workers": [],
+_LINEAGE_DEFAULTS: dict[str, Any] = {"root": None, "turns": 0, "in_flight": 0, "final_turn_seen": False, "workers": [],
                      "affinity": {"first": 0, "same_worker": 0, "moved": 0}}
 
 
@@ -180,14 +181,6 @@ def _visible(router: Router, who: Principal, session: str) -> ApiSession | None:
 
 # -- handlers --------------------------------------------------------------------------------
 
-class CreateSession(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    deployment: str = Field(min_length=1, max_length=63)
-    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
-    ttl_seconds: float | int | None = Field(None, gt=0)
-    parent: str | None = Field(None, pattern=SESSION_ID_PATTERN)
-
-
 async def create_session(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
     who = caller(request)
@@ -198,7 +191,7 @@ async def create_session(request: web.Request) -> web.Response:
     if not isinstance(raw, dict):
         raise ApiError(errors.INVALID_REQUEST, "the body must be a JSON object")
     try:
-        body = CreateSession.model_validate(raw)
+        body = SessionCreate.model_validate(raw)
     except ValidationError as exc:
         raise ApiError(errors.INVALID_REQUEST, format_validation_error(exc).replace("\n", "; ")) from None
     if body.session_id is not None and not who.admin:
@@ -212,7 +205,7 @@ async def create_session(request: web.Request) -> web.Response:
         raise ApiError(errors.UNKNOWN_DEPLOYMENT, f"no deployment named {body.deployment!r}",
                        deployments=[d.name for d in router.deployments])
     api_cfg = router.store.cfg
-    ttl = None if body.ttl_seconds is None else float(body.ttl_seconds)
+    ttl = body.ttl_seconds
     if ttl is not None and ttl > api_cfg.max_ttl_seconds:
         raise ApiError(errors.INVALID_REQUEST, f"ttl_seconds: must be at most {api_cfg.max_ttl_seconds:g}")
     if router.state.shared:

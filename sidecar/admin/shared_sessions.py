@@ -40,11 +40,16 @@ def _state(router: Router) -> RedisState:
     return state
 
 
+
+def _store_down() -> StoreError:
+    return StoreError(errors.ProxyError(STORE_UNAVAILABLE, "the shared session store is unreachable; retry"))
+
+
 async def _record(router: Router, session: str) -> Record | None:
     try:
         return (await _state(router).fetch([session]))[session]
     except StoreUnavailable:
-        raise StoreError(errors.ProxyError(STORE_UNAVAILABLE, "the shared session store is unreachable; retry"))
+        raise _store_down() from None
 
 
 def resource(router: Router, rec: Record) -> dict[str, Any]:
@@ -99,7 +104,7 @@ async def create(router: Router, who: Principal, *, session: str | None, deploym
         seq = await state.create_api(session=sid, deployment=deployment, workspace=who.workspace, parent=parent,
                                      ttl=ttl, now=now)
     except StoreUnavailable:
-        raise StoreError(errors.ProxyError(STORE_UNAVAILABLE, "the shared session store is unreachable; retry"))
+        raise _store_down() from None
     if seq == 0:
         raise StoreError(errors.ProxyError(errors.SESSION_EXISTS, "a session with this id exists or was closed "
                                            "recently"))
@@ -121,7 +126,7 @@ async def close(router: Router, who: Principal, session: str) -> dict[str, Any] 
         try:
             await _state(router).close(session, EndReason.API_CLOSED.value)
         except StoreUnavailable:
-            raise StoreError(errors.ProxyError(STORE_UNAVAILABLE, "the shared session store is unreachable; retry"))
+            raise _store_down() from None
         router.closing_elsewhere(session, EndReason.API_CLOSED.value)  # this replica at once, the others by event
     rec = await _record(router, session)
     return None if rec is None else resource(router, rec)
@@ -136,7 +141,7 @@ async def page(router: Router, who: Principal, *, after: int, limit: int, deploy
         try:
             batch = await state.api_page(after, limit)
         except StoreUnavailable:
-            raise StoreError(errors.ProxyError(STORE_UNAVAILABLE, "the shared session store is unreachable; retry"))
+            raise _store_down() from None
         if not batch:
             return out, None
         for rec in batch:
@@ -159,7 +164,7 @@ async def tree(router: Router, who: Principal, session: str, *, max_depth: int, 
     try:
         built = await tree_view(_state(router), session, max_depth=max_depth, max_nodes=max_nodes)
     except StoreUnavailable:
-        raise StoreError(errors.ProxyError(STORE_UNAVAILABLE, "the shared session store is unreachable; retry"))
+        raise _store_down() from None
     if built is None:
         return None
     top, _ = built

@@ -23,7 +23,7 @@ __all__ = ["MAX_DEPTH", "MAX_NODES", "SLICE_SECONDS", "VIEWS_LOCK", "run_sliced"
 # Levels below a tree's root that a view nests. JSON encoders cap nesting (orjson at 255 levels; a
 # tree level is two: the node object and its children array), and so do browsers' renderers.
 MAX_DEPTH = 48
-# Node dicts a view builds in all; serializing them takes about 1.5 ms (one orjson call).
+# Node dicts a view builds in all: bounds the one orjson call that serializes them (it runs on the loop).
 MAX_NODES = 2000
 SLICE_SECONDS = 0.002
 

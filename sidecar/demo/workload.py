@@ -109,8 +109,7 @@ async def _run_session(
         try:
             worker, reply, prompt_tokens, cached = await _one_request(
                 http, url, messages, correlation_id)
-        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError,
-                KeyError, TypeError) as exc:
+        except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError, KeyError, TypeError) as exc:
             records.append(RequestRecord(index, turn, None, 0, 0, time.perf_counter() - start,
                                          False, f"{type(exc).__name__}: {exc}"[:200]))
             return

@@ -27,10 +27,10 @@ from yarl import URL
 
 from sidecar import errors
 from sidecar import headers as h
+from sidecar.context import TurnOutcome
 from sidecar.engine.base import Engine
 from sidecar.engine.head import origin_form, valid_host
 from sidecar.errors import failure_reason
-from sidecar.context import TurnOutcome
 from sidecar.router import BodyWork, Decision, RequestHead, body_pool
 from sidecar.state import LoadNeeded
 
@@ -205,7 +205,7 @@ class AiohttpEngine(Engine):
         await self._site.stop()
         try:
             await asyncio.wait_for(self._idle.wait(), grace)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("drain grace expired with %d requests in flight", self._in_flight)
 
     async def close(self) -> None:
@@ -383,7 +383,7 @@ class AiohttpEngine(Engine):
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
             return self._error(errors.request_too_large(dep.name, dep.limits.max_body_bytes), dep.name,
                                dep.mode_name, "body_too_large")
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             connecting = isinstance(exc, aiohttp.ConnectionTimeoutError)
             reason = "connect timed out" if connecting else \
                 f"no response data for {t.idle:g} s" if isinstance(exc, aiohttp.SocketTimeoutError) else \
@@ -450,7 +450,7 @@ class AiohttpEngine(Engine):
             upstream.close()
             router.finish(decision, TurnOutcome.CLIENT_ABORTED)
             raise
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             # Mid-stream upstream failure: the status line is gone, so the only honest signal left
             # is an incomplete response (aborted connection) rather than a clean end.
             upstream.close()

@@ -146,11 +146,11 @@ class HttptoolsResponseParser:
             raise ParseError("the response switches protocols") from None
 
 
-RequestParser: Any
-ResponseParser: Any
+RequestParser: Any = HttptoolsParser
+ResponseParser: Any = HttptoolsResponseParser
 try:
-    from sidecar.engine.llhttp_parser import LlhttpParser as RequestParser
-    from sidecar.engine.llhttp_parser import LlhttpResponseParser as ResponseParser
+    from sidecar.engine.llhttp_parser import LlhttpParser, LlhttpResponseParser
 except ImportError:  # not compiled, or SIDECAR_PURE_PYTHON=1
-    RequestParser = HttptoolsParser
-    ResponseParser = HttptoolsResponseParser
+    pass
+else:
+    RequestParser, ResponseParser = LlhttpParser, LlhttpResponseParser

@@ -34,8 +34,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field
 
 from sidecar import headers as h
-from sidecar.modes.base import BodyPatch, Mode
 from sidecar.context import RoutingContext
+from sidecar.modes.base import BodyPatch, Mode
 from sidecar.modes.ids import DYNAMO_ALWAYS_FITS, DYNAMO_MAX_ID_BYTES, fit_id
 from sidecar.modes.options import Scoped, Seconds, canonical_word
 

@@ -20,9 +20,9 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from sidecar import headers as h
-from sidecar.validation import split_names
 from sidecar.modes.base import Mode, RoutingContext
 from sidecar.modes.options import HeaderName, Scoped
+from sidecar.validation import split_names
 
 
 class SessionIdHeaderOptions(Scoped):

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, Field
 
 from sidecar import headers as h
-from sidecar.validation import check_token
 from sidecar.modes import base
+from sidecar.validation import check_token
 
 
 def canonical_word(value: Any) -> Any:

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sidecar.identity import Identity
     from sidecar.context import SessionEnd
+    from sidecar.identity import Identity
     from sidecar.lineage import Turn
 
 __all__ = ["LoadNeeded", "MemoryState", "SessionState"]

@@ -40,7 +40,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from sidecar.config import Config
 from sidecar.context import EndReason, SessionEnd
@@ -54,7 +54,6 @@ from sidecar.state.records import Record, decode, ms
 log = logging.getLogger("sidecar.state")
 
 LAZY_SECONDS = 1.0  # turn counts and activity
-SWEEP_SECONDS = 1.0
 SWEEP_BATCH = 500
 LEASE_SECONDS = 10  # a replica's holders count while its lease lives (refreshed every lazy flush)
 BREAKER_MIN, BREAKER_MAX = 1.0, 30.0
@@ -78,6 +77,17 @@ class _Dirty:
         self.workers = False
 
 
+class _Written:
+    """What one write carried for a session: the node's counts as read, and the flags it took."""
+
+    __slots__ = ("node", "full", "turns", "in_flight", "flags", "created", "mode", "workers")
+
+    def __init__(self, node: Any, full: bool, turns: int, in_flight: int, flags: int, created: bool,
+                 mode: bool, workers: bool) -> None:
+        self.node, self.full, self.turns, self.in_flight, self.flags = node, full, turns, in_flight, flags
+        self.created, self.mode, self.workers = created, mode, workers
+
+
 class RedisState(SessionState):
     """Sessions shared through Redis / Valkey (see the module docstring)."""
 
@@ -92,9 +102,11 @@ class RedisState(SessionState):
         self.channel = self.prefix + "ev"
         self.timeout = sc.timeout_ms / 1000
         self.tick = sc.flush_interval_ms / 1000
-        # Every holder reaches the store within a tick or two of its request's start: an end
-        # waits this long after the close before it may be claimed.
-        self.settle_ms = max(4 * sc.flush_interval_ms, 100)
+        # A holder reaches the store within a tick and two writes (one may be running when the
+        # request starts; a write that takes longer than the timeout fails and opens the
+        # breaker): an end waits this long after the close before it may be claimed, so every
+        # request admitted before a replica heard of the close is counted.
+        self.settle_ms = 2 * sc.timeout_ms + 2 * sc.flush_interval_ms
         s = config.sessions
         self.idle_ttl = s.idle_ttl_seconds
         self.cap = s.max_live_sessions
@@ -159,7 +171,6 @@ class RedisState(SessionState):
             log.info("shared session store connected", extra={"replica": self.replica, "prefix": self.prefix})
         loop = self._loop
         self._tasks = [loop.create_task(self._flusher(), name="sidecar-state-flush"),
-                       loop.create_task(self._sweeper(), name="sidecar-state-sweep"),
                        loop.create_task(self._listener(), name="sidecar-state-events")]
 
     async def stop(self) -> None:
@@ -267,6 +278,7 @@ class RedisState(SessionState):
     def _start_batch(self) -> None:
         assert self._loop is not None
         ids, identities, future = list(self._batch), self._batch_identities, self._batch_future
+        assert future is not None
         self._batch, self._batch_identities, self._batch_future = set(), [], None
         task = self._loop.create_task(self._read_batch(ids, identities, future))
         self._tasks.append(task)
@@ -378,6 +390,8 @@ class RedisState(SessionState):
     # -- flushing ------------------------------------------------------------------------------
 
     async def _flusher(self) -> None:
+        """Every tick: urgent writes, closes and due end checks; every LAZY_SECONDS: everything,
+        then the store's sweep (which reads the activity just written)."""
         assert self._loop is not None
         while not self._stopping:
             await asyncio.sleep(self.tick)
@@ -392,49 +406,58 @@ class RedisState(SessionState):
                 self._next_lazy = now + LAZY_SECONDS
             try:
                 await self._flush(everything=lazy, checks=due)
+                if lazy:
+                    await self._sweep()
             except (RedisError, OSError, TimeoutError) as exc:
                 self._failed("flush", exc)
             except Exception:  # a defect must not stop the writer
                 log.exception("shared store flush failed")
 
     async def _flush(self, *, everything: bool, checks: Sequence[str] = ()) -> None:
-        """One round trip: the batched writes, then the closes and end checks pending here."""
+        """One round trip: the batched writes, then the closes and end checks pending here.
+
+        What a write carries is taken from the dirty table when the operations are built; what
+        changes during the round trip stays pending, and a failed write puts back what it took.
+        """
         assert self.client is not None and self._flushing is not None
         async with self._flushing:
-            sids = list(self._dirty) if everything else [s for s in self._urgent if s in self._dirty]
+            urgent, self._urgent = self._urgent, set()
+            sids = list(self._dirty) if everything else [s for s in urgent if s in self._dirty]
             ending = dict(self._ending)
             for sid in ending:
-                if sid in self._dirty and sid not in sids:
+                if sid in self._dirty and sid not in urgent:
                     sids.append(sid)
-            written: dict[str, tuple[Any, int, int]] = {}
-            args = self._ops(sids, written)
+            written: dict[str, _Written] = {}
+            args = self._ops(sids, written, everything=everything)
             republish = self._republish[:REPUBLISH_BATCH]
             del self._republish[:REPUBLISH_BATCH]
             args += self._republish_ops(republish)
             now_ms = ms(self.clock())
-            async with self.client.pipeline(transaction=False) as pipe:
-                # (redis-py's asyncio scripts queue on a pipeline when awaited; the round trip is execute)
-                await self._flush_script(args=[self.prefix, now_ms, self.replica, self.tomb_ttl, LEASE_SECONDS,
-                                               int(self.idle_ttl + self.tomb_ttl + KEY_GRACE_SECONDS), *args],
-                                         client=pipe)
-                for sid, reason in ending.items():
-                    await self._close_script(args=[self.prefix, sid, now_ms, reason, self.settle_ms], client=pipe)
-                checked = [*ending, *(c for c in checks if c not in ending)]
-                for sid in checked:
-                    await self._end_script(args=[self.prefix, sid, now_ms, self.tomb_ttl, self.settle_ms], client=pipe)
-                results = await self._timed("flush", pipe.execute(), commands=1 + len(ending) + len(checked))
-            # Written: drop the entries that did not change during the round trip; the others
-            # keep what changed since (their "before" is what was just written).
-            for sid, (node, turns, in_flight) in written.items():
+            checked = [*ending, *(c for c in checks if c not in ending)]
+            calls: list[tuple[Any, list[Any]]] = [
+                (self._flush_script, [self.prefix, now_ms, self.replica, self.tomb_ttl, LEASE_SECONDS,
+                                      int(self.idle_ttl + self.tomb_ttl + KEY_GRACE_SECONDS), *args])]
+            calls += [(self._close_script, [self.prefix, sid, now_ms, reason, self.settle_ms])
+                      for sid, reason in ending.items()]
+            calls += [(self._end_script, [self.prefix, sid, now_ms, self.tomb_ttl, self.settle_ms])
+                      for sid in checked]
+            try:
+                results = await self._scripts("flush", calls)
+            except BaseException:
+                self._untake(written, urgent)
+                self._republish[:0] = republish
+                raise
+            for sid, w in written.items():
                 entry = self._dirty.get(sid)
-                if entry is None or entry.node is not node:
+                if entry is None or entry.node is not w.node:
                     continue
-                if node.turns == turns and node.in_flight == in_flight:
+                entry.in_flight0 = w.in_flight
+                if w.full:
+                    entry.turns0, entry.flags0 = w.turns, w.flags
+                node = w.node
+                if (node.turns == entry.turns0 and node.in_flight == entry.in_flight0 and node.flags == entry.flags0
+                        and not (entry.created or entry.mode or entry.workers)):
                     del self._dirty[sid]
-                else:
-                    entry.turns0, entry.in_flight0, entry.flags0 = turns, in_flight, node.flags
-                    entry.created = entry.mode = entry.workers = False
-            self._urgent.difference_update(sids)
             for sid in ending:
                 self._ending.pop(sid, None)
             for sid in checks:
@@ -446,10 +469,38 @@ class RedisState(SessionState):
             for sid, outcome in zip(checked, results[1 + len(ending):], strict=True):
                 self._end_outcome(sid, outcome)
 
-    def _ops(self, sids: Sequence[str], written: dict[str, tuple[Any, int, int]]) -> list[Any]:
-        """The flush script's operations for these sessions' changes (nodes read now); records in
-        ``written`` what each carries (node, turns, in flight), to settle the entries once the
-        write succeeded."""
+    def _untake(self, written: dict[str, _Written], urgent: set[str]) -> None:
+        """A write failed: what it took from the dirty table is pending again."""
+        self._urgent |= urgent
+        for sid, w in written.items():
+            entry = self._dirty.get(sid)
+            if entry is not None and entry.node is w.node:
+                entry.created |= w.created
+                entry.mode |= w.mode
+                entry.workers |= w.workers
+
+    async def _scripts(self, op: str, calls: Sequence[tuple[Any, list[Any]]]) -> list[Any]:
+        """Run these script calls in one pipelined round trip, by hash. A script the store does
+        not have (it restarted, or its scripts were flushed) did not run: it is loaded and run
+        again on its own (redis-py's pipelines would ask SCRIPT EXISTS on every execute)."""
+        assert self.client is not None
+        async with self.client.pipeline(transaction=False) as pipe:
+            for script, args in calls:
+                pipe.evalsha(script.sha, 0, *args)
+            results = await self._timed(op, pipe.execute(raise_on_error=False), commands=len(calls))
+        for i, result in enumerate(results):
+            if isinstance(result, NoScriptError):
+                script, args = calls[i]
+                results[i] = await self._timed(op, script(args=args), commands=2)
+            elif isinstance(result, Exception):
+                raise result
+        return list(results)
+
+    def _ops(self, sids: Sequence[str], written: dict[str, _Written], *, everything: bool) -> list[Any]:
+        """The flush script's operations for these sessions' changes (nodes read now), recorded in
+        ``written`` and taken from the entries. A new session goes out whole; for a known one an
+        urgent write carries only what the fleet must see at once (its holders and mode state),
+        the lazy one everything (turns, activity, final seen, worker history)."""
         tree_now = self.tree.now()
         wall = self.clock()
         out: list[Any] = []
@@ -458,11 +509,17 @@ class RedisState(SessionState):
             if entry is None:
                 continue
             node = entry.node
-            written[sid] = (node, node.turns, node.in_flight)
-            active = ms(wall - (tree_now - node.last_active_at))
-            deadline = active + int(self._ttl_of(sid) * 1000)
-            key_ttl = int(self._ttl_of(sid) + self.tomb_ttl + KEY_GRACE_SECONDS)
-            if entry.created:
+            full = everything or entry.created
+            written[sid] = w = _Written(node, full, node.turns, node.in_flight, node.flags, entry.created,
+                                        entry.mode, full and entry.workers)
+            entry.created = entry.mode = False
+            if full:
+                entry.workers = False
+            if full:
+                active = ms(wall - (tree_now - node.last_active_at))
+                deadline = active + int(self._ttl_of(sid) * 1000)
+                key_ttl = int(self._ttl_of(sid) + self.tomb_ttl + KEY_GRACE_SECONDS)
+            if w.created:
                 above = node.parent
                 if above is not None and above.flags & 1:  # a placeholder made here: tell the others
                     out += ("P", above.session, node.deployment, key_ttl)
@@ -470,16 +527,15 @@ class RedisState(SessionState):
                 out += ("C", sid, node.deployment, above.session if above is not None else "",
                         "" if root == sid else root, _flags(node), ms(wall - (tree_now - node.created_at)),
                         active, node.turns, deadline, key_ttl)
-            else:
-                turns = node.turns - entry.turns0
-                out += ("U", sid, turns, active, deadline, key_ttl)
+            elif full:
+                out += ("U", sid, node.turns - entry.turns0, active, deadline, key_ttl)
                 if node.flags & 2 and not entry.flags0 & 2:
                     out += ("F", sid, lua.FINAL_SEEN)
             if node.in_flight != entry.in_flight0:
                 out += ("H", sid, node.in_flight)
-            if entry.mode and node.mode_state is not None:
+            if w.mode and node.mode_state is not None:
                 out += ("M", sid, node.mode_state)
-            if entry.workers and node.workers is not None:
+            if w.workers and node.workers is not None:
                 out += ("W", sid, orjson.dumps(node.workers).decode(), node.worker_turns, node.moves)
         return out
 
@@ -623,26 +679,17 @@ class RedisState(SessionState):
 
     # -- the sweep and events ------------------------------------------------------------------
 
-    async def _sweeper(self) -> None:
-        while not self._stopping:
-            await asyncio.sleep(SWEEP_SECONDS)
-            if not await self._probe():
-                continue
-            try:
-                await self._flush_now()
-                while True:
-                    claimed = await self._timed("sweep", self._sweep_script(args=[
-                        self.prefix, ms(self.clock()), SWEEP_BATCH, self.cap, self.tomb_ttl, self.settle_ms,
-                        int(self.idle_ttl * 1000)]), commands=1)
-                    for row in claimed:
-                        self._claimed(row)
-                    if len(claimed) < SWEEP_BATCH:
-                        break
-                    await asyncio.sleep(0)
-            except (RedisError, OSError, TimeoutError) as exc:
-                self._failed("sweep", exc)
-            except Exception:
-                log.exception("shared store sweep failed")
+    async def _sweep(self) -> None:
+        """Claim the idle expiries and cap evictions that are due fleet-wide, in batches."""
+        while True:
+            claimed = await self._timed("sweep", self._sweep_script(args=[
+                self.prefix, ms(self.clock()), SWEEP_BATCH, self.cap, self.tomb_ttl, self.settle_ms,
+                int(self.idle_ttl * 1000)]), commands=1)
+            for row in claimed:
+                self._claimed(row)
+            if len(claimed) < SWEEP_BATCH:
+                return
+            await asyncio.sleep(0)
 
     async def _listener(self) -> None:
         """Closes and ends published by any replica, applied here within milliseconds."""
@@ -676,6 +723,8 @@ class RedisState(SessionState):
         kind, _, rest = data.partition(" ")
         if kind == "c":
             sid, _, reason = rest.partition(" ")
+            if sid in self._urgent and not self._kicked:
+                self._kick()  # a holder of it is not written yet: the end waits for it
             if self.on_closing is not None:
                 self.on_closing(sid, reason)
         elif kind == "e":

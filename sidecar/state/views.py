@@ -76,7 +76,7 @@ async def tree_view(state: RedisState, session: str, *, max_depth: int, max_node
         records = await state.fetch(ids[:max(budget, 0)]) if depth < max_depth and budget > 0 else {}
         next_level = []
         for sid, d in level:
-            shown = [records[k] for k in kids.get(sid, ()) if records.get(k) is not None]
+            shown = [r for k in kids.get(sid, ()) if (r := records.get(k)) is not None]
             shown.sort(key=lambda r: (r.created, r.id))
             for rec in shown:
                 if budget <= 0 or depth >= max_depth:

@@ -4,12 +4,13 @@ the dead replica's trees, failback on or off, health checks active and passive."
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import defaultdict
 
 import aiohttp
 import pytest
 from aiohttp import web
+
+from tests.waiting import wait_for
 
 TREES = 60
 CHILDREN = 2
@@ -77,13 +78,6 @@ async def run_round(http, proxy: str, trees: list[str], served: dict[str, list[i
     return {t: {r for s, _ in sessions_of(t) for r in served[s][before[s]:]} for t in trees}
 
 
-async def wait_until(pred, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
-
-
 @pytest.fixture
 async def replicas():
     served: dict[str, list[int]] = defaultdict(list)
@@ -124,7 +118,7 @@ async def test_trees_stick_fail_over_and_fail_back(launch, http, replicas, failb
     # the other trees keep working while the dead replica is being detected
     for _ in range(3):
         assert await run_round(http, sc.proxy_url, others, served) == {t: {owner[t]} for t in others}
-    await wait_until(lambda: not balancer.is_healthy(balancer.upstreams[0]))
+    await wait_for(lambda: not balancer.is_healthy(balancer.upstreams[0]))
 
     second = await run_round(http, sc.proxy_url, trees, served)
     for t in moved:  # only the dead replica's trees moved, each to its next-ranked upstream
@@ -132,7 +126,7 @@ async def test_trees_stick_fail_over_and_fail_back(launch, http, replicas, failb
     assert all(second[t] == {owner[t]} for t in others)
 
     await victim.start()  # same port
-    await wait_until(lambda: balancer.is_healthy(balancer.upstreams[0]))
+    await wait_for(lambda: balancer.is_healthy(balancer.upstreams[0]))
     third = await run_round(http, sc.proxy_url, trees, served)
     for t in moved:
         assert third[t] == ({0} if failback else second[t])
@@ -164,7 +158,7 @@ async def test_override_dropped_when_tree_ends(launch, http, replicas):
     sc = await launch(deployments=pool(reps, health_check=HEALTH))
     balancer = sc.router.deployment("pool").balancer
     await reps[2].stop()
-    await wait_until(lambda: not balancer.is_healthy(balancer.upstreams[2]))
+    await wait_for(lambda: not balancer.is_healthy(balancer.upstreams[2]))
     trees = [t for t in (f"o-{i}" for i in range(40)) if balancer.rank(t)[0] is balancer.upstreams[2]][:5]
     await run_round(http, sc.proxy_url, trees, served)
     assert balancer.overrides == len(trees)

@@ -121,7 +121,7 @@ async def closed_soon(reader: asyncio.StreamReader, within: float) -> bool:
     """True when the peer closes (EOF or reset) within ``within`` seconds without sending more."""
     try:
         extra = await asyncio.wait_for(reader.read(1), within)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return False
     except ConnectionResetError:
         return True

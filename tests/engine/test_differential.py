@@ -275,7 +275,7 @@ async def through(sc: Sidecar, up: RawUpstream, case: Case) -> Seen:
         writer.write(case.request)
         await writer.drain()
         async with asyncio.timeout(10):
-            for i in range(case.responses):
+            for _ in range(case.responses):
                 try:
                     r = await read_response(reader, head=case.head)
                 except (WireError, ConnectionResetError, asyncio.IncompleteReadError):

@@ -77,7 +77,7 @@ def test_lookups_agree_with_a_dict_however_many_names_share_a_filter_bit() -> No
     names = [b"X-%s-%d" % (b"H" * (i % 23), i) for i in range(80)] + [b"X-AB", b"x-cB", b"Accept"]
     block = b"".join(b"%s: v%d\r\n" % (n, i) for i, n in enumerate(names))
     view = HeaderBlock(block)
-    expected = {n.decode().lower(): "v%d" % i for i, n in enumerate(names)}
+    expected = {n.decode().lower(): f"v{i}" for i, n in enumerate(names)}
     for key, value in expected.items():
         assert view.get(key) == value
     for absent in ("x-bb", "x-ab-0", "accepT", "x-h-2", "accepts", "", "x-" + "h" * 22 + "-79"):

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar.errors import ConfigError
 from sidecar.config import build_config
+from sidecar.errors import ConfigError
 
 UP = "http://127.0.0.1:9"
 

@@ -14,8 +14,8 @@ import orjson
 import pytest
 import yaml
 
-from sidecar.errors import ConfigError
 from sidecar.config import build_config
+from sidecar.errors import ConfigError
 from sidecar.jsonscan import INLINE_BYTES
 from sidecar.modes import registry
 from sidecar.modes.base import Mode, ModeContractError, check_contract

@@ -6,13 +6,7 @@ import asyncio
 
 import aiohttp
 
-
-async def wait_for(pred, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
+from tests.waiting import wait_for
 
 
 def finishes(upstream) -> list[str]:
@@ -30,7 +24,7 @@ async def test_session_header_and_finish_session_once_per_session(upstream, star
                 async with s.post(f"{sc.proxy_url}/v1/chat/completions", data=b"{}", headers=headers) as resp:
                     assert resp.status == 200
     await wait_for(lambda: len(finishes(upstream)) == 2)
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # a repeated finish_session would show up here
     assert sorted(finishes(upstream)) == ["/finish_session?session_id=sess-a", "/finish_session?session_id=sess-b"]
     chats = [r for r in upstream.received if r.path == "/v1/chat/completions"]
     assert [r.all("x-session-id") for r in chats] == [["sess-a"], ["sess-b"]] * 3

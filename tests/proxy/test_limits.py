@@ -109,7 +109,7 @@ async def test_a_body_signal_id_with_a_line_break_is_forwarded_opaque_never_inje
     async with asyncio.timeout(5):
         assert (await read_response(reader)).status == 200
     writer.close()
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.1)  # a smuggled second request would reach the upstream here
     assert len(upstream.received) == 1
     got = upstream.received[0]
     assert got.header("X-Injected") is None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-
 from tests.sessions.support import Api, FakeClock, deployment, fetch_spec
 from tests.upstream import RecordingUpstream
 

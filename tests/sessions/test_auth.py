@@ -8,10 +8,9 @@ import sys
 
 import pytest
 
-from sidecar.errors import ConfigError
 from sidecar.config import build_config
-from tests.sessions.support import (TOKEN_A, TOKEN_ADMIN, TOKEN_B, Api, deployment, fetch_spec, tokens_file,
-                                    write_yaml)
+from sidecar.errors import ConfigError
+from tests.sessions.support import TOKEN_A, TOKEN_ADMIN, TOKEN_B, Api, deployment, fetch_spec, tokens_file, write_yaml
 from tests.upstream import RecordingUpstream
 
 UP = "http://127.0.0.1:9"

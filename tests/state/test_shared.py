@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from tests.modes.wire import settled
+from tests.waiting import eventually, wait_for
 
 
 async def post(http: aiohttp.ClientSession, sc: Any, session: str | None, *, parent: str | None = None,
@@ -83,7 +84,7 @@ async def test_an_api_session_created_on_one_replica_is_usable_and_closable_on_a
         await asyncio.sleep(0.01)
     assert body["error"]["type"] == "session_closed"
     # the end-of-session action ran once, for the fleet
-    await _until(lambda: len(_finishes(upstream, "api-1")) >= 1)
+    await wait_for(lambda: len(_finishes(upstream, "api-1")) >= 1)
     await asyncio.sleep(0.5)
     assert len(_finishes(upstream, "api-1")) == 1
 
@@ -92,15 +93,13 @@ def _finishes(upstream: Any, session: str) -> list[Any]:
     return [r for r in upstream.received if r.path.startswith("/finish_session") and session in r.path]
 
 
-async def _until(check: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
 def metric(sc: Any, name: str, labels: dict[str, str] | None = None) -> float:
     return sc.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def sweeps(sc: Any) -> float:
+    """Lazy writes done (each is followed by the store's sweep)."""
+    return metric(sc, "sidecar_state_ops_total", {"op": "sweep", "outcome": "ok"})
 
 
 async def test_a_close_lets_requests_in_flight_elsewhere_finish_and_ends_once_after_the_last(
@@ -115,13 +114,13 @@ async def test_a_close_lets_requests_in_flight_elsewhere_finish_and_ends_once_af
             return await resp.read()
 
     task = asyncio.create_task(stream())
-    await _until(lambda: len(upstream.sse_sent_at) >= 2)
+    await wait_for(lambda: len(upstream.sse_sent_at) >= 2)
     status, closed = await api(http, "POST", a.admin_url + "/v1/sessions/s1/close")
     assert status == 200 and closed["status"] == "closed"
     body = await task
     assert body.count(b"data: ") == 9  # 8 events and [DONE]: the stream in flight finished whole
     assert (await post(http, b, "s1"))[0] == 410
-    await _until(lambda: len(_finishes(upstream, "s1")) >= 1)
+    await wait_for(lambda: len(_finishes(upstream, "s1")) >= 1)
     await asyncio.sleep(0.6)
     (finish,) = _finishes(upstream, "s1")
     assert finish.at >= upstream.sse_sent_at[-1]  # after the last byte of the last request in flight
@@ -142,7 +141,7 @@ async def test_a_child_on_another_replica_joins_the_parents_tree(replicas, http,
     assert len({i for _, i in got}) == 1  # and its tree's upstream
     for sc in (a, b):
         # Each replica writes its turns behind (within flush_interval_ms): wait for them, not longer.
-        await _eventually(lambda: api(http, "GET", sc.admin_url + "/v1/trees/C"),
+        await eventually(lambda sc=sc: api(http, "GET", sc.admin_url + "/v1/trees/C"),
                           lambda got: got[0] == 200 and got[1]["turns"] == 3 and got[1]["children"])
         status, tree = await api(http, "GET", sc.admin_url + "/v1/trees/C")
         assert status == 200, tree
@@ -160,22 +159,37 @@ async def test_a_final_turn_on_one_replica_ends_the_session_once_for_the_fleet(u
     assert (await post(http, a, "f1"))[0] == 200
     assert (await post(http, b, "f1"))[0] == 200
     assert (await post(http, c, "f1", final=True))[0] == 200
-    await _until(lambda: len(_finishes(upstream, "f1")) >= 1)
+    await wait_for(lambda: len(_finishes(upstream, "f1")) >= 1)
     await asyncio.sleep(0.6)
     assert len(_finishes(upstream, "f1")) == 1
     assert sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "final_turn_completed"})
                for sc in (a, b, c)) == 1
     # a new request on the id starts a new session on any replica (turn 1 again)
     assert (await post(http, a, "f1"))[0] == 200
-    await _eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/f1"),
+    await eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/f1"),
                       lambda got: got[0] == 200 and got[1]["status"] == "active" and got[1]["turns"] == 1)
+
+
+async def test_worker_history_is_one_history_across_replicas(upstream, replicas, http):
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
+    for _ in range(2):
+        assert (await post(http, a, "wh", path="/worker?w=wa"))[0] == 200
+    # written behind within a second, then read on the other replica
+    await eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/wh"),
+                      lambda got: got[0] == 200 and got[1]["workers"] == [{"worker": "wa", "turns": 2}], timeout=3)
+    assert (await post(http, b, "wh", path="/worker?w=wb"))[0] == 200
+    status, got = await eventually(
+        lambda: api(http, "GET", a.admin_url + "/v1/sessions/wh"),
+        lambda got: got[0] == 200 and got[1]["workers"] == [{"worker": "wa", "turns": 2}, {"worker": "wb", "turns": 1}],
+        timeout=3)
+    assert got["turns"] == 3 and got["affinity"]["moved"] == 1
 
 
 async def test_idle_expiry_is_claimed_by_one_replica(upstream, replicas, http):
     a, b = await replicas(2, upstream=upstream.url, mode="vllm_router", sessions={"idle_ttl_seconds": 1})
     assert (await post(http, a, "idle-1"))[0] == 200
     assert (await post(http, b, "idle-1"))[0] == 200
-    await _until(lambda: len(_finishes(upstream, "idle-1")) >= 1, timeout=8)
+    await wait_for(lambda: len(_finishes(upstream, "idle-1")) >= 1, timeout=8)
     await asyncio.sleep(1.5)
     assert len(_finishes(upstream, "idle-1")) == 1
     assert sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "idle_expired"}) for sc in (a, b)) == 1
@@ -186,7 +200,7 @@ async def test_the_live_session_cap_evicts_fleet_wide_once(upstream, replicas, h
     assert (await post(http, a, "e1"))[0] == 200
     assert (await post(http, b, "e2"))[0] == 200
     assert (await post(http, a, "e3"))[0] == 200
-    await _until(lambda: sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "evicted"}) for sc in (a, b)) >= 1,
+    await wait_for(lambda: sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "evicted"}) for sc in (a, b)) >= 1,
                  timeout=8)
     await asyncio.sleep(1.5)
     assert sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "evicted"}) for sc in (a, b)) == 1
@@ -203,7 +217,7 @@ async def test_restarting_every_replica_keeps_sessions_bindings_and_tombstones(u
     assert (await api(http, "POST", b.admin_url + "/v1/sessions/gone/close"))[0] == 200
     assert (await post(http, a, "root-1"))[0] == 200
     assert (await post(http, b, "kid-1", parent="root-1"))[0] == 200
-    await _until(lambda: len(_finishes(upstream, "gone")) == 1)
+    await wait_for(lambda: len(_finishes(upstream, "gone")) == 1)
     for sc in (a, b):
         await sc.stop()
     finishes = len([r for r in upstream.received if r.path.startswith("/finish_session")])
@@ -232,9 +246,9 @@ async def test_an_unreachable_store_at_start_serves_on_local_state(upstream, rep
     assert upstream.received[-1].header("X-Dynamo-Session-ID") == "local-1"
     assert metric(a, "sidecar_state_store_up") == 0
     redis_server.start()
-    await _until(lambda: metric(a, "sidecar_state_store_up") == 1, timeout=10)
+    await wait_for(lambda: metric(a, "sidecar_state_store_up") == 1, timeout=10)
     # once the store answers, what was served locally is shared
-    await _until(lambda: "local-1" in redis_server.cli("--scan", "--pattern", replicas.prefix + "s:*"), timeout=5)
+    await wait_for(lambda: "local-1" in redis_server.cli("--scan", "--pattern", replicas.prefix + "s:*"), timeout=5)
 
 
 async def test_a_required_store_that_is_unreachable_stops_the_start(upstream, replicas, redis_server):
@@ -257,10 +271,10 @@ async def test_a_store_outage_under_load_fails_no_request(upstream, replicas, ht
     assert statuses == [200] * 40
     assert metric(a, "sidecar_state_store_up") == 0 and metric(b, "sidecar_state_store_up") == 0
     redis_server.start()
-    await _until(lambda: metric(a, "sidecar_state_store_up") == 1 and metric(b, "sidecar_state_store_up") == 1,
+    await wait_for(lambda: metric(a, "sidecar_state_store_up") == 1 and metric(b, "sidecar_state_store_up") == 1,
                  timeout=40)
     # sessions first seen during the outage are republished: the other replica finds them
-    await _until(lambda: "new-3" in redis_server.cli("--scan", "--pattern", replicas.prefix + "s:*"), timeout=5)
+    await wait_for(lambda: "new-3" in redis_server.cli("--scan", "--pattern", replicas.prefix + "s:*"), timeout=5)
     status, node = await api(http, "GET", b.admin_url + "/v1/sessions/new-3")
     assert status == 200 and node["id"] == "new-3"
 
@@ -277,29 +291,39 @@ async def test_a_known_session_costs_no_round_trip_and_a_new_one_at_most_one(ups
     assert metric(a, "sidecar_state_ops_total", {"op": "load", "outcome": "ok"}) == loads + 1
 
 
+async def test_writes_behind_are_one_round_trip_each(upstream, replicas, http, redis_server):
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
+    assert (await post(http, a, "rt-warm"))[0] == 200
+    await wait_for(lambda: sweeps(a) >= 1, timeout=4)  # a lazy write and a sweep: every script ran once
+    redis_server.cli("CONFIG", "RESETSTAT")
+    trips = metric(a, "sidecar_state_round_trips_total")
+    for i in range(20):
+        assert (await post(http, a, f"rt-{i % 4}"))[0] == 200
+    swept = sweeps(a)
+    await wait_for(lambda: sweeps(a) >= swept + 2, timeout=4)  # a whole lazy write after the requests
+    stats = redis_server.cli("INFO", "commandstats")
+    assert "cmdstat_evalsha:" in stats
+    # scripts run by hash: no SCRIPT EXISTS / LOAD ahead of each pipelined write
+    assert "cmdstat_script" not in stats, stats
+    assert metric(a, "sidecar_state_round_trips_total") > trips
+    # a store that lost its scripts (restart, SCRIPT FLUSH) gets them again; nothing is lost
+    redis_server.cli("SCRIPT", "FLUSH")
+    assert (await post(http, a, "rt-after-flush"))[0] == 200
+    await eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/rt-after-flush"),
+                      lambda got: got[0] == 200 and got[1]["turns"] == 1)
+
+
 async def test_every_key_has_a_ttl(upstream, replicas, http, redis_server):
     a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
     await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default", "session_id": "ttl-api"})
     assert (await post(http, a, "ttl-root"))[0] == 200
     assert (await post(http, b, "ttl-kid", parent="ttl-root"))[0] == 200
     assert (await post(http, b, "ttl-kid", final=True))[0] == 200
-    await asyncio.sleep(1.2)  # a lazy flush: lease, shared keys
+    await wait_for(lambda: sweeps(a) >= 2 and sweeps(b) >= 2, timeout=4)  # lazy writes: leases, shared keys
     keys = redis_server.cli("--scan", "--pattern", replicas.prefix + "*").split()
     assert len(keys) >= 6
     for key in keys:
         assert int(redis_server.cli("TTL", key)) > 0, key
-
-
-async def _eventually(fetch: Any, check: Any, timeout: float = 2.0) -> Any:
-    """Fetch until ``check`` holds (writes behind reach the store within milliseconds)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await fetch()
-        if check(got):
-            return got
-        assert time.monotonic() < deadline, got
-        await asyncio.sleep(0.01)
-
 
 
 @pytest.mark.parametrize("engine", ["fast"])
@@ -332,15 +356,18 @@ async def test_a_replica_killed_mid_session_loses_only_its_unflushed_writes(upst
                 return await api(http, "GET", A.admin_url + "/healthz")
             except aiohttp.ClientError:
                 return 0, None
-        await _eventually(ready, lambda got: got[0] == 200, timeout=30)
+        await eventually(ready, lambda got: got[0] == 200, timeout=30)
         for _ in range(3):
             async with http.post(A.proxy_url + "/v1/chat/completions", headers={"X-Correlation-ID": "k1"},
                                  data=b"{}") as resp:
                 assert resp.status == 200
+        # turn counts are written behind within a second (the documented bound)
+        await eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/k1"),
+                          lambda got: got[0] == 200 and got[1]["turns"] == 3, timeout=3)
         assert (await post(http, b, "b1"))[0] == 200
         stream = await http.get(A.proxy_url + "/sse?chunks=50&gap=0.2", headers={"X-Correlation-ID": "k2"})
         assert stream.status == 200
-        await _eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/k2"),
+        await eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/k2"),
                           lambda got: got[0] == 200 and got[1]["in_flight"] == 1)
         proc.kill()  # SIGKILL: no drain, no last flush
         proc.wait(10)
@@ -354,7 +381,7 @@ async def test_a_replica_killed_mid_session_loses_only_its_unflushed_writes(upst
         # session ends exactly once
         status, _ = await api(http, "POST", b.admin_url + "/v1/sessions/k2/close")
         assert status == 200
-        await _until(lambda: len(_finishes(upstream, "k2")) >= 1, timeout=20)
+        await wait_for(lambda: len(_finishes(upstream, "k2")) >= 1, timeout=20)
         await asyncio.sleep(1.5)
         assert len(_finishes(upstream, "k2")) == 1
     finally:

@@ -3,20 +3,10 @@ end-of-session actions and active health checks."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from typing import Any
-
 import aiohttp
 
 from tests.tls.conftest import Pki
-
-
-async def wait_until(pred: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
+from tests.waiting import wait_for
 
 
 def mtls(pki: Pki) -> dict[str, str]:
@@ -31,9 +21,9 @@ async def test_end_of_session_action_uses_the_deployments_tls(pki, tls_recording
         async with s.post(f"{sc.proxy_url}/v1/chat/completions", data=b"{}",
                           headers={"X-Correlation-ID": "s1", "X-Session-Final": "true"}) as resp:
             assert resp.status == 200
-    await wait_until(lambda: any(r.path.startswith("/finish_session") for r in up.received))
+    await wait_for(lambda: any(r.path.startswith("/finish_session") for r in up.received))
     assert [r.path for r in up.received] == ["/v1/chat/completions", "/finish_session?session_id=s1"]
-    await wait_until(lambda: sc.metrics.registry.get_sample_value(
+    await wait_for(lambda: sc.metrics.registry.get_sample_value(
         "sidecar_end_actions_total", {"mode": "vllm_router", "outcome": "ok"}) == 1)
 
 
@@ -45,7 +35,7 @@ async def test_health_checks_use_the_deployments_tls(pki, tls_recording_upstream
         "name": "default", "upstreams": [good.url, bad.url], "tls": mtls(pki),
         "health_check": {"path": "/health", "interval_seconds": 0.05, "timeout_seconds": 1}}])
     dep = sc.router.deployments[0]
-    await wait_until(lambda: not dep.balancer.is_healthy(dep.upstreams[1]))
-    await wait_until(lambda: len([r for r in good.received if r.path == "/health"]) >= 2)
+    await wait_for(lambda: not dep.balancer.is_healthy(dep.upstreams[1]))
+    await wait_for(lambda: len([r for r in good.received if r.path == "/health"]) >= 2)
     assert dep.balancer.is_healthy(dep.upstreams[0])
     assert bad.received == []  # the handshake failed: no request reached it

@@ -17,6 +17,7 @@ import pytest
 from sidecar.engine.fast_upstream import STALE_CHECK_AFTER
 from tests.engine import RawMessage, echo, read_response
 from tests.tls.conftest import SERVER_NAME, Pki
+from tests.waiting import wait_for
 
 FAST = pytest.mark.parametrize("engine", ["fast"])
 
@@ -46,13 +47,6 @@ def assert_tls_failure(resp: RawMessage, pki: Pki, reason: str) -> None:
     assert err["message"] == f"upstream 0 of deployment 'default' is unreachable: TLS: {reason}", err
     body = resp.body.decode()
     assert str(pki.dir) not in body and "127.0.0.1" not in body and ".pem" not in body
-
-
-async def wait_until(pred: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 # -- verification ------------------------------------------------------------------------------
@@ -131,7 +125,7 @@ async def test_mutual_tls_without_client_certificate_is_502(pki, threaded_tls_up
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, tls={"ca_file": pki.ca_file})
     assert_tls_failure(await get(sc), pki, reason)
     assert up.received == []
-    await wait_until(lambda: up.handshake_errors)
+    await wait_for(lambda: up.handshake_errors)
     # (the aiohttp client may try a GET twice: both were refused)
     assert set(up.handshake_errors) == {"PEER_DID_NOT_RETURN_A_CERTIFICATE"}
 
@@ -196,7 +190,7 @@ async def test_pooled_tls_connection_closed_by_the_upstream_is_not_used(pki, tls
     up = await tls_upstream(pki.server_context(), {"/one": close_after_reply, "/two": echo()})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, tls={"ca_file": pki.ca_file})
     assert (await get(sc, "/one")).status == 200
-    await wait_until(lambda: 1 in up.closed_at)  # the sidecar answered the close
+    await wait_for(lambda: 1 in up.closed_at)  # the sidecar answered the close
     resp = await get(sc, "/two")
     assert resp.status == 200
     assert [(r.target, r.conn) for r in up.received] == [("/one", 1), ("/two", 2)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.errors import ConfigError
 from sidecar.config import build_config
+from sidecar.errors import ConfigError
 from tests.sessions.support import write_yaml
 
 UP = "http://127.0.0.1:18000"
@@ -41,3 +41,12 @@ def test_short_form_is_one_default_deployment():
     [dep] = cfg.resolved_deployments()
     assert dep.name == "default" and dep.upstreams == [UP] and not dep.strict
     assert cfg.deployment_header == "X-Sidecar-Deployment" and cfg.default_deployment is None
+
+
+@pytest.mark.parametrize("key, value", [("trust_client_headers", True), ("non_object_body", "reject"),
+                                        ("timeouts", {"connect": 1}), ("limits", {"max_body_bytes": 10}),
+                                        ("tls", {"verify": False})])
+def test_short_form_settings_beside_deployments_are_refused_not_ignored(key, value):
+    with pytest.raises(ConfigError) as err:
+        load(deployments=[{"name": "a", "upstreams": ["http://127.0.0.1:9"], "mode": "generic"}], **{key: value})
+    assert f"{key}: with `deployments`" in str(err.value)

@@ -15,10 +15,10 @@ import yaml
 
 import sidecar
 from sidecar.auth import PLACEHOLDER, load_tokens
-from sidecar.errors import ConfigError
 from sidecar.config import build_config
+from sidecar.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART_HELPERS = ROOT / "deploy" / "helm" / "session-sidecar" / "templates" / "_helpers.tpl"
 UP = "http://127.0.0.1:18000"
 

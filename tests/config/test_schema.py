@@ -13,7 +13,7 @@ import yaml
 from sidecar.config import build_config
 from sidecar.config_schema import EMBED_KEY, config_json_schema, embed, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VALUES_SCHEMA = ROOT / "deploy" / "helm" / "session-sidecar" / "values.schema.json"
 EXAMPLES = sorted((ROOT / "config" / "examples").glob("*.yaml"))
 REGENERATE = f"python -m sidecar.config_schema --embed {VALUES_SCHEMA.relative_to(ROOT)}"

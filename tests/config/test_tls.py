@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar.errors import ConfigError
 from sidecar.config import build_config
 from sidecar.deployments import Deployment
+from sidecar.errors import ConfigError
 from tests.tls.conftest import Pki
 
 HTTPS = "https://gateway.test:8443"

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.errors import ConfigError
 from sidecar.config import build_config
+from sidecar.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 UP = "http://127.0.0.1:18000"
 
 
