@@ -129,8 +129,9 @@ def test_the_import_graph_has_no_cycle() -> None:
 # Modules that parse bytes, build records or hold errors: they import no module of the
 # application (config, router, engines, app, admin, metrics, the session tree).
 LEAVES = ["sidecar.engine.head", "sidecar.engine.flow", "sidecar.engine.parsers", "sidecar.engine.idle_poll",
-          "sidecar.errors", "sidecar.headers", "sidecar.modes.ids", "sidecar.jsonscan", "sidecar.state.scripts"]
+          "sidecar.engine.relay", "sidecar.engine.wire", "sidecar.errors", "sidecar.headers", "sidecar.modes.ids", "sidecar.jsonscan", "sidecar.state.scripts"]
 APPLICATION = {"sidecar.config", "sidecar.router", "sidecar.app", "sidecar.engine.base", "sidecar.engine.fast",
+               "sidecar.engine.fast_connection", "sidecar.engine.fast_exchange", "sidecar.engine.fast_upstream",
                "sidecar.engine.aiohttp_engine", "sidecar.admin", "sidecar.metrics", "sidecar.lineage",
                "sidecar.health", "sidecar.deployments"}
 

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 import pytest
 
-from sidecar.engine import fast
+from sidecar.engine import fast_connection
 from sidecar.engine.fast import FastEngine
 from tests.engine import (
     OK,
@@ -662,7 +662,7 @@ async def test_upstream_idle_mid_response_aborts_the_client(raw_upstream, start_
 
 @FAST
 async def test_idle_keepalive_client_connection_is_closed(raw_upstream, start_sidecar, monkeypatch):
-    monkeypatch.setattr(fast, "KEEPALIVE_TIMEOUT", 0.3)
+    monkeypatch.setattr(fast_connection, "KEEPALIVE_TIMEOUT", 0.3)
     up = await raw_upstream()
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
     reader, writer = await connect(sc)
@@ -699,7 +699,7 @@ async def test_first_byte_timeout_applies_to_every_request_on_a_kept_alive_conne
 
 @FAST
 async def test_idle_keepalive_close_is_not_delayed_by_long_request_timeouts(raw_upstream, start_sidecar, monkeypatch):
-    monkeypatch.setattr(fast, "KEEPALIVE_TIMEOUT", 0.3)
+    monkeypatch.setattr(fast_connection, "KEEPALIVE_TIMEOUT", 0.3)
     up = await raw_upstream()
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False,
                              timeouts={"first_byte": 600, "idle": 600})

@@ -18,7 +18,7 @@ import pytest
 from sidecar.errors import ConfigError
 from sidecar.config import build_config
 from sidecar.engine import idle_poll
-from sidecar.engine.idle_poll import COOLDOWN, DEFAULT_WINDOW_US, MIN_BUSY, PERIOD, IdlePoller, window_seconds
+from sidecar.engine.idle_poll import COOLDOWN, MIN_BUSY, PERIOD, IdlePoller, cpu_quota
 from tests.conftest import StartSidecar
 from tests.upstream import RecordingUpstream
 
@@ -176,26 +176,33 @@ def config(**flags: Any) -> Any:
     return build_config(flags={"upstream": "http://127.0.0.1:9", **flags}, env={}, file=None)
 
 
-def test_setting_from_env_and_refused_out_of_range() -> None:
-    cfg = build_config(flags={"upstream": "http://127.0.0.1:9"}, env={"SIDECAR_IDLE_POLL_US": "0"}, file=None)
-    assert cfg.idle_poll_us == 0
-    assert config().idle_poll_us is None
+def test_setting_is_off_by_default_set_from_env_and_refused_out_of_range() -> None:
+    assert config().idle_poll_us == 0  # opt-in: the default never polls
+    cfg = build_config(flags={"upstream": "http://127.0.0.1:9"}, env={"SIDECAR_IDLE_POLL_US": "200"}, file=None)
+    assert cfg.idle_poll_us == 200
     for bad in ("-1", "10001", "soon"):
         with pytest.raises(ConfigError, match="idle_poll_us"):
             build_config(flags={"upstream": "http://127.0.0.1:9"}, env={"SIDECAR_IDLE_POLL_US": bad}, file=None)
 
 
-@pytest.mark.parametrize(("v2", "v1", "window_us"), [
-    (None, None, DEFAULT_WINDOW_US),  # no cgroup files: no quota
-    ("max 100000\n", None, DEFAULT_WINDOW_US),
-    ("100000 100000\n", None, DEFAULT_WINDOW_US),  # exactly one CPU
-    ("50000 100000\n", None, 0),  # half a CPU: polling would be throttled
-    (None, ("-1", "100000"), DEFAULT_WINDOW_US),
-    (None, ("25000", "100000"), 0),
-    (None, ("400000", "100000"), DEFAULT_WINDOW_US),
+@pytest.mark.parametrize(("v2", "v1", "cpus"), [
+    (None, None, None),  # no cgroup files: no quota
+    ("max 100000\n", None, None),
+    ("100000 100000\n", None, 1.0),
+    ("50000 100000\n", None, 0.5),
+    (None, ("-1", "100000"), None),
+    (None, ("25000", "100000"), 0.25),
+    (None, ("400000", "100000"), 4.0),
 ])
-def test_unset_window_follows_the_cpu_quota(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v2: str | None,
-                                            v1: tuple[str, str] | None, window_us: int) -> None:
+def test_cpu_quota_from_cgroup_v2_or_v1(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v2: str | None,
+                                        v1: tuple[str, str] | None, cpus: float | None) -> None:
+    use_quota(monkeypatch, tmp_path, v2, v1)
+    assert cpu_quota() == cpus
+
+
+def use_quota(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v2: str | None,
+              v1: tuple[str, str] | None = None) -> None:
+    """Make the cgroup files say ``v2`` (cpu.max) and ``v1`` (quota, period); None: absent."""
     cpu_max, quota, period = tmp_path / "cpu.max", tmp_path / "quota", tmp_path / "period"
     if v2 is not None:
         cpu_max.write_text(v2)
@@ -205,9 +212,6 @@ def test_unset_window_follows_the_cpu_quota(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setattr(idle_poll, "_CPU_MAX", cpu_max)
     monkeypatch.setattr(idle_poll, "_CFS_QUOTA", quota)
     monkeypatch.setattr(idle_poll, "_CFS_PERIOD", period)
-    assert window_seconds(None) == pytest.approx(window_us * US)
-    assert window_seconds(0) == 0.0
-    assert window_seconds(50) == pytest.approx(50 * US)  # a set value wins over the quota
 
 
 # -- on the wire ------------------------------------------------------------------------------
@@ -253,20 +257,32 @@ async def test_engine_polls_during_traffic_then_sleeps(start_sidecar: StartSidec
 
 
 @pytest.mark.parametrize("engine", ["fast"])
-async def test_engine_under_a_small_cpu_quota_never_polls_and_says_so(
+async def test_engine_polls_only_when_opted_in_and_warns_under_a_small_cpu_quota(
         start_sidecar: StartSidecar, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch,
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    (tmp_path / "cpu.max").write_text("50000 100000\n")
-    monkeypatch.setattr(idle_poll, "_CPU_MAX", tmp_path / "cpu.max")
+    use_quota(monkeypatch, tmp_path, "50000 100000\n")
     with caplog.at_level(logging.INFO, logger="sidecar.engine"):
-        sc = await proxied_burst(start_sidecar, upstream, None)
-    assert any("idle polling off" in r.getMessage() for r in caplog.records)
-    assert sc.engine.shared.poller.window == 0
-    assert await polled_seconds(sc) == 0.0
+        sc = await proxied_burst(start_sidecar, upstream, 10_000)
+    warnings = [r for r in caplog.records if "idle_poll_us" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    assert "quota" in warnings[0].getMessage() and "throttled" in warnings[0].getMessage()
+    assert await polled_seconds(sc) > 0  # opted in: it polls all the same
 
 
 @pytest.mark.parametrize("engine", ["fast"])
-async def test_engine_with_polling_off_never_polls(start_sidecar: StartSidecar,
-                                                   upstream: RecordingUpstream) -> None:
+async def test_engine_by_default_never_polls_nor_warns(start_sidecar: StartSidecar, upstream: RecordingUpstream,
+                                                       monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    use_quota(monkeypatch, tmp_path, "50000 100000\n")
+    with caplog.at_level(logging.INFO, logger="sidecar.engine"):
+        sc = await proxied_burst(start_sidecar, upstream, None)
+    assert sc.engine.shared.poller.window == 0
+    assert await polled_seconds(sc) == 0.0
+    assert not [r for r in caplog.records if "idle_poll_us" in r.getMessage()]
+
+
+@pytest.mark.parametrize("engine", ["fast"])
+async def test_engine_with_polling_set_off_never_polls(start_sidecar: StartSidecar,
+                                                       upstream: RecordingUpstream) -> None:
     sc = await proxied_burst(start_sidecar, upstream, 0)
     assert await polled_seconds(sc) == 0.0

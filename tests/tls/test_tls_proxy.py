@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 import pytest
 
-from sidecar.engine.fast_client import STALE_CHECK_AFTER
+from sidecar.engine.fast_upstream import STALE_CHECK_AFTER
 from tests.engine import RawMessage, echo, read_response
 from tests.tls.conftest import SERVER_NAME, Pki
 from tests.waiting import wait_for

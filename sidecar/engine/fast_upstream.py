@@ -1,9 +1,17 @@
 """Upstream side of the protocol-level engine: keep-alive connections, pooled per upstream.
 
-An :class:`UpstreamConnection` carries one request at a time (no upstream pipelining). It parses
-responses with llhttp without per-header callbacks (:mod:`sidecar.engine.parsers`: llhttp parses
-and checks the head in C), keeps the raw bytes of the head, and hands the head to the
-:class:`Exchange` bound to it as bytes plus offsets (:mod:`sidecar.engine.head` reads them).
+An :class:`UpstreamConnection` carries one request at a time (no upstream pipelining) for the
+:class:`Exchange` bound to it. The exchange writes its request through :meth:`~UpstreamConnection.send`;
+the connection hands it the response head and the response's end, exactly once each:
+
+- llhttp (:mod:`sidecar.engine.parsers`) parses and checks each response head, fed exactly the
+  head's bytes (up to its empty line; 1xx interim heads are skipped); the exchange gets the head
+  as bytes plus offsets (:mod:`sidecar.engine.head` reads them) in ``response_head``, which
+  returns the :class:`~sidecar.engine.relay.BodyRelay` the body goes through (None: no body);
+- every later read goes to that relay, which passes the body's bytes to the client as they
+  arrive and finds the body's end (no Python call per chunk); then ``response_end``, or
+  ``upstream_failed`` if the upstream broke off or sent malformed framing.
+
 :class:`UpstreamPool` bounds the connections to one upstream, hands idle ones out most-recently-used first (so the
 ones left idle long enough to be closed by the upstream are the ones that age out), and queues
 requests when the bound is reached.
@@ -41,6 +49,7 @@ from sidecar.engine.flow import CLIENT_FULL, ReadFlow
 from sidecar.engine.head import locate
 from sidecar.engine.idle_poll import IdlePoller
 from sidecar.engine.parsers import ParseError, ResponseParser
+from sidecar.engine.relay import BodyRelay
 from sidecar.errors import failure_reason
 
 # A connection back from the pool sooner than this is not polled for a close first (saves a
@@ -52,22 +61,15 @@ from sidecar.errors import failure_reason
 # TLS transport reports it only at connection_lost, one iteration later.)
 STALE_CHECK_AFTER = 0.05
 
-# What Exchange.response_head tells the connection about the body that follows.
-BODY_FRAMED = 0  # the parser finds the end (Content-Length, chunked, or no body by status)
-BODY_NONE = 1  # no body whatever the headers say (response to HEAD)
-BODY_UNTIL_EOF = 2  # neither length nor chunked: the body ends when the upstream closes
+_HEAD_END = b"\r\n\r\n"
 
-# How response body bytes are relayed into ``UpstreamConnection.sink`` (set by the exchange).
-RELAY_NONE = 0  # dropped (no body towards the client, or nothing bound)
-RELAY_RAW = 1  # appended unchanged
-RELAY_CHUNKED = 2  # appended as one chunk each (the upstream sent no length)
 
 class Exchange(Protocol):
-    """What a connection needs from the request it carries (implemented in ``fast.py``)."""
+    """What a connection needs from the request it carries (:mod:`sidecar.engine.fast_exchange`).
+    Once bound, a connection calls exactly one of ``response_end`` / ``upstream_failed`` /
+    ``connect_failed`` (after at most one ``response_head``), unless the exchange releases it first."""
 
     connect_timeout: float
-    request_sent: bool
-    last_io: float
 
     @property
     def wants_connection(self) -> bool: ...
@@ -76,43 +78,45 @@ class Exchange(Protocol):
         """No connection: ``kind`` is ``timeout``, ``connect``, or ``tls`` (the upstream refused
         the TLS session on a connection that was already bound to the exchange)."""
     def peer_full(self, full: bool) -> None: ...
-    def response_head(self, status: int, raw: bytes, start: int, first: int, end: int, now: float) -> int: ...
+    def response_head(self, status: int, raw: bytes, start: int, first: int, end: int,
+                      now: float) -> BodyRelay | None:
+        """The final response head; the relay its body goes through, or None when it has none."""
+    def head_sent(self) -> None:
+        """The head went to the client (it may hear of it later, at the latest on its end)."""
     def response_end(self, now: float) -> None: ...
     def upstream_failed(self, message: str) -> None: ...
-    def flush(self) -> None: ...
 
 
 class UpstreamConnection:
     """One keep-alive connection to an upstream; relays one response at a time to its exchange
-    (an asyncio protocol by duck typing, like :class:`sidecar.engine.fast._ClientConnection`)."""
+    (an asyncio protocol by duck typing, like :class:`sidecar.engine.fast_connection.ClientConnection`)."""
 
-    __slots__ = ("pool", "transport", "flow", "parser", "ex", "lost", "counted", "_poll", "pieces",
-                 "piece_bytes", "raw_at", "head_seen", "done", "keep_alive", "reusable", "eof_ends",
-                 "write_paused", "idle_since", "relay", "sink", "stamp", "fresh")
+    __slots__ = ("pool", "transport", "flow", "parser", "ex", "lost", "counted", "_poll", "pieces", "raw_at",
+                 "scan_at", "fed", "head_done", "relay", "keep_alive", "reusable", "sent_all", "write_paused",
+                 "idle_since", "fresh")
 
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
-        self.parser = ResponseParser(self)
+        self.parser: ResponseParser | None = None  # the response head's parser (a new one per response)
         self.ex: Exchange | None = None
         self.lost = False
         self.counted = True  # counts towards the pool's bound until lost or dropped
-        # The reads since the response began, until its (final) head is complete (joined once
-        # then: no copy per read for a head that arrives in pieces); the head being parsed
-        # starts ``raw_at`` bytes in (after any 1xx interim response).
+        # The reads since the response began, until its final head is complete (joined once
+        # then: no copy per read for a head that arrives in pieces). The head being parsed
+        # starts ``raw_at`` bytes in (after any 1xx interim response); the parser has been fed
+        # ``fed`` bytes, and the head's end is searched from ``scan_at``.
         self.pieces: list[bytes] = []
-        self.piece_bytes = 0
         self.raw_at = 0
-        self.head_seen = False
-        self.done = False
+        self.scan_at = 0
+        self.fed = 0
+        self.head_done = False  # the parser completed a head in the bytes just fed
+        self.relay: BodyRelay | None = None  # while a response body is relayed
         self.keep_alive = True
         self.reusable = True
-        self.eof_ends = False
+        self.sent_all = False  # the whole request went out (a response before that: never reused)
         self.write_paused = False
         self.idle_since = 0.0
-        self.relay = RELAY_NONE
-        self.sink: list[bytes] = []
-        self.stamp = 0.0  # clock reading taken at the response head during the current feed
         self.fresh = True  # no response completed on it yet
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
@@ -125,32 +129,15 @@ class UpstreamConnection:
 
     def data_received(self, data: bytes) -> None:
         self.pool.poller.note()
-        ex = self.ex
-        if ex is None:  # bytes on an idle connection: nothing to pair them with, never reuse it
+        relay = self.relay
+        if relay is not None:  # the body: straight to the client
+            self._body(relay, data)
+            return
+        if self.ex is None:  # bytes on an idle connection: nothing to pair them with, never reuse it
             self.reusable = False
             self.pool.drop(self)
             return
-        if not self.head_seen:
-            self.pieces.append(data)
-            self.piece_bytes += len(data)
-        self.stamp = 0.0
-        try:
-            self.parser.feed_data(data)
-        except ParseError as exc:
-            if not self.done:
-                self._fail(f"invalid response: {exc}")
-                return
-            self.reusable = False  # garbage after a complete response
-        if self.ex is None:  # failed while parsing (a head over the cap): the connection is dropped
-            return
-        if not self.head_seen and self.piece_bytes - self.raw_at > self.pool.max_head:
-            self._fail(f"response head larger than {self.pool.max_head} bytes")
-            return
-        if self.done:
-            self._complete(self.stamp or perf_counter())
-        elif self.head_seen:
-            ex.last_io = perf_counter()
-            ex.flush()
+        self._head(data)
 
     def eof_received(self) -> bool | None:
         return None  # close; connection_lost ends or fails the response
@@ -161,16 +148,16 @@ class UpstreamConnection:
         ex = self.ex
         if ex is None:
             return
-        if self.eof_ends and self.head_seen and not self.done and exc is None:
-            self.done = True
+        relay = self.relay
+        if relay is not None and exc is None and relay.eof():  # the close delimits the body
             self.keep_alive = False
             self._complete(perf_counter())
             return
         self._unbind()
         if exc is None:
             ex.upstream_failed("the upstream closed the connection" +
-                               ("" if self.head_seen else " before responding"))
-        elif self.fresh and not self.head_seen and isinstance(exc, ssl.SSLError):
+                               ("" if relay is not None else " before responding"))
+        elif self.fresh and relay is None and isinstance(exc, ssl.SSLError):
             # A TLS 1.3 server checks the client's certificate after the client's side of the
             # handshake is done, and refuses with an alert the client reads only now: the
             # request never reached the application, like a refused connect.
@@ -193,10 +180,29 @@ class UpstreamConnection:
     def bind(self, ex: Exchange, client_paused: bool) -> None:
         """Carry ``ex``'s request (``client_paused``: its client cannot take more right now)."""
         self.ex = ex
+        self.sent_all = False
         if client_paused:
             self.flow.pause(CLIENT_FULL)
         if self.write_paused:
             ex.peer_full(True)
+
+    def usable(self, now: float) -> bool:
+        """Still open, and nothing (FIN or stray bytes) arrived while it sat in the pool (the
+        socket is polled only after :data:`STALE_CHECK_AFTER` of idleness)."""
+        return not self.lost and not self.transport.is_closing() and (  # type: ignore[union-attr]
+            now - self.idle_since < STALE_CHECK_AFTER or not self._poll.poll(0))
+
+    def send(self, data: bytes, last: bool) -> None:
+        """Write request bytes (``last``: the request is complete with them)."""
+        self.sent_all = last
+        self.transport.write(data)  # type: ignore[union-attr]
+
+    def client_full(self, full: bool) -> None:
+        """The client's write buffer went above (or back below) its high-water mark."""
+        if full:
+            self.flow.pause(CLIENT_FULL)
+        else:
+            self.flow.resume(CLIENT_FULL)
 
     def abort(self) -> None:
         """The exchange gave up on this connection (client gone, timeout, bad request body)."""
@@ -206,34 +212,98 @@ class UpstreamConnection:
     def _unbind(self) -> None:
         ex = self.ex
         self.ex = None
-        self.relay = RELAY_NONE
+        self.relay = None
         if self.flow.reasons:
             self.flow.clear()
         if ex is not None and self.write_paused:
             ex.peer_full(False)
 
+    def _head(self, data: bytes) -> None:
+        """Response head bytes: parse each complete head; at the final one, hand it to the
+        exchange and pass what follows it in ``data`` to the body relay it returns."""
+        pieces = self.pieces
+        pieces.append(data)
+        raw = data if len(pieces) == 1 else b"".join(pieces)
+        max_head = self.pool.max_head
+        while True:
+            k = raw.find(_HEAD_END, self.scan_at)
+            if k < 0:
+                if len(raw) - self.raw_at > max_head:
+                    self._fail(f"response head larger than {max_head} bytes")
+                    return
+                self.scan_at = len(raw) - 3 if len(raw) - 3 > self.raw_at else self.raw_at
+                if len(pieces) > 1:
+                    pieces[:] = [raw]
+                return
+            stop = k + 4
+            parser = self.parser
+            if parser is None:
+                self.parser = parser = ResponseParser(self)
+            self.head_done = False
+            try:
+                parser.feed_data(raw[self.fed:stop] if self.fed or stop < len(raw) else raw)
+            except ParseError as exc:
+                self._fail(f"invalid response: {exc}")
+                return
+            self.fed = self.scan_at = stop
+            if not self.head_done:  # empty lines before the status line
+                continue
+            start, first, end = locate(raw, self.raw_at)
+            if end + 2 - start > max_head:  # complete, but over the cap: never relayed
+                self._fail(f"response head larger than {max_head} bytes")
+                return
+            status = parser.get_status_code()
+            if status < 200:  # 1xx interim responses are not relayed (we never send Expect upstream)
+                self.raw_at = stop
+                continue
+            break
+        self.keep_alive = parser.should_keep_alive()
+        self.parser = None  # it would take the body for the next head: the next response gets a new one
+        pieces.clear()
+        self.raw_at = self.scan_at = self.fed = 0
+        ex = self.ex
+        assert ex is not None
+        now = perf_counter()
+        try:
+            relay = ex.response_head(status, raw, start, first, end, now)
+        except Exception as exc:  # a defect: it costs this response, not the connection's reads
+            self._fail(f"response head not relayed: {exc!r}")
+            return
+        if relay is None or relay.done:  # no body (or an empty one)
+            if relay is None and status != 204 and status != 304:
+                self.reusable = False  # a response to HEAD: its length says nothing of what follows
+            if stop < len(raw):
+                self.reusable = False
+            self._complete(now)
+            return
+        self.relay = relay
+        if stop < len(raw):
+            self._body(relay, raw[stop:])  # the body's first bytes leave with the head
+        else:
+            relay.output.flush()  # the head alone
+        if self.ex is ex:
+            ex.head_sent()
+
+    def _body(self, relay: BodyRelay, data: bytes) -> None:
+        """Response body bytes: to the client through the relay; complete at the body's end."""
+        try:
+            used = relay.feed(data)
+        except ParseError as exc:
+            self._fail(f"invalid response: {exc}")
+            return
+        if relay.done:
+            if used < len(data):
+                self.reusable = False  # bytes after a complete response
+            self._complete(perf_counter())
+
     def _complete(self, now: float) -> None:
         """The response is complete: back to the pool (or closed), then the exchange ends."""
         ex = self.ex
         assert ex is not None
-        # Flattened _unbind (once per request).
-        self.ex = None
-        self.relay = RELAY_NONE
-        if self.flow.reasons:
-            self.flow.clear()
-        if self.write_paused:
-            ex.peer_full(False)
-        if self.keep_alive and self.reusable and ex.request_sent:
+        self._unbind()
+        if self.keep_alive and self.reusable and self.sent_all:
             self.fresh = False
-            self.head_seen = False
-            self.done = False
-            self.eof_ends = False
-            pool = self.pool
-            if pool.waiters or pool.closed:
-                pool.release(self, now)
-            else:  # flattened pool.release: nobody waits, back to the idle list
-                self.idle_since = now
-                pool.idle.append(self)
+            self.pool.release(self, now)
         else:
             self.pool.drop(self)
         ex.response_end(now)
@@ -247,55 +317,17 @@ class UpstreamConnection:
 
     # -- parser callbacks (sidecar.engine.parsers) -------------------------------------------
 
-    # No callback per header: llhttp parses the head in C, and the head is read from its raw
-    # bytes (sidecar.engine.head).
+    # The parser sees only heads: no callback per header (the head is read from its raw bytes,
+    # sidecar.engine.head), and no body.
 
     def on_headers_complete(self) -> None:
-        ex = self.ex
-        if self.done or ex is None or self.head_seen:
-            self.reusable = False  # a second response to one request
-            return
-        # Every byte fed since the response began is in ``pieces``: the head llhttp just accepted
-        # starts raw_at bytes in.
-        pieces = self.pieces
-        raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        start, first, end = locate(raw, self.raw_at)
-        if end + 2 - start > self.pool.max_head:  # complete, but over the cap: never relayed
-            self._fail(f"response head larger than {self.pool.max_head} bytes")
-            return
-        status = self.parser.get_status_code()
-        if status < 200:  # 1xx interim responses are not relayed (we never send Expect upstream)
-            self.pieces = [raw]
-            self.raw_at = end + 2
-            return
-        pieces.clear()
-        self.piece_bytes = 0
-        self.raw_at = 0
-        self.head_seen = True
-        self.keep_alive = True  # decided by on_message_complete (or a close for BODY_UNTIL_EOF)
-        self.stamp = now = perf_counter()
-        body = ex.response_head(status, raw, start, first, end, now)
-        if body == BODY_NONE:
-            # llhttp cannot be told a response answers HEAD and would wait for Content-Length
-            # bytes; the response is complete now and the connection is not reused.
-            self.done = True
-            self.reusable = False
-            self.relay = RELAY_NONE
-        elif body == BODY_UNTIL_EOF:
-            self.eof_ends = True
+        self.head_done = True
 
     def on_body(self, body: bytes) -> None:
-        relay = self.relay  # RELAY_NONE unless a response head is being relayed
-        if relay == RELAY_RAW:
-            self.sink.append(body)
-        elif relay == RELAY_CHUNKED:
-            self.sink += (b"%x\r\n" % len(body), body, b"\r\n")
+        pass
 
     def on_message_complete(self) -> None:
-        if self.head_seen and not self.done:  # (not a 1xx interim response)
-            self.done = True
-            self.relay = RELAY_NONE
-            self.keep_alive = self.parser.should_keep_alive()
+        pass
 
 
 class UpstreamPool:
@@ -328,9 +360,7 @@ class UpstreamPool:
         idle = self.idle
         while idle:
             conn = idle.pop()
-            # Still open, and nothing (FIN or stray bytes) arrived while it sat in the pool.
-            if not conn.lost and not conn.transport.is_closing() and (  # type: ignore[union-attr]
-                    now - conn.idle_since < STALE_CHECK_AFTER or not conn._poll.poll(0)):
+            if conn.usable(now):
                 return conn
             self.drop(conn)  # closed by the upstream while pooled: never written to
         return None

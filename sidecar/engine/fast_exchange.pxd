@@ -1,0 +1,77 @@
+# Compiled layout of fast_exchange.py (Cython "augmenting" declarations; see setup.py). Keep the
+# fields equal to each class's __slots__; C types only where every assignment has that type
+# (lengths and limits stay Python ints: a client may declare any Content-Length).
+cimport cython
+from sidecar.engine.flow cimport ReadFlow
+from sidecar.engine.fast_upstream cimport UpstreamConnection, UpstreamPool
+from sidecar.engine.idle_poll cimport IdlePoller
+from sidecar.engine.relay cimport BodyRelay, ClientOutput
+from sidecar.engine.head cimport (HeaderBlock, copy_block, first_value, has_header, header_map, header_values,
+                                  name_table, reason_phrase, relay_block)
+from sidecar.metrics cimport DeploymentStats, _Value
+from sidecar.deployments cimport Deployment
+from sidecar.router cimport Decision, Router
+
+cdef class Exchange
+
+cdef class Shared:
+    cdef public object engine, health, drained
+    cdef public Router router
+    cdef public dict upstreams, drops
+    cdef public _Value gauge
+    cdef public long in_flight
+    cdef public bint draining
+    cdef public IdlePoller poller
+    cpdef request_started(self)
+    cpdef request_done(self)
+
+cdef class ClientSide:
+    cdef public Shared shared
+    cdef public object loop, peer, xff_xfp
+    cdef public ClientOutput output
+    cdef public ReadFlow flow
+    cdef public bint write_paused
+    cdef public double timer_due
+    cpdef finish_exchange(self, Exchange ex, long close)
+    cpdef watch(self, double due, double now)
+    cpdef flush(self)
+
+cdef class Exchange:
+    cdef public ClientSide client
+    cdef public Shared shared
+    cdef public bytes method, target, raw
+    cdef public Py_ssize_t first, end
+    cdef public object length, conn_tokens, error, limit
+    cdef public Decision decision
+    cdef public bint special, http10, keep_alive, chunked, expect, complete, frame_chunked, close_after
+    cdef public list body, head
+    cdef public Py_ssize_t body_size
+    cdef public long state, resp_status
+    cdef public unsigned long seen_reads
+    cdef public double t0, connect_timeout, first_byte_timeout, idle_timeout, last_io, head_at
+    cdef public HeaderBlock resp_head
+    cdef public UpstreamConnection conn
+    @cython.locals(shared=Shared)
+    cpdef start(self)
+    @cython.locals(router=Router, decision=Decision, dep=Deployment)
+    cpdef _route(self, bint loaded)
+    @cython.locals(client=ClientSide, shared=Shared, conn=UpstreamConnection, pool=UpstreamPool, now=double,
+                   due=double, stats=DeploymentStats, dep=Deployment, raw=bytes, entry=tuple)
+    cpdef _forward(self, Decision decision, length)
+    @cython.locals(complete=bint)
+    cpdef _send(self, UpstreamConnection conn, list parts)
+    cpdef _send_transformed(self)
+    cpdef pump(self)
+    @cython.locals(client=ClientSide, conn=UpstreamConnection, output=ClientOutput, out=list, mark=Py_ssize_t,
+                   framing=long, mode=long, http10=bint)
+    cpdef response_head(self, long status, bytes raw, Py_ssize_t start, Py_ssize_t first, Py_ssize_t end,
+                        double now)
+    @cython.locals(shared=Shared, stats=DeploymentStats, decision=Decision, headers=HeaderBlock)
+    cpdef head_sent(self)
+    @cython.locals(stats=DeploymentStats, decision=Decision)
+    cpdef response_end(self, double now)
+    @cython.locals(conn=UpstreamConnection, state=long)
+    cpdef double deadline(self, double now) except? -1.0
+    cpdef _finish_turn(self, outcome)
+    @cython.locals(conn=UpstreamConnection)
+    cpdef _end(self, long close)

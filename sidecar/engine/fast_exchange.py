@@ -1,0 +1,865 @@
+"""One request/response exchange of the fast engine: routed, forwarded, relayed, ended once.
+
+The client connection (:mod:`sidecar.engine.fast_connection`) makes an :class:`Exchange` per
+request head, queues it, and calls :meth:`Exchange.start` when it reaches the head of the queue
+(pipelined requests are answered in order), :meth:`Exchange.pump` whenever more of its body was
+parsed, :meth:`Exchange.timed_out` from its watchdog, :meth:`Exchange.client_gone` when the
+client left. The exchange then:
+
+1. asks the router for a :class:`~sidecar.router.Decision` (``_route``; ``_load`` first when the
+   session must come from the shared store), reads the body first when the mode needs it
+   (``_send_transformed``);
+2. builds the upstream request head (``_forward``): the client's header lines copied as received
+   minus hop-by-hop / ``Connection``-named / ``decision.drop`` / Host / Expect / framing ones,
+   then Host, X-Forwarded-For, X-Forwarded-Proto, ``decision.add`` and the framing the parser
+   found (Content-Length or chunked): no header filter can remove or change a message's framing;
+3. sends it with the body parsed so far on a pooled connection (:mod:`sidecar.engine.fast_upstream`)
+   and streams the rest of the body as it is parsed;
+4. gets the response head from the connection (:meth:`Exchange.response_head`): the status line
+   rebuilt for the client's HTTP version, the upstream's header lines copied minus hop-by-hop and
+   ``Connection``-named ones (:mod:`sidecar.engine.head`), and a
+   :class:`~sidecar.engine.relay.BodyRelay` that takes the body to the client, bytes unchanged
+   (re-framed only when the upstream sent no length, or the client speaks HTTP/1.0);
+5. ends exactly once, through :meth:`Exchange._end`: answered (:meth:`Exchange.response_end`),
+   answered here with a JSON error (:meth:`Exchange.respond_error`), or cut off (the upstream
+   failed mid-response, the client left). ``_end`` releases the upstream connection and hands
+   the exchange back to its client connection (:meth:`ClientSide.finish_exchange`), which serves
+   the next request or closes.
+
+Every call into the router is in one small method: ``_route`` (route), ``_load``
+(state.load), ``_send_transformed`` / ``_body_ready`` (transform_body and its result),
+``head_sent`` (on_response), ``_finish_turn`` (finish, exactly once per routed request, after
+the last byte went to the client) and ``connect_failed`` (upstream_unreachable).
+
+Per request there is no task, no future and no timer: everything runs from protocol callbacks,
+and the client connection's one watchdog timer enforces the timeouts (:meth:`Exchange.deadline`).
+The request path runs tens of thousands of times a second on one core, so its steps are
+flattened into few methods; rare paths (errors, unusual framing headers, timeouts) stay in their
+own small methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from functools import partial
+from time import perf_counter
+from typing import Any
+
+from sidecar import errors
+from sidecar.engine import wire
+from sidecar.engine.fast_upstream import UpstreamConnection, UpstreamPool
+from sidecar.engine.flow import PEER_FULL, WAITING, ReadFlow
+from sidecar.engine.head import (
+    HAS_CONTENT_LENGTH,
+    HAS_TRANSFER_ENCODING,
+    HOST_INVALID,
+    HOST_REPEATED,
+    HOST_SEEN,
+    NAMES_HEADERS,
+    copy_block,
+    first_value,
+    has_header,
+    header_map,
+    header_values,
+    name_table,
+    origin_form,
+    reason_phrase,
+    relay_block,
+    token_set,
+)
+from sidecar.engine.idle_poll import IdlePoller
+from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW, LENGTH, BodyRelay, ClientOutput
+from sidecar.context import TurnOutcome
+from sidecar.router import BodyWork, Decision, RequestHead, Router
+from sidecar.state import LoadNeeded
+
+log = logging.getLogger("sidecar.engine")
+
+# Request body bytes held while no upstream connection is attached yet before reading pauses.
+WAIT_BUFFER = 64 * 1024
+# A buffered body larger than this goes to the transport in a write of its own.
+_SEPARATE_WRITE = 256 * 1024
+# While a response streams, the watchdog looks for reads this often (a share of the idle
+# timeout) instead of each read taking the time: a silence is noticed within 1.25x the timeout.
+_IDLE_CHECKS = 4
+
+_INF = float("inf")
+
+# Exchange phases, in order. QUEUED: parsed, waiting its turn (not counted in flight yet);
+# LOADING: its session is being loaded from the shared store before routing; BUFFERING: started
+# (routing, or reading the body a mode needs); TRANSFORMING: the router's body work runs on a
+# worker thread; CONNECTING: waiting for an upstream connection; SENDING: the body streams to
+# the upstream; SENT: the whole request went out; DONE: ended (see Exchange._end). The response
+# runs beside SENDING / SENT: it has begun once ``resp_status`` is set.
+QUEUED, LOADING, BUFFERING, TRANSFORMING, CONNECTING, SENDING, SENT, DONE = range(8)
+# How an exchange's end leaves its client connection (ClientSide.finish_exchange).
+KEEP, CLOSE, ABORT = range(3)
+
+# Mode header name -> (lower-case key, b"Name: ", lower-case bytes); names come from the modes: a handful.
+_ADD_NAMES: dict[str, tuple[str, bytes, bytes]] = {}
+_CONTENT_LENGTH_B = wire.CONTENT_LENGTH.encode()
+# The outcomes of every response, as module constants: an Enum member read from its class goes
+# through EnumType.__getattr__ (hundreds of instructions per read).
+_COMPLETED = TurnOutcome.COMPLETED
+_UPSTREAM_FAILED = TurnOutcome.UPSTREAM_FAILED
+_CLIENT_ABORTED = TurnOutcome.CLIENT_ABORTED
+
+
+def _add_name(name: str) -> tuple[str, bytes, bytes]:
+    entry = (name.lower(), name.encode("latin-1") + b": ", name.lower().encode("latin-1"))
+    if len(_ADD_NAMES) < 256:
+        _ADD_NAMES[name] = entry
+    return entry
+
+
+class Shared:
+    """What every connection of one engine reads or updates per request, in one typed object
+    (compiled, a struct: the engine itself is a Python class, whose attributes cost a lookup each)."""
+
+    __slots__ = ("engine", "router", "upstreams", "drops", "gauge", "health", "in_flight", "draining", "drained",
+                 "poller")
+
+    def __init__(self, engine: Any, router: Router, gauge: Any, health: Any) -> None:
+        self.engine = engine  # the FastEngine: metrics, failure log, loop, body pool (rare paths)
+        self.router = router
+        # Upstream.pool_key -> (pool, b" " + base path, b" HTTP/1.1\r\nHost: ...\r\n")
+        self.upstreams: dict[str, tuple[UpstreamPool, bytes, bytes]] = {}
+        self.drops: dict[frozenset[str], frozenset[str]] = {}
+        self.gauge = gauge  # the in-flight gauge's child, set from ``in_flight`` (no call per request)
+        self.health = health
+        self.in_flight = 0
+        self.draining = False
+        self.drained: asyncio.Future[None] | None = None  # set while a drain waits for in_flight == 0
+        self.poller: IdlePoller | None = None  # set when the engine starts; told of every read
+
+    def request_started(self) -> None:
+        self.in_flight += 1
+        self.gauge.value = self.in_flight
+
+    def request_done(self) -> None:
+        """A request left the engine (answered, refused or abandoned)."""
+        self.in_flight -= 1
+        self.gauge.value = self.in_flight
+        drained = self.drained
+        if drained is not None and self.in_flight == 0 and not drained.done():
+            drained.set_result(None)
+
+    def drop_for(self, drop: frozenset[str]) -> frozenset[str]:
+        """Request headers never forwarded for a decision's ``drop`` (cached: one per deployment)."""
+        drops = self.drops
+        if drop in drops:
+            return drops[drop]
+        never = wire.REQUEST_DROP | {name.lower() for name in drop}
+        if len(drops) < 64:
+            drops[drop] = never
+        return never
+
+
+class ClientSide:
+    """What an exchange may use of the client connection it belongs to
+    (:class:`~sidecar.engine.fast_connection.ClientConnection` implements the methods).
+
+    ``output`` gathers the bytes for the client (written once per event); ``flow`` pauses the
+    client's reading; ``write_paused`` says its write buffer is full; ``timer_due`` is when its
+    watchdog fires next."""
+
+    __slots__ = ("shared", "loop", "output", "flow", "peer", "xff_xfp", "write_paused", "timer_due")
+
+    def __init__(self, shared: Shared, loop: asyncio.AbstractEventLoop) -> None:
+        self.shared = shared
+        self.loop = loop
+        self.peer = b""
+        self.xff_xfp = b""
+        self.write_paused = False
+        self.timer_due = _INF
+
+    def finish_exchange(self, ex: Exchange, close: int) -> None:
+        """``ex`` ended (called once per started exchange, by ``Exchange._end``): count it out,
+        then serve the next request (``KEEP``), close after what was written (``CLOSE``), or drop
+        the connection now (``ABORT``: an incomplete response must stay incomplete)."""
+        raise NotImplementedError
+
+    def watch(self, due: float, now: float) -> None:
+        """Fire the watchdog at ``due`` (perf_counter time) at the latest."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Write what ``output`` gathered."""
+        raise NotImplementedError
+
+
+class Exchange:
+    """One request/response: routed, forwarded, relayed, ended exactly once (module docstring)."""
+
+    __slots__ = ("client", "shared", "method", "target", "raw", "first", "end", "special", "http10", "keep_alive",
+                 "length", "chunked", "expect", "conn_tokens", "error", "body", "body_size", "complete", "state",
+                 "decision", "t0", "limit", "head", "frame_chunked", "conn", "connect_timeout", "first_byte_timeout",
+                 "idle_timeout", "last_io", "seen_reads", "resp_status", "resp_head", "head_at", "close_after")
+
+    def __init__(self, client: ClientSide, raw: bytes, first: int, end: int, method: bytes, target: bytes,
+                 keep_alive: bool, length: int) -> None:
+        self.client = client
+        self.shared = client.shared
+        self.method = method
+        self.target = target
+        # The header block, raw[first:end] (sidecar.engine.head): read by the router through a
+        # HeaderBlock view, forwarded as slices of the lines it keeps.
+        self.raw = raw
+        self.first = first
+        self.end = end
+        self.special = False  # a header that takes the slow head checks is present (see check_head)
+        self.http10 = False
+        self.keep_alive = keep_alive
+        self.length = length  # declared Content-Length, -1 without
+        self.chunked = False
+        self.expect = False
+        self.conn_tokens: set[str] | frozenset[str] = frozenset()
+        self.error: tuple[errors.ProxyError, str] | None = None  # answered locally instead
+        self.body: list[bytes] = []  # parsed body bytes not yet forwarded
+        self.body_size = 0
+        self.complete = False  # the whole request was parsed
+        self.state = QUEUED
+        self.decision: Decision | None = None
+        self.t0 = 0.0
+        self.limit = 0
+        self.head: list[bytes] = []  # the upstream request's pieces while no connection is attached
+        self.frame_chunked = False
+        self.conn: UpstreamConnection | None = None
+        self.connect_timeout = 0.0
+        self.first_byte_timeout = 0.0
+        self.idle_timeout = 0.0
+        self.last_io = 0.0  # when the body a mode reads, or the response, last moved (see deadline)
+        self.seen_reads = 0  # the response relay's read count when the watchdog last looked
+        self.resp_status = 0  # set by the response head: the response has begun
+        # The parsed response head until the router heard of it (see head_sent).
+        self.resp_head: Mapping[str, str] | None = None
+        self.head_at = 0.0
+        self.close_after = False  # the response said the connection closes after it
+
+    # -- request head -------------------------------------------------------------------------
+
+    def check_head(self, version: int, facts: int) -> None:
+        """Framing and form checks llhttp leaves to the application (run at end of head), for
+        heads off the fast path (HTTP/1.0, framing or forwarding headers, Host issues, odd
+        targets). ``version`` is ``10 * major + minor``; ``facts`` are the head's
+        :func:`~sidecar.engine.head.scan_request` bits."""
+        raw, first, end = self.raw, self.first, self.end
+        self.http10 = version == 10
+        if version != 11 and not self.http10:
+            self.error = (errors.bad_request(f"unsupported HTTP version {version // 10}.{version % 10}"), "bad_request")
+            return
+        # RFC 9112 3.2: one valid Host, required in HTTP/1.1.
+        if facts & HOST_REPEATED or facts & HOST_INVALID or not (facts & HOST_SEEN or self.http10):
+            problem = "more than one Host header" if facts & HOST_REPEATED else \
+                "invalid Host header (uri-host[:port] expected)" if facts & HOST_INVALID else \
+                "missing Host header (required in HTTP/1.1)"
+            self.error = (errors.bad_request(problem), "bad_request")
+            return
+        connection = header_values(raw, first, end, wire.CONNECTION_B, False)
+        if connection:
+            self.conn_tokens = token_set(connection)
+        te = header_values(raw, first, end, wire.TRANSFER_ENCODING_B, False)
+        if te:
+            if self.http10 or len(te) > 1 or te[0].strip().lower() != b"chunked":
+                self.error = (errors.bad_request("unsupported Transfer-Encoding (only chunked, on HTTP/1.1)"),
+                              "bad_request")
+                return
+            self.chunked = True
+        if "upgrade" in self.conn_tokens and has_header(raw, first, end, wire.UPGRADE_B):
+            self.error = (errors.upgrade_not_supported(), "upgrade")
+            return
+        if self.method != b"CONNECT" and not self.target.startswith(b"/"):
+            origin = origin_form(self.target)  # absolute-form: forwarded in origin-form
+            if origin is not None:
+                self.target = origin
+        if self.method == b"CONNECT" or not self.target.startswith(b"/"):
+            self.error = (errors.bad_request("request target must be origin-form (/path) or absolute-form "
+                                             "(http://host/path)"), "bad_request")
+            return
+        expect = first_value(raw, first, end, wire.EXPECT_B)
+        self.expect = expect is not None and expect.lower() == b"100-continue"
+
+    # -- request path -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Route the request at the head of the queue; forward it unless answered here."""
+        shared = self.shared
+        self.state = BUFFERING
+        shared.request_started()
+        if self.error is not None:
+            exc, reason = self.error
+            d = shared.router.default
+            self.respond_error(exc, d.name, d.mode_name, reason, close=True)
+            return
+        self.t0 = perf_counter()
+        self._route(False)
+
+    def _route(self, loaded: bool) -> None:
+        """Route the started request (``loaded``: its session was just loaded from the shared
+        store) and forward it, or answer it here."""
+        router = self.shared.router
+        method = self.method
+        try:
+            decision = router.route(RequestHead(wire.METHODS[method] if method in wire.METHODS
+                                                else method.decode("latin-1"),
+                                                self.target.decode("utf-8", "surrogateescape"),
+                                                header_map(self.raw, self.first, self.end)), loaded)
+        except errors.ProxyError as exc:
+            self.respond_error(exc, router.default.name, router.default.mode_name, exc.type)
+            return
+        except LoadNeeded as need:
+            self._load(need.identity)
+            return
+        self.decision = decision
+        self.limit = limit = decision.max_body_bytes
+        if self.length > limit or self.body_size > limit:
+            dep = decision.deployment
+            self._finish_turn(_UPSTREAM_FAILED)
+            # A declared length whose body is already parsed leaves nothing to skip: keep the
+            # connection. A chunked body over the limit, or one still arriving, ends it.
+            exc = errors.request_too_large(dep.name, limit, decision.needs_body)
+            self.respond_error(exc, dep.name, dep.mode_name, "body_too_large", close=self.chunked or not self.complete)
+            return
+        if self.expect and not self.complete and not self.http10:
+            self.client.output.parts.append(wire.CONTINUE)
+        if decision.needs_body:
+            if self.complete:
+                self._send_transformed()
+            else:
+                self._await_body(decision)
+            return
+        self._forward(decision, -1)
+
+    def _load(self, identity: Any, resume: Any = None) -> None:
+        """Load the request's session from the shared store (a rare path: the first request of a
+        session this replica does not hold), then route again, or with ``resume`` continue the
+        admission of a body that named it. Body bytes keep arriving meanwhile (buffered as while
+        connecting)."""
+        self.state = LOADING
+        client = self.client
+        task = client.loop.create_task(self.shared.router.state.load(identity))
+        task.add_done_callback(partial(self._loaded, resume))
+
+    def _loaded(self, resume: Any, task: asyncio.Task[None]) -> None:
+        if self.state != LOADING:  # the client left meanwhile
+            return
+        self.state = BUFFERING
+        client = self.client
+        client.flow.resume(WAITING)  # routed now: reading goes on as the decision says
+        try:
+            if resume is None:
+                self._route(True)
+            else:
+                self._body_ready(resume())
+        except LoadNeeded as need:  # (never twice: the router was told the store was asked)
+            self._body_failed(RuntimeError(f"session still not loaded: {need}"))
+        except Exception as exc:  # a bug must cost one request, not the connection
+            if resume is None:
+                log.error("request failed in the engine: %r", exc, exc_info=exc)
+                self.internal_error()
+            else:
+                self._body_failed(exc)
+        client.flush()
+
+    def _await_body(self, decision: Decision) -> None:
+        """The body a mode reads is still arriving: bound its arrival like a response's (the
+        deployment's first-byte timeout for all of it, its idle timeout between reads)."""
+        t = decision.deployment.timeouts
+        self.first_byte_timeout = t.first_byte
+        self.idle_timeout = t.idle
+        self.last_io = now = self.t0
+        due = self.deadline(now)
+        client = self.client
+        if due < client.timer_due:
+            client.watch(due, now)
+
+    def _forward(self, decision: Decision, length: int) -> None:
+        """Build the upstream request head and send it with the body parsed so far on a pooled
+        connection (or wait for one). ``length >= 0`` replaces the body framing (transformed body).
+
+        Flattened (head building, metrics, connection pick and attach in one method): it runs
+        once per forwarded request."""
+        client = self.client
+        shared = self.shared
+        pool, base, version_host = shared.upstreams[decision.upstream.pool_key]
+        raw = self.raw
+        dropped = decision.drop
+        drops = shared.drops
+        drop = drops[dropped] if dropped in drops else shared.drop_for(dropped)
+        if self.conn_tokens:
+            drop = drop | self.conn_tokens
+        add = decision.add
+        if add:
+            for name, _ in add:
+                entry = _ADD_NAMES[name] if name in _ADD_NAMES else _add_name(name)
+                key = entry[0]
+                if key not in drop and has_header(raw, self.first, self.end, entry[2]):
+                    drop = drop | {key}  # the mode's value replaces a client header of the same name
+        parts = [self.method, base, self.target, version_host]
+        copy_block(raw, self.first, self.end, parts, name_table(drop))
+        if self.special:
+            self._forwarded_for(parts, drop, dropped)
+        else:
+            parts.append(client.xff_xfp)
+        for name, value in add:
+            parts += ((_ADD_NAMES[name] if name in _ADD_NAMES else _add_name(name))[1],
+                      value.encode("utf-8", "surrogateescape"), b"\r\n")
+        # The framing, from what the parser found (never from the client's header lines).
+        if length >= 0:
+            parts += (wire.CL_LINE, b"%d" % length, b"\r\n\r\n")
+        elif self.chunked:
+            parts += (wire.CHUNKED_LINE, b"\r\n")
+            self.frame_chunked = True
+        elif self.length >= 0:
+            parts += (wire.CL_LINE, b"%d" % self.length, b"\r\n\r\n")
+        elif self.method not in wire.NO_EMPTY_LENGTH:
+            parts += (wire.CL_ZERO, b"\r\n")
+        else:
+            parts.append(b"\r\n")
+
+        dep = decision.deployment
+        t = dep.timeouts
+        now = perf_counter()
+        self.state = CONNECTING
+        self.connect_timeout = t.connect
+        self.idle_timeout = idle = t.idle
+        # Like the aiohttp client's sock_read, silence before the head is bounded by `idle` too.
+        first_byte = t.first_byte
+        self.first_byte_timeout = first_byte = idle if idle < first_byte else first_byte
+        due = self.t0 + first_byte
+        if due < client.timer_due:
+            client.watch(due, now)
+
+        conn = pool.take(now)
+        if conn is None:
+            self.head = parts
+            pool.acquire(self)
+            if self.state == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
+                client.flow.pause(WAITING)
+        else:
+            self.conn = conn
+            conn.bind(self, client.write_paused)
+            self._send(conn, parts)
+        stats = dep.stats  # (the request left first: the metric is off its latency path)
+        stats.added.observe(now - self.t0)  # type: ignore[union-attr]
+
+    def _forwarded_for(self, parts: list[bytes], drop: frozenset[str] | set[str], dropped: frozenset[str]) -> None:
+        """X-Forwarded-For / -Proto when the client sent forwarding headers of its own."""
+        client = self.client
+        raw, first, end = self.raw, self.first, self.end
+        xff = b""
+        if wire.XFF not in self.conn_tokens and wire.XFF not in dropped:
+            xff = b", ".join(header_values(raw, first, end, wire.XFF_B, False))
+        parts += (wire.XFF_LINE, xff + b", " + client.peer if xff else client.peer, b"\r\n")
+        if wire.XFP in drop or not has_header(raw, first, end, wire.XFP_B):
+            parts.append(wire.XFP_LINE)
+
+    def pump(self) -> None:
+        """Client bytes were parsed: forward, buffer or refuse them according to the state."""
+        state = self.state
+        if state >= SENT:
+            return
+        if state == LOADING:  # not routed yet: buffer, as while waiting for a connection
+            if self.body_size > WAIT_BUFFER and not self.complete:
+                self.client.flow.pause(WAITING)
+            return
+        if self.body_size > self.limit:
+            self._too_large_midway()
+        elif state == SENDING:
+            out: list[bytes] = []
+            if self.body:
+                self._frame_body(out)
+            complete = self.complete
+            if complete:
+                if self.frame_chunked:
+                    out.append(wire.LAST_CHUNK)
+                self.state = SENT
+            if out:
+                conn = self.conn
+                assert conn is not None
+                conn.send(b"".join(out), complete)
+        elif state == BUFFERING:
+            if self.complete:
+                self._send_transformed()
+            else:
+                self.last_io = perf_counter()  # body bytes arrived (see deadline)
+        elif state == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
+            self.client.flow.pause(WAITING)
+
+    def _send_transformed(self) -> None:
+        """The whole body of a ``needs_body`` request is here: the router reads (or rewrites) it,
+        then it is forwarded. Any failure finishes the turn and answers a JSON error."""
+        body = self.body
+        raw = body[0] if len(body) == 1 else list(body)  # a large body is joined off the loop
+        body.clear()
+        try:
+            self._body_ready(self.shared.router.transform_body(self.decision, raw, self.body_size))
+        except LoadNeeded as need:
+            self._load(need.identity, need.resume)
+        except Exception as exc:
+            self._body_failed(exc)
+
+    def _body_ready(self, result: Decision | BodyWork) -> None:
+        """Forward what the router's complete decision says (it replaces the provisional one),
+        or run its body work (a large body) on a worker thread: a future whose callback comes
+        back here, on the loop."""
+        if type(result) is not BodyWork:
+            self.decision = decision = result
+            body = decision.body
+            assert body is not None
+            if body:
+                self.body.append(body)
+            self._forward(decision, len(body))
+            return
+        self.state = TRANSFORMING
+        engine = self.shared.engine
+        future = engine.loop.run_in_executor(engine.body_pool, result.run)
+        future.add_done_callback(partial(self._work_done, result))
+
+    def _work_done(self, work: BodyWork, future: asyncio.Future[Any]) -> None:
+        """The body work ran: resume it, or abandon it (the client left meanwhile, or it raised);
+        exactly one of the two per work."""
+        if self.state != TRANSFORMING:  # the client left meanwhile
+            if not future.cancelled():
+                future.exception()  # retrieved: nothing left to report
+            work.abandon(_CLIENT_ABORTED)
+            return
+        try:
+            if future.cancelled():
+                raise RuntimeError("body work cancelled (the engine is closing)")
+            done = future.result()
+        except Exception as exc:  # a defect in the work
+            work.abandon(_UPSTREAM_FAILED)
+            self._body_failed(exc)
+            self.client.flush()
+            return
+        try:
+            self._body_ready(work.resume(done))
+        except LoadNeeded as need:
+            self._load(need.identity, need.resume)
+        except Exception as exc:
+            self._body_failed(exc)
+        self.client.flush()
+
+    def _body_failed(self, exc: Exception) -> None:
+        """Finish the turn and answer: the router's JSON error, or 500 for a defect."""
+        if self.state == DONE:
+            return
+        decision = self.decision
+        assert decision is not None
+        if isinstance(exc, errors.ProxyError):
+            self._finish_turn(_UPSTREAM_FAILED)
+            dep = decision.deployment
+            self.respond_error(exc, dep.name, dep.mode_name, exc.type)
+            return
+        log.error("request body handling failed: %r", exc, exc_info=exc, extra=decision.log_fields())
+        self.internal_error()
+
+    def _frame_body(self, out: list[bytes]) -> None:
+        body = self.body
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        if not data:
+            return
+        if self.frame_chunked:
+            out += (b"%x\r\n" % len(data), data, b"\r\n")
+        else:
+            out.append(data)
+
+    # -- used by the pool and the upstream connection ---------------------------------------
+
+    @property
+    def wants_connection(self) -> bool:
+        return self.state == CONNECTING
+
+    def attach(self, conn: UpstreamConnection) -> None:
+        """A connection for a request that waited for one (opened, or freed by another)."""
+        self.conn = conn
+        client = self.client
+        conn.bind(self, client.write_paused)
+        client.flow.resume(WAITING)
+        parts = self.head
+        self.head = []
+        self._send(conn, parts)
+
+    def _send(self, conn: UpstreamConnection, parts: list[bytes]) -> None:
+        """Write the request head in ``parts`` with the body received so far in one write; the
+        request is SENT when it is complete, else SENDING (the rest streams as it arrives)."""
+        body = self.body
+        large = None
+        if body:
+            if self.frame_chunked:
+                self._frame_body(parts)
+            elif len(body) == 1 and len(body[0]) > _SEPARATE_WRITE:
+                large = body.pop()  # a buffered body: written by itself, not copied into the head's write
+            else:
+                parts += body
+                body.clear()
+        complete = self.complete
+        if complete:
+            if self.frame_chunked:
+                parts.append(wire.LAST_CHUNK)
+            self.state = SENT
+        else:
+            self.state = SENDING
+        if large is None:
+            conn.send(b"".join(parts), complete)
+        else:
+            conn.send(b"".join(parts), False)
+            conn.send(large, complete)
+
+    def connect_failed(self, kind: str, exc: BaseException) -> None:
+        if self.state != CONNECTING:
+            # ``tls``: the upstream refused the TLS session after the request was written to it
+            # (it never reached the application); nothing to do once a response began.
+            if kind != "tls" or self.state == DONE or self.resp_status:
+                return
+            self.conn = None
+        decision = self.decision
+        assert decision is not None
+        dep, up = decision.deployment, decision.upstream
+        engine = self.shared.engine
+        if kind == "timeout":
+            engine.upstream_failure(dep, up, "timeout", "connect timed out", connecting=True)
+            self._upstream_error("timeout", errors.upstream_timeout(dep.name, up.index))
+        else:
+            reason = errors.failure_reason(exc)
+            engine.upstream_failure(dep, up, "connect", reason, connecting=True)
+            self.shared.router.upstream_unreachable(decision)  # nothing was sent: fail the tree over
+            self._upstream_error("connect", errors.upstream_unreachable(dep.name, up.index, reason))
+
+    def peer_full(self, full: bool) -> None:
+        if full:
+            self.client.flow.pause(PEER_FULL)
+        else:
+            self.client.flow.resume(PEER_FULL)
+
+    def response_head(self, status: int, raw: bytes, start: int, first: int, end: int,
+                      now: float) -> BodyRelay | None:
+        """The upstream's final response head (status line at ``raw[start:first]``, header block
+        ``raw[first:end]``): put the client's head in its output and return the relay of the body
+        (None: no body). Flattened: once per request; the router hears of the head in
+        :meth:`head_sent`."""
+        client = self.client
+        self.resp_status = status
+        self.last_io = now
+        self.resp_head = header_map(raw, first, end)
+        self.head_at = now
+        http10 = self.http10
+        output = client.output
+        out = output.parts
+        out += (wire.HTTP10 if http10 else wire.HTTP11,
+                wire.STATUS_CODE[status] if status in wire.STATUS_CODE else b"%d" % status, b" ",
+                reason_phrase(raw, start, first), b"\r\n")
+        mark = len(out)
+        framing = relay_block(raw, first, end, out, None)  # the header lines minus hop-by-hop ones
+        if framing & NAMES_HEADERS:  # not the usual single "keep-alive" or "close"
+            del out[mark:]
+            relay_block(raw, first, end, out, token_set(header_values(raw, first, end, wire.CONNECTION_B, False)))
+        length = 0
+        if self.method == b"HEAD" or status == 204 or status == 304:
+            mode = -1  # no body
+        elif framing & (HAS_CONTENT_LENGTH | HAS_TRANSFER_ENCODING) == HAS_CONTENT_LENGTH:
+            mode = LENGTH
+            length = int(first_value(raw, first, end, _CONTENT_LENGTH_B) or 0)  # (llhttp checked it)
+        elif framing & HAS_TRANSFER_ENCODING and b",".join(header_values(
+                raw, first, end, wire.TRANSFER_ENCODING_B, False)).rsplit(b",", 1)[-1].strip().lower() == b"chunked":
+            mode = DECHUNK if http10 else CHUNKED
+        else:  # delimited by the upstream's close
+            mode = EOF_RAW if http10 else EOF_CHUNKED
+        if mode == CHUNKED or mode == EOF_CHUNKED:
+            out.append(wire.CHUNKED_LINE)
+        if not (self.keep_alive and self.complete and mode != DECHUNK and mode != EOF_RAW
+                and not self.shared.draining):
+            if not http10:  # closing is HTTP/1.0's default
+                out.append(wire.CLOSE_LINE)
+            self.close_after = True
+        elif http10:
+            out.append(wire.KEEPALIVE_LINE)
+        out.append(b"\r\n")
+        if mode < 0:
+            return None
+        conn = self.conn
+        assert conn is not None
+        return BodyRelay(output, mode, length, conn.pool.max_head)
+
+    def head_sent(self) -> None:
+        """The response head went to the client: tell the router and the metrics now (off the
+        latency path; in any case before the turn finishes, see _finish_turn)."""
+        headers = self.resp_head
+        if headers is None:
+            return
+        self.resp_head = None
+        shared = self.shared
+        decision = self.decision
+        assert decision is not None
+        health = shared.health
+        if not health.settled:
+            health.answered(decision.deployment, decision.upstream)
+        stats = decision.deployment.stats
+        stats.ttfb.observe(self.head_at - self.t0)  # type: ignore[union-attr]
+        shared.router.on_response(decision, self.resp_status, headers)
+
+    def response_end(self, now: float) -> None:
+        """The last response byte went to the client (the connection has unbound itself): count,
+        finish the turn, end (flattened: once per request)."""
+        self.conn = None
+        self.client.flush()  # a response without a body: its head is still in the output
+        decision = self.decision
+        assert decision is not None
+        stats = decision.deployment.stats
+        assert stats is not None
+        status = self.resp_status
+        stats.request(status).inc()
+        stats.duration.observe(now - self.t0)
+        self._finish_turn(_COMPLETED if status < 500 else _UPSTREAM_FAILED)
+        # An unread rest of the request body is never read: the connection closes.
+        self._end(CLOSE if self.close_after or not self.complete else KEEP)
+
+    def upstream_failed(self, message: str) -> None:
+        """The upstream connection failed (it has detached itself)."""
+        self.conn = None
+        if self.state == DONE:
+            return
+        decision = self.decision
+        assert decision is not None
+        dep, up = decision.deployment, decision.upstream
+        if not self.resp_status:
+            self.shared.engine.upstream_failure(dep, up, "protocol", message)
+            self._upstream_error("protocol", errors.upstream_protocol_error(dep.name, up.index, message))
+            return
+        self._fail_mid_response("reset", f"mid-response: {message}")
+
+    # -- timeouts (see fast_connection.ClientConnection._watch) --------------------------------
+
+    def deadline(self, now: float) -> float:
+        """When the watchdog must look at this request next (perf_counter time; inf: never):
+        when it times out as things stand, or, while its response streams, when to look for
+        reads since the last look."""
+        state = self.state
+        if state == BUFFERING and self.decision is not None and self.idle_timeout:
+            body_due = self.last_io + self.idle_timeout
+            whole = self.t0 + self.first_byte_timeout
+            return body_due if body_due < whole else whole
+        if state < CONNECTING or state == DONE:
+            return _INF
+        if not self.resp_status:
+            return self.t0 + self.first_byte_timeout
+        conn = self.conn
+        if conn is not None and conn.relay is not None:
+            reads = conn.relay.reads
+            if reads != self.seen_reads:  # it moved since the last look
+                self.seen_reads = reads
+                self.last_io = now
+            check = now + self.idle_timeout / _IDLE_CHECKS
+            due = self.last_io + self.idle_timeout
+            return due if due < check else check
+        return self.last_io + self.idle_timeout
+
+    def timed_out(self, now: float) -> None:
+        decision = self.decision
+        assert decision is not None
+        dep, up = decision.deployment, decision.upstream
+        if self.state == BUFFERING:  # the client stopped sending the body a mode reads
+            self._finish_turn(_CLIENT_ABORTED)
+            self.respond_error(errors.request_timeout(f"the request body stalled (deployment {dep.name!r})"),
+                               dep.name, dep.mode_name, errors.REQUEST_TIMEOUT, close=True)
+            return
+        if not self.resp_status:
+            reason = f"no response within {self.first_byte_timeout:g} s"
+            self.shared.engine.upstream_failure(dep, up, "timeout", reason)
+            self._upstream_error("timeout", errors.upstream_timeout(dep.name, up.index))
+            return
+        self._fail_mid_response("timeout", f"mid-response: idle for {self.idle_timeout:g} s")
+
+    # -- failures and local answers ---------------------------------------------------------
+
+    def _fail_mid_response(self, kind: str, message: str) -> None:
+        """The upstream failed after the response head went out: the status line is gone, so the
+        only honest signal left is an incomplete response (an aborted connection), not a clean end."""
+        decision = self.decision
+        assert decision is not None
+        dep = decision.deployment
+        engine = self.shared.engine
+        engine.metrics.upstream_error(dep.name, kind).inc()
+        self._finish_turn(_UPSTREAM_FAILED)
+        engine.upstream_failure(dep, decision.upstream, kind, message)
+        self._end(ABORT)
+
+    def respond_error(self, exc: errors.ProxyError, dep_name: str, mode_name: str, reason: str | None,
+                      close: bool = False) -> None:
+        """Answer with the JSON error and end (the router's turn, if any, is already finished)."""
+        metrics = self.shared.engine.metrics
+        metrics.request_counter(dep_name, mode_name, f"{exc.status // 100}xx").inc()
+        if reason:
+            metrics.rejected.labels(reason).inc()
+        keep = not close and self.keep_alive and self.complete and not self.shared.draining
+        self.client.output.parts.append(wire.error_response(exc, self.http10, keep, self.method == b"HEAD"))
+        self._end(KEEP if keep else CLOSE)
+
+    def internal_error(self) -> None:
+        if self.state == DONE:
+            return
+        if self.decision is not None:
+            self._finish_turn(_UPSTREAM_FAILED)
+        d = self.shared.router.default
+        self.respond_error(errors.internal_error(), d.name, d.mode_name, None, close=True)
+
+    def refused(self, exc: errors.ProxyError, reason: str) -> None:
+        """The body of this started request turned out malformed: never complete it upstream."""
+        if self.state == DONE:
+            return
+        self._fail_started(exc, reason)
+
+    def _too_large_midway(self) -> None:
+        decision = self.decision
+        assert decision is not None
+        dep = decision.deployment
+        self._fail_started(errors.request_too_large(dep.name, self.limit, decision.needs_body), "body_too_large")
+
+    def _fail_started(self, exc: errors.ProxyError, reason: str) -> None:
+        decision = self.decision
+        assert decision is not None
+        dep = decision.deployment
+        self._finish_turn(_UPSTREAM_FAILED)
+        if self.resp_status:
+            self._end(ABORT)
+        else:
+            self.respond_error(exc, dep.name, dep.mode_name, reason, close=True)
+
+    def _upstream_error(self, kind: str, exc: errors.ProxyError) -> None:
+        decision = self.decision
+        assert decision is not None
+        dep = decision.deployment
+        self.shared.engine.metrics.upstream_error(dep.name, kind).inc()
+        self._finish_turn(_UPSTREAM_FAILED)
+        self.respond_error(exc, dep.name, dep.mode_name, None)
+
+    def client_gone(self) -> None:
+        """The client connection closed: abandon the upstream side (an abandoned stream must not keep a GPU busy)."""
+        if self.state == QUEUED or self.state == DONE:
+            return
+        if self.decision is not None:
+            self._finish_turn(_CLIENT_ABORTED)
+        self._end(ABORT)
+
+    # -- the one end --------------------------------------------------------------------------
+
+    def _finish_turn(self, outcome: TurnOutcome) -> None:
+        """Finish the router's turn (idempotent in the router): after the response head it has
+        not heard of yet, if any."""
+        if self.resp_head is not None:
+            self.head_sent()
+        self.shared.router.finish(self.decision, outcome)
+
+    def _end(self, close: int) -> None:
+        """The exchange is over: every end goes through here, exactly once. An upstream
+        connection still attached carries an incomplete request or response: never reused."""
+        self.state = DONE
+        conn = self.conn
+        if conn is not None:
+            self.conn = None
+            conn.abort()
+        self.client.finish_exchange(self, close)

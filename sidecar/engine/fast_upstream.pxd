@@ -1,0 +1,40 @@
+# Compiled layout of fast_upstream.py (Cython "augmenting" declarations; see setup.py). Keep the
+# fields equal to each class's __slots__; C types only where every assignment has that type.
+cimport cython
+from sidecar.engine.flow cimport ReadFlow
+from sidecar.engine.head cimport locate
+from sidecar.engine.idle_poll cimport IdlePoller
+from sidecar.engine.relay cimport BodyRelay
+
+cdef bytes _HEAD_END
+
+cdef class UpstreamConnection:
+    cdef public UpstreamPool pool
+    cdef public object transport, parser, ex, _poll
+    cdef public ReadFlow flow
+    cdef public list pieces
+    cdef public Py_ssize_t raw_at, scan_at, fed
+    cdef public bint lost, counted, head_done, keep_alive, reusable, sent_all, write_paused, fresh
+    cdef public double idle_since
+    cdef public BodyRelay relay
+    @cython.locals(relay=BodyRelay)
+    cpdef data_received(self, bytes data)
+    @cython.locals(used=Py_ssize_t)
+    cpdef _body(self, BodyRelay relay, bytes data)
+    cpdef bint usable(self, double now) except -1
+    cpdef send(self, bytes data, bint last)
+    @cython.locals(pieces=list, raw=bytes, max_head=Py_ssize_t, k=Py_ssize_t, stop=Py_ssize_t, start=Py_ssize_t,
+                   first=Py_ssize_t, end=Py_ssize_t, status=long, now=double, relay=BodyRelay)
+    cpdef _head(self, bytes data)
+    cpdef _complete(self, double now)
+    cpdef _unbind(self)
+
+cdef class UpstreamPool:
+    cdef public object loop, host, tls, server_hostname, idle, waiters, tasks
+    cdef public long port, limit, total
+    cdef public Py_ssize_t max_head
+    cdef public bint closed
+    cdef public IdlePoller poller
+    @cython.locals(conn=UpstreamConnection)
+    cpdef take(self, double now)
+    cpdef release(self, UpstreamConnection conn, double now)

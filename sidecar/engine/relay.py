@@ -1,0 +1,235 @@
+"""Response bodies from an upstream connection to the client: the bytes passed through as they
+arrive, their framing tracked here.
+
+The upstream connection hands each read after the response head to the exchange's
+:class:`BodyRelay` (``feed``), which finds where the body ends and writes the body's bytes to the
+client's :class:`ClientOutput` in one write per read, without a Python call or an object per
+chunk. How the body goes out depends on how it came and on the client (``mode``):
+
+- ``LENGTH``: Content-Length bytes, passed through unchanged;
+- ``CHUNKED``: chunked, to an HTTP/1.1 client: passed through unchanged (sizes, data and CRLFs
+  as the upstream wrote them, so an event that arrives in one read leaves in one write), except
+  chunk extensions and trailer fields, which are dropped (they are the upstream's hop);
+- ``DECHUNK``: chunked, to an HTTP/1.0 client (a close-delimited answer): the chunks' data only;
+- ``EOF_CHUNKED`` / ``EOF_RAW``: delimited by the upstream's close, re-framed as one chunk per
+  read for an HTTP/1.1 client, passed through for an HTTP/1.0 one.
+
+Chunked framing is checked as strictly as llhttp checks it (hex sizes below 2**60, CRLF after
+sizes and data, no control characters in extensions, bounded trailers): malformed framing raises
+:class:`~sidecar.engine.parse_errors.ParseError` before anything of that read is written, and the
+exchange then aborts the client connection. Bytes after the end of the body are never relayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from sidecar.engine.parse_errors import ParseError
+
+LENGTH, CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW = range(5)
+# The same modes for this module's own comparisons: the compiled build declares the private
+# constants below as C longs (relay.pxd), so the per-event code compares machine integers; a
+# constant declared that way is not importable, hence the public names above.
+_LENGTH, _CHUNKED, _DECHUNK, _EOF_CHUNKED, _EOF_RAW = LENGTH, CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW
+
+# Chunked framing states.
+_SIZE, _EXT, _SIZE_LF, _DATA, _DATA_CR, _DATA_LF, _TRAILER, _TRAILER_LINE, _TRAILER_LF, _END_LF, _DONE = range(11)
+_MAX_DIGITS = 15  # hex digits of a chunk size (below 2**60, as llhttp)
+_CR = 13
+_LF = 10
+_HTAB = 9
+_DEL = 127
+_LAST_CHUNK = b"0\r\n\r\n"
+
+
+class ClientOutput:
+    """The bytes a client connection has to write: gathered in ``parts`` while an event is
+    handled, written in one ``transport.write`` by :meth:`flush` (nothing once ``closed``)."""
+
+    __slots__ = ("transport", "parts", "closed")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.parts: list[bytes] = []
+        self.closed = False
+
+    def flush(self) -> None:
+        parts = self.parts
+        if parts:
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
+            parts.clear()
+            if not self.closed:
+                self.transport.write(data)
+
+
+class BodyRelay:
+    """One response body on its way to the client (see the module docstring).
+
+    The upstream connection calls :meth:`feed` with every read until ``done``, and :meth:`eof`
+    when the upstream closes; ``reads`` counts the reads (the exchange's idle timeout reads it
+    instead of the clock)."""
+
+    __slots__ = ("output", "mode", "left", "state", "digits", "budget", "reads", "done")
+
+    def __init__(self, output: ClientOutput, mode: int, length: int, budget: int) -> None:
+        self.output = output
+        self.mode = mode
+        self.left = length  # LENGTH: body bytes still to come; chunked: data bytes left in the chunk
+        self.state = _SIZE
+        self.digits = 0
+        self.budget = budget  # trailer bytes still allowed (the response head limit)
+        self.reads = 0
+        self.done = mode == _LENGTH and length == 0
+
+    def feed(self, data: bytes) -> int:
+        """Relay the body's part of ``data`` (and flush the client's output); return how many
+        bytes of ``data`` belong to the body: all of them unless it ends within ``data``
+        (``done`` is then set). Raises ParseError on malformed chunked framing."""
+        self.reads += 1
+        mode = self.mode
+        n = len(data)
+        parts = self.output.parts
+        if mode == _LENGTH:
+            left = self.left
+            if n < left:
+                self.left = left - n
+                parts.append(data)
+            else:
+                parts.append(data if n == left else data[:left])
+                self.left = 0
+                self.done = True
+                n = left
+        elif mode == _CHUNKED or mode == _DECHUNK:
+            n = self._chunks(data, parts)
+        elif mode == _EOF_CHUNKED:
+            if n:
+                parts += (b"%x\r\n" % n, data, b"\r\n")
+        else:
+            parts.append(data)
+        self.output.flush()
+        return n
+
+    def eof(self) -> bool:
+        """The upstream closed: whether that ends the body (it does when the close delimits it);
+        if so, the end goes to the client."""
+        if self.mode == _EOF_CHUNKED:
+            self.output.parts.append(_LAST_CHUNK)
+        elif self.mode != _EOF_RAW:
+            return False
+        self.done = True
+        self.output.flush()
+        return True
+
+    def _chunks(self, data: bytes, parts: list[bytes]) -> int:
+        """Track chunked framing through ``data``, appending what goes to the client to ``parts``;
+        return where the body ended in ``data`` (``len(data)`` while it goes on)."""
+        n = len(data)
+        state = self.state
+        left = self.left
+        digits = self.digits
+        through = self.mode == _CHUNKED
+        pos = 0
+        # Start of the run of bytes passed through as they are (-1: in a part that is dropped).
+        seg = -1 if state == _EXT or state == _TRAILER or state == _TRAILER_LINE or state == _TRAILER_LF else 0
+        out: list[bytes] = []
+        while pos < n:
+            c = data[pos]
+            if state == _DATA:
+                take = n - pos
+                if take > left:
+                    take = left
+                if not through:
+                    out.append(data[pos:pos + take])
+                pos += take
+                left -= take
+                if left == 0:
+                    state = _DATA_CR
+            elif state == _SIZE:
+                if 48 <= c <= 57 or 65 <= c <= 70 or 97 <= c <= 102:  # HEXDIG
+                    if digits == _MAX_DIGITS:
+                        raise ParseError("chunk size too large")
+                    left = left * 16 + (c - 48 if c <= 57 else (c | 32) - 87)
+                    digits += 1
+                    pos += 1
+                elif digits == 0:
+                    raise ParseError("invalid character in chunk size")
+                elif c == _CR:
+                    state = _SIZE_LF
+                    pos += 1
+                elif c == 59 or c == 32 or c == _HTAB:  # ';' or whitespace: extensions, dropped
+                    if through and pos > seg >= 0:
+                        out.append(data[seg:pos])
+                    seg = -1
+                    state = _EXT
+                    pos += 1
+                else:
+                    raise ParseError("invalid character in chunk size")
+            elif state == _DATA_CR:
+                if c != _CR:
+                    raise ParseError("chunk data not followed by CRLF")
+                state = _DATA_LF
+                pos += 1
+            elif state == _DATA_LF:
+                if c != _LF:
+                    raise ParseError("chunk data not followed by CRLF")
+                state = _SIZE
+                digits = 0
+                pos += 1
+            elif state == _SIZE_LF:
+                if c != _LF:
+                    raise ParseError("chunk size line not ended by CRLF")
+                pos += 1
+                if left:
+                    state = _DATA
+                else:  # the last chunk: its line goes through, trailer fields do not
+                    state = _TRAILER
+                    if through and seg >= 0:
+                        out.append(data[seg:pos])
+                    seg = -1
+            elif state == _EXT:
+                if c == _CR:
+                    seg = pos
+                    state = _SIZE_LF
+                elif (c < 32 and c != _HTAB) or c == _DEL:
+                    raise ParseError("invalid character in chunk extension")
+                pos += 1
+            elif state == _TRAILER:  # at the start of a line after the last chunk
+                if c == _CR:  # the empty line that ends the body: it goes through
+                    seg = pos
+                    state = _END_LF
+                    pos += 1
+                else:
+                    state = _TRAILER_LINE
+            elif state == _TRAILER_LINE:
+                if c == _CR:
+                    state = _TRAILER_LF
+                elif c == _LF or (c < 32 and c != _HTAB) or c == _DEL:
+                    raise ParseError("invalid character in trailer field")
+                self.budget -= 1
+                if self.budget < 0:
+                    raise ParseError("trailer fields too large")
+                pos += 1
+            elif state == _TRAILER_LF:
+                if c != _LF:
+                    raise ParseError("trailer field not ended by CRLF")
+                state = _TRAILER
+                pos += 1
+            else:  # _END_LF
+                if c != _LF:
+                    raise ParseError("chunked body not ended by CRLF")
+                pos += 1
+                state = _DONE
+                break
+        self.state = state
+        self.left = left
+        self.digits = digits
+        if state == _DONE:
+            self.done = True
+        if through:
+            if seg == 0 and pos == n and not out:
+                parts.append(data)  # the usual read: whole events, passed through as they came
+                return n
+            if 0 <= seg < pos:
+                out.append(data[seg:pos])
+        parts += out
+        return pos
