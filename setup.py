@@ -34,15 +34,24 @@ def extensions() -> list:
         from Cython.Build import cythonize
     except ImportError:
         if require:
-            raise SystemExit("SIDECAR_REQUIRE_COMPILED=1 but Cython is not installed: the compiled build "
-                             "needs it (pyproject's build-system requires cython)") from None
+            raise SystemExit(
+                "SIDECAR_REQUIRE_COMPILED=1 but Cython is not installed: the compiled build "
+                "needs it (pyproject's build-system requires cython)"
+            ) from None
         return []
     # The request parser is compiled only: it drives the vendored llhttp with C callbacks.
-    llhttp = Extension("sidecar.engine.llhttp_parser", ["sidecar/engine/llhttp_parser.pyx", *LLHTTP_SOURCES],
-                       include_dirs=["vendor/llhttp/include"])
+    llhttp = Extension(
+        "sidecar.engine.llhttp_parser",
+        ["sidecar/engine/llhttp_parser.pyx", *LLHTTP_SOURCES],
+        include_dirs=["vendor/llhttp/include"],
+    )
     jsonscan = Extension("sidecar._jsonscan", ["sidecar/_jsonscan.pyx"])
-    exts = cythonize([*COMPILED, llhttp, jsonscan], language_level=3, quiet=True,
-                     compiler_directives={"annotation_typing": False, "binding": False})
+    exts = cythonize(
+        [*COMPILED, llhttp, jsonscan],
+        language_level=3,
+        quiet=True,
+        compiler_directives={"annotation_typing": False, "binding": False},
+    )
     for ext in exts:
         # No C compiler: install the pure-Python modules instead, unless the compiled build is required.
         ext.optional = not require

@@ -88,7 +88,7 @@ def populate(tree: SessionTree, n: int, rng: random.Random, keep: Ids | None) ->
                 group.append((child, root))
                 if shape >= 0.9:
                     group.extend((new_id(rng), child) for _ in range(rng.randint(1, 2)))
-        for session, parent in group[:n - added]:
+        for session, parent in group[: n - added]:
             one_turn(tree, session, parent)
             if keep is not None:
                 keep.append((session, parent))
@@ -189,8 +189,9 @@ def build(n: int, capped: bool, seed: int) -> Setup:
     return tree, ids, dict.fromkeys(s for s, _ in ids)
 
 
-def measure_cost(pattern: str, setups: list[Setup], ops: int, rounds: int, slices: int, active: int,
-                 seed: int) -> tuple[list[Series], list[Series]]:
+def measure_cost(
+    pattern: str, setups: list[Setup], ops: int, rounds: int, slices: int, active: int, seed: int
+) -> tuple[list[Series], list[Series]]:
     """Per setup: the tree's series and the bare dict's series for the same requests."""
     works = [Workload(pattern, ids, active, random.Random(seed + 1)) for _tree, ids, _index in setups]
     for (tree, _ids, _index), work in zip(setups, works):  # warm-up: fills the tombstones
@@ -230,8 +231,9 @@ def main() -> None:
     parser.add_argument("--slices", type=int, default=10)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--patterns", default=",".join(PATTERNS))
-    parser.add_argument("--out-dir", type=Path, default=record.RESULTS,
-                        help="where the dated .md and .json go (default bench/results)")
+    parser.add_argument(
+        "--out-dir", type=Path, default=record.RESULTS, help="where the dated .md and .json go (default bench/results)"
+    )
     args = parser.parse_args()
     facts = record.machine_facts()
     started = time.perf_counter()
@@ -244,17 +246,25 @@ def main() -> None:
         lines.append(line)
 
     live, per_session, peak, pause = measure_memory(args.sessions, args.seed)
-    raw["memory"] = {"live_sessions": live, "bytes_per_session": per_session, "peak_bytes_per_session": peak,
-                     "full_gc_ms": pause}
-    out(f"memory: {live} live sessions, {per_session:.0f} bytes/session "
-        f"(peak while building {peak:.0f}), id strings included")
+    raw["memory"] = {
+        "live_sessions": live,
+        "bytes_per_session": per_session,
+        "peak_bytes_per_session": peak,
+        "full_gc_ms": pause,
+    }
+    out(
+        f"memory: {live} live sessions, {per_session:.0f} bytes/session "
+        f"(peak while building {peak:.0f}), id strings included"
+    )
     out(f"a full gc.collect() with them alive: {pause:.0f} ms")
 
     sizes = [args.small, args.sessions]
     uncapped: list[Setup] = []  # scattered and cold leave the population as they found it: shared
     raw["patterns"] = {}
-    table = ["| pattern | live sessions | ns/request, wall | CPU | bare dict.get, wall | CPU |",
-             "|---|---:|---:|---:|---:|---:|"]
+    table = [
+        "| pattern | live sessions | ns/request, wall | CPU | bare dict.get, wall | CPU |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     ratios = ["| pattern | cost ratio, wall | CPU |", "|---|---:|---:|"]
     for pattern in args.patterns.split(","):
         if pattern == "steady":
@@ -263,15 +273,25 @@ def main() -> None:
             setups = uncapped = uncapped or [build(n, False, args.seed) for n in sizes]
         trees, dicts = measure_cost(pattern, setups, args.ops, args.rounds, args.slices, args.active, args.seed)
         del setups
-        raw["patterns"][pattern] = {str(n): {"tree_wall_ns": series.wall, "tree_cpu_ns": series.cpu,
-                                             "dict_wall_ns": lookups.wall, "dict_cpu_ns": lookups.cpu}
-                                    for n, series, lookups in zip(sizes, trees, dicts)}
+        raw["patterns"][pattern] = {
+            str(n): {
+                "tree_wall_ns": series.wall,
+                "tree_cpu_ns": series.cpu,
+                "dict_wall_ns": lookups.wall,
+                "dict_cpu_ns": lookups.cpu,
+            }
+            for n, series, lookups in zip(sizes, trees, dicts)
+        }
         for n, series, lookups in zip(sizes, trees, dicts):
-            out(f"{pattern}: {n} live: {med(series.wall):.0f} ns/request wall "
+            out(
+                f"{pattern}: {n} live: {med(series.wall):.0f} ns/request wall "
                 f"(rounds {', '.join(f'{r:.0f}' for r in series.wall)}), {med(series.cpu):.0f} CPU; "
-                f"bare dict.get {med(lookups.wall):.0f} wall, {med(lookups.cpu):.0f} CPU")
-            table.append(f"| {pattern} | {n:,} | {med(series.wall):.0f} | {med(series.cpu):.0f} | "
-                         f"{med(lookups.wall):.0f} | {med(lookups.cpu):.0f} |")
+                f"bare dict.get {med(lookups.wall):.0f} wall, {med(lookups.cpu):.0f} CPU"
+            )
+            table.append(
+                f"| {pattern} | {n:,} | {med(series.wall):.0f} | {med(series.cpu):.0f} | "
+                f"{med(lookups.wall):.0f} | {med(lookups.cpu):.0f} |"
+            )
         small, large = trees
         wall_ratio, cpu_ratio = med(large.wall) / med(small.wall), med(large.cpu) / med(small.cpu)
         out(f"{pattern}: cost ratio {args.sessions} / {args.small}: {wall_ratio:.3f} wall, {cpu_ratio:.3f} CPU")
@@ -279,13 +299,24 @@ def main() -> None:
     runtime = time.perf_counter() - started
     out(f"runtime: {runtime:.1f} s")
     raw["runtime_seconds"] = runtime
-    body = "\n".join([
-        f"Memory: {live:,} live sessions, {per_session:.0f} bytes per session (peak while building "
-        f"{peak:.0f}), id strings included; a full gc.collect() with them alive: {pause:.0f} ms.", "",
-        f"Cost per request (medians of {args.rounds} rounds of {args.ops:,} requests; see the script's "
-        "docstring for the patterns):", "", *table, "", *ratios, "", f"Runtime {runtime:.0f} s."])
-    md, js = record.write("bench_lineage", f"Session tree benchmark, {facts['date'][:10]}", body, raw, facts,
-                          args.out_dir)
+    body = "\n".join(
+        [
+            f"Memory: {live:,} live sessions, {per_session:.0f} bytes per session (peak while building "
+            f"{peak:.0f}), id strings included; a full gc.collect() with them alive: {pause:.0f} ms.",
+            "",
+            f"Cost per request (medians of {args.rounds} rounds of {args.ops:,} requests; see the script's "
+            "docstring for the patterns):",
+            "",
+            *table,
+            "",
+            *ratios,
+            "",
+            f"Runtime {runtime:.0f} s.",
+        ]
+    )
+    md, js = record.write(
+        "bench_lineage", f"Session tree benchmark, {facts['date'][:10]}", body, raw, facts, args.out_dir
+    )
     print(f"written: {md}, {js}", file=sys.stderr)
 
 

@@ -101,28 +101,45 @@ def run(mean_gap_us: float, work_us: float, window_us: float, duration: float) -
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=3.0, help="seconds per measurement (default 3)")
-    p.add_argument("--out-dir", type=Path, default=record.RESULTS,
-                   help="where the dated .md and .json go (default bench/results)")
+    p.add_argument(
+        "--out-dir", type=Path, default=record.RESULTS, help="where the dated .md and .json go (default bench/results)"
+    )
     args = p.parse_args()
     facts = record.machine_facts()
     os.sched_setaffinity(0, {LOOP_CPU})
-    lines = [f"| traffic | mean gap | work per event | work share | loop CPU, polling off | "
-             f"loop CPU, idle_poll_us {WINDOW_US} | time polled (work included) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| traffic | mean gap | work per event | work share | loop CPU, polling off | "
+        f"loop CPU, idle_poll_us {WINDOW_US} | time polled (work included) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     print("\n".join(lines))
     rows = []
     for gap, work, what in SHAPES:
         off, share, _ = run(gap, work, 0, args.duration)
         on, _, polled = run(gap, work, WINDOW_US, args.duration)
-        rows.append({"traffic": what, "mean_gap_us": gap, "work_us": work, "work_share": share,
-                     "loop_cpu_polling_off": off, "loop_cpu_polling_on": on, "polled_share": polled})
+        rows.append(
+            {
+                "traffic": what,
+                "mean_gap_us": gap,
+                "work_us": work,
+                "work_share": share,
+                "loop_cpu_polling_off": off,
+                "loop_cpu_polling_on": on,
+                "polled_share": polled,
+            }
+        )
         lines.append(f"| {what} | {gap} us | {work} us | {share:.0%} | {off:.0%} | {on:.0%} | {polled:.0%} |")
         print(lines[-1], flush=True)
-    body = "\n".join([f"Loop on core {LOOP_CPU}, sender on core {SENDER_CPU}, {args.duration:g} s per "
-                      "measurement; loop thread CPU time over wall time.", "", *lines])
+    body = "\n".join(
+        [
+            f"Loop on core {LOOP_CPU}, sender on core {SENDER_CPU}, {args.duration:g} s per "
+            "measurement; loop thread CPU time over wall time.",
+            "",
+            *lines,
+        ]
+    )
     raw = {"args": {"duration": args.duration}, "idle_poll_us": WINDOW_US, "rows": rows}
-    md, js = record.write("idle_poll_cost", f"Idle polling cost, {facts['date'][:10]}", body, raw, facts,
-                          args.out_dir)
+    md, js = record.write("idle_poll_cost", f"Idle polling cost, {facts['date'][:10]}", body, raw, facts, args.out_dir)
     print(f"written: {md}, {js}", file=sys.stderr)
 
 

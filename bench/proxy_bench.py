@@ -163,7 +163,8 @@ def find_tools(tools_dir: Path, cases: Sequence[str] = tuple(ENVOY_CASES + STORE
             f"missing benchmark tools: {', '.join(missing)} (envoy is looked for at {envoy}).\n"
             f"Install them with scripts/install_bench_tools.sh (run as root; it puts Envoy in "
             f"$SIDECAR_TOOLS_DIR/bench, default .tools/bench) and, for the store case, "
-            f"scripts/install_redis.sh.")
+            f"scripts/install_redis.sh."
+        )
     if (os.cpu_count() or 1) < 2:
         raise BenchError("needs two CPU cores: one for the proxy, one for the load and the upstream")
     return Tools(**found)  # type: ignore[arg-type]
@@ -206,9 +207,14 @@ class Processes:
 
     def start(self, name: str, argv: Sequence[str], cpu: int) -> subprocess.Popen[bytes]:
         with open(self.log_path(name), "wb") as log:
-            proc = subprocess.Popen([self._tools.taskset, "-c", str(cpu), *argv], cwd=REPO,
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                [self._tools.taskset, "-c", str(cpu), *argv],
+                cwd=REPO,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self._running.append(proc)
         return proc
 
@@ -354,9 +360,15 @@ class Contender:
         return self.proc is not None and self.proc.poll() is not None
 
 
-def http_request(port: int, method: str, path: str, headers: dict[str, str] | None = None,
-                 body: bytes | None = None, timeout: float = 5.0,
-                 ca_file: Path | None = None) -> tuple[int, dict[str, str], bytes]:
+def http_request(
+    port: int,
+    method: str,
+    path: str,
+    headers: dict[str, str] | None = None,
+    body: bytes | None = None,
+    timeout: float = 5.0,
+    ca_file: Path | None = None,
+) -> tuple[int, dict[str, str], bytes]:
     """One request; with ``ca_file``, over TLS (the certificate checked against that CA)."""
     if ca_file is None:
         conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
@@ -378,8 +390,9 @@ def verify(contender: Contender, sse: bool) -> None:
     the contender is to the https:// port."""
     session = "verify-0001"
     body = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}]}).encode()
-    status, headers, _ = http_request(contender.port, "POST", CHAT_PATH, {
-        SESSION_HEADER: session, "Content-Type": "application/json"}, body)
+    status, headers, _ = http_request(
+        contender.port, "POST", CHAT_PATH, {SESSION_HEADER: session, "Content-Type": "application/json"}, body
+    )
     if status != 200:
         raise BenchError(f"POST {CHAT_PATH} answered {status}")
     if contender.spec.mode == "dynamo_nvext":
@@ -387,38 +400,47 @@ def verify(contender: Contender, sse: bool) -> None:
         if seen <= len(body):
             raise BenchError(f"dynamo_nvext did not rewrite the body (upstream saw {seen} bytes)")
     elif headers.get(SEEN_SESSION.lower()) != session:
-        raise BenchError(f"upstream saw X-Dynamo-Session-ID {headers.get(SEEN_SESSION.lower())!r}, "
-                         f"expected {session!r}")
+        raise BenchError(
+            f"upstream saw X-Dynamo-Session-ID {headers.get(SEEN_SESSION.lower())!r}, expected {session!r}"
+        )
     contender.upstream_tls = headers.get(SEEN_TLS.lower(), "").strip()
     if bool(contender.upstream_tls) != contender.spec.tls:
-        raise BenchError(f"the upstream saw TLS {contender.upstream_tls!r} from a contender "
-                         f"{'to https' if contender.spec.tls else 'to http'}")
+        raise BenchError(
+            f"the upstream saw TLS {contender.upstream_tls!r} from a contender "
+            f"{'to https' if contender.spec.tls else 'to http'}"
+        )
     if sse:
         status, headers, payload = http_request(contender.port, "GET", SSE_PATH, {SESSION_HEADER: session})
         events = payload.count(b"data: ")
-        if status != 200 or not headers.get("content-type", "").startswith("text/event-stream") \
-                or events != SSE_EVENTS + 1:
-            raise BenchError(f"GET {SSE_PATH}: status {status}, {events} events, "
-                             f"content-type {headers.get('content-type')!r}")
+        if (
+            status != 200
+            or not headers.get("content-type", "").startswith("text/event-stream")
+            or events != SSE_EVENTS + 1
+        ):
+            raise BenchError(
+                f"GET {SSE_PATH}: status {status}, {events} events, content-type {headers.get('content-type')!r}"
+            )
 
 
 def verify_stream(contender: Contender) -> None:
     """A short paced stream through the contender: 200, text/event-stream, every event, and
     (through a proxy) the session header injected."""
     session = "verify-0001"
-    status, headers, payload = http_request(contender.port, "GET", f"{STREAM_PATH}?events=3&gap_us=1000",
-                                            {SESSION_HEADER: session})
+    status, headers, payload = http_request(
+        contender.port, "GET", f"{STREAM_PATH}?events=3&gap_us=1000", {SESSION_HEADER: session}
+    )
     events = payload.count(b"data: ")
     if status != 200 or not headers.get("content-type", "").startswith("text/event-stream") or events != 3:
-        raise BenchError(f"GET {STREAM_PATH}: status {status}, {events} of 3 events, "
-                         f"content-type {headers.get('content-type')!r}")
+        raise BenchError(
+            f"GET {STREAM_PATH}: status {status}, {events} of 3 events, content-type {headers.get('content-type')!r}"
+        )
     if contender.spec.kind != "direct" and headers.get(SEEN_SESSION.lower()) != session:
-        raise BenchError(f"upstream saw X-Dynamo-Session-ID {headers.get(SEEN_SESSION.lower())!r}, "
-                         f"expected {session!r}")
+        raise BenchError(
+            f"upstream saw X-Dynamo-Session-ID {headers.get(SEEN_SESSION.lower())!r}, expected {session!r}"
+        )
 
 
-def wait_until(ready: Callable[[], None], proc: subprocess.Popen[bytes] | None,
-               timeout: float = START_TIMEOUT) -> None:
+def wait_until(ready: Callable[[], None], proc: subprocess.Popen[bytes] | None, timeout: float = START_TIMEOUT) -> None:
     """Poll ``ready()`` until it returns without raising; fail if the process exits first."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
@@ -440,9 +462,18 @@ class StreamLoad:
 
     def __init__(self, procs: Processes) -> None:
         self.upstream_port, self.control_port = free_ports(2)
-        self.proc = procs.start("stream-load", [
-            sys.executable, str(BENCH / "stream_load.py"), "--upstream-port", str(self.upstream_port),
-            "--control-port", str(self.control_port)], LOAD_CPU)
+        self.proc = procs.start(
+            "stream-load",
+            [
+                sys.executable,
+                str(BENCH / "stream_load.py"),
+                "--upstream-port",
+                str(self.upstream_port),
+                "--control-port",
+                str(self.control_port),
+            ],
+            LOAD_CPU,
+        )
         try:
             wait_until(self.ping, self.proc)
         except BenchError as exc:
@@ -489,8 +520,11 @@ class Lab:
     def _nginx(self, name: str, template: str, port: int, cpu: int, **values: int) -> subprocess.Popen[bytes]:
         prefix = self._prefix(name)
         (prefix / "nginx.conf").write_text(render(template, prefix, listen_port=port, **values))
-        return self.procs.start(name, [self.tools.nginx, "-p", str(prefix), "-c", str(prefix / "nginx.conf"),
-                                       "-e", str(prefix / "error.log")], cpu)
+        return self.procs.start(
+            name,
+            [self.tools.nginx, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-e", str(prefix / "error.log")],
+            cpu,
+        )
 
     def start_upstream(self) -> None:
         port, tls_port = free_ports(2)
@@ -501,14 +535,16 @@ class Lab:
         chunk = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "model": "bench"}
         events = "".join(
             f"data: {json.dumps({**chunk, 'choices': [{'index': 0, 'delta': {'content': f'token{i} '}}]})}\n\n"
-            for i in range(SSE_EVENTS))
+            for i in range(SSE_EVENTS)
+        )
         (prefix / "events").write_text(events + "data: [DONE]\n\n")
         proc = self._nginx("upstream", "nginx/upstream.conf", port, LOAD_CPU, tls_port=tls_port)
 
         def ready() -> None:
             for p, tls in ((port, None), (tls_port, self.pki / "ca.pem")):
-                status, headers, _ = http_request(p, "POST", CHAT_PATH, {"X-Dynamo-Session-ID": "probe"}, b"{}",
-                                                  ca_file=tls)
+                status, headers, _ = http_request(
+                    p, "POST", CHAT_PATH, {"X-Dynamo-Session-ID": "probe"}, b"{}", ca_file=tls
+                )
                 if status != 200 or headers.get(SEEN_SESSION.lower()) != "probe":
                     raise BenchError(f"upstream answered {status} on {'https' if tls else 'http'}")
 
@@ -525,8 +561,23 @@ class Lab:
         port = free_port()
         directory = self.workdir / "redis"
         directory.mkdir(parents=True, exist_ok=True)
-        proc = self.procs.start("redis", [self.tools.redis_server, "--port", str(port), "--bind", HOST,
-                                          "--save", "", "--appendonly", "no", "--dir", str(directory)], LOAD_CPU)
+        proc = self.procs.start(
+            "redis",
+            [
+                self.tools.redis_server,
+                "--port",
+                str(port),
+                "--bind",
+                HOST,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(directory),
+            ],
+            LOAD_CPU,
+        )
         probe = store_probe.StoreProbe(HOST, port)
         try:
             wait_until(probe.ping, proc)
@@ -564,15 +615,38 @@ class Lab:
         if spec.kind == "direct":
             port = upstream_port
         elif spec.kind == "nginx":
-            proc = self._nginx(name, "nginx/proxy_tls.conf" if spec.tls else "nginx/proxy.conf", port, PROXY_CPU,
-                               upstream_port=upstream_port)
+            proc = self._nginx(
+                name,
+                "nginx/proxy_tls.conf" if spec.tls else "nginx/proxy.conf",
+                port,
+                PROXY_CPU,
+                upstream_port=upstream_port,
+            )
         elif spec.kind == "envoy":
             prefix = self._prefix(name)
             conf = prefix / "envoy.yaml"
-            conf.write_text(render("envoy/envoy_tls.yaml" if spec.tls else "envoy/envoy.yaml", prefix,
-                                   listen_port=port, upstream_port=upstream_port))
-            proc = self.procs.start(name, [self.tools.envoy, "-c", str(conf), "--concurrency", "1",
-                                           "--log-level", "warning", "--disable-hot-restart"], PROXY_CPU)
+            conf.write_text(
+                render(
+                    "envoy/envoy_tls.yaml" if spec.tls else "envoy/envoy.yaml",
+                    prefix,
+                    listen_port=port,
+                    upstream_port=upstream_port,
+                )
+            )
+            proc = self.procs.start(
+                name,
+                [
+                    self.tools.envoy,
+                    "-c",
+                    str(conf),
+                    "--concurrency",
+                    "1",
+                    "--log-level",
+                    "warning",
+                    "--disable-hot-restart",
+                ],
+                PROXY_CPU,
+            )
         else:
             admin_port = sidecar_admin_port
             prefix = self._prefix(name)
@@ -583,15 +657,36 @@ class Lab:
             if spec.store:
                 if self.store is None:
                     raise BenchError("no Redis server is running for a contender with the Redis store")
-                config["state"] = {"url": f"redis://{HOST}:{self.store.port}", "key_prefix": STORE_PREFIX,
-                                   "required": True}
+                config["state"] = {
+                    "url": f"redis://{HOST}:{self.store.port}",
+                    "key_prefix": STORE_PREFIX,
+                    "required": True,
+                }
             conf.write_text(json.dumps(config))  # JSON is YAML
-            proc = self.procs.start(name, [
-                sys.executable, "-m", "sidecar", "run", "--listen", f"{HOST}:{port}",
-                "--admin", f"{HOST}:{admin_port}",
-                "--upstream", f"{'https' if spec.tls else 'http'}://{HOST}:{upstream_port}",
-                "--mode", spec.mode, "--engine", str(spec.engine), "--log-level", "warning",
-                "--config", str(conf)], PROXY_CPU)
+            proc = self.procs.start(
+                name,
+                [
+                    sys.executable,
+                    "-m",
+                    "sidecar",
+                    "run",
+                    "--listen",
+                    f"{HOST}:{port}",
+                    "--admin",
+                    f"{HOST}:{admin_port}",
+                    "--upstream",
+                    f"{'https' if spec.tls else 'http'}://{HOST}:{upstream_port}",
+                    "--mode",
+                    spec.mode,
+                    "--engine",
+                    str(spec.engine),
+                    "--log-level",
+                    "warning",
+                    "--config",
+                    str(conf),
+                ],
+                PROXY_CPU,
+            )
         contender = Contender(spec, port, proc, name, admin_port)
         check = (lambda: verify_stream(contender)) if case.streams else (lambda: verify(contender, case.sse))
         try:
@@ -667,11 +762,26 @@ class Run:
     store: dict[str, float] = field(default_factory=dict)
 
 
-def wrk_argv(tools: Tools, url: str, script: str, connections: int, duration: float,
-             script_args: Sequence[str]) -> list[str]:
-    return [tools.taskset, "-c", str(LOAD_CPU), tools.wrk, "-t1", f"-c{connections}",
-            f"-d{max(1, round(duration))}s", "--timeout", "5s", "--latency",
-            "-s", str(BENCH / "wrk" / script), url, "--", *script_args]
+def wrk_argv(
+    tools: Tools, url: str, script: str, connections: int, duration: float, script_args: Sequence[str]
+) -> list[str]:
+    return [
+        tools.taskset,
+        "-c",
+        str(LOAD_CPU),
+        tools.wrk,
+        "-t1",
+        f"-c{connections}",
+        f"-d{max(1, round(duration))}s",
+        "--timeout",
+        "5s",
+        "--latency",
+        "-s",
+        str(BENCH / "wrk" / script),
+        url,
+        "--",
+        *script_args,
+    ]
 
 
 def parse_wrk(stdout: str) -> dict[str, Any]:
@@ -685,8 +795,14 @@ def parse_wrk(stdout: str) -> dict[str, Any]:
 def run_wrk(argv: list[str], timeout: float) -> dict[str, Any]:
     # wrk is started through Popen directly (it is already pinned by argv) so that it too leads
     # its own group and is killed by PID on any exit path.
-    proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         stdout, _ = proc.communicate(timeout=timeout)
     finally:
@@ -697,8 +813,16 @@ def run_wrk(argv: list[str], timeout: float) -> dict[str, Any]:
     return parse_wrk(stdout.decode(errors="replace"))
 
 
-def measure(tools: Tools, case: str, contender: Contender, round_: int,
-            connections: int, duration: float, script_args: Sequence[str], store: Store | None = None) -> Run:
+def measure(
+    tools: Tools,
+    case: str,
+    contender: Contender,
+    round_: int,
+    connections: int,
+    duration: float,
+    script_args: Sequence[str],
+    store: Store | None = None,
+) -> Run:
     """One wrk run against the contender. With ``store`` (case i), also the sidecar's request and
     store counters (admin /metrics) and the Redis server's CPU time, read just before and just
     after the run."""
@@ -723,12 +847,22 @@ def measure(tools: Tools, case: str, contender: Contender, round_: int,
         if calls0 and calls1:
             counted.update(store_probe.delta(calls1, calls0))
         counted["store_cpu_s"] = round(store_cpu, 3)
-    return Run(case=case, contender=contender.spec.label, round=round_, rps=requests / seconds,
-               p50_ms=result["p50_us"] / 1000, p99_ms=result["p99_us"] / 1000, requests=requests,
-               seconds=round(seconds, 3), errors=sum(result["errors"].values()),
-               proxy_cpu_share=round(cpu / seconds, 3),
-               requests_per_cpu_second=round(requests / cpu) if cpu else 0.0,
-               load_average=os.getloadavg()[0], connections=connections, store=counted)
+    return Run(
+        case=case,
+        contender=contender.spec.label,
+        round=round_,
+        rps=requests / seconds,
+        p50_ms=result["p50_us"] / 1000,
+        p99_ms=result["p99_us"] / 1000,
+        requests=requests,
+        seconds=round(seconds, 3),
+        errors=sum(result["errors"].values()),
+        proxy_cpu_share=round(cpu / seconds, 3),
+        requests_per_cpu_second=round(requests / cpu) if cpu else 0.0,
+        load_average=os.getloadavg()[0],
+        connections=connections,
+        store=counted,
+    )
 
 
 def store_calls(store: Store) -> dict[str, float]:
@@ -757,8 +891,15 @@ def prefill(tools: Tools, contender: Contender, total: int, timeout: float) -> d
     """Open `total` sessions through the contender with unique ids (bench/wrk/prefill.lua)."""
     argv = wrk_argv(tools, contender.url, "prefill.lua", PREFILL_CONNECTIONS, timeout, [str(total)])
     t0 = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True, text=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
     lines: list[str] = []
     try:
         assert proc.stdout is not None
@@ -773,9 +914,12 @@ def prefill(tools: Tools, contender: Contender, total: int, timeout: float) -> d
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     result = parse_wrk("".join(lines))
-    return {"requests": result["requests"], "seconds": round(time.monotonic() - t0, 1),
-            "errors": sum(result["errors"].values()),
-            "completed": any(line.strip() == "prefill-complete" for line in lines)}
+    return {
+        "requests": result["requests"],
+        "seconds": round(time.monotonic() - t0, 1),
+        "errors": sum(result["errors"].values()),
+        "completed": any(line.strip() == "prefill-complete" for line in lines),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -811,10 +955,15 @@ class StreamRun:
 
 
 def stream_spec(contender: Contender, streams: int, args: argparse.Namespace) -> dict[str, Any]:
-    return {"port": contender.port, "streams": streams, "events": args.stream_events,
-            "gap_us": round(args.stream_gap_ms * 1000), "bytes": args.stream_bytes,
-            "cpu_pids": group_pids(contender.proc.pid) if contender.proc else [],
-            "timeout": args.stream_timeout}
+    return {
+        "port": contender.port,
+        "streams": streams,
+        "events": args.stream_events,
+        "gap_us": round(args.stream_gap_ms * 1000),
+        "bytes": args.stream_bytes,
+        "cpu_pids": group_pids(contender.proc.pid) if contender.proc else [],
+        "timeout": args.stream_timeout,
+    }
 
 
 def measure_stream(lab: Lab, case: Case, contender: Contender, round_: int, args: argparse.Namespace) -> StreamRun:
@@ -822,8 +971,14 @@ def measure_stream(lab: Lab, case: Case, contender: Contender, round_: int, args
     nominal = args.stream_events * args.stream_gap_ms / 1000
     result = lab.stream.call(spec, timeout=2 * args.stream_timeout + 3 * nominal + 60)
     if "fatal" in result:
-        result = {"events": 0, "errors": case.streams, "error_reasons": {result["fatal"]: case.streams},
-                  "seconds": 0.0, "load_cpu_s": 0.0, "load_wait_s": 0.0}
+        result = {
+            "events": 0,
+            "errors": case.streams,
+            "error_reasons": {result["fatal"]: case.streams},
+            "seconds": 0.0,
+            "load_cpu_s": 0.0,
+            "load_wait_s": 0.0,
+        }
     seconds = result["seconds"] or 1e-9
     events = result["events"]
     cpu = result.get("proxy_cpu_s")
@@ -832,19 +987,33 @@ def measure_stream(lab: Lab, case: Case, contender: Contender, round_: int, args
     late = result.get("upstream_pacing", {}).get("late_p99_ms")
     load_busy = (result["load_cpu_s"] + result["load_wait_s"]) / seconds
     return StreamRun(
-        case=case.key, contender=contender.spec.label, round=round_, streams=case.streams,
-        events_expected=case.streams * args.stream_events, events=events, errors=result["errors"],
-        seconds=seconds, ttft_p50_ms=result.get("ttft_p50_ms"), ttft_p99_ms=result.get("ttft_p99_ms"),
-        gap_p50_ms=result.get("gap_p50_ms"), gap_p99_ms=gap_p99,
+        case=case.key,
+        contender=contender.spec.label,
+        round=round_,
+        streams=case.streams,
+        events_expected=case.streams * args.stream_events,
+        events=events,
+        errors=result["errors"],
+        seconds=seconds,
+        ttft_p50_ms=result.get("ttft_p50_ms"),
+        ttft_p99_ms=result.get("ttft_p99_ms"),
+        gap_p50_ms=result.get("gap_p50_ms"),
+        gap_p99_ms=gap_p99,
         jitter_p99_ms=None if gap_p99 is None else round(gap_p99 - args.stream_gap_ms, 4),
-        proxy_cpu_s=cpu, cpu_us_per_event=cpu * 1e6 / events if cpu is not None and events else None,
+        proxy_cpu_s=cpu,
+        cpu_us_per_event=cpu * 1e6 / events if cpu is not None and events else None,
         proxy_cpu_share=None if cpu is None else round(cpu / seconds, 3),
         proxy_wait_share=None if wait is None else round(wait / seconds, 3),
-        load_cpu_share=round(result["load_cpu_s"] / seconds, 3), load_busy_share=round(load_busy, 3),
-        upstream_cpu_share=None if "cpu_s" not in result.get("upstream_pacing", {})
+        load_cpu_share=round(result["load_cpu_s"] / seconds, 3),
+        load_busy_share=round(load_busy, 3),
+        upstream_cpu_share=None
+        if "cpu_s" not in result.get("upstream_pacing", {})
         else round(result["upstream_pacing"]["cpu_s"] / seconds, 3),
-        upstream_late_p99_ms=late, load_limited=load_busy >= LOAD_SATURATED or (late or 0) > LOAD_LATE_MS,
-        load_average=os.getloadavg()[0], detail=result)
+        upstream_late_p99_ms=late,
+        load_limited=load_busy >= LOAD_SATURATED or (late or 0) > LOAD_LATE_MS,
+        load_average=os.getloadavg()[0],
+        detail=result,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -889,56 +1058,104 @@ def human(n: int) -> str:
 
 
 POST_ARGS = (str(MEASURED_IDS), "POST", CHAT_PATH, "1024")
-CASE_NAMES = {"a": "header-64c", "b": "header-1c", "c": "nvext", "d": "sse", "e": "sessions",
-              "f": "stream", "g": "stream-large", "h": "tls", "i": "store"}
+CASE_NAMES = {
+    "a": "header-64c",
+    "b": "header-1c",
+    "c": "nvext",
+    "d": "sse",
+    "e": "sessions",
+    "f": "stream",
+    "g": "stream-large",
+    "h": "tls",
+    "i": "store",
+}
 
 
 def make_cases(args: argparse.Namespace | None) -> dict[str, Case]:
     n = args.stream_n if args else 200
     large = args.stream_n_large if args else 1000
-    paced = (f"{args.stream_events if args else 100} events {args.stream_gap_ms if args else 20:g} ms apart, "
-             f"{args.stream_bytes if args else 110} B each")
+    paced = (
+        f"{args.stream_events if args else 100} events {args.stream_gap_ms if args else 20:g} ms apart, "
+        f"{args.stream_bytes if args else 110} B each"
+    )
     return {
         "a": Case("a", "header-64c", "header mode, 64 connections", 64, POST_ARGS),
         "b": Case("b", "header-1c", "header mode, 1 connection", 1, POST_ARGS),
         "c": Case("c", "nvext", "dynamo_nvext body mode, 64 connections", 64, POST_ARGS),
-        "d": Case("d", "sse", f"SSE response ({SSE_EVENTS} events), 64 connections", 64,
-                  (str(MEASURED_IDS), "GET", SSE_PATH), sse=True),
+        "d": Case(
+            "d",
+            "sse",
+            f"SSE response ({SSE_EVENTS} events), 64 connections",
+            64,
+            (str(MEASURED_IDS), "GET", SSE_PATH),
+            sse=True,
+        ),
         "e": Case("e", "sessions", "header mode, prefilled session tree, 64 connections", 64, POST_ARGS),
         "f": Case("f", "stream", f"{n} paced SSE streams ({paced})", streams=n),
         "g": Case("g", "stream-large", f"{large} paced SSE streams ({paced})", streams=large),
-        "h": Case("h", "tls", "header mode to an https:// upstream (TLS origination), 64 connections", 64,
-                  POST_ARGS, tls=True),
-        "i": Case("i", "store", "header mode with the Redis session store against the memory store, "
-                  f"{' and '.join(map(str, STORE_LOADS))} connections", STORE_LOADS[0], POST_ARGS,
-                  loads=STORE_LOADS, store=True),
+        "h": Case(
+            "h", "tls", "header mode to an https:// upstream (TLS origination), 64 connections", 64, POST_ARGS, tls=True
+        ),
+        "i": Case(
+            "i",
+            "store",
+            "header mode with the Redis session store against the memory store, "
+            f"{' and '.join(map(str, STORE_LOADS))} connections",
+            STORE_LOADS[0],
+            POST_ARGS,
+            loads=STORE_LOADS,
+            store=True,
+        ),
     }
 
 
 def specs_for(case: Case, engines: Sequence[str], prefill_n: int) -> list[Spec]:
     if case.store:  # the fast engine, as deployed, whatever --engines says
-        return [Spec(STORE_MEMORY, "sidecar", "fast", baseline_of="fast"),
-                Spec(STORE_REDIS, "sidecar", "fast", subject_of="fast", store=True)]
+        return [
+            Spec(STORE_MEMORY, "sidecar", "fast", baseline_of="fast"),
+            Spec(STORE_REDIS, "sidecar", "fast", subject_of="fast", store=True),
+        ]
     if case.key == "c":
-        return [spec for e in engines for spec in (
-            Spec(f"{sidecar(e)} headers", "sidecar", e, baseline_of=e),
-            Spec(f"{sidecar(e)} nvext", "sidecar", e, mode="dynamo_nvext", subject_of=e))]
+        return [
+            spec
+            for e in engines
+            for spec in (
+                Spec(f"{sidecar(e)} headers", "sidecar", e, baseline_of=e),
+                Spec(f"{sidecar(e)} nvext", "sidecar", e, mode="dynamo_nvext", subject_of=e),
+            )
+        ]
     if case.key == "e":
-        return [spec for e in engines for spec in (
-            Spec(f"{sidecar(e)} 1k sessions", "sidecar", e, baseline_of=e),
-            Spec(f"{sidecar(e)} {human(prefill_n)} sessions", "sidecar", e, prefill=prefill_n, subject_of=e))]
+        return [
+            spec
+            for e in engines
+            for spec in (
+                Spec(f"{sidecar(e)} 1k sessions", "sidecar", e, baseline_of=e),
+                Spec(f"{sidecar(e)} {human(prefill_n)} sessions", "sidecar", e, prefill=prefill_n, subject_of=e),
+            )
+        ]
     peers = [Spec("nginx", "nginx"), Spec("envoy", "envoy")]
     if case.tls:
         # Every contender twice: to the https:// port (the subject, named as in the other cases, so
         # that x Envoy / x nginx compare TLS with TLS) and to the plain port (its own baseline).
         kinds = [(sidecar(e), "sidecar", e) for e in engines] + [("nginx", "nginx", None), ("envoy", "envoy", None)]
-        return [spec for label, kind, engine in kinds for spec in (
-            Spec(f"{label} {PLAIN}", kind, engine, baseline_of=label),
-            Spec(label, kind, engine, subject_of=label, tls=True))]
+        return [
+            spec
+            for label, kind, engine in kinds
+            for spec in (
+                Spec(f"{label} {PLAIN}", kind, engine, baseline_of=label),
+                Spec(label, kind, engine, subject_of=label, tls=True),
+            )
+        ]
     if case.key == "b":
         # One connection: the fast engine with idle polling on and off, whatever the default is.
-        fast = [Spec(POLL_ON, "sidecar", "fast", idle_poll_us=IDLE_POLL_ON_US),
-                Spec(POLL_OFF, "sidecar", "fast", idle_poll_us=0)] if "fast" in engines else []
+        fast = (
+            [
+                Spec(POLL_ON, "sidecar", "fast", idle_poll_us=IDLE_POLL_ON_US),
+                Spec(POLL_OFF, "sidecar", "fast", idle_poll_us=0),
+            ]
+            if "fast" in engines
+            else []
+        )
         return [*fast, *(Spec(sidecar(e), "sidecar", e) for e in engines if e != "fast"), *peers]
     sidecars = [Spec(sidecar(e), "sidecar", e) for e in engines]
     if case.streams:
@@ -963,13 +1180,15 @@ def log(message: str) -> None:
 
 
 def log_stream_run(run: StreamRun) -> None:
-    log(f"{run.case} round {run.round}: {run.contender}: {run.events}/{run.events_expected} events, "
+    log(
+        f"{run.case} round {run.round}: {run.contender}: {run.events}/{run.events_expected} events, "
         f"errors {run.errors}, CPU {fmt(run.cpu_us_per_event, '.1f')} us/event "
         f"({fmt(run.proxy_cpu_share, '.0%')}), TTFT p50 {fmt(run.ttft_p50_ms, '.3f')} "
         f"p99 {fmt(run.ttft_p99_ms, '.3f')} ms, gap p99 {fmt(run.gap_p99_ms, '.3f')} ms, "
         f"load core {run.load_cpu_share:.0%} (upstream {fmt(run.upstream_cpu_share, '.0%')}, busy "
         f"{run.load_busy_share:.0%}), upstream late p99 "
-        f"{fmt(run.upstream_late_p99_ms, '.3f')} ms, proxy waited {fmt(run.proxy_wait_share, '.0%')} for its core")
+        f"{fmt(run.upstream_late_p99_ms, '.3f')} ms, proxy waited {fmt(run.proxy_wait_share, '.0%')} for its core"
+    )
 
 
 def run_case(lab: Lab, case: Case, args: argparse.Namespace) -> CaseResult:
@@ -1009,21 +1228,25 @@ def run_case(lab: Lab, case: Case, args: argparse.Namespace) -> CaseResult:
             for connections in case.connection_counts:
                 for contender in running[shift:] + running[:shift]:
                     if contender.exited():
-                        result.skipped.setdefault(contender.spec.label,
-                                                  f"exited during the case: {lab.procs.log_tail(contender.log_name)}")
+                        result.skipped.setdefault(
+                            contender.spec.label, f"exited during the case: {lab.procs.log_tail(contender.log_name)}"
+                        )
                         continue
                     if case.streams:
                         stream_run = measure_stream(lab, case, contender, round_, args)
                         result.stream_runs.append(stream_run)
                         log_stream_run(stream_run)
                         continue
-                    run = measure(lab.tools, case.key, contender, round_, connections,
-                                  args.duration, case.script_args, store)
+                    run = measure(
+                        lab.tools, case.key, contender, round_, connections, args.duration, case.script_args, store
+                    )
                     result.runs.append(run)
-                    log(f"{case.key} round {round_}: {run.contender}"
+                    log(
+                        f"{case.key} round {round_}: {run.contender}"
                         f"{f' {connections}c' if case.loads else ''}: {run.rps:,.0f} req/s, "
                         f"p50 {run.p50_ms:.3f} ms, p99 {run.p99_ms:.3f} ms, errors {run.errors}, "
-                        f"proxy CPU {run.proxy_cpu_share:.0%}{store_line(run)}")
+                        f"proxy CPU {run.proxy_cpu_share:.0%}{store_line(run)}"
+                    )
         for contender in running:
             if contender.spec.kind == "sidecar" and contender.proc is not None:
                 info = result.info.setdefault(contender.spec.label, {})
@@ -1050,13 +1273,14 @@ def store_line(run: Run) -> str:
     c = run.store
     if not c.get("requests"):
         return ""
-    return (f", store: {c.get('round_trips', 0) / c['requests']:.4f} round trips and "
-            f"{c.get('commands', 0) / c['requests']:.4f} commands per request, "
-            f"{c.get('ops:load:ok', 0):.0f} loads, Redis CPU {c.get('store_cpu_s', 0) / run.seconds:.0%}")
+    return (
+        f", store: {c.get('round_trips', 0) / c['requests']:.4f} round trips and "
+        f"{c.get('commands', 0) / c['requests']:.4f} commands per request, "
+        f"{c.get('ops:load:ok', 0):.0f} loads, Redis CPU {c.get('store_cpu_s', 0) / run.seconds:.0%}"
+    )
 
 
-def warm_up_sessions(lab: Lab, case: Case, contender: Contender, args: argparse.Namespace,
-                     result: CaseResult) -> None:
+def warm_up_sessions(lab: Lab, case: Case, contender: Contender, args: argparse.Namespace, result: CaseResult) -> None:
     """The store case's warm-up: each load once, repeated (up to STORE_WARMUPS times) until the
     contender holds every measured session, so that the measured runs see known sessions only (a
     first request of a session, or one the sidecar does not hold, waits for a load from the
@@ -1099,20 +1323,36 @@ def store_memory(lab: Lab, store: Store, contender: Contender, args: argparse.Na
     settled = sidecar_counters(contender)
     sessions = after["live_members"] - before["live_members"]
     per = (lambda key: (after[key] - before[key]) / sessions) if sessions > 0 else (lambda key: None)
-    tables = None if sessions <= 0 else (after["hashtable_main"] + after["hashtable_expires"]
-                                         - before["hashtable_main"] - before["hashtable_expires"]) / sessions
+    tables = (
+        None
+        if sessions <= 0
+        else (
+            after["hashtable_main"]
+            + after["hashtable_expires"]
+            - before["hashtable_main"]
+            - before["hashtable_expires"]
+        )
+        / sessions
+    )
     info: dict[str, Any] = {
-        "prefill": fill, "sessions": sessions, "expected_sessions": expected - before["live_members"],
-        "before": before, "after": after, "hashes": hashes,
+        "prefill": fill,
+        "sessions": sessions,
+        "expected_sessions": expected - before["live_members"],
+        "before": before,
+        "after": after,
+        "hashes": hashes,
         "bytes_per_session": per("used_memory"),
         "live_member_bytes": per("live_usage"),
         "hashtable_bytes": tables,
         "prefill_counters": made,
-        "store_up": settled.get("store_up"), "dropped_writes": settled.get("dropped"),
+        "store_up": settled.get("store_up"),
+        "dropped_writes": settled.get("dropped"),
     }
-    log(f"i: {contender.spec.label}: {sessions} sessions: {fmt(info['bytes_per_session'], ',.0f')} B per "
+    log(
+        f"i: {contender.spec.label}: {sessions} sessions: {fmt(info['bytes_per_session'], ',.0f')} B per "
         f"session (used_memory delta); hash {fmt(hashes.get('mean'), ',.0f')} B, live member "
-        f"{fmt(info['live_member_bytes'], ',.0f')} B, hash tables {fmt(tables, ',.0f')} B")
+        f"{fmt(info['live_member_bytes'], ',.0f')} B, hash tables {fmt(tables, ',.0f')} B"
+    )
     return info
 
 
@@ -1132,16 +1372,22 @@ def per_round(runs: Sequence[Any], label: str) -> dict[int, Any]:
 def round_ratio(runs: Sequence[Any], num: str, den: str, metric: str = "rps") -> float | None:
     """Median over rounds of num/den, each ratio taken within one round."""
     a, b = per_round(runs, num), per_round(runs, den)
-    ratios = [getattr(a[r], metric) / getattr(b[r], metric) for r in a.keys() & b.keys()
-              if getattr(a[r], metric) is not None and getattr(b[r], metric)]
+    ratios = [
+        getattr(a[r], metric) / getattr(b[r], metric)
+        for r in a.keys() & b.keys()
+        if getattr(a[r], metric) is not None and getattr(b[r], metric)
+    ]
     return median_or_none(ratios)
 
 
 def round_difference(runs: Sequence[Any], num: str, den: str, metric: str) -> float | None:
     """Median over rounds of num - den, each difference taken within one round."""
     a, b = per_round(runs, num), per_round(runs, den)
-    diffs = [getattr(a[r], metric) - getattr(b[r], metric) for r in a.keys() & b.keys()
-             if getattr(a[r], metric) is not None and getattr(b[r], metric) is not None]
+    diffs = [
+        getattr(a[r], metric) - getattr(b[r], metric)
+        for r in a.keys() & b.keys()
+        if getattr(a[r], metric) is not None and getattr(b[r], metric) is not None
+    ]
     return median_or_none(diffs)
 
 
@@ -1231,8 +1477,10 @@ def summarize(result: CaseResult) -> list[Row]:
         info = result.info.get(spec.label, {})
         if spec.prefill:
             incomplete = "" if info.get("completed") else " (INCOMPLETE: --prefill-timeout reached)"
-            row.note = (f"prefill{incomplete}: {info.get('live_sessions_end') or info.get('live_sessions')} "
-                        f"live sessions, {info.get('seconds')} s, RSS {info.get('rss_mib_end') or 0:.0f} MiB")
+            row.note = (
+                f"prefill{incomplete}: {info.get('live_sessions_end') or info.get('live_sessions')} "
+                f"live sessions, {info.get('seconds')} s, RSS {info.get('rss_mib_end') or 0:.0f} MiB"
+            )
         elif spec.label in result.skipped:
             row.note = result.skipped[spec.label]
         elif info.get("upstream_tls"):
@@ -1246,8 +1494,9 @@ def summarize_streams(result: CaseResult) -> list[StreamRow]:
     runs = result.stream_runs
     labels = {run.contender for run in runs}
     for spec in result.specs:
-        row = StreamRow(f"{result.case.key} {result.case.name}", spec.label, spec.kind, spec.engine,
-                        streams=result.case.streams)
+        row = StreamRow(
+            f"{result.case.key} {result.case.name}", spec.label, spec.kind, spec.engine, streams=result.case.streams
+        )
         mine = [run for run in runs if run.contender == spec.label]
         if spec.label in result.skipped and not mine:
             row.note = f"skipped: {result.skipped[spec.label]}"
@@ -1256,9 +1505,19 @@ def summarize_streams(result: CaseResult) -> list[StreamRow]:
         row.events = sum(r.events for r in mine)
         row.events_expected = sum(r.events_expected for r in mine)
         row.errors = sum(r.errors for r in mine)
-        for name in ("cpu_us_per_event", "proxy_cpu_share", "proxy_wait_share", "ttft_p50_ms", "ttft_p99_ms",
-                     "gap_p99_ms", "jitter_p99_ms", "load_cpu_share", "load_busy_share", "upstream_cpu_share",
-                     "upstream_late_p99_ms"):
+        for name in (
+            "cpu_us_per_event",
+            "proxy_cpu_share",
+            "proxy_wait_share",
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "gap_p99_ms",
+            "jitter_p99_ms",
+            "load_cpu_share",
+            "load_busy_share",
+            "upstream_cpu_share",
+            "upstream_late_p99_ms",
+        ):
             setattr(row, name, median_or_none([getattr(r, name) for r in mine]))
         row.load_limited = sum(r.load_limited for r in mine) * 2 > len(mine)
         if "nginx" in labels and spec.label != "nginx" and spec.kind != "direct":
@@ -1321,8 +1580,9 @@ def summarize_store(result: CaseResult) -> list[StoreRow]:
     for connections in result.case.connection_counts:
         runs = [run for run in result.runs if run.connections == connections]
         for spec in result.specs:
-            row = StoreRow(f"{result.case.key} {result.case.name}", connections, spec.label,
-                           "redis" if spec.store else "memory")
+            row = StoreRow(
+                f"{result.case.key} {result.case.name}", connections, spec.label, "redis" if spec.store else "memory"
+            )
             mine = [run for run in runs if run.contender == spec.label]
             if not mine:
                 row.note = f"skipped: {result.skipped.get(spec.label, 'not measured')}"
@@ -1333,8 +1593,9 @@ def summarize_store(result: CaseResult) -> list[StoreRow]:
             row.p99_ms = median_or_none([r.p99_ms for r in mine])
             row.proxy_cpu_share = median_or_none([r.proxy_cpu_share for r in mine])
             row.requests_per_cpu_second = median_or_none([r.requests_per_cpu_second for r in mine])
-            row.store_cpu_share = median_or_none([r.store["store_cpu_s"] / r.seconds for r in mine
-                                                  if "store_cpu_s" in r.store])
+            row.store_cpu_share = median_or_none(
+                [r.store["store_cpu_s"] / r.seconds for r in mine if "store_cpu_s" in r.store]
+            )
             row.errors = sum(r.errors for r in mine)
             totals: dict[str, float] = {}
             for r in mine:
@@ -1391,26 +1652,102 @@ class TargetDef:
 
 
 TARGETS = [
-    TargetDef("a", f"header 64c: req/s >= {TARGET_HEADER_VS_ENVOY}x Envoy", "vs_envoy",
-              TARGET_HEADER_VS_ENVOY, False, "x", "envoy"),
-    TargetDef("a", f"header 64c: requests per CPU-second >= {TARGET_REQ_PER_CPU_VS_NGINX}x nginx (aim)",
-              "cpu_vs_nginx", TARGET_REQ_PER_CPU_VS_NGINX, False, "x", "nginx", aim=True),
-    TargetDef("b", f"header 1c: p50 <= {TARGET_P50_VS_NGINX}x nginx p50", "case_ratio",
-              TARGET_P50_VS_NGINX, True, "x", "nginx"),
-    TargetDef("c", f"dynamo_nvext: req/s >= {TARGET_NVEXT_VS_HEADER}x own header mode", "case_ratio",
-              TARGET_NVEXT_VS_HEADER, False, "x", None, fast_only=False),
-    TargetDef("e", f"prefilled sessions: req/s >= {TARGET_SESSIONS_VS_1K}x 1k sessions", "case_ratio",
-              TARGET_SESSIONS_VS_1K, False, "x", None, fast_only=False),
-    TargetDef("fg", f"CPU per streamed event <= {TARGET_STREAM_CPU_VS_NGINX}x nginx", "vs_nginx",
-              TARGET_STREAM_CPU_VS_NGINX, True, "x", "nginx"),
-    TargetDef("fg", f"CPU per streamed event <= {TARGET_STREAM_CPU_VS_ENVOY}x Envoy", "vs_envoy",
-              TARGET_STREAM_CPU_VS_ENVOY, True, "x", "envoy"),
-    TargetDef("fg", f"time to first event p50 <= nginx + {TARGET_TTFT_P50_OVER_NGINX_MS} ms",
-              "ttft_p50_over_nginx_ms", TARGET_TTFT_P50_OVER_NGINX_MS, True, "ms", "nginx", latency=True),
-    TargetDef("fg", f"time to first event p99 <= {TARGET_TTFT_P99_VS_NGINX}x nginx", "ttft_p99_vs_nginx",
-              TARGET_TTFT_P99_VS_NGINX, True, "x", "nginx", latency=True),
-    TargetDef("fg", f"inter-event gap p99 <= nginx + {TARGET_GAP_P99_OVER_NGINX_MS:g} ms",
-              "gap_p99_over_nginx_ms", TARGET_GAP_P99_OVER_NGINX_MS, True, "ms", "nginx", latency=True),
+    TargetDef(
+        "a",
+        f"header 64c: req/s >= {TARGET_HEADER_VS_ENVOY}x Envoy",
+        "vs_envoy",
+        TARGET_HEADER_VS_ENVOY,
+        False,
+        "x",
+        "envoy",
+    ),
+    TargetDef(
+        "a",
+        f"header 64c: requests per CPU-second >= {TARGET_REQ_PER_CPU_VS_NGINX}x nginx (aim)",
+        "cpu_vs_nginx",
+        TARGET_REQ_PER_CPU_VS_NGINX,
+        False,
+        "x",
+        "nginx",
+        aim=True,
+    ),
+    TargetDef(
+        "b",
+        f"header 1c: p50 <= {TARGET_P50_VS_NGINX}x nginx p50",
+        "case_ratio",
+        TARGET_P50_VS_NGINX,
+        True,
+        "x",
+        "nginx",
+    ),
+    TargetDef(
+        "c",
+        f"dynamo_nvext: req/s >= {TARGET_NVEXT_VS_HEADER}x own header mode",
+        "case_ratio",
+        TARGET_NVEXT_VS_HEADER,
+        False,
+        "x",
+        None,
+        fast_only=False,
+    ),
+    TargetDef(
+        "e",
+        f"prefilled sessions: req/s >= {TARGET_SESSIONS_VS_1K}x 1k sessions",
+        "case_ratio",
+        TARGET_SESSIONS_VS_1K,
+        False,
+        "x",
+        None,
+        fast_only=False,
+    ),
+    TargetDef(
+        "fg",
+        f"CPU per streamed event <= {TARGET_STREAM_CPU_VS_NGINX}x nginx",
+        "vs_nginx",
+        TARGET_STREAM_CPU_VS_NGINX,
+        True,
+        "x",
+        "nginx",
+    ),
+    TargetDef(
+        "fg",
+        f"CPU per streamed event <= {TARGET_STREAM_CPU_VS_ENVOY}x Envoy",
+        "vs_envoy",
+        TARGET_STREAM_CPU_VS_ENVOY,
+        True,
+        "x",
+        "envoy",
+    ),
+    TargetDef(
+        "fg",
+        f"time to first event p50 <= nginx + {TARGET_TTFT_P50_OVER_NGINX_MS} ms",
+        "ttft_p50_over_nginx_ms",
+        TARGET_TTFT_P50_OVER_NGINX_MS,
+        True,
+        "ms",
+        "nginx",
+        latency=True,
+    ),
+    TargetDef(
+        "fg",
+        f"time to first event p99 <= {TARGET_TTFT_P99_VS_NGINX}x nginx",
+        "ttft_p99_vs_nginx",
+        TARGET_TTFT_P99_VS_NGINX,
+        True,
+        "x",
+        "nginx",
+        latency=True,
+    ),
+    TargetDef(
+        "fg",
+        f"inter-event gap p99 <= nginx + {TARGET_GAP_P99_OVER_NGINX_MS:g} ms",
+        "gap_p99_over_nginx_ms",
+        TARGET_GAP_P99_OVER_NGINX_MS,
+        True,
+        "ms",
+        "nginx",
+        latency=True,
+    ),
 ]
 
 
@@ -1478,8 +1815,15 @@ def store_targets(results: dict[str, CaseResult], rows: Sequence[StoreRow]) -> l
     wide, one = STORE_LOADS[0], STORE_LOADS[-1]
     out = []
 
-    def judge(text: str, contender: str, value: float | None, threshold: float, at_most: bool, unit: str,
-              compared: Sequence[StoreRow | None]) -> None:
+    def judge(
+        text: str,
+        contender: str,
+        value: float | None,
+        threshold: float,
+        at_most: bool,
+        unit: str,
+        compared: Sequence[StoreRow | None],
+    ) -> None:
         errors = sum(r.errors for r in compared if r is not None)
         store_errors = sum(r.store_errors for r in compared if r is not None)
         if value is None:
@@ -1496,17 +1840,36 @@ def store_targets(results: dict[str, CaseResult], rows: Sequence[StoreRow]) -> l
 
     redis_wide, memory_wide = by.get((wide, "redis")), by.get((wide, "memory"))
     redis_one, memory_one = by.get((one, "redis")), by.get((one, "memory"))
-    judge(f"store, {wide}c: req/s with Redis >= {TARGET_STORE_RPS_VS_MEMORY}x the memory store", STORE_REDIS,
-          redis_wide.vs_memory if redis_wide else None, TARGET_STORE_RPS_VS_MEMORY, False, "x",
-          [redis_wide, memory_wide])
-    judge(f"store, {one}c: p50 of known sessions with Redis <= the memory store's + "
-          f"{TARGET_STORE_P50_OVER_MEMORY_MS} ms", STORE_REDIS, redis_one.p50_over_memory_ms if redis_one else None,
-          TARGET_STORE_P50_OVER_MEMORY_MS, True, "ms", [redis_one, memory_one])
+    judge(
+        f"store, {wide}c: req/s with Redis >= {TARGET_STORE_RPS_VS_MEMORY}x the memory store",
+        STORE_REDIS,
+        redis_wide.vs_memory if redis_wide else None,
+        TARGET_STORE_RPS_VS_MEMORY,
+        False,
+        "x",
+        [redis_wide, memory_wide],
+    )
+    judge(
+        f"store, {one}c: p50 of known sessions with Redis <= the memory store's + {TARGET_STORE_P50_OVER_MEMORY_MS} ms",
+        STORE_REDIS,
+        redis_one.p50_over_memory_ms if redis_one else None,
+        TARGET_STORE_P50_OVER_MEMORY_MS,
+        True,
+        "ms",
+        [redis_one, memory_one],
+    )
     for row in (redis_wide, redis_one):
         if row is not None:
-            judge(f"store, {row.connections}c: store round trips per proxied request <= "
-                  f"{TARGET_STORE_ROUND_TRIPS_PER_REQUEST}", STORE_REDIS, row.round_trips_per_request,
-                  TARGET_STORE_ROUND_TRIPS_PER_REQUEST, True, "/req", [row])
+            judge(
+                f"store, {row.connections}c: store round trips per proxied request <= "
+                f"{TARGET_STORE_ROUND_TRIPS_PER_REQUEST}",
+                STORE_REDIS,
+                row.round_trips_per_request,
+                TARGET_STORE_ROUND_TRIPS_PER_REQUEST,
+                True,
+                "/req",
+                [row],
+            )
     memory = result.info.get(STORE_REDIS, {}).get("memory")
     text = f"store: bytes per session in Redis <= {TARGET_STORE_BYTES_PER_SESSION} (whole-store used_memory delta)"
     if memory is None:
@@ -1519,8 +1882,7 @@ def store_targets(results: dict[str, CaseResult], rows: Sequence[StoreRow]) -> l
         if value is not None and not memory["prefill"].get("completed"):
             verdict = f"invalid (prefill incomplete: {memory['sessions']} sessions)"
         elif value is not None and (memory.get("store_up") != 1.0 or memory.get("dropped_writes")):
-            verdict = (f"invalid (store up: {memory.get('store_up')}, "
-                       f"{memory.get('dropped_writes')} writes dropped)")
+            verdict = f"invalid (store up: {memory.get('store_up')}, {memory.get('dropped_writes')} writes dropped)"
         elif value is None:
             verdict = "not measured"
         else:
@@ -1532,14 +1894,18 @@ def store_targets(results: dict[str, CaseResult], rows: Sequence[StoreRow]) -> l
 def polling_statement(target_list: Sequence[Target]) -> str | None:
     """Which of the fast engine's two 1-connection contenders met the 1-connection target."""
     by = {t.contender: t for t in target_list if t.case == "b"}
-    variants = [(f"idle polling on (idle_poll_us: {IDLE_POLL_ON_US})", by.get(POLL_ON)),
-                ("idle polling off (idle_poll_us: 0)", by.get(POLL_OFF))]
+    variants = [
+        (f"idle polling on (idle_poll_us: {IDLE_POLL_ON_US})", by.get(POLL_ON)),
+        ("idle polling off (idle_poll_us: 0)", by.get(POLL_OFF)),
+    ]
     if not any(target for _, target in variants):
         return None
     each = "; ".join(f"with {name}: {target.verdict} ({measured_text(target)})" for name, target in variants if target)
     met = [name for name, target in variants if target and target.verdict == "met"]
-    return (f"1-connection target (p50 <= {TARGET_P50_VS_NGINX}x nginx), fast engine: {each}. "
-            f"Met by: {' and '.join(met) if met else 'neither'}.")
+    return (
+        f"1-connection target (p50 <= {TARGET_P50_VS_NGINX}x nginx), fast engine: {each}. "
+        f"Met by: {' and '.join(met) if met else 'neither'}."
+    )
 
 
 def fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -1578,7 +1944,8 @@ def request_table(rows: Sequence[Row], args: argparse.Namespace) -> list[str]:
             f"| {row.case} | {row.contender} | {fmt(row.rps, ',.0f')} | {fmt(row.p50_ms, '.3f')} | "
             f"{fmt(row.p99_ms, '.3f')} | {fmt(row.vs_envoy, '.2f')} | {fmt(row.vs_nginx, '.2f')} | "
             f"{fmt(row.case_ratio, '.2f')} | {fmt(row.proxy_cpu_share, '.0%')} | "
-            f"{fmt(row.requests_per_cpu_second, ',.0f')} | {fmt(row.cpu_vs_nginx, '.2f')} | {row.errors} |")
+            f"{fmt(row.requests_per_cpu_second, ',.0f')} | {fmt(row.cpu_vs_nginx, '.2f')} | {row.errors} |"
+        )
         if row.note:
             notes.append(f"- {row.case} / {row.contender}: {cell(row.note)}")
     lines += [
@@ -1620,16 +1987,21 @@ def stream_table(rows: Sequence[StreamRow], args: argparse.Namespace) -> list[st
             f"{fmt(row.ttft_p50_ms, '.3f')} | {fmt(row.ttft_p99_ms, '.3f')} | {fmt(row.ttft_p99_vs_nginx, '.2f')} | "
             f"{fmt(row.gap_p99_ms, '.3f')} | {fmt(row.jitter_p99_ms, '.3f')} | "
             f"{fmt(row.load_cpu_share, '.0%')} ({fmt(row.upstream_cpu_share, '.0%')})"
-            f"{' limit' if row.load_limited else ''} |")
+            f"{' limit' if row.load_limited else ''} |"
+        )
         if row.note:
             notes.append(f"- {row.case} / {row.contender}: {cell(row.note)}")
         if row.load_limited:
-            notes.append(f"- {row.case} / {row.contender}: the load side was a limit in most rounds: load process "
-                         f"busy {fmt(row.load_busy_share, '.0%')} of the interval (running or waiting for its "
-                         f"core), upstream events sent up to {fmt(row.upstream_late_p99_ms, '.2f')} ms late (p99)")
+            notes.append(
+                f"- {row.case} / {row.contender}: the load side was a limit in most rounds: load process "
+                f"busy {fmt(row.load_busy_share, '.0%')} of the interval (running or waiting for its "
+                f"core), upstream events sent up to {fmt(row.upstream_late_p99_ms, '.2f')} ms late (p99)"
+            )
         if row.proxy_wait_share is not None and row.proxy_wait_share >= PROXY_WAIT_NOTE:
-            notes.append(f"- {row.case} / {row.contender}: waited {row.proxy_wait_share:.0%} of the interval for its "
-                         f"core (other processes on core {PROXY_CPU})")
+            notes.append(
+                f"- {row.case} / {row.contender}: waited {row.proxy_wait_share:.0%} of the interval for its "
+                f"core (other processes on core {PROXY_CPU})"
+            )
     lines += [
         "",
         "events: delivered, summed over rounds; errors: streams that failed, ended early or timed out. "
@@ -1657,16 +2029,22 @@ def growth_table(rows: Sequence[StreamRow]) -> list[str]:
     if not both:
         return []
     n, big = small[both[0]].streams, large[both[0]].streams
-    lines = ["", f"How the cost grows from {n} to {big} streams:", "",
-             f"| contender | CPU us/event at {n} | at {big} | growth | TTFT p99 ms at {n} | at {big} "
-             f"| gap p99 ms at {n} | at {big} |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "",
+        f"How the cost grows from {n} to {big} streams:",
+        "",
+        f"| contender | CPU us/event at {n} | at {big} | growth | TTFT p99 ms at {n} | at {big} "
+        f"| gap p99 ms at {n} | at {big} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for label in both:
         a, b = small[label], large[label]
         growth = b.cpu_us_per_event / a.cpu_us_per_event if a.cpu_us_per_event and b.cpu_us_per_event else None
-        lines.append(f"| {label} | {fmt(a.cpu_us_per_event, '.1f')} | {fmt(b.cpu_us_per_event, '.1f')} | "
-                     f"{fmt(growth, '.2f', 'x')} | {fmt(a.ttft_p99_ms, '.3f')} | {fmt(b.ttft_p99_ms, '.3f')} | "
-                     f"{fmt(a.gap_p99_ms, '.3f')} | {fmt(b.gap_p99_ms, '.3f')} |")
+        lines.append(
+            f"| {label} | {fmt(a.cpu_us_per_event, '.1f')} | {fmt(b.cpu_us_per_event, '.1f')} | "
+            f"{fmt(growth, '.2f', 'x')} | {fmt(a.ttft_p99_ms, '.3f')} | {fmt(b.ttft_p99_ms, '.3f')} | "
+            f"{fmt(a.gap_p99_ms, '.3f')} | {fmt(b.gap_p99_ms, '.3f')} |"
+        )
     return lines
 
 
@@ -1695,7 +2073,8 @@ def store_table(rows: Sequence[StoreRow], result: CaseResult, args: argparse.Nam
             f"{fmt(row.p50_ms, '.3f')} | {fmt(row.p50_over_memory_ms, '+.3f')} | {fmt(row.p99_ms, '.3f')} | "
             f"{fmt(row.p99_over_memory_ms, '+.3f')} | {fmt(row.proxy_cpu_share, '.0%')} | "
             f"{fmt(row.requests_per_cpu_second, ',.0f')} | {fmt(row.cpu_vs_memory, '.2f')} | "
-            f"{fmt(row.store_cpu_share, '.0%')} | {row.errors} |")
+            f"{fmt(row.store_cpu_share, '.0%')} | {row.errors} |"
+        )
         if row.note:
             notes.append(f"- {row.connections} connections / {row.store}: {cell(row.note)}")
     lines += [
@@ -1720,7 +2099,8 @@ def store_table(rows: Sequence[StoreRow], result: CaseResult, args: argparse.Nam
             f"{fmt(row.commands_per_request, '.4f')} | {fmt(row.round_trips_with_script_exists, '.4f')} | "
             f"{fmt(per_second(row.flushes), '.1f')} | {fmt(row.flush_ms, '.1f')} | "
             f"{fmt(per_second(row.sweeps), '.1f')} | {row.loads} | "
-            f"{fmt(row.redis_calls_per_request, '.2f')} | {fmt(row.store_cpu_us_per_request, '.1f')} |")
+            f"{fmt(row.redis_calls_per_request, '.2f')} | {fmt(row.store_cpu_us_per_request, '.1f')} |"
+        )
     lines += [
         "",
         "requests: the sidecar's `sidecar_requests_total` over the measured runs (read just before and after each "
@@ -1752,8 +2132,9 @@ def memory_table(memory: dict[str, Any]) -> list[str]:
 
     used = after["used_memory"] - before["used_memory"]
     live = after["live_usage"] - before["live_usage"]
-    tables = (after["hashtable_main"] + after["hashtable_expires"]
-              - before["hashtable_main"] - before["hashtable_expires"])
+    tables = (
+        after["hashtable_main"] + after["hashtable_expires"] - before["hashtable_main"] - before["hashtable_expires"]
+    )
     hash_mean = hashes.get("mean")
     rest = None if hash_mean is None or n <= 0 else used / n - hash_mean - live / n - tables / n
     incomplete = "" if fill.get("completed") else " (INCOMPLETE: --prefill-timeout reached)"
@@ -1767,34 +2148,58 @@ def memory_table(memory: dict[str, Any]) -> list[str]:
         "| measure | bytes | per new session |",
         "|---|---:|---:|",
         row("whole store: `INFO memory` used_memory after - before (judged)", used, used / n if n > 0 else None),
-        row(f"session hash: `MEMORY USAGE` (SAMPLES 0), mean of {hashes.get('sampled', 0)} keys "
+        row(
+            f"session hash: `MEMORY USAGE` (SAMPLES 0), mean of {hashes.get('sampled', 0)} keys "
             f"({hashes.get('encoding', '?')}, {hashes.get('fields', '?')} fields; min {hashes.get('min', '—')}, "
-            f"max {hashes.get('max', '—')})", None, hash_mean),
-        row(f"live-session sorted set: `MEMORY USAGE {STORE_PREFIX}live` after - before", live,
-            live / n if n > 0 else None),
-        row("keyspace hash tables (main + expires: buckets and entries): `MEMORY STATS` after - before", tables,
-            tables / n if n > 0 else None),
-        row("rest: the first row minus the three above (the key's entry in the main table is counted twice, "
-            "in the hash's `MEMORY USAGE` and in the tables, so this can come out below 0)", None, rest),
+            f"max {hashes.get('max', '—')})",
+            None,
+            hash_mean,
+        ),
+        row(
+            f"live-session sorted set: `MEMORY USAGE {STORE_PREFIX}live` after - before",
+            live,
+            live / n if n > 0 else None,
+        ),
+        row(
+            "keyspace hash tables (main + expires: buckets and entries): `MEMORY STATS` after - before",
+            tables,
+            tables / n if n > 0 else None,
+        ),
+        row(
+            "rest: the first row minus the three above (the key's entry in the main table is counted twice, "
+            "in the hash's `MEMORY USAGE` and in the tables, so this can come out below 0)",
+            None,
+            rest,
+        ),
     ]
     if n > 0 and made.get("requests"):
-        lines += ["", f"Store traffic of the prefill ({made['requests']:,.0f} proxied requests, each a new session): "
-                  f"{made.get('round_trips', 0) / made['requests']:.3f} round trips and "
-                  f"{made.get('commands', 0) / made['requests']:.3f} commands per request "
-                  f"({made.get('ops:load:ok', 0):,.0f} loads, {made.get('ops:flush:ok', 0):,.0f} flushes). "
-                  "MEMORY USAGE leaves out a key's entry in the expires table; the hash tables grow in powers of "
-                  "two, so their part per session depends on where the key count falls."]
+        lines += [
+            "",
+            f"Store traffic of the prefill ({made['requests']:,.0f} proxied requests, each a new session): "
+            f"{made.get('round_trips', 0) / made['requests']:.3f} round trips and "
+            f"{made.get('commands', 0) / made['requests']:.3f} commands per request "
+            f"({made.get('ops:load:ok', 0):,.0f} loads, {made.get('ops:flush:ok', 0):,.0f} flushes). "
+            "MEMORY USAGE leaves out a key's entry in the expires table; the hash tables grow in powers of "
+            "two, so their part per session depends on where the key count falls.",
+        ]
     return lines
 
 
-def markdown(rows: Sequence[Row], stream_rows: Sequence[StreamRow], target_list: Sequence[Target],
-             args: argparse.Namespace, meta: dict[str, Any],
-             store: tuple[Sequence[StoreRow], CaseResult] | None = None) -> str:
+def markdown(
+    rows: Sequence[Row],
+    stream_rows: Sequence[StreamRow],
+    target_list: Sequence[Target],
+    args: argparse.Namespace,
+    meta: dict[str, Any],
+    store: tuple[Sequence[StoreRow], CaseResult] | None = None,
+) -> str:
     lines: list[str] = []
     if meta["non_default"]:
-        lines += [f"Parameters differing from the defaults: {', '.join(meta['non_default'])}. "
-                  "A run with fewer rounds or shorter runs than the defaults is a smoke test, not a measurement.",
-                  ""]
+        lines += [
+            f"Parameters differing from the defaults: {', '.join(meta['non_default'])}. "
+            "A run with fewer rounds or shorter runs than the defaults is a smoke test, not a measurement.",
+            "",
+        ]
     if rows:
         lines += request_table(rows, args)
     if stream_rows:
@@ -1806,8 +2211,12 @@ def markdown(rows: Sequence[Row], stream_rows: Sequence[StreamRow], target_list:
     if statement := polling_statement(target_list):
         lines += ["", statement]
     if meta["failed_cases"]:
-        lines += ["", "Cases that failed (no results):", "",
-                  *(f"- {key}: {cell(reason)}" for key, reason in meta["failed_cases"].items())]
+        lines += [
+            "",
+            "Cases that failed (no results):",
+            "",
+            *(f"- {key}: {cell(reason)}" for key, reason in meta["failed_cases"].items()),
+        ]
     versions = ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
     lines += ["", f"Tool versions: {versions}."]
     return "\n".join(lines).lstrip("\n") + "\n"
@@ -1819,31 +2228,42 @@ def markdown(rows: Sequence[Row], stream_rows: Sequence[StreamRow], target_list:
 
 def build_parser() -> argparse.ArgumentParser:
     cases = make_cases(None)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="cases:\n" + "\n".join(f"  {c.key}  {c.name:<13} {c.title}"
-                                                                for c in cases.values()))
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="cases:\n" + "\n".join(f"  {c.key}  {c.name:<13} {c.title}" for c in cases.values()),
+    )
     p.add_argument("--cases", default=",".join(cases), help="comma-separated case letters or names (default: all)")
-    p.add_argument("--engines", default=",".join(ENGINES),
-                   help="sidecar engines, comma-separated (default: fast,aiohttp)")
+    p.add_argument(
+        "--engines", default=",".join(ENGINES), help="sidecar engines, comma-separated (default: fast,aiohttp)"
+    )
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (default 5)")
     p.add_argument("--duration", type=float, default=5, help="seconds per measured wrk run (default 5)")
-    p.add_argument("--warmup", type=float, default=1,
-                   help="seconds of wrk warm-up per contender and case (default 1)")
+    p.add_argument("--warmup", type=float, default=1, help="seconds of wrk warm-up per contender and case (default 1)")
     p.add_argument("--prefill", type=int, default=1_000_000, help="live sessions for case e (default 1000000)")
-    p.add_argument("--prefill-timeout", type=float, default=1200,
-                   help="upper bound of one prefill, seconds (default 1200)")
-    p.add_argument("--store-prefill", type=int, default=100_000,
-                   help="new sessions sent through the Redis store for case i's bytes per session (default 100000)")
+    p.add_argument(
+        "--prefill-timeout", type=float, default=1200, help="upper bound of one prefill, seconds (default 1200)"
+    )
+    p.add_argument(
+        "--store-prefill",
+        type=int,
+        default=100_000,
+        help="new sessions sent through the Redis store for case i's bytes per session (default 100000)",
+    )
     p.add_argument("--stream-n", type=int, default=200, help="concurrent streams in case f (default 200)")
     p.add_argument("--stream-n-large", type=int, default=1000, help="concurrent streams in case g (default 1000)")
     p.add_argument("--stream-events", type=int, default=100, help="events per stream (default 100)")
     p.add_argument("--stream-gap-ms", type=float, default=20, help="pacing of each stream's events (default 20)")
     p.add_argument("--stream-bytes", type=int, default=110, help="bytes per event, at least 89 (default 110)")
-    p.add_argument("--stream-timeout", type=float, default=30,
-                   help="seconds a stream run may take beyond twice its nominal length (default 30)")
-    p.add_argument("--out-dir", type=Path, default=record.RESULTS,
-                   help="where the dated .md and .json go (default bench/results)")
+    p.add_argument(
+        "--stream-timeout",
+        type=float,
+        default=30,
+        help="seconds a stream run may take beyond twice its nominal length (default 30)",
+    )
+    p.add_argument(
+        "--out-dir", type=Path, default=record.RESULTS, help="where the dated .md and .json go (default bench/results)"
+    )
     return p
 
 
@@ -1861,10 +2281,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--engines: unknown {bad}; choose from {', '.join(ENGINES)}")
     if args.rounds < 1 or args.duration < 1 or args.warmup < 1 or args.prefill < 1 or args.store_prefill < 1:
         p.error("--rounds, --duration, --warmup, --prefill and --store-prefill must be >= 1")
-    if min(args.stream_n, args.stream_n_large, args.stream_events) < 1 or args.stream_gap_ms <= 0 \
-            or args.stream_bytes < 89 or args.stream_timeout <= 0:
-        p.error("--stream-n, --stream-n-large and --stream-events must be >= 1, --stream-gap-ms and "
-                "--stream-timeout > 0, --stream-bytes >= 89")
+    if (
+        min(args.stream_n, args.stream_n_large, args.stream_events) < 1
+        or args.stream_gap_ms <= 0
+        or args.stream_bytes < 89
+        or args.stream_timeout <= 0
+    ):
+        p.error(
+            "--stream-n, --stream-n-large and --stream-events must be >= 1, --stream-gap-ms and "
+            "--stream-timeout > 0, --stream-bytes >= 89"
+        )
     return args
 
 
@@ -1894,9 +2320,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     raise_file_limit()
     facts = record.machine_facts()
-    meta: dict[str, Any] = {"versions": tool_versions(tools), "non_default": non_default(args),
-                            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                            "pinning": {"proxy_cpu": PROXY_CPU, "load_cpu": LOAD_CPU}}
+    meta: dict[str, Any] = {
+        "versions": tool_versions(tools),
+        "non_default": non_default(args),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "pinning": {"proxy_cpu": PROXY_CPU, "load_cpu": LOAD_CPU},
+    }
     cases = make_cases(args)
     results: dict[str, CaseResult] = {}
     failed: dict[str, str] = {}
@@ -1931,14 +2360,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta["failed_cases"] = failed
     store = (store_rows, results["i"]) if "i" in results else None
     body = markdown(rows, stream_rows, target_list, args, meta, store)
-    raw = {**meta, "cases": {k: {"name": r.case.name, "title": r.case.title, "connections": r.case.connections,
-                                 "streams": r.case.streams, "skipped": r.skipped, "info": r.info,
-                                 "runs": [asdict(run) for run in r.runs],
-                                 "stream_runs": [asdict(run) for run in r.stream_runs]}
-                             for k, r in results.items()},
-           "rows": [asdict(row) for row in rows], "stream_rows": [asdict(row) for row in stream_rows],
-           "store_rows": [asdict(row) for row in store_rows],
-           "targets": [asdict(t) for t in target_list]}
+    raw = {
+        **meta,
+        "cases": {
+            k: {
+                "name": r.case.name,
+                "title": r.case.title,
+                "connections": r.case.connections,
+                "streams": r.case.streams,
+                "skipped": r.skipped,
+                "info": r.info,
+                "runs": [asdict(run) for run in r.runs],
+                "stream_runs": [asdict(run) for run in r.stream_runs],
+            }
+            for k, r in results.items()
+        },
+        "rows": [asdict(row) for row in rows],
+        "stream_rows": [asdict(row) for row in stream_rows],
+        "store_rows": [asdict(row) for row in store_rows],
+        "targets": [asdict(t) for t in target_list],
+    }
     md, js = record.write("proxy_bench", f"Proxy benchmark, {facts['date'][:10]}", body, raw, facts, args.out_dir)
     print(body)
     print(f"written: {md}, {js}", file=sys.stderr)

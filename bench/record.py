@@ -58,8 +58,12 @@ def sidecar_build(python: str = sys.executable) -> str:
 def machine_facts() -> dict[str, Any]:
     """Where and what ran: for the header of a result file and its JSON."""
     facts: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
-    facts["command"] = shlex.join([os.path.relpath(sys.executable, Path.cwd())
-                                   if sys.executable.startswith(str(REPO)) else sys.executable, *sys.argv])
+    facts["command"] = shlex.join(
+        [
+            os.path.relpath(sys.executable, Path.cwd()) if sys.executable.startswith(str(REPO)) else sys.executable,
+            *sys.argv,
+        ]
+    )
     facts["cwd"] = str(Path.cwd())
     facts["commit"] = _git("rev-parse", "--short", "HEAD").strip() or "unknown"
     changed = _git("status", "--porcelain", "--", ".", ":(exclude)bench/results")
@@ -80,8 +84,9 @@ def machine_facts() -> dict[str, Any]:
 
 def fact_lines(facts: dict[str, Any]) -> list[str]:
     """The machine facts as a two-column Markdown table."""
-    commit = facts["commit"] + (" (uncommitted changes: " + ", ".join(facts.get("dirty_files", [])) + ")"
-                                if facts["dirty"] else " (clean tree)")
+    commit = facts["commit"] + (
+        " (uncommitted changes: " + ", ".join(facts.get("dirty_files", [])) + ")" if facts["dirty"] else " (clean tree)"
+    )
     env = ", ".join(f"{k}={v}" for k, v in facts["environment"].items()) or "none"
     rows = [
         ("date", facts["date"]),
@@ -114,8 +119,9 @@ def result_paths(benchmark: str, facts: dict[str, Any], out_dir: Path) -> tuple[
         n += 1
 
 
-def write(benchmark: str, title: str, body: str, raw: dict[str, Any], facts: dict[str, Any],
-          out_dir: Path = RESULTS) -> tuple[Path, Path]:
+def write(
+    benchmark: str, title: str, body: str, raw: dict[str, Any], facts: dict[str, Any], out_dir: Path = RESULTS
+) -> tuple[Path, Path]:
     """Write the dated Markdown and JSON of one run; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md, js = result_paths(benchmark, facts, out_dir)

@@ -54,7 +54,8 @@ class TimerFd:
         if hasattr(os, "timerfd_create"):  # Python >= 3.13
             self.fd = os.timerfd_create(time.CLOCK_MONOTONIC, flags=TFD_NONBLOCK | TFD_CLOEXEC)
             self._settime = lambda ns: os.timerfd_settime_ns(  # type: ignore[attr-defined]
-                self.fd, flags=TFD_TIMER_ABSTIME, initial=ns)
+                self.fd, flags=TFD_TIMER_ABSTIME, initial=ns
+            )
             return
         libc = ctypes.CDLL(None, use_errno=True)
         self.fd = libc.timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)
@@ -136,8 +137,13 @@ class Pacer:
         def pct(q: float) -> float:
             return values[min(len(values) - 1, int(q * len(values)))] / 1e6
 
-        return {"events": len(values), "cpu_s": cpu_s, "late_p50_ms": pct(0.5), "late_p99_ms": pct(0.99),
-                "late_max_ms": values[-1] / 1e6}
+        return {
+            "events": len(values),
+            "cpu_s": cpu_s,
+            "late_p50_ms": pct(0.5),
+            "late_p99_ms": pct(0.99),
+            "late_max_ms": values[-1] / 1e6,
+        }
 
 
 class Stream:
@@ -233,8 +239,10 @@ class Connection(asyncio.Protocol):
         events = param("events", DEFAULT_EVENTS, 1, MAX_EVENTS)
         gap_ns = param("gap_us", DEFAULT_GAP_US, 0, 60_000_000) * 1000
         chunk = self.server.chunk(param("bytes", DEFAULT_EVENT_BYTES, 1, 65536))
-        head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-                b"Transfer-Encoding: chunked\r\nX-Seen-Session-ID: %s\r\n\r\n" % session)
+        head = (
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+            b"Transfer-Encoding: chunked\r\nX-Seen-Session-ID: %s\r\n\r\n" % session
+        )
         self.streaming = True
         stream = Stream(self, events, gap_ns, chunk, time.monotonic_ns())
         if stream.send_next(head):  # the first event leaves with the head

@@ -36,8 +36,13 @@ def parse_metrics(text: str) -> dict[str, float]:
     (seconds, round trips) from the latency histogram. A counter the process does not export (the
     memory store exports no store counters) reads 0."""
     out: dict[str, float] = {"requests": 0.0, "round_trips": 0.0, "commands": 0.0, "dropped": 0.0}
-    simple = {ROUND_TRIPS: "round_trips", COMMANDS: "commands", DROPPED: "dropped", STORE_UP: "store_up",
-              LIVE: "live_sessions"}
+    simple = {
+        ROUND_TRIPS: "round_trips",
+        COMMANDS: "commands",
+        DROPPED: "dropped",
+        STORE_UP: "store_up",
+        LIVE: "live_sessions",
+    }
     for line in text.splitlines():
         match = _SAMPLE.match(line)
         if match is None:
@@ -171,9 +176,15 @@ class StoreProbe:
         if not keys:
             return {"sampled": 0}
         sizes = [int(self.client.memory_usage(key, samples=0) or 0) for key in keys]
-        return {"sampled": len(keys), "mean": round(statistics.fmean(sizes), 1), "min": min(sizes),
-                "max": max(sizes), "encoding": str(self.client.object("encoding", keys[0]) or ""),
-                "fields": int(self.client.hlen(keys[0])), "example": keys[0]}
+        return {
+            "sampled": len(keys),
+            "mean": round(statistics.fmean(sizes), 1),
+            "min": min(sizes),
+            "max": max(sizes),
+            "encoding": str(self.client.object("encoding", keys[0]) or ""),
+            "fields": int(self.client.hlen(keys[0])),
+            "example": keys[0],
+        }
 
 
 def _pairs(flat: Any) -> dict[str, Any]:

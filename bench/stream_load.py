@@ -130,8 +130,10 @@ class StreamClient(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             self._finish("connection closed before the request")
             return self.done
-        self.transport.write(b"GET %s?%s HTTP/1.1\r\nHost: bench\r\n%s: %s\r\nAccept: text/event-stream\r\n\r\n"
-                             % (PATH.encode(), query, SESSION_HEADER, self.session))
+        self.transport.write(
+            b"GET %s?%s HTTP/1.1\r\nHost: bench\r\n%s: %s\r\nAccept: text/event-stream\r\n\r\n"
+            % (PATH.encode(), query, SESSION_HEADER, self.session)
+        )
         self.sent_at = time.perf_counter_ns()
         return self.done
 
@@ -203,8 +205,12 @@ class Driver:
         clients: list[StreamClient] = []
         for start in range(0, self.streams, CONNECT_BATCH):
             batch = [StreamClient(self, i) for i in range(start, min(self.streams, start + CONNECT_BATCH))]
-            await asyncio.gather(*(loop.create_connection(lambda c=c: c, HOST, self.port)  # type: ignore[misc]
-                                   for c in batch))
+            await asyncio.gather(
+                *(
+                    loop.create_connection(lambda c=c: c, HOST, self.port)  # type: ignore[misc]
+                    for c in batch
+                )
+            )
             clients += batch
         return clients
 
@@ -256,13 +262,22 @@ class Driver:
         seconds = (t1 - t0) / 1e9
         ttft, gaps = sorted(self.ttft), sorted(self.gaps)
         return {
-            "streams": len(clients), "events_expected": len(clients) * self.events,
-            "events": self.delivered, "errors": sum(errors.values()), "error_reasons": errors,
-            "warmup_errors": warm_errors, "timed_out": len(pending), "seconds": round(seconds, 4),
-            "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
-            "ttft_max_ms": percentile(ttft, 1.0), "ttft_samples": len(ttft),
-            "gap_p50_ms": percentile(gaps, 0.5), "gap_p99_ms": percentile(gaps, 0.99),
-            "gap_p999_ms": percentile(gaps, 0.999), "gap_max_ms": percentile(gaps, 1.0),
+            "streams": len(clients),
+            "events_expected": len(clients) * self.events,
+            "events": self.delivered,
+            "errors": sum(errors.values()),
+            "error_reasons": errors,
+            "warmup_errors": warm_errors,
+            "timed_out": len(pending),
+            "seconds": round(seconds, 4),
+            "ttft_p50_ms": percentile(ttft, 0.5),
+            "ttft_p99_ms": percentile(ttft, 0.99),
+            "ttft_max_ms": percentile(ttft, 1.0),
+            "ttft_samples": len(ttft),
+            "gap_p50_ms": percentile(gaps, 0.5),
+            "gap_p99_ms": percentile(gaps, 0.99),
+            "gap_p999_ms": percentile(gaps, 0.999),
+            "gap_max_ms": percentile(gaps, 1.0),
             "gap_samples": len(gaps),
             "proxy_cpu_s": (proxy1 - proxy0) / 1e9 if pids else None,
             "proxy_stat_cpu_s": (proxy_stat1 - proxy_stat0) / 1e9 if pids else None,

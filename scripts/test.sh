@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests need into .venv and runs them.
-#   ./scripts/test.sh           default suite (compiled build, then again as pure Python)
+#   ./scripts/test.sh           ruff, mypy, default suite (compiled build, then again as pure Python)
 #                               + real-gateway + packaging tests (what CI runs)
-#   ./scripts/test.sh --quick   default suite only, on the installed build (~1.5 min on 2 cores)
+#   ./scripts/test.sh --quick   ruff, mypy and the default suite, on the installed build (~3 min on 2 cores)
 # Extra arguments after the options go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +17,10 @@ fi
 ./scripts/install_redis.sh || [[ -z "${CI:-}" ]]
 .venv/bin/python -c 'from sidecar.engine.fast import FastEngine as F; print("fast engine compiled:", F.compiled)'
 status=0
+# Lint, format and types (configured in pyproject.toml); a failure fails the run, the tests still run.
+.venv/bin/ruff check . || status=$?
+.venv/bin/ruff format --check . || status=$?
+.venv/bin/mypy || status=$?
 .venv/bin/python -m pytest -m "not gateway and not deploy" "$@" || status=$?
 if [[ $quick == 0 ]]; then
   # The same sources uncompiled (what installs where there is no C compiler).

@@ -21,8 +21,9 @@ COMPILED_ONLY = frozenset({"sidecar.engine.llhttp_parser", "sidecar._jsonscan"})
 
 
 class _SourceFinder(MetaPathFinder):
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         if fullname in COMPILED_ONLY:
             raise ModuleNotFoundError(f"{fullname} is compiled only (SIDECAR_PURE_PYTHON=1)", name=fullname)
         if path is None or not fullname.startswith("sidecar."):

@@ -44,21 +44,29 @@ class Sidecar:
     what a signal starts: not ready at once, serving for ``delay`` more seconds, then ``stop()``.
     """
 
-    def __init__(self, config: Config, *, registry: CollectorRegistry | None = None,
-                 session_clock: Clock | None = None) -> None:
+    def __init__(
+        self, config: Config, *, registry: CollectorRegistry | None = None, session_clock: Clock | None = None
+    ) -> None:
         self.config = config
         self.metrics = Metrics(registry)
         self.effects = EndActionRunner(self.metrics)
         # ``session_clock``: wall-clock seconds of the API session store (tests inject one).
         store = SessionStore(config.sessions.api, clock=session_clock or time.time)
         s = config.sessions
-        tree = SessionTree(idle_ttl=s.idle_ttl_seconds, max_live=s.max_live_sessions, tombstone_max=s.tombstone_max,
-                           tombstone_ttl=s.tombstone_ttl_seconds, shared=config.state.shared)
+        tree = SessionTree(
+            idle_ttl=s.idle_ttl_seconds,
+            max_live=s.max_live_sessions,
+            tombstone_max=s.tombstone_max,
+            tombstone_ttl=s.tombstone_ttl_seconds,
+            shared=config.state.shared,
+        )
         # Where sessions live beyond this process; the tree and the API table are its cache here.
-        self.state: SessionState = RedisState(config, self.metrics, tree, store) if config.state.shared \
-            else MemoryState()
-        self.router = Router(config, self.metrics, tree=tree, store=store, effects=self.effects.submit,
-                             state=self.state)
+        self.state: SessionState = (
+            RedisState(config, self.metrics, tree, store) if config.state.shared else MemoryState()
+        )
+        self.router = Router(
+            config, self.metrics, tree=tree, store=store, effects=self.effects.submit, state=self.state
+        )
         self.state.on_claimed = self.router.end_session
         self.state.on_closing = self.router.closing_elsewhere
         self.tokens: TokenSet | None = load_tokens(config.admin_tokens_file) if config.admin_tokens_file else None
@@ -98,15 +106,25 @@ class Sidecar:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._expiry_loop(), name="sidecar-expiry"))
         if any(d.health_check is not None for d in self.router.deployments):
-            self._tasks.append(loop.create_task(run_health_checks(self.router.deployments, self.health),
-                                                name="sidecar-health-checks"))
+            self._tasks.append(
+                loop.create_task(run_health_checks(self.router.deployments, self.health), name="sidecar-health-checks")
+            )
         if self.health.required:
             self._tasks.append(loop.create_task(self.health.probe(), name="sidecar-upstream-probe"))
-        log.info("sidecar started", extra={
-            "version": __version__, "engine": cfg.engine, "compiled": self.engine.compiled,
-            "listen": _address(cfg.listen.host, self.engine.port), "admin": _address(cfg.admin.host, admin_port),
-            "deployments": [{"name": d.name, "mode": d.mode_name, "upstreams": [u.display for u in d.upstreams]}
-                            for d in self.router.deployments]})
+        log.info(
+            "sidecar started",
+            extra={
+                "version": __version__,
+                "engine": cfg.engine,
+                "compiled": self.engine.compiled,
+                "listen": _address(cfg.listen.host, self.engine.port),
+                "admin": _address(cfg.admin.host, admin_port),
+                "deployments": [
+                    {"name": d.name, "mode": d.mode_name, "upstreams": [u.display for u in d.upstreams]}
+                    for d in self.router.deployments
+                ],
+            },
+        )
 
     async def _expiry_loop(self) -> None:
         while True:
@@ -187,9 +205,10 @@ async def serve(config: Config) -> None:
     gc.freeze()
     try:
         await stop.wait()
-        log.info("signal received: not ready; serving on until the shutdown delay ends, then draining",
-                 extra={"delay_seconds": config.shutdown_delay_seconds,
-                        "grace_seconds": config.drain_grace_seconds})
+        log.info(
+            "signal received: not ready; serving on until the shutdown delay ends, then draining",
+            extra={"delay_seconds": config.shutdown_delay_seconds, "grace_seconds": config.drain_grace_seconds},
+        )
         await sidecar.shutdown(config.shutdown_delay_seconds, hurry)
     finally:
         await sidecar.stop()

@@ -101,12 +101,16 @@ def _parse_entry(entry: Any, where: str, seen: set[bytes]) -> _Token:
         raise ConfigError(f"{where}: must be a mapping of token, workspace and/or admin")
     secret = entry.get("token")
     if not isinstance(secret, str) or len(secret) < MIN_TOKEN_CHARS or re.search(r"\s", secret):
-        raise ConfigError(f"{where}.token: must be a string of at least {MIN_TOKEN_CHARS} characters without "
-                          "spaces (generate one with `openssl rand -hex 32`)")
+        raise ConfigError(
+            f"{where}.token: must be a string of at least {MIN_TOKEN_CHARS} characters without "
+            "spaces (generate one with `openssl rand -hex 32`)"
+        )
     if PLACEHOLDER.search(secret):
-        raise ConfigError(f"{where}.token: is a placeholder (it says change-me, replace, placeholder or "
-                          "example, or is written <...>): replace it with a random token "
-                          "(`openssl rand -hex 32`)")
+        raise ConfigError(
+            f"{where}.token: is a placeholder (it says change-me, replace, placeholder or "
+            "example, or is written <...>): replace it with a random token "
+            "(`openssl rand -hex 32`)"
+        )
     raw = secret.encode()
     if raw in seen:
         raise ConfigError(f"{where}.token: duplicate token")

@@ -52,9 +52,16 @@ class _State:
 class Balancer(Generic[U]):
     """Upstream choice per tree root for one deployment. See the module docstring."""
 
-    def __init__(self, deployment: str, upstreams: Sequence[U], *, failback: bool = False,
-                 health_check: HealthCheckConfig | None = None, max_overrides: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        deployment: str,
+        upstreams: Sequence[U],
+        *,
+        failback: bool = False,
+        health_check: HealthCheckConfig | None = None,
+        max_overrides: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.deployment = deployment
         self.upstreams = tuple(upstreams)
         self.failback = failback

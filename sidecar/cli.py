@@ -20,32 +20,58 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"sidecar {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run the proxy",
-                         description="Run the proxy. Precedence: flags > SIDECAR_* environment > --config file > defaults.")
-    run.add_argument("--listen", metavar="HOST:PORT", help="proxy listener (env SIDECAR_LISTEN; default 127.0.0.1:8080)")
+    run = sub.add_parser(
+        "run",
+        help="run the proxy",
+        description="Run the proxy. Precedence: flags > SIDECAR_* environment > --config file > defaults.",
+    )
+    run.add_argument(
+        "--listen", metavar="HOST:PORT", help="proxy listener (env SIDECAR_LISTEN; default 127.0.0.1:8080)"
+    )
     run.add_argument("--upstream", metavar="URL", help="gateway base URL (env SIDECAR_UPSTREAM)")
     run.add_argument("--mode", metavar="NAME", help="routing mode (env SIDECAR_MODE; see `sidecar modes`)")
-    run.add_argument("--mode-opt", metavar="KEY=VALUE", action="append", dest="mode_opt",
-                     help="mode option, repeatable (env SIDECAR_MODE_OPTS=k=v,k2=v2)")
+    run.add_argument(
+        "--mode-opt",
+        metavar="KEY=VALUE",
+        action="append",
+        dest="mode_opt",
+        help="mode option, repeatable (env SIDECAR_MODE_OPTS=k=v,k2=v2)",
+    )
     run.add_argument("--admin", metavar="HOST:PORT", help="admin listener (env SIDECAR_ADMIN; default 127.0.0.1:9091)")
     run.add_argument("--engine", choices=("fast", "aiohttp"), help="HTTP engine (env SIDECAR_ENGINE)")
-    run.add_argument("--log-level", choices=("debug", "info", "warning", "error"), dest="log_level",
-                     help="log level (env SIDECAR_LOG_LEVEL; default info)")
-    run.add_argument("--state", metavar="URL", help="session state: memory:// (default) or redis://HOST:PORT "
-                     "shared by replicas (env SIDECAR_STATE)")
+    run.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        dest="log_level",
+        help="log level (env SIDECAR_LOG_LEVEL; default info)",
+    )
+    run.add_argument(
+        "--state",
+        metavar="URL",
+        help="session state: memory:// (default) or redis://HOST:PORT shared by replicas (env SIDECAR_STATE)",
+    )
     run.add_argument("--config", metavar="FILE", help="YAML config file (env SIDECAR_CONFIG)")
 
     check = sub.add_parser(
-        "check-config", help="validate the configuration in effect and print it normalized",
+        "check-config",
+        help="validate the configuration in effect and print it normalized",
         description="Validate the configuration `run` would start with (FILE, else SIDECAR_CONFIG, with the "
-                    "SIDECAR_* environment on top) and print it normalized; exit 2 naming the bad setting.")
-    check.add_argument("file", metavar="FILE", nargs="?",
-                       help="YAML config file (default: SIDECAR_CONFIG; none: the environment alone)")
+        "SIDECAR_* environment on top) and print it normalized; exit 2 naming the bad setting.",
+    )
+    check.add_argument(
+        "file",
+        metavar="FILE",
+        nargs="?",
+        help="YAML config file (default: SIDECAR_CONFIG; none: the environment alone)",
+    )
 
     sub.add_parser("modes", help="list routing modes with their options and defaults")
 
-    demo = sub.add_parser("demo", help="run a multi-turn workload against an embedded mock gateway, "
-                                       "directly and through the sidecar, and compare")
+    demo = sub.add_parser(
+        "demo",
+        help="run a multi-turn workload against an embedded mock gateway, "
+        "directly and through the sidecar, and compare",
+    )
     demo.add_argument("--sessions", type=int, default=16)
     demo.add_argument("--turns", type=int, default=5)
     return p
@@ -62,8 +88,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sidecar.config import build_config
     from sidecar.errors import ConfigError
 
-    flags = {k: getattr(args, k) for k in ("listen", "upstream", "mode", "mode_opt", "admin", "engine",
-                                           "log_level", "state", "config")}
+    flags = {
+        k: getattr(args, k)
+        for k in ("listen", "upstream", "mode", "mode_opt", "admin", "engine", "log_level", "state", "config")
+    }
     try:
         config = build_config(flags=flags)
     except ConfigError as exc:
@@ -72,8 +100,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         _run_loop(serve(config))
     except OSError as exc:  # typically a listener address already in use
-        print(f"sidecar: cannot start: {exc.strerror or exc} "
-              f"(listen {config.listen}, admin {config.admin})", file=sys.stderr)
+        print(
+            f"sidecar: cannot start: {exc.strerror or exc} (listen {config.listen}, admin {config.admin})",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

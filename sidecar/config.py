@@ -33,9 +33,20 @@ from sidecar.validation import check_token, split_names, yaml_error_where, yaml_
 
 ENV_PREFIX = "SIDECAR_"
 # Flag / env name -> top-level config key. Env vars are SIDECAR_<NAME>.
-SCALAR_KEYS = ("listen", "admin", "upstream", "mode", "engine", "log_level", "drain_grace_seconds",
-               "shutdown_delay_seconds", "head_timeout_seconds", "admin_tokens_file", "admin_insecure",
-               "idle_poll_us")
+SCALAR_KEYS = (
+    "listen",
+    "admin",
+    "upstream",
+    "mode",
+    "engine",
+    "log_level",
+    "drain_grace_seconds",
+    "shutdown_delay_seconds",
+    "head_timeout_seconds",
+    "admin_tokens_file",
+    "admin_insecure",
+    "idle_poll_us",
+)
 
 
 HeaderName = Annotated[str, BeforeValidator(lambda v: v.strip() if isinstance(v, str) else v)]
@@ -117,8 +128,14 @@ class IdentityConfig(_Strict):
     """
 
     # AIPerf, opencode, generic, Claude Code, Codex (session_id, thread-id).
-    session: HeaderList = [h.X_CORRELATION_ID, h.X_SESSION_AFFINITY, h.X_SESSION_ID,
-                           h.X_CLAUDE_CODE_SESSION_ID, h.SESSION_ID, h.THREAD_ID]
+    session: HeaderList = [
+        h.X_CORRELATION_ID,
+        h.X_SESSION_AFFINITY,
+        h.X_SESSION_ID,
+        h.X_CLAUDE_CODE_SESSION_ID,
+        h.SESSION_ID,
+        h.THREAD_ID,
+    ]
     parent: HeaderList = [h.X_PARENT_SESSION_ID, h.X_DYNAMO_PARENT_SESSION_ID]
     root: HeaderList = [h.X_ROOT_SESSION_ID]
     final: HeaderList = [h.X_SESSION_FINAL, h.X_DYNAMO_SESSION_FINAL]
@@ -300,8 +317,9 @@ def check_state_url(value: str) -> str:
     except (ValueError, TypeError) as exc:
         raise ValueError(f"not a URL: {value!r}") from exc
     if url.scheme not in STATE_SCHEMES:
-        raise ValueError("must be memory://, redis://HOST:PORT[/DB], rediss://HOST:PORT[/DB] (TLS) or "
-                         "unix:///PATH/TO/SOCKET")
+        raise ValueError(
+            "must be memory://, redis://HOST:PORT[/DB], rediss://HOST:PORT[/DB] (TLS) or unix:///PATH/TO/SOCKET"
+        )
     if url.scheme in ("redis", "rediss") and not url.host:
         raise ValueError("a redis:// or rediss:// URL needs a host")
     return value
@@ -406,8 +424,10 @@ class Config(_Strict):
         if not short:
             for name in _SHORT_FORM_ONLY:
                 if name in self.model_fields_set:
-                    raise ValueError(f"{name}: with `deployments`, set it in each deployment (the top-level "
-                                     "setting describes the single `upstream` form only)")
+                    raise ValueError(
+                        f"{name}: with `deployments`, set it in each deployment (the top-level "
+                        "setting describes the single `upstream` form only)"
+                    )
         if self.mode_options and not self.mode:
             raise ValueError("mode_options: given without a mode")
         names = [d.name for d in self.deployments]
@@ -416,19 +436,23 @@ class Config(_Strict):
             raise ValueError(f"deployments: duplicate names {sorted(dup)}")
         names = names or ["default"]
         if self.default_deployment is not None and self.default_deployment not in names:
-            raise ValueError(f"default_deployment: names no deployment (got {self.default_deployment!r}; "
-                             f"deployments are {names})")
+            raise ValueError(
+                f"default_deployment: names no deployment (got {self.default_deployment!r}; deployments are {names})"
+            )
         served: dict[str, str] = {}
         for i, d in enumerate(self.deployments):
             for model in d.models:
                 if model in served:
-                    raise ValueError(f"deployments[{i}].models: {model!r} is already served by deployment "
-                                     f"{served[model]!r}")
+                    raise ValueError(
+                        f"deployments[{i}].models: {model!r} is already served by deployment {served[model]!r}"
+                    )
                 served[model] = d.name
         if not self.admin.is_loopback and self.admin_tokens_file is None and not self.admin_insecure:
-            raise ValueError(f"admin_insecure: the admin listener binds {self.admin}, not a loopback address, "
-                             "and no admin_tokens_file is set: the sessions API would be open to the network. "
-                             "Set admin_tokens_file, or admin_insecure: true to accept that")
+            raise ValueError(
+                f"admin_insecure: the admin listener binds {self.admin}, not a loopback address, "
+                "and no admin_tokens_file is set: the sessions API would be open to the network. "
+                "Set admin_tokens_file, or admin_insecure: true to accept that"
+            )
         return self
 
     def resolved_deployments(self) -> list[DeploymentConfig]:
@@ -454,9 +478,20 @@ class Config(_Strict):
         """The effective configuration as plain data (what ``check-config`` prints)."""
         from sidecar.modes.registry import load_mode
 
-        data = self.model_dump(mode="json", exclude={"upstream", "mode", "mode_options", "deployments",
-                                                      "trust_client_headers", "non_object_body",
-                                                      "timeouts", "limits", "tls"})
+        data = self.model_dump(
+            mode="json",
+            exclude={
+                "upstream",
+                "mode",
+                "mode_options",
+                "deployments",
+                "trust_client_headers",
+                "non_object_body",
+                "timeouts",
+                "limits",
+                "tls",
+            },
+        )
         deps = []
         for d in self.resolved_deployments():
             dd = d.model_dump(mode="json")
@@ -489,8 +524,11 @@ def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
         got = err.get("input")
         # The value once: some messages (a mode's own checks, header-name checks) already quote it.
         quoted = "(got " in msg or (isinstance(got, str) and repr(got) in msg)
-        got_s = "" if err["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) or quoted \
+        got_s = (
+            ""
+            if err["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) or quoted
             else f" (got {got!r})"
+        )
         if err["type"] == "extra_forbidden":
             msg = "unknown setting"
         # Whole-model checks carry no location: their messages start with the setting name.

@@ -107,8 +107,12 @@ def embed(target: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sidecar.config_schema", description=__doc__.split("\n")[0])
-    parser.add_argument("--embed", metavar="FILE", type=Path,
-                        help=f"write the schema into FILE's definitions.{EMBED_KEY} instead of printing it")
+    parser.add_argument(
+        "--embed",
+        metavar="FILE",
+        type=Path,
+        help=f"write the schema into FILE's definitions.{EMBED_KEY} instead of printing it",
+    )
     args = parser.parse_args(argv)
     if args.embed is None:
         json.dump(config_json_schema(), sys.stdout, indent=2)

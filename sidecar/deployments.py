@@ -46,8 +46,14 @@ class Upstream:
         return str(u.with_user(None)) if u.user is not None or u.password is not None else self.url
 
     @classmethod
-    def parse(cls, url: str, index: int = 0, tls_context: ssl.SSLContext | None = None,
-              server_hostname: str | None = None, deployment: str = "") -> Upstream:
+    def parse(
+        cls,
+        url: str,
+        index: int = 0,
+        tls_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        deployment: str = "",
+    ) -> Upstream:
         """``tls_context``, ``server_hostname`` and ``deployment`` (whose context it is) apply to
         an https:// ``url`` only."""
         u = URL(url)
@@ -57,10 +63,18 @@ class Upstream:
         if ":" in u.host:
             host_header = f"[{u.host}]" if u.port == default_port else f"[{u.host}]:{u.port}"
         https = u.scheme == "https"
-        return cls(url=url, scheme=u.scheme, host=u.host, port=u.port,
-                   base_path=u.raw_path.rstrip("/"), host_header=host_header, index=index,
-                   tls_context=tls_context if https else None, server_hostname=server_hostname if https else None,
-                   pool_key=f"{url} tls:{deployment}" if https else url)
+        return cls(
+            url=url,
+            scheme=u.scheme,
+            host=u.host,
+            port=u.port,
+            base_path=u.raw_path.rstrip("/"),
+            host_header=host_header,
+            index=index,
+            tls_context=tls_context if https else None,
+            server_hostname=server_hostname if https else None,
+            pool_key=f"{url} tls:{deployment}" if https else url,
+        )
 
 
 # No slots=True: compiled (deployments.pxd), it is an extension type with fixed fields.
@@ -98,8 +112,14 @@ class Deployment:
         self.max_body_bytes = self.limits.max_body_bytes
 
     @classmethod
-    def from_config(cls, cfg: DeploymentConfig, *, selector_header: str = "",
-                    identity_headers: Iterable[str] = (), max_overrides: int = 100_000) -> Deployment:
+    def from_config(
+        cls,
+        cfg: DeploymentConfig,
+        *,
+        selector_header: str = "",
+        identity_headers: Iterable[str] = (),
+        max_overrides: int = 100_000,
+    ) -> Deployment:
         """Build the runtime deployment. ``selector_header`` and ``identity_headers`` (every
         header the identity reader consumes) feed the dropped-header sets."""
         mode = load_mode(cfg.mode).from_options(cfg.mode_options) if cfg.mode else None
@@ -119,8 +139,9 @@ class Deployment:
             limits=cfg.limits,
             models=frozenset(cfg.models),
             health_check=cfg.health_check,
-            balancer=Balancer(cfg.name, upstreams, failback=cfg.failback, health_check=cfg.health_check,
-                              max_overrides=max_overrides),
+            balancer=Balancer(
+                cfg.name, upstreams, failback=cfg.failback, health_check=cfg.health_check, max_overrides=max_overrides
+            ),
             drop=drop,
             drop_sessionless=drop_sessionless,
             observes_responses=mode is not None and type(mode).on_response is not Mode.on_response,
@@ -138,13 +159,15 @@ def _tls_context(cfg: DeploymentConfig) -> ssl.SSLContext | None:
     if not any(u.startswith("https://") for u in cfg.upstreams):
         return None
     if cfg.tls is not None and not cfg.tls.verify:
-        log.warning("TLS verification is off: the upstreams' certificates are not checked",
-                    extra={"deployment": cfg.name})
+        log.warning(
+            "TLS verification is off: the upstreams' certificates are not checked", extra={"deployment": cfg.name}
+        )
     return client_context(cfg.tls, cfg._path)
 
 
-def dropped_headers(cfg: DeploymentConfig, mode: Mode | None, selector_header: str,
-                  identity_headers: Iterable[str]) -> tuple[frozenset[str], frozenset[str]]:
+def dropped_headers(
+    cfg: DeploymentConfig, mode: Mode | None, selector_header: str, identity_headers: Iterable[str]
+) -> tuple[frozenset[str], frozenset[str]]:
     """The one place that decides which client headers never reach a deployment's upstream.
 
     Returns (for requests of a session, for requests without one), lower-case:

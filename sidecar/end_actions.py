@@ -21,8 +21,9 @@ log = logging.getLogger("sidecar.end_actions")
 class EndActionRunner:
     """Queue + worker for :class:`EndAction` calls."""
 
-    def __init__(self, metrics: Metrics, *, max_queue: int = 10_000, retries: int = 3,
-                 backoff: float = 0.2, timeout: float = 5.0) -> None:
+    def __init__(
+        self, metrics: Metrics, *, max_queue: int = 10_000, retries: int = 3, backoff: float = 0.2, timeout: float = 5.0
+    ) -> None:
         self.metrics = metrics
         self.retries = retries
         self.backoff = backoff
@@ -71,9 +72,14 @@ class EndActionRunner:
         url = up.url + action.path
         for attempt in range(self.retries + 1):
             try:
-                async with self._session.request(action.method, url, params=action.query or None,
-                                                 data=action.body, ssl=up.tls_context or True,
-                                                 server_hostname=up.server_hostname) as resp:
+                async with self._session.request(
+                    action.method,
+                    url,
+                    params=action.query or None,
+                    data=action.body,
+                    ssl=up.tls_context or True,
+                    server_hostname=up.server_hostname,
+                ) as resp:
                     await resp.read()
                     if resp.status < 500:
                         outcome = "ok" if resp.status < 400 else "rejected"

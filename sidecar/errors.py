@@ -74,8 +74,14 @@ STATUS: dict[str, int] = {
 
 # The error types the proxy listener answers itself: the closed set of
 # `sidecar_rejected_requests_total{reason}` values besides the engines' own.
-REQUEST_PATH_REJECTIONS = (UNKNOWN_DEPLOYMENT, DEPLOYMENT_CONFLICT, SESSION_REQUIRED, SESSION_NOT_FOUND,
-                           SESSION_CLOSED, SESSION_EXPIRED)
+REQUEST_PATH_REJECTIONS = (
+    UNKNOWN_DEPLOYMENT,
+    DEPLOYMENT_CONFLICT,
+    SESSION_REQUIRED,
+    SESSION_NOT_FOUND,
+    SESSION_CLOSED,
+    SESSION_EXPIRED,
+)
 
 
 class ConfigError(Exception):
@@ -104,8 +110,13 @@ def request_too_large(deployment: str, limit: int, parsed: bool = False) -> Prox
     reads the body as JSON (``parsed``), else ``limits.max_body_bytes``."""
     setting = "limits.max_parsed_body_bytes" if parsed else "limits.max_body_bytes"
     which = ", the limit for bodies the sidecar reads as JSON" if parsed else ""
-    return ProxyError(REQUEST_TOO_LARGE, f"request body exceeds {limit} bytes{which} ({setting} of deployment "
-                      f"{deployment!r})", deployment=deployment, limit=limit, setting=setting)
+    return ProxyError(
+        REQUEST_TOO_LARGE,
+        f"request body exceeds {limit} bytes{which} ({setting} of deployment {deployment!r})",
+        deployment=deployment,
+        limit=limit,
+        setting=setting,
+    )
 
 
 def error_body(type_: str, message: str, **fields: Any) -> bytes:
@@ -139,19 +150,30 @@ def internal_error() -> ProxyError:
 
 
 def upstream_unreachable(deployment: str, upstream: int, reason: str) -> ProxyError:
-    return ProxyError(UPSTREAM_UNREACHABLE,
-                      f"upstream {upstream} of deployment {deployment!r} is unreachable: {reason}",
-                      deployment=deployment, upstream=upstream)
+    return ProxyError(
+        UPSTREAM_UNREACHABLE,
+        f"upstream {upstream} of deployment {deployment!r} is unreachable: {reason}",
+        deployment=deployment,
+        upstream=upstream,
+    )
 
 
 def upstream_timeout(deployment: str, upstream: int) -> ProxyError:
-    return ProxyError(UPSTREAM_TIMEOUT, f"upstream {upstream} of deployment {deployment!r} timed out",
-                      deployment=deployment, upstream=upstream)
+    return ProxyError(
+        UPSTREAM_TIMEOUT,
+        f"upstream {upstream} of deployment {deployment!r} timed out",
+        deployment=deployment,
+        upstream=upstream,
+    )
 
 
 def upstream_protocol_error(deployment: str, upstream: int, reason: str) -> ProxyError:
-    return ProxyError(UPSTREAM_PROTOCOL_ERROR, f"upstream {upstream} of deployment {deployment!r} failed: {reason}",
-                      deployment=deployment, upstream=upstream)
+    return ProxyError(
+        UPSTREAM_PROTOCOL_ERROR,
+        f"upstream {upstream} of deployment {deployment!r} failed: {reason}",
+        deployment=deployment,
+        upstream=upstream,
+    )
 
 
 def mode_error(mode: str, deployment: str, hook: str, exc: BaseException) -> ProxyError:

@@ -60,8 +60,7 @@ HOP_BY_HOP: frozenset[str] = frozenset(
 # signal or Connection token may add, remove or replace them (a mode emitting Content-Length
 # would reframe the message; one emitting Connection would change hop-by-hop handling).
 FRAMING: frozenset[str] = frozenset({"content-length", "transfer-encoding"})
-PROXY_OWNED: frozenset[str] = HOP_BY_HOP | FRAMING | frozenset(
-    {"host", "content-type", "content-encoding", "expect"})
+PROXY_OWNED: frozenset[str] = HOP_BY_HOP | FRAMING | frozenset({"host", "content-type", "content-encoding", "expect"})
 
 
 def is_field_value(value: str) -> bool:
@@ -74,6 +73,7 @@ def connection_tokens(values: Iterable[str]) -> frozenset[str]:
     """Lower-cased field names listed in the values of a message's ``Connection`` header lines
     (they are hop-by-hop too; every line counts, as for any list-valued field)."""
     return frozenset(t.strip().lower() for value in values for t in value.split(",") if t.strip())
+
 
 # Session signals of agent clients (issue: real agent clients).
 X_CLAUDE_CODE_SESSION_ID = "x-claude-code-session-id"

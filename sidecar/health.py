@@ -102,16 +102,23 @@ class UpstreamHealth:
             ups = []
             for u in d.upstreams:
                 st = self._states[(d.name, u.index)]
-                ups.append({"index": u.index, "healthy": self._healthy(d, u),
-                            "checked_by": "health_check" if d.health_check is not None else "connect",
-                            "reason": st.reason, "since": _rfc3339(st.since)})
+                ups.append(
+                    {
+                        "index": u.index,
+                        "healthy": self._healthy(d, u),
+                        "checked_by": "health_check" if d.health_check is not None else "connect",
+                        "reason": st.reason,
+                        "since": _rfc3339(st.since),
+                    }
+                )
             served = any(x["healthy"] for x in ups)
             if not served:
                 unserved.append(d.name)
             deployments.append({"name": d.name, "ready": served, "upstreams": ups})
         if unserved and not self.draining:
-            body["reason"] = f"no healthy upstream for deployment{'s' if len(unserved) > 1 else ''} " + \
-                ", ".join(repr(n) for n in unserved)
+            body["reason"] = f"no healthy upstream for deployment{'s' if len(unserved) > 1 else ''} " + ", ".join(
+                repr(n) for n in unserved
+            )
         body["deployments"] = deployments
         return ready, body
 
@@ -144,8 +151,11 @@ class UpstreamHealth:
 
     def _settle(self) -> None:
         self.settled = not self.required or all(
-            self._states[(d.name, u.index)].healthy for d in self.deployments if d.health_check is None
-            for u in d.upstreams)
+            self._states[(d.name, u.index)].healthy
+            for d in self.deployments
+            if d.health_check is None
+            for u in d.upstreams
+        )
 
     # -- background checks ------------------------------------------------------------------------
 
@@ -167,12 +177,14 @@ class UpstreamHealth:
             return
         gate = asyncio.Semaphore(PROBE_CONCURRENCY)
         while True:
-            await asyncio.gather(*(self._probe(addr, members, timeouts[addr], gate)
-                                   for addr, members in targets.items()))
+            await asyncio.gather(
+                *(self._probe(addr, members, timeouts[addr], gate) for addr, members in targets.items())
+            )
             await asyncio.sleep(PROBE_INTERVAL_SECONDS if interval is None else interval)
 
-    async def _probe(self, addr: tuple[str, int], members: list[tuple[Deployment, Upstream]], timeout: float,
-                     gate: asyncio.Semaphore) -> None:
+    async def _probe(
+        self, addr: tuple[str, int], members: list[tuple[Deployment, Upstream]], timeout: float, gate: asyncio.Semaphore
+    ) -> None:
         async with gate:
             try:
                 async with asyncio.timeout(timeout):
@@ -218,13 +230,19 @@ async def _check_deployment(session: aiohttp.ClientSession, dep: Deployment, hea
         await asyncio.sleep(hc.interval_seconds)
 
 
-async def _check(session: aiohttp.ClientSession, up: Upstream, path: str, timeout: aiohttp.ClientTimeout
-                 ) -> tuple[bool, str]:
+async def _check(
+    session: aiohttp.ClientSession, up: Upstream, path: str, timeout: aiohttp.ClientTimeout
+) -> tuple[bool, str]:
     """``(healthy, reason)`` of one active check; an https:// upstream is checked with its
     deployment's TLS settings."""
     try:
-        async with session.get(up.url + path, timeout=timeout, allow_redirects=False,
-                               ssl=up.tls_context or True, server_hostname=up.server_hostname) as resp:
+        async with session.get(
+            up.url + path,
+            timeout=timeout,
+            allow_redirects=False,
+            ssl=up.tls_context or True,
+            server_hostname=up.server_hostname,
+        ) as resp:
             await resp.read()
             return 200 <= resp.status < 300, f"answered {resp.status}"
     except TimeoutError:

@@ -63,8 +63,20 @@ NO_SESSION = Identity(session=None)
 class IdentityReader:
     """Reads :class:`Identity` from a request's headers, by the configured ordered signals."""
 
-    __slots__ = ("_session", "_parent", "_root", "_final", "_lineage", "_body", "_fingerprint",
-                 "header_names", "reads_body", "body_keys", "_max_id_bytes", "_fits")
+    __slots__ = (
+        "_session",
+        "_parent",
+        "_root",
+        "_final",
+        "_lineage",
+        "_body",
+        "_fingerprint",
+        "header_names",
+        "reads_body",
+        "body_keys",
+        "_max_id_bytes",
+        "_fits",
+    )
 
     def __init__(self, cfg: IdentityConfig, max_id_bytes: int = 512) -> None:
         # Ids longer than this many UTF-8 bytes are fitted (sidecar.modes.ids): up to _fits

@@ -20,8 +20,17 @@ import orjson
 from sidecar import jsonscan
 from sidecar.jsonscan import INVALID, TOO_DEEP, TOO_MANY
 
-__all__ = ["INVALID", "TOO_DEEP", "TOO_MANY", "RepeatedKeys", "ScannedBody", "load_bounded", "members",
-           "scan_body", "splice"]
+__all__ = [
+    "INVALID",
+    "TOO_DEEP",
+    "TOO_MANY",
+    "RepeatedKeys",
+    "ScannedBody",
+    "load_bounded",
+    "members",
+    "scan_body",
+    "splice",
+]
 
 _OBJECT = 0x7B  # {
 _QUOTE = 0x22  # "
@@ -42,8 +51,9 @@ class ScannedBody:
 
     __slots__ = ("data", "status", "start", "end", "last", "names", "hits")
 
-    def __init__(self, data: bytes, status: int, start: int, end: int, last: int,
-                 names: tuple[bytes, ...], hits: list[int]) -> None:
+    def __init__(
+        self, data: bytes, status: int, start: int, end: int, last: int, names: tuple[bytes, ...], hits: list[int]
+    ) -> None:
         self.data = data
         self.status = status
         self.start = start  # the top-level value's span
@@ -100,8 +110,9 @@ def members(data: bytes, start: int, end: int, names: tuple[bytes, ...]) -> list
     Raises :class:`RepeatedKeys` past :data:`~sidecar.jsonscan.MAX_HITS` of them."""
     status, _, _, _, hits = jsonscan.scan(data, start, end, _ANY_DEPTH, names)
     if status == TOO_MANY:
-        raise RepeatedKeys(f"an object repeats the keys {[n.decode() for n in names]} more than "
-                           f"{jsonscan.MAX_HITS} times")
+        raise RepeatedKeys(
+            f"an object repeats the keys {[n.decode() for n in names]} more than {jsonscan.MAX_HITS} times"
+        )
     return [(hits[i], hits[i + 1], hits[i + 2], hits[i + 3], hits[i + 4]) for i in range(0, len(hits), 5)]
 
 
@@ -179,8 +190,9 @@ def _located(data: bytes, start: int, end: int, names: tuple[bytes, ...]) -> tup
         raise TypeError(f"a body patch removes at most {jsonscan.MAX_NAMES} keys")
     status, _, _, last, hits = jsonscan.scan(data, start, end, _ANY_DEPTH, names)
     if status == TOO_MANY:
-        raise RepeatedKeys(f"an object repeats the keys {[n.decode() for n in names]} more than "
-                           f"{jsonscan.MAX_HITS} times")
+        raise RepeatedKeys(
+            f"an object repeats the keys {[n.decode() for n in names]} more than {jsonscan.MAX_HITS} times"
+        )
     assert status >= 0, "a span of a scanned body is valid JSON"
     return last, [(hits[i + 1], hits[i + 3], hits[i + 4]) for i in range(0, len(hits), 5)]
 
@@ -213,8 +225,14 @@ def _path_bytes(path: tuple[str, ...]) -> tuple[tuple[bytes, ...], tuple[bytes, 
 _PATHS: dict[tuple[str, ...], tuple[tuple[bytes, ...], tuple[bytes, ...]]] = {}
 
 
-def _edit_object(data: bytes, start: int, last: int, removed: list[tuple[int, int]], insert: bytes,
-                 edits: list[tuple[int, int, bytes]]) -> None:
+def _edit_object(
+    data: bytes,
+    start: int,
+    last: int,
+    removed: list[tuple[int, int]],
+    insert: bytes,
+    edits: list[tuple[int, int, bytes]],
+) -> None:
     """Add to ``edits`` what removes the members ``removed`` (key start, value end; document
     order) from the object that starts at ``data[start]`` and appends the member bytes
     ``insert`` (b"": none), keeping every separator and whitespace of the members left.

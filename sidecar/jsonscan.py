@@ -55,8 +55,9 @@ _VALUE, _FIRST_ITEM, _FIRST_KEY, _KEY, _COLON, _AFTER = range(6)
 _LITERALS = {ord("t"): b"true", ord("f"): b"false", ord("n"): b"null"}
 
 
-def scan(data: bytes, start: int, end: int, max_depth: int,
-         names: tuple[bytes, ...] = ()) -> tuple[int, int, int, int, list[int]]:
+def scan(
+    data: bytes, start: int, end: int, max_depth: int, names: tuple[bytes, ...] = ()
+) -> tuple[int, int, int, int, list[int]]:
     """Validate the JSON value in ``data[start:end]`` (whitespace around it allowed).
 
     Returns ``(status, value_start, value_end, last, hits)``. ``status`` is the value's depth
@@ -99,8 +100,9 @@ def join(chunks: list[bytes]) -> bytes:
     return b"".join(chunks)
 
 
-def _walk(data: bytes, start: int, end: int, max_depth: int, names: tuple[bytes, ...],
-          limit: int) -> tuple[int, int, int, int, list[int]]:
+def _walk(
+    data: bytes, start: int, end: int, max_depth: int, names: tuple[bytes, ...], limit: int
+) -> tuple[int, int, int, int, list[int]]:
     """The scanner: a token at a time, dispatched on its first byte, with a stack of the open
     containers. ``limit > 0``: list that many elements of the (valid) array, then stop."""
     if not limit:
@@ -193,7 +195,7 @@ def _walk(data: bytes, start: int, end: int, max_depth: int, names: tuple[bytes,
                     ke = pos
                     member = -1
                     if wanted:
-                        key = data[tok + 1:pos - 1]
+                        key = data[tok + 1 : pos - 1]
                         if 92 in key:  # escaped: compare the decoded key
                             try:
                                 key = orjson.loads(data[tok:pos]).encode()

@@ -140,10 +140,27 @@ class _Node:
     """
 
     __slots__ = (
-        "session", "parent", "root", "deployment", "created_at", "last_active_at", "turns",
-        "in_flight", "flags", "end_reason", "first_child", "next_sibling", "prev_sibling",
-        "lru_prev", "lru_next", "tree_live", "tree_in_flight", "mode_state", "workers",
-        "worker_turns", "moves",
+        "session",
+        "parent",
+        "root",
+        "deployment",
+        "created_at",
+        "last_active_at",
+        "turns",
+        "in_flight",
+        "flags",
+        "end_reason",
+        "first_child",
+        "next_sibling",
+        "prev_sibling",
+        "lru_prev",
+        "lru_next",
+        "tree_live",
+        "tree_in_flight",
+        "mode_state",
+        "workers",
+        "worker_turns",
+        "moves",
     )
 
     def __init__(self, session: str, deployment: str, now: float, flags: int) -> None:
@@ -203,8 +220,16 @@ class SessionTree:
     """Every live session's lineage, the per-tree counters behind the finality facts, and
     the end-of-session bookkeeping. See the module docstring for the contract."""
 
-    def __init__(self, *, idle_ttl: float = 900.0, max_live: int = 100_000, tombstone_max: int = 100_000,
-                 tombstone_ttl: float = 600.0, clock: Clock = time.monotonic, shared: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        idle_ttl: float = 900.0,
+        max_live: int = 100_000,
+        tombstone_max: int = 100_000,
+        tombstone_ttl: float = 600.0,
+        clock: Clock = time.monotonic,
+        shared: bool = False,
+    ) -> None:
         if not idle_ttl > 0:
             raise ValueError(f"idle_ttl: must be > 0 (got {idle_ttl!r})")
         if max_live < 1:
@@ -261,8 +286,9 @@ class SessionTree:
 
     # -- request path ----------------------------------------------------------------------------
 
-    def begin(self, session: str, parent: str | None, root_hint: str | None, final: bool,
-              deployment: str) -> tuple[Turn, Sequence[SessionEnd]]:
+    def begin(
+        self, session: str, parent: str | None, root_hint: str | None, final: bool, deployment: str
+    ) -> tuple[Turn, Sequence[SessionEnd]]:
         """Register one request of ``session`` and compute its routing context.
 
         Returns its turn and the sessions evicted to make room (the caller ends them).
@@ -305,9 +331,17 @@ class SessionTree:
             parent_id = parent_node.session
             pflags = parent_node.flags
             parent_final = None if pflags & _PLACEHOLDER else bool(pflags & (_FINAL_SEEN | _CLOSED | _ENDED))
-        ctx = RoutingContext(node.session, parent_id, root.session, final, parent_final,
-                             final and root.tree_live == 1 and root.tree_in_flight == 1, turns, deployment,
-                             node.mode_state)
+        ctx = RoutingContext(
+            node.session,
+            parent_id,
+            root.session,
+            final,
+            parent_final,
+            final and root.tree_live == 1 and root.tree_in_flight == 1,
+            turns,
+            deployment,
+            node.mode_state,
+        )
         return Turn(node, ctx, final), evicted
 
     def finish(self, turn: Turn, outcome: TurnOutcome) -> list[SessionEnd]:
@@ -444,8 +478,15 @@ class SessionTree:
         if node is None or node.flags & _NOT_JOINABLE:
             return None
         parent = node.parent
-        return (node.deployment, None if parent is None else parent.session, self._root_of(node).session,
-                node.flags & (_FINAL_SEEN | _HINTED), node.turns, node.created_at, node.last_active_at)
+        return (
+            node.deployment,
+            None if parent is None else parent.session,
+            self._root_of(node).session,
+            node.flags & (_FINAL_SEEN | _HINTED),
+            node.turns,
+            node.created_at,
+            node.last_active_at,
+        )
 
     def root_of(self, session: str) -> str | None:
         """The root id of the tree holding ``session``; None if no tree holds it."""
@@ -460,8 +501,9 @@ class SessionTree:
     # shown or counted, one added meanwhile may be missed). The walks only follow child lists
     # and root links, which never form cycles, so they end.
 
-    def view(self, session: str, *, max_depth: int | None = None, max_nodes: int | None = None,
-             step: int = VIEW_STEP) -> Generator[None, None, TreeView | None]:
+    def view(
+        self, session: str, *, max_depth: int | None = None, max_nodes: int | None = None, step: int = VIEW_STEP
+    ) -> Generator[None, None, TreeView | None]:
         """The tree ``session`` belongs to, from its root: node dicts (as :meth:`get` returns them)
         nested under ``children``, oldest first; at most ``max_nodes`` of them (the root is always
         shown), at most ``max_depth`` levels below the root. A node whose descendants were cut
@@ -546,8 +588,9 @@ class SessionTree:
                 stack.append((kids[len(kids) - 1 - i], children[i], n + 1, _SHOW))
         return TreeView(out, sessions, live, final == live, in_flight, newest, shown, omitted)
 
-    def tree(self, session: str, *, max_depth: int | None = None,
-             max_nodes: int | None = None) -> dict[str, Any] | None:
+    def tree(
+        self, session: str, *, max_depth: int | None = None, max_nodes: int | None = None
+    ) -> dict[str, Any] | None:
         """:meth:`view`'s nested node dicts built in one go (whole trees by default): for tests
         and tools. The admin listener runs :meth:`view` in slices instead."""
         view = exhaust(self.view(session, max_depth=max_depth, max_nodes=max_nodes))
@@ -606,10 +649,24 @@ class SessionTree:
         node = self._nodes.get(session)
         return node is not None and not node.flags & _NOT_JOINABLE
 
-    def seed(self, session: str, above: str | None, root: str, *, hinted: bool, deployment: str, turns: int,
-             final_seen: bool, created: float, last_active: float, mode_state: str | None,
-             workers: list[str | int] | None = None, worker_turns: int = 0, moves: int = 0,
-             placeholder: bool = False) -> None:
+    def seed(
+        self,
+        session: str,
+        above: str | None,
+        root: str,
+        *,
+        hinted: bool,
+        deployment: str,
+        turns: int,
+        final_seen: bool,
+        created: float,
+        last_active: float,
+        mode_state: str | None,
+        workers: list[str | int] | None = None,
+        worker_turns: int = 0,
+        moves: int = 0,
+        placeholder: bool = False,
+    ) -> None:
         """Place a session the shared store knows (sidecar.state) into this tree, with its facts
         (times on this tree's clock): under ``above`` (its parent, or its root hint when
         ``hinted``), itself placed under ``root`` as a placeholder when this tree does not hold
@@ -650,8 +707,9 @@ class SessionTree:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _place(self, session: str, old: _Node | None, parent: str | None, root_hint: str | None,
-               deployment: str, now: float) -> _Node:
+    def _place(
+        self, session: str, old: _Node | None, parent: str | None, root_hint: str | None, deployment: str, now: float
+    ) -> _Node:
         """Place the first request of a session: a new id, a placeholder, or the id of a node
         still held (ended with live descendants, or closed and draining)."""
         reused = self._tombs.pop(session, None) is not None
@@ -662,8 +720,11 @@ class SessionTree:
                 return self._promote(old, parent, root_hint, deployment, now)
             self.tombstone_reuses += 1
             if parent is not None and (old.parent is None or old.parent.session != parent):
-                log.debug("session %s reuses the id of a node still in its tree; its declared parent %s "
-                          "is ignored", session, parent)
+                log.debug(
+                    "session %s reuses the id of a node still in its tree; its declared parent %s is ignored",
+                    session,
+                    parent,
+                )
             if old.flags & _ENDED:
                 return self._revive(old, deployment, now)
             return self._take_over(old, deployment, now)
@@ -687,8 +748,7 @@ class SessionTree:
         root.tree_live += 1
         return node
 
-    def _promote(self, node: _Node, parent: str | None, root_hint: str | None, deployment: str,
-                 now: float) -> _Node:
+    def _promote(self, node: _Node, parent: str | None, root_hint: str | None, deployment: str, now: float) -> _Node:
         """A placeholder sends its own first request; its whole tree may join another one."""
         node.flags &= ~_PLACEHOLDER
         node.deployment = deployment
@@ -708,8 +768,7 @@ class SessionTree:
         unless ``above`` is in ``node``'s own tree."""
         root = self._root_of(above)
         if root is node:
-            log.debug("session %s names its own descendant %s above it; lineage ignored",
-                      node.session, above.session)
+            log.debug("session %s names its own descendant %s above it; lineage ignored", node.session, above.session)
             return
         node.flags |= hinted
         node.root = root
@@ -790,8 +849,14 @@ class SessionTree:
         root = self._root_of(node)
         flags = node.flags
         parent = node.parent
-        ended = SessionEnd(node.session, None if parent is None or flags & _HINTED else parent.session,
-                      root.session, node.deployment, reason, node.turns)
+        ended = SessionEnd(
+            node.session,
+            None if parent is None or flags & _HINTED else parent.session,
+            root.session,
+            node.deployment,
+            reason,
+            node.turns,
+        )
         node.flags = flags | _ENDED
         node.end_reason = reason
         if node.lru_next is not None:
@@ -877,8 +942,10 @@ class SessionTree:
         log.debug("root hint %s of session %s contradicts derived root %s; kept %s", hint, session, root, root)
         if not self._conflict_logged:
             self._conflict_logged = True
-            log.warning("a client's root-session header contradicts the derived root; the derived root is "
-                        "kept (counted in sidecar_root_conflicts_total; ids at debug level)")
+            log.warning(
+                "a client's root-session header contradicts the derived root; the derived root is "
+                "kept (counted in sidecar_root_conflicts_total; ids at debug level)"
+            )
 
     @staticmethod
     def _link_child(parent: _Node, child: _Node) -> None:
@@ -916,9 +983,11 @@ class SessionTree:
             "closed": bool(flags & _CLOSED),
             "placeholder": bool(flags & _PLACEHOLDER),
             "workers": _runs(node.workers),
-            "affinity": {"first": 1 if node.worker_turns else 0,
-                         "same_worker": max(node.worker_turns - 1 - node.moves, 0),
-                         "moved": node.moves},
+            "affinity": {
+                "first": 1 if node.worker_turns else 0,
+                "same_worker": max(node.worker_turns - 1 - node.moves, 0),
+                "moved": node.moves,
+            },
         }
 
 

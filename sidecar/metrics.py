@@ -80,8 +80,9 @@ class _Buckets:
 class _Family:
     """A metric with a fixed label set; ``labels(*values)`` returns the (cached) child."""
 
-    def __init__(self, kind: str, name: str, doc: str, labelnames: Sequence[str] = (),
-                 buckets: tuple[float, ...] = ()) -> None:
+    def __init__(
+        self, kind: str, name: str, doc: str, labelnames: Sequence[str] = (), buckets: tuple[float, ...] = ()
+    ) -> None:
         self.kind = kind
         self.name = name
         self.doc = doc
@@ -144,8 +145,7 @@ class _FamilyCollector(Collector):
 class DeploymentStats:
     """A deployment's hot-path metric children, looked up once instead of per request."""
 
-    __slots__ = ("added", "ttfb", "duration", "headers_injected", "_rewritten", "_rewrites", "_requests",
-                 "_by_class")
+    __slots__ = ("added", "ttfb", "duration", "headers_injected", "_rewritten", "_rewrites", "_requests", "_by_class")
 
     def __init__(self, m: Metrics, deployment: str, mode: str) -> None:
         self.added = m.added.labels(deployment)
@@ -181,55 +181,93 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         families: list[_Family] = []
 
-        def family(kind: str, name: str, doc: str, labels: Sequence[str] = (),
-                   buckets: tuple[float, ...] = ()) -> _Family:
+        def family(
+            kind: str, name: str, doc: str, labels: Sequence[str] = (), buckets: tuple[float, ...] = ()
+        ) -> _Family:
             f = _Family(kind, name, doc, labels, buckets)
             families.append(f)
             return f
 
         self.requests = family(
-            "counter", "sidecar_requests_total", "Proxied requests by deployment, mode and response status class.",
-            ("deployment", "mode", "status_class"))
+            "counter",
+            "sidecar_requests_total",
+            "Proxied requests by deployment, mode and response status class.",
+            ("deployment", "mode", "status_class"),
+        )
         self.duration = family(
-            "histogram", "sidecar_request_duration_seconds", "Time from request head to last response byte.",
-            ("deployment", "mode"), DURATION_BUCKETS)
+            "histogram",
+            "sidecar_request_duration_seconds",
+            "Time from request head to last response byte.",
+            ("deployment", "mode"),
+            DURATION_BUCKETS,
+        )
         self.ttfb = family(
-            "histogram", "sidecar_time_to_first_byte_seconds",
-            "Time from request head to the upstream's response head.", ("deployment", "mode"), DURATION_BUCKETS)
+            "histogram",
+            "sidecar_time_to_first_byte_seconds",
+            "Time from request head to the upstream's response head.",
+            ("deployment", "mode"),
+            DURATION_BUCKETS,
+        )
         self.added = family(
-            "histogram", "sidecar_added_latency_seconds",
+            "histogram",
+            "sidecar_added_latency_seconds",
             "Time the sidecar itself spent before forwarding a request (routing decision and rewrite).",
-            ("deployment",), ADDED_BUCKETS)
+            ("deployment",),
+            ADDED_BUCKETS,
+        )
         self.upstream_errors = family(
-            "counter", "sidecar_upstream_errors_total",
-            "Upstream failures by kind (connect, timeout, reset, protocol).", ("deployment", "kind"))
+            "counter",
+            "sidecar_upstream_errors_total",
+            "Upstream failures by kind (connect, timeout, reset, protocol).",
+            ("deployment", "kind"),
+        )
         self.headers_injected = family(
-            "counter", "sidecar_headers_injected_total", "Requests that got affinity headers from a mode.",
-            ("deployment", "mode"))
+            "counter",
+            "sidecar_headers_injected_total",
+            "Requests that got affinity headers from a mode.",
+            ("deployment", "mode"),
+        )
         self.body_rewrites = family(
-            "counter", "sidecar_body_rewrites_total",
+            "counter",
+            "sidecar_body_rewrites_total",
             "Body-mode outcomes: rewritten, passthrough_not_object, passthrough_invalid_json, rejected.",
-            ("mode", "outcome"))
+            ("mode", "outcome"),
+        )
         self.plugin_errors = family(
-            "counter", "sidecar_plugin_errors_total", "Exceptions raised by a mode, by hook.", ("mode", "hook"))
+            "counter", "sidecar_plugin_errors_total", "Exceptions raised by a mode, by hook.", ("mode", "hook")
+        )
         self.rejected = family(
-            "counter", "sidecar_rejected_requests_total", "Requests the sidecar answered itself, by reason.",
-            ("reason",))
+            "counter",
+            "sidecar_rejected_requests_total",
+            "Requests the sidecar answered itself, by reason.",
+            ("reason",),
+        )
         self.sessions_ended = family(
-            "counter", "sidecar_sessions_ended_total", "Sessions ended, by deployment and reason.",
-            ("deployment", "reason"))
+            "counter",
+            "sidecar_sessions_ended_total",
+            "Sessions ended, by deployment and reason.",
+            ("deployment", "reason"),
+        )
         self.end_actions = family(
-            "counter", "sidecar_end_actions_total", "End-of-session calls to the upstream, by mode and outcome.",
-            ("mode", "outcome"))
+            "counter",
+            "sidecar_end_actions_total",
+            "End-of-session calls to the upstream, by mode and outcome.",
+            ("mode", "outcome"),
+        )
         self.affinity_turns = family(
-            "counter", "sidecar_affinity_turns_total",
+            "counter",
+            "sidecar_affinity_turns_total",
             "Turns whose worker the upstream named, by outcome: first (a session's first), "
             "same_worker (as its previous turn), moved (another worker than its previous turn).",
-            ("deployment", "outcome"))
+            ("deployment", "outcome"),
+        )
         self.in_flight = family("gauge", "sidecar_in_flight_requests", "Requests being proxied now.")
         self.build_info = family(
-            "gauge", "sidecar_build_info", "Always 1: the sidecar's version, engine and whether it runs compiled.",
-            ("version", "engine", "compiled"))
+            "gauge",
+            "sidecar_build_info",
+            "Always 1: the sidecar's version, engine and whether it runs compiled.",
+            ("version", "engine", "compiled"),
+        )
         self.registry.register(_FamilyCollector(families))
         self._family = family  # (watch_state adds families later; the collector reads the same list)
         # The standard process_*, python_info and python_gc_* series, on this registry (not the
@@ -252,23 +290,38 @@ class Metrics:
         if hasattr(self, "state_up"):
             return
         family = self._family
-        self.state_up = family("gauge", "sidecar_state_store_up",
-                               "1 while the shared session store answers, 0 while the sidecar serves on local "
-                               "state (circuit breaker open).")
-        self.state_ops = family("counter", "sidecar_state_ops_total",
-                                "Round trips to the shared session store, by operation and outcome (ok, error).",
-                                ("op", "outcome"))
-        self.state_latency = family("histogram", "sidecar_state_latency_seconds",
-                                    "Latency of round trips to the shared session store, by operation.", ("op",),
-                                    ADDED_BUCKETS)
-        self.state_dropped = family("counter", "sidecar_state_dropped_writes_total",
-                                    "Session changes dropped unwritten (the write-behind table was full during "
-                                    "a store outage).")
-        self.state_round_trips = family("counter", "sidecar_state_round_trips_total",
-                                        "Round trips to the shared session store.")
-        self.state_commands = family("counter", "sidecar_state_commands_total",
-                                     "Commands sent to the shared session store (a script call counts one).")
-
+        self.state_up = family(
+            "gauge",
+            "sidecar_state_store_up",
+            "1 while the shared session store answers, 0 while the sidecar serves on local "
+            "state (circuit breaker open).",
+        )
+        self.state_ops = family(
+            "counter",
+            "sidecar_state_ops_total",
+            "Round trips to the shared session store, by operation and outcome (ok, error).",
+            ("op", "outcome"),
+        )
+        self.state_latency = family(
+            "histogram",
+            "sidecar_state_latency_seconds",
+            "Latency of round trips to the shared session store, by operation.",
+            ("op",),
+            ADDED_BUCKETS,
+        )
+        self.state_dropped = family(
+            "counter",
+            "sidecar_state_dropped_writes_total",
+            "Session changes dropped unwritten (the write-behind table was full during a store outage).",
+        )
+        self.state_round_trips = family(
+            "counter", "sidecar_state_round_trips_total", "Round trips to the shared session store."
+        )
+        self.state_commands = family(
+            "counter",
+            "sidecar_state_commands_total",
+            "Commands sent to the shared session store (a script call counts one).",
+        )
 
     def set_build_info(self, version: str, engine: str, compiled: bool) -> None:
         """``sidecar_build_info{version, engine, compiled} 1`` (once, at start)."""
@@ -301,16 +354,20 @@ class _TreeCollector(Collector):
     def collect(self) -> Iterator[Any]:
         t = self.tree
         yield GaugeMetricFamily("sidecar_live_sessions", "Sessions in the lineage tree.", value=t.live_sessions)
-        yield GaugeMetricFamily("sidecar_live_trees", "Session trees (roots) in the lineage tree.",
-                                value=t.live_trees)
-        yield CounterMetricFamily("sidecar_session_evictions", "Sessions evicted at the live-session cap.",
-                                  value=t.evictions)
-        yield CounterMetricFamily("sidecar_tombstone_reuses",
-                                  "Ended session ids that came back and started a new session.",
-                                  value=t.tombstone_reuses)
-        yield CounterMetricFamily("sidecar_root_conflicts",
-                                  "Client root headers that contradicted the derived root (derived root kept).",
-                                  value=t.root_conflicts)
+        yield GaugeMetricFamily("sidecar_live_trees", "Session trees (roots) in the lineage tree.", value=t.live_trees)
+        yield CounterMetricFamily(
+            "sidecar_session_evictions", "Sessions evicted at the live-session cap.", value=t.evictions
+        )
+        yield CounterMetricFamily(
+            "sidecar_tombstone_reuses",
+            "Ended session ids that came back and started a new session.",
+            value=t.tombstone_reuses,
+        )
+        yield CounterMetricFamily(
+            "sidecar_root_conflicts",
+            "Client root headers that contradicted the derived root (derived root kept).",
+            value=t.root_conflicts,
+        )
 
 
 class _PollerCollector(Collector):
@@ -321,9 +378,11 @@ class _PollerCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Any]:
-        yield CounterMetricFamily("sidecar_idle_poll_seconds",
-                                  "Time the fast engine's event loop polled for I/O instead of sleeping "
-                                  "(work done meanwhile included).", value=self.poller.polled_seconds())
+        yield CounterMetricFamily(
+            "sidecar_idle_poll_seconds",
+            "Time the fast engine's event loop polled for I/O instead of sleeping (work done meanwhile included).",
+            value=self.poller.polled_seconds(),
+        )
 
 
 class _DeploymentCollector(Collector):
@@ -335,12 +394,16 @@ class _DeploymentCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Any]:
-        healthy = GaugeMetricFamily("sidecar_upstream_healthy",
-                                    "1 while an upstream is considered healthy (active checks, passive marks).",
-                                    labels=("deployment", "upstream"))
-        failovers = CounterMetricFamily("sidecar_upstream_failovers",
-                                        "Tree requests sent to a lower-ranked upstream because a better one was "
-                                        "unhealthy.", labels=("deployment",))
+        healthy = GaugeMetricFamily(
+            "sidecar_upstream_healthy",
+            "1 while an upstream is considered healthy (active checks, passive marks).",
+            labels=("deployment", "upstream"),
+        )
+        failovers = CounterMetricFamily(
+            "sidecar_upstream_failovers",
+            "Tree requests sent to a lower-ranked upstream because a better one was unhealthy.",
+            labels=("deployment",),
+        )
         for d in self.deployments:
             b = d.balancer
             for u in d.upstreams:
@@ -348,8 +411,11 @@ class _DeploymentCollector(Collector):
             failovers.add_metric((d.name,), b.failovers)
         yield healthy
         yield failovers
-        yield GaugeMetricFamily("sidecar_api_sessions_active", "Active sessions created through the sessions API.",
-                                value=self.store.active)
-        yield GaugeMetricFamily("sidecar_api_session_tombstones",
-                                "Closed or expired API sessions remembered for 410 answers.",
-                                value=self.store.tombstones)
+        yield GaugeMetricFamily(
+            "sidecar_api_sessions_active", "Active sessions created through the sessions API.", value=self.store.active
+        )
+        yield GaugeMetricFamily(
+            "sidecar_api_session_tombstones",
+            "Closed or expired API sessions remembered for 410 answers.",
+            value=self.store.tombstones,
+        )

@@ -132,30 +132,30 @@ class Decision:
 
     def log_fields(self) -> dict[str, Any]:
         """What every log line about this request carries: request id and deployment."""
-        return {"request_id": self.request_id, "deployment": self.deployment.name,
-                "mode": self.deployment.mode_name}
+        return {"request_id": self.request_id, "deployment": self.deployment.name, "mode": self.deployment.mode_name}
 
 
 # The decisions' constructors. Positional: a class called with keywords costs a dict per call,
 # and these run once per request.
 
+
 def _sessionless(dep: Deployment, request_id: str | None) -> Decision:
     """A request of no session: forwarded as is (minus the deployment's sessionless drops)."""
-    return Decision(dep, dep.pick_upstream(None), dep.drop_sessionless, (), False, None, dep.max_body_bytes,
-                    request_id)
+    return Decision(dep, dep.pick_upstream(None), dep.drop_sessionless, (), False, None, dep.max_body_bytes, request_id)
 
 
 def _awaiting_body(dep: Deployment, limit: int, pending: _Pending, request_id: str | None) -> Decision:
     """A provisional decision: admission waits for the body (``limit``: the bytes to read at most)."""
-    return Decision(dep, dep.upstreams[0], dep.drop_sessionless, (), True, None, limit, request_id, None, 0,
-                    pending)
+    return Decision(dep, dep.upstreams[0], dep.drop_sessionless, (), True, None, limit, request_id, None, 0, pending)
 
 
-def _admitted(dep: Deployment, upstream: Upstream, ctx: RoutingContext, turn: Turn, rec: ApiSession | None,
-              request_id: str | None) -> Decision:
+def _admitted(
+    dep: Deployment, upstream: Upstream, ctx: RoutingContext, turn: Turn, rec: ApiSession | None, request_id: str | None
+) -> Decision:
     """An admitted request of a session (its mode's headers and body flag are set after)."""
-    return Decision(dep, upstream, dep.drop, (), False, ctx, dep.max_body_bytes, request_id, None, 0,
-                    _Admission(turn, rec))
+    return Decision(
+        dep, upstream, dep.drop, (), False, ctx, dep.max_body_bytes, request_id, None, 0, _Admission(turn, rec)
+    )
 
 
 class BodyWork:
@@ -168,8 +168,12 @@ class BodyWork:
 
     __slots__ = ("run", "resume", "abandon")
 
-    def __init__(self, run: Callable[[], Any], resume: Callable[[Any], Decision | BodyWork],
-                 abandon: Callable[[TurnOutcome], None] | None = None) -> None:
+    def __init__(
+        self,
+        run: Callable[[], Any],
+        resume: Callable[[Any], Decision | BodyWork],
+        abandon: Callable[[TurnOutcome], None] | None = None,
+    ) -> None:
         self.run = run
         self.resume = resume
         self.abandon = abandon or _nothing_held
@@ -195,18 +199,29 @@ class Router:
     """Owns identity reading, deployment choice, API-session admission, the session tree and
     the deployments' modes."""
 
-    def __init__(self, config: Config, metrics: Metrics, *, tree: SessionTree | None = None,
-                 store: SessionStore | None = None, effects: EndActionSink | None = None,
-                 state: SessionState | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        metrics: Metrics,
+        *,
+        tree: SessionTree | None = None,
+        store: SessionStore | None = None,
+        effects: EndActionSink | None = None,
+        state: SessionState | None = None,
+    ) -> None:
         self.config = config
         self.metrics = metrics
         self.identity = IdentityReader(config.identity, config.sessions.max_id_bytes)
         s = config.sessions
         self.deployments = [
-            Deployment.from_config(d, selector_header=config.deployment_header,
-                                   identity_headers=self.identity.header_names,
-                                   max_overrides=s.max_live_sessions)
-            for d in config.resolved_deployments()]
+            Deployment.from_config(
+                d,
+                selector_header=config.deployment_header,
+                identity_headers=self.identity.header_names,
+                max_overrides=s.max_live_sessions,
+            )
+            for d in config.resolved_deployments()
+        ]
         for d in self.deployments:
             d.stats = metrics.for_deployment(d.name, d.mode_name)
         self._by_name = {d.name: d for d in self.deployments}
@@ -224,15 +239,20 @@ class Router:
         names = ([b"model"] if self._route_by_model else []) + list(self.identity.body_keys)
         self._top_names = tuple(dict.fromkeys(names))
         self._patch_roots: set[str] = set()
-        self._patching = frozenset(d.name for d in self.deployments
-                                   if d.mode is not None and type(d.mode).body_patch is not Mode.body_patch)
+        self._patching = frozenset(
+            d.name for d in self.deployments if d.mode is not None and type(d.mode).body_patch is not Mode.body_patch
+        )
         self._single = len(self.deployments) == 1
         self._body_identity = self.identity.reads_body
         self._worker_headers = tuple(n.lower() for n in config.affinity.worker_headers)
         self._workers: dict[str, str] = {}  # interned worker ids (a small set), bounded
-        self.tree = tree or SessionTree(idle_ttl=s.idle_ttl_seconds, max_live=s.max_live_sessions,
-                                        tombstone_max=s.tombstone_max, tombstone_ttl=s.tombstone_ttl_seconds,
-                                        shared=state is not None and state.shared)
+        self.tree = tree or SessionTree(
+            idle_ttl=s.idle_ttl_seconds,
+            max_live=s.max_live_sessions,
+            tombstone_max=s.tombstone_max,
+            tombstone_ttl=s.tombstone_ttl_seconds,
+            shared=state is not None and state.shared,
+        )
         self.store = store or SessionStore(s.api)
         self._api_sessions = self.store.records  # the hot path reads it without a call
         self.effects = effects
@@ -256,8 +276,13 @@ class Router:
         request_id = headers.get(_REQUEST_ID)
         ident = self.identity.read(headers)
         session = ident.session
-        if self._shared and session is not None and not loaded and not self.tree.joinable(session) \
-                and session not in self._api_sessions:
+        if (
+            self._shared
+            and session is not None
+            and not loaded
+            and not self.tree.joinable(session)
+            and session not in self._api_sessions
+        ):
             raise LoadNeeded(ident)
         selector = headers.get(self._selector)
         selected = None if selector is None else self._selected(selector)
@@ -277,14 +302,16 @@ class Router:
         # One deployment: binding, selector and model can only name it (an unknown name was refused).
         decided = self.default if self._single else self._choose(session, rec, selected, None)
         if decided is None and self._route_by_model and _declares_body(head):
-            return _awaiting_body(self.default, self._selection_body_limit, _Pending(ident, headers, selected, None),
-                                  request_id)
+            return _awaiting_body(
+                self.default, self._selection_body_limit, _Pending(ident, headers, selected, None), request_id
+            )
         dep = decided or self.default
         if rec is not None or dep.strict:
             self._check_session(dep, session, rec)  # refuse early, before any body is read
         if dep.rewrites_body and session is not None and _declares_body(head):
-            return _awaiting_body(dep, dep.limits.max_parsed_body_bytes, _Pending(ident, headers, selected, decided),
-                                  request_id)
+            return _awaiting_body(
+                dep, dep.limits.max_parsed_body_bytes, _Pending(ident, headers, selected, decided), request_id
+            )
         return self._admit(dep, ident, headers, rec, request_id)
 
     def transform_body(self, decision: Decision, body: bytes | list[bytes], size: int) -> Decision | BodyWork:
@@ -317,22 +344,29 @@ class Router:
                 ident = self.identity.read_body(pending.headers, scanned)
         return scanned, ident, model_dep
 
-    def _admit_body(self, decision: Decision, pending: _Pending, read: _Read, loaded: bool = False
-                    ) -> Decision | BodyWork:
+    def _admit_body(
+        self, decision: Decision, pending: _Pending, read: _Read, loaded: bool = False
+    ) -> Decision | BodyWork:
         """Admission of a request whose body was read (on the event loop), then its body mode.
         With a shared store, a session the body names that this replica does not hold raises
         :class:`~sidecar.state.LoadNeeded` whose ``resume`` continues here once loaded."""
         scanned, ident, model_dep = read
         session = ident.session
-        if self._shared and session is not None and not loaded and not self.tree.joinable(session) \
-                and session not in self._api_sessions:
+        if (
+            self._shared
+            and session is not None
+            and not loaded
+            and not self.tree.joinable(session)
+            and session not in self._api_sessions
+        ):
             raise LoadNeeded(ident, partial(self._admit_body, decision, pending, read, True))
         body = scanned.data
         if scanned.status == TOO_DEEP:
             raise _too_deep(decision.deployment, self._scan_depth)
         if scanned.status == TOO_MANY:
-            raise _repeated_keys(decision.deployment, "the request body repeats the top-level keys the sidecar "
-                                 "reads too often")
+            raise _repeated_keys(
+                decision.deployment, "the request body repeats the top-level keys the sidecar reads too often"
+            )
         # Re-resolved at admission: the session may have been bound or closed while the body
         # was read.
         rec = self._api_sessions.get(session) if session is not None else None
@@ -376,9 +410,12 @@ class Router:
         name = name.strip()
         dep = self._by_name.get(name)
         if dep is None:
-            raise errors.ProxyError(errors.UNKNOWN_DEPLOYMENT,
-                                    f"header {self.config.deployment_header} names no deployment: {name[:80]!r} "
-                                    f"(deployments: {sorted(self._by_name)})", requested_deployment=name[:80])
+            raise errors.ProxyError(
+                errors.UNKNOWN_DEPLOYMENT,
+                f"header {self.config.deployment_header} names no deployment: {name[:80]!r} "
+                f"(deployments: {sorted(self._by_name)})",
+                requested_deployment=name[:80],
+            )
         return dep
 
     def binding(self, session: str, rec: ApiSession | None = None) -> Deployment | None:
@@ -389,8 +426,9 @@ class Router:
         name = rec.deployment if rec is not None else self.tree.bound_deployment(session)
         return None if name is None else self._by_name.get(name)
 
-    def _choose(self, session: str | None, rec: ApiSession | None, selected: Deployment | None,
-                model_dep: Deployment | None) -> Deployment | None:
+    def _choose(
+        self, session: str | None, rec: ApiSession | None, selected: Deployment | None, model_dep: Deployment | None
+    ) -> Deployment | None:
         """Binding, then selector, then model; a later explicit choice contradicting an earlier
         one is a 409. None when none of them decides."""
         bound = self.binding(session, rec) if session is not None else None
@@ -404,16 +442,19 @@ class Router:
         return first
 
     @staticmethod
-    def _conflict(session: str | None, bound: Deployment, requested: Deployment, by: str,
-                  how: str = "binding") -> errors.ProxyError:
+    def _conflict(
+        session: str | None, bound: Deployment, requested: Deployment, by: str, how: str = "binding"
+    ) -> errors.ProxyError:
         if session is not None and how == "binding":
-            msg = (f"session {session!r} is bound to deployment {bound.name!r}; the request targets "
-                   f"deployment {requested.name!r} by {by}")
+            msg = (
+                f"session {session!r} is bound to deployment {bound.name!r}; the request targets "
+                f"deployment {requested.name!r} by {by}"
+            )
         else:
-            msg = (f"the request targets deployment {bound.name!r} by header and deployment "
-                   f"{requested.name!r} by {by}")
-        return errors.ProxyError(errors.DEPLOYMENT_CONFLICT, msg, bound_deployment=bound.name,
-                                 requested_deployment=requested.name)
+            msg = f"the request targets deployment {bound.name!r} by header and deployment {requested.name!r} by {by}"
+        return errors.ProxyError(
+            errors.DEPLOYMENT_CONFLICT, msg, bound_deployment=bound.name, requested_deployment=requested.name
+        )
 
     def _check_session(self, dep: Deployment, session: str | None, rec: ApiSession | None) -> None:
         """The admission rules of the API sessions and strict deployments (``rec``: the API
@@ -424,15 +465,27 @@ class Router:
             return
         if rec is not None and rec.status is not SessionStatus.ACTIVE:
             expired = rec.status is SessionStatus.EXPIRED
-            raise errors.ProxyError(errors.SESSION_EXPIRED if expired else errors.SESSION_CLOSED,
-                                    f"session {session!r} is {rec.status.value}", deployment=rec.deployment)
+            raise errors.ProxyError(
+                errors.SESSION_EXPIRED if expired else errors.SESSION_CLOSED,
+                f"session {session!r} is {rec.status.value}",
+                deployment=rec.deployment,
+            )
         if rec is None and dep.strict:
-            raise errors.ProxyError(errors.SESSION_NOT_FOUND,
-                                    f"deployment {dep.name!r} is strict: it only accepts sessions created "
-                                    "through the sessions API, and this one is unknown", deployment=dep.name)
+            raise errors.ProxyError(
+                errors.SESSION_NOT_FOUND,
+                f"deployment {dep.name!r} is strict: it only accepts sessions created "
+                "through the sessions API, and this one is unknown",
+                deployment=dep.name,
+            )
 
-    def _admit(self, dep: Deployment, ident: Identity, headers: Mapping[str, str],
-               rec: ApiSession | None, request_id: str | None) -> Decision:
+    def _admit(
+        self,
+        dep: Deployment,
+        ident: Identity,
+        headers: Mapping[str, str],
+        rec: ApiSession | None,
+        request_id: str | None,
+    ) -> Decision:
         """Admit a request to ``dep`` (after :meth:`_check_session`, in the same synchronous
         step): begin its turn, ask the mode."""
         session = ident.session
@@ -443,8 +496,9 @@ class Router:
             self.store.begin(rec)
             if dep.strict or rec.parent is not None:
                 parent, root_hint = rec.parent, None  # the API's lineage wins
-        turn, evicted = self.tree.begin(session, parent=parent, root_hint=root_hint,
-                                        final=ident.final, deployment=dep.name)
+        turn, evicted = self.tree.begin(
+            session, parent=parent, root_hint=root_hint, final=ident.final, deployment=dep.name
+        )
         if self._shared:
             self.state.begun(turn)
         if evicted:
@@ -491,10 +545,15 @@ class Router:
             return self._transformed(decision, body, _attempt(_transform, mode, ctx, body))
         try:
             patch = mode.body_patch(ctx)
-            if patch is not None and (type(patch) is not BodyPatch or type(patch.path) is not tuple
-                                      or not patch.path or type(patch.path[0]) is not str):
-                raise TypeError(f"body_patch must return a BodyPatch with a non-empty tuple of keys, or None "
-                                f"(got {patch!r:.200})")
+            if patch is not None and (
+                type(patch) is not BodyPatch
+                or type(patch.path) is not tuple
+                or not patch.path
+                or type(patch.path[0]) is not str
+            ):
+                raise TypeError(
+                    f"body_patch must return a BodyPatch with a non-empty tuple of keys, or None (got {patch!r:.200})"
+                )
         except Exception as exc:
             raise self._mode_failed(decision, "body_patch", exc) from exc
         if patch is None:
@@ -503,8 +562,10 @@ class Router:
         if patch.path[0] not in self._patch_roots:
             self._locate_root(patch.path[0])
         if len(body) > INLINE_BYTES:
-            return (partial(_attempt, splice, scanned, patch.path, patch.values, patch.owned),
-                    partial(self._spliced, decision))
+            return (
+                partial(_attempt, splice, scanned, patch.path, patch.values, patch.owned),
+                partial(self._spliced, decision),
+            )
         return self._spliced(decision, _attempt(splice, scanned, patch.path, patch.values, patch.owned))
 
     def _spliced(self, decision: Decision, outcome: tuple[Any, Exception | None]) -> bytes:
@@ -540,7 +601,8 @@ class Router:
             raise errors.ProxyError(
                 errors.INVALID_JSON_BODY,
                 f"deployment {dep.name!r} (mode {dep.mode_name}) needs a JSON object request body",
-                deployment=dep.name)
+                deployment=dep.name,
+            )
         counter.labels(dep.mode_name, "passthrough_invalid_json" if invalid else "passthrough_not_object").inc()
         return body
 
@@ -567,8 +629,12 @@ class Router:
                 state = dep.mode.on_response(decision.ctx, headers)
             except Exception as exc:  # the response is already on its way: count, never fail it
                 self.metrics.plugin_errors.labels(dep.mode_name, "on_response").inc()
-                log.error("mode %s failed in on_response: %r", dep.mode_name, exc,
-                          extra={**decision.log_fields(), "hook": "on_response"})
+                log.error(
+                    "mode %s failed in on_response: %r",
+                    dep.mode_name,
+                    exc,
+                    extra={**decision.log_fields(), "hook": "on_response"},
+                )
                 state = None
             if state is not None:
                 self.tree.set_mode_state(turn, state)
@@ -591,9 +657,13 @@ class Router:
             self.state.touched(turn)
         self.metrics.affinity_turn(decision.deployment.name, outcome).inc()
         if outcome == "moved":
-            extra: dict[str, Any] = {"event": "moved", **decision.log_fields(),
-                                     "from_worker": previous, "to_worker": interned,
-                                     "turn": turn.ctx.turn}
+            extra: dict[str, Any] = {
+                "event": "moved",
+                **decision.log_fields(),
+                "from_worker": previous,
+                "to_worker": interned,
+                "turn": turn.ctx.turn,
+            }
             if log.isEnabledFor(logging.DEBUG):  # session ids only at debug level
                 extra["session"] = turn.ctx.session
             log.info("session moved to another worker", extra=extra)
@@ -608,8 +678,12 @@ class Router:
         dep = decision.deployment
         self.metrics.plugin_errors.labels(dep.mode_name, hook).inc()
         log.error("mode %s failed in %s: %r", dep.mode_name, hook, exc, extra={**decision.log_fields(), "hook": hook})
-        return errors.ProxyError(errors.MODE_ERROR, f"routing mode {dep.mode_name!r} failed in {hook}: {exc}",
-                                 mode=dep.mode_name, deployment=dep.name)
+        return errors.ProxyError(
+            errors.MODE_ERROR,
+            f"routing mode {dep.mode_name!r} failed in {hook}: {exc}",
+            mode=dep.mode_name,
+            deployment=dep.name,
+        )
 
     def finish(self, decision: Decision, outcome: TurnOutcome) -> None:
         """The request is over (last byte written, failed, or abandoned): release its turn and
@@ -618,9 +692,17 @@ class Router:
         decision._held = None
         if log.isEnabledFor(logging.DEBUG):  # the access log: debug level (it names sessions)
             ctx = decision.ctx
-            log.debug("request finished", extra={
-                "event": "request", **decision.log_fields(), "status": decision.status, "outcome": str(outcome),
-                "session": ctx.session if ctx else None, "turn": ctx.turn if ctx else None})
+            log.debug(
+                "request finished",
+                extra={
+                    "event": "request",
+                    **decision.log_fields(),
+                    "status": decision.status,
+                    "outcome": str(outcome),
+                    "session": ctx.session if ctx else None,
+                    "turn": ctx.turn if ctx else None,
+                },
+            )
         if type(held) is not _Admission:
             return
         if held.api_session is not None:
@@ -706,8 +788,12 @@ class Router:
             actions = tuple(dep.mode.on_session_end(e))
         except Exception as exc:  # a broken hook never stops cleanup of other sessions
             self.metrics.plugin_errors.labels(dep.mode_name, "on_session_end").inc()
-            log.error("mode %s failed in on_session_end: %r", dep.mode_name, exc,
-                      extra={"deployment": dep.name, "mode": dep.mode_name, "hook": "on_session_end"})
+            log.error(
+                "mode %s failed in on_session_end: %r",
+                dep.mode_name,
+                exc,
+                extra={"deployment": dep.name, "mode": dep.mode_name, "hook": "on_session_end"},
+            )
             return
         if actions and self.effects is not None:
             for action in actions:
@@ -749,9 +835,12 @@ def _transform(mode: Mode, ctx: RoutingContext, body: bytes) -> bytes | None:
 
 
 def _too_deep(dep: Deployment, limit: int) -> errors.ProxyError:
-    return errors.ProxyError(errors.JSON_TOO_DEEP,
-                             f"request body nests JSON deeper than {limit} levels (limits.max_json_depth of "
-                             f"deployment {dep.name!r})", deployment=dep.name, limit=limit)
+    return errors.ProxyError(
+        errors.JSON_TOO_DEEP,
+        f"request body nests JSON deeper than {limit} levels (limits.max_json_depth of deployment {dep.name!r})",
+        deployment=dep.name,
+        limit=limit,
+    )
 
 
 def _repeated_keys(dep: Deployment, message: str) -> errors.ProxyError:
@@ -773,9 +862,11 @@ def _declares_body(head: RequestHead) -> bool:
 
 
 def _session_required(dep: Deployment) -> errors.ProxyError:
-    return errors.ProxyError(errors.SESSION_REQUIRED,
-                             f"deployment {dep.name!r} is strict: requests must name a session created through "
-                             "the sessions API", deployment=dep.name)
+    return errors.ProxyError(
+        errors.SESSION_REQUIRED,
+        f"deployment {dep.name!r} is strict: requests must name a session created through the sessions API",
+        deployment=dep.name,
+    )
 
 
 _CONTENT_LENGTH = h.CONTENT_LENGTH.lower()

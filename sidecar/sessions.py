@@ -123,8 +123,15 @@ class SessionStore:
 
     # -- API operations ----------------------------------------------------------------------
 
-    def create(self, *, deployment: str, workspace: str | None, session_id: str | None = None,
-               ttl: float | None = None, parent: str | None = None) -> ApiSession:
+    def create(
+        self,
+        *,
+        deployment: str,
+        workspace: str | None,
+        session_id: str | None = None,
+        ttl: float | None = None,
+        parent: str | None = None,
+    ) -> ApiSession:
         """A new active session; ``ttl=None`` takes the configured default."""
         if session_id is None:
             session_id = str(uuid.uuid4())
@@ -185,8 +192,16 @@ class SessionStore:
         if rec is not None and rec.status is SessionStatus.ACTIVE:
             self._end(rec, status, at)
 
-    def page(self, *, workspace: str | None, all_workspaces: bool, deployment: str | None = None,
-             status: SessionStatus | None = None, after: int = 0, limit: int = 100) -> tuple[list[ApiSession], int | None]:
+    def page(
+        self,
+        *,
+        workspace: str | None,
+        all_workspaces: bool,
+        deployment: str | None = None,
+        status: SessionStatus | None = None,
+        after: int = 0,
+        limit: int = 100,
+    ) -> tuple[list[ApiSession], int | None]:
         """One page in creation order, starting after sequence number ``after``.
 
         Returns the page and the cursor of the next page (None on the last page). O(n) in the
@@ -247,8 +262,11 @@ class SessionStore:
                 self._end(rec, SessionStatus.EXPIRED, deadline)
                 expired.append(rec)
         if len(heap) > 2 * self._active + 64:
-            self._heap = [e for e in heap if (r := self.records.get(e[2])) is not None and r.seq == e[1]
-                          and r.status is SessionStatus.ACTIVE]
+            self._heap = [
+                e
+                for e in heap
+                if (r := self.records.get(e[2])) is not None and r.seq == e[1] and r.status is SessionStatus.ACTIVE
+            ]
             heapq.heapify(self._heap)
         cutoff = now - self.cfg.tombstone_ttl_seconds
         tombs = self._tombs

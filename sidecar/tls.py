@@ -75,8 +75,9 @@ def _encrypted(setting: str) -> Callable[[], NoReturn]:
     """A password callback that refuses: without one, OpenSSL would prompt on the terminal."""
 
     def refuse() -> NoReturn:
-        raise ConfigError(f"{setting}: the private key is encrypted; give it unencrypted "
-                          "(as a Kubernetes TLS Secret holds it)")
+        raise ConfigError(
+            f"{setting}: the private key is encrypted; give it unencrypted (as a Kubernetes TLS Secret holds it)"
+        )
 
     return refuse
 

@@ -49,8 +49,9 @@ class _Group:
 class UpstreamFailureLog:
     """Rate-limited upstream failure lines (see the module docstring). Runs on the event loop."""
 
-    def __init__(self, *, interval: float = INTERVAL_SECONDS, max_groups: int = MAX_GROUPS,
-                 logger: logging.Logger = log) -> None:
+    def __init__(
+        self, *, interval: float = INTERVAL_SECONDS, max_groups: int = MAX_GROUPS, logger: logging.Logger = log
+    ) -> None:
         self.interval = interval
         self.max_groups = max_groups
         self._log = logger
@@ -103,11 +104,21 @@ class UpstreamFailureLog:
             self._emit(group)
 
     def _emit(self, group: _Group) -> None:
-        extra: dict[str, object] = {"deployment": group.deployment, "upstream": group.upstream,
-                                    "upstream_index": group.index, "kind": group.kind, "reason": group.reason}
+        extra: dict[str, object] = {
+            "deployment": group.deployment,
+            "upstream": group.upstream,
+            "upstream_index": group.index,
+            "kind": group.kind,
+            "reason": group.reason,
+        }
         if group.suppressed:
             extra["suppressed"] = group.suppressed
-            self._log.warning("upstream failed: %s (%d more like it in the last %g s)", group.reason,
-                              group.suppressed, self.interval, extra=extra)
+            self._log.warning(
+                "upstream failed: %s (%d more like it in the last %g s)",
+                group.reason,
+                group.suppressed,
+                self.interval,
+                extra=extra,
+            )
         else:
             self._log.warning("upstream failed: %s", group.reason, extra=extra)

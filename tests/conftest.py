@@ -59,10 +59,17 @@ async def start_sidecar(engine: str) -> AsyncIterator[StartSidecar]:
     """
     started: list[Sidecar] = []
 
-    async def start(*, upstream: str | None = None, mode: str | None = None, mode_opt: list[str] | None = None,
-                    **file_keys: Any) -> Sidecar:
-        flags = {"listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": upstream, "mode": mode,
-                 "mode_opt": mode_opt, "engine": engine}
+    async def start(
+        *, upstream: str | None = None, mode: str | None = None, mode_opt: list[str] | None = None, **file_keys: Any
+    ) -> Sidecar:
+        flags = {
+            "listen": "127.0.0.1:0",
+            "admin": "127.0.0.1:0",
+            "upstream": upstream,
+            "mode": mode,
+            "mode_opt": mode_opt,
+            "engine": engine,
+        }
         cfg = build_config(flags=flags, env={}, file=None) if not file_keys else _with_file(flags, file_keys)
         sc = Sidecar(cfg, registry=CollectorRegistry())
         await sc.start()

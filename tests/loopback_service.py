@@ -106,8 +106,12 @@ async def _probe(http: aiohttp.ClientSession, admin_url: str) -> bool:
         return False
 
 
-async def _relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up_reader: asyncio.StreamReader,
-                 up_writer: asyncio.StreamWriter) -> None:
+async def _relay(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    up_reader: asyncio.StreamReader,
+    up_writer: asyncio.StreamWriter,
+) -> None:
     try:
         await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
     finally:

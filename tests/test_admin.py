@@ -90,8 +90,9 @@ async def test_session_and_tree_views(upstream, start_sidecar):
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{sc.proxy_url}/a", headers={"X-Correlation-ID": "root-1"}) as resp:
             await resp.read()
-        async with s.get(f"{sc.proxy_url}/b", headers={"X-Correlation-ID": "child-1",
-                                                        "X-Parent-Session-ID": "root-1"}) as resp:
+        async with s.get(
+            f"{sc.proxy_url}/b", headers={"X-Correlation-ID": "child-1", "X-Parent-Session-ID": "root-1"}
+        ) as resp:
             await resp.read()
         async with s.get(f"{sc.admin_url}/v1/sessions/child-1") as resp:
             node = await resp.json()
@@ -111,8 +112,14 @@ async def test_session_and_tree_views(upstream, start_sidecar):
 class Recorded(Api):
     """An :class:`Api` client that also records each (method, path template, status) it saw."""
 
-    def __init__(self, http: aiohttp.ClientSession, base: str, spec: OpenAPI, seen: set[tuple[str, str, int]],
-                 token: str | None = None) -> None:
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        base: str,
+        spec: OpenAPI,
+        seen: set[tuple[str, str, int]],
+        token: str | None = None,
+    ) -> None:
         super().__init__(http, base, spec, token)
         self.seen = seen
 
@@ -123,8 +130,12 @@ class Recorded(Api):
 
 
 def documented(spec: OpenAPI) -> set[tuple[str, str, int]]:
-    return {(method.upper(), path, int(status)) for path, ops in spec.doc["paths"].items()
-            for method, op in ops.items() for status in op["responses"]}
+    return {
+        (method.upper(), path, int(status))
+        for path, ops in spec.doc["paths"].items()
+        for method, op in ops.items()
+        for status in op["responses"]
+    }
 
 
 async def proxied(http: aiohttp.ClientSession, sc: Any, session: str, *, path: str = "/v1/x", **headers: str) -> None:
@@ -139,8 +150,13 @@ async def test_every_admin_answer_matches_the_openapi_document(launch, upstream,
     JSON answer validated against the served document (formats included: times are RFC 3339)."""
     clock = FakeClock()
     deployments = [deployment("chat", upstream.url), deployment("agents", upstream.url, strict=True)]
-    sc = await launch(clock=clock, deployments=deployments, default_deployment="chat", admin_tokens_file=tokens_file(),
-                      sessions={"api": {"max_sessions": 3}})
+    sc = await launch(
+        clock=clock,
+        deployments=deployments,
+        default_deployment="chat",
+        admin_tokens_file=tokens_file(),
+        sessions={"api": {"max_sessions": 3}},
+    )
     down = await launch(deployments=[deployment("chat", f"http://127.0.0.1:{free_port()}")])
     spec = await fetch_spec(http, sc.admin_url)
     seen: set[tuple[str, str, int]] = set()
@@ -153,10 +169,13 @@ async def test_every_admin_answer_matches_the_openapi_document(launch, upstream,
     async with http.get(sc.admin_url + "/metrics") as resp:
         assert resp.status == 200 and resp.content_type == "text/plain"
         seen.add(("GET", "/metrics", 200))
-    for method, path, template in (("POST", "/v1/sessions", "/v1/sessions"), ("GET", "/v1/sessions", "/v1/sessions"),
-                                   ("GET", "/v1/sessions/x", "/v1/sessions/{session_id}"),
-                                   ("POST", "/v1/sessions/x/close", "/v1/sessions/{session_id}/close"),
-                                   ("GET", "/v1/trees/x", "/v1/trees/{root}")):
+    for method, path, template in (
+        ("POST", "/v1/sessions", "/v1/sessions"),
+        ("GET", "/v1/sessions", "/v1/sessions"),
+        ("GET", "/v1/sessions/x", "/v1/sessions/{session_id}"),
+        ("POST", "/v1/sessions/x/close", "/v1/sessions/{session_id}/close"),
+        ("GET", "/v1/trees/x", "/v1/trees/{root}"),
+    ):
         assert (await anon.call(method, path, template, json={} if method == "POST" else None))[0] == 401
 
     # traffic: worker history, an ended session held by its child, a placeholder, a root hint,
@@ -230,8 +249,11 @@ async def test_every_admin_answer_matches_the_openapi_document(launch, upstream,
 
 async def test_shared_store_answers_match_the_openapi_document(redis_server, launch, upstream, http):  # noqa: F811 (the fixture imported above)
     """The shared store builds its answers apart from the memory store's: the same document holds."""
-    keys = {"deployments": [deployment("chat", upstream.url)], "readiness_check_upstream": False,
-            "state": {"url": redis_server.url}}
+    keys = {
+        "deployments": [deployment("chat", upstream.url)],
+        "readiness_check_upstream": False,
+        "state": {"url": redis_server.url},
+    }
     one, two = await launch(**keys), await launch(**keys)
     spec = await fetch_spec(http, one.admin_url)
     seen: set[tuple[str, str, int]] = set()
@@ -264,8 +286,12 @@ async def test_shared_store_answers_match_the_openapi_document(redis_server, lau
     assert (await api_two.close("orphan"))[1]["status"] == "closed"
     assert (await api_two.close("api-1"))[1]["status"] == "closed"
     assert (await api_one.create(deployment="chat", session_id="api-1"))[0] == 409
-    assert {("GET", "/v1/trees/{root}", 200), ("GET", "/v1/sessions/{session_id}", 200),
-            ("POST", "/v1/sessions/{session_id}/close", 200), ("GET", "/v1/sessions", 200)} <= seen
+    assert {
+        ("GET", "/v1/trees/{root}", 200),
+        ("GET", "/v1/sessions/{session_id}", 200),
+        ("POST", "/v1/sessions/{session_id}/close", 200),
+        ("GET", "/v1/sessions", 200),
+    } <= seen
 
 
 async def test_every_time_field_is_documented_as_rfc3339(launch, http):
@@ -276,6 +302,7 @@ async def test_every_time_field_is_documented_as_rfc3339(launch, http):
         for field, prop in schema.get("properties", {}).items():
             if field.endswith("_at") or field == "since":
                 times[f"{name}.{field}"] = prop.get("format")
-    assert {"Session.created_at", "Session.expires_at", "TreeNode.last_active_at", "UpstreamReadiness.since"} <= \
-        set(times)
+    assert {"Session.created_at", "Session.expires_at", "TreeNode.last_active_at", "UpstreamReadiness.since"} <= set(
+        times
+    )
     assert set(times.values()) == {"date-time"}, times

@@ -16,7 +16,9 @@ async def turns(sc, session: str, workers: list[str], *, path: str = "/worker") 
 
 
 def sample(sc, outcome: str) -> float | None:
-    return sc.metrics.registry.get_sample_value("sidecar_affinity_turns_total", {"deployment": "default", "outcome": outcome})
+    return sc.metrics.registry.get_sample_value(
+        "sidecar_affinity_turns_total", {"deployment": "default", "outcome": outcome}
+    )
 
 
 async def test_turn_outcomes_history_and_moved_log(upstream, start_sidecar, caplog):
@@ -50,8 +52,7 @@ async def test_moved_log_names_the_session_at_debug_level(upstream, start_sideca
 
 
 async def test_worker_header_is_configurable(upstream, start_sidecar):
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers",
-                             affinity={"worker_headers": ["X-Worker-Id"]})
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers", affinity={"worker_headers": ["X-Worker-Id"]})
     await turns(sc, "s", ["x", "y"])
     assert sc.router.tree.get("s")["workers"] == [{"worker": "x", "turns": 1}, {"worker": "y", "turns": 1}]
     assert sample(sc, "moved") == 1
@@ -68,8 +69,9 @@ async def test_llmd_session_token_is_remembered_and_echoed(upstream, start_sidec
     sc = await start_sidecar(upstream=upstream.url, mode="llmd_session_token")
     async with aiohttp.ClientSession() as s:
         for i, query in enumerate(["token=tok-1", "", "token=tok-2", ""]):
-            async with s.get(f"{sc.proxy_url}/llmd?{query}",
-                             headers={"X-Correlation-ID": "conv", "x-session-token": f"client-{i}"}) as resp:
+            async with s.get(
+                f"{sc.proxy_url}/llmd?{query}", headers={"X-Correlation-ID": "conv", "x-session-token": f"client-{i}"}
+            ) as resp:
                 assert resp.status == 200
         async with s.get(f"{sc.proxy_url}/llmd", headers={"X-Correlation-ID": "other"}) as resp:
             assert resp.status == 200
@@ -81,8 +83,9 @@ async def test_llmd_session_token_is_remembered_and_echoed(upstream, start_sidec
 async def test_llmd_token_is_dropped_with_the_session(upstream, start_sidecar):
     sc = await start_sidecar(upstream=upstream.url, mode="llmd_session_token")
     async with aiohttp.ClientSession() as s:
-        async with s.get(f"{sc.proxy_url}/llmd?token=t1", headers={"X-Correlation-ID": "c",
-                                                                    "X-Session-Final": "true"}) as resp:
+        async with s.get(
+            f"{sc.proxy_url}/llmd?token=t1", headers={"X-Correlation-ID": "c", "X-Session-Final": "true"}
+        ) as resp:
             await resp.read()
         async with s.get(f"{sc.proxy_url}/llmd", headers={"X-Correlation-ID": "c"}) as resp:
             await resp.read()

@@ -34,8 +34,13 @@ async def wait_healthy(admin: str, proc: subprocess.Popen, timeout: float = 15.0
 
 
 def spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "sidecar", "run", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, **(env or {})}, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "run", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+        text=True,
+    )
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -50,9 +55,17 @@ def stop(proc: subprocess.Popen) -> None:
 async def test_readme_example_command_and_sigterm_drain(upstream):
     port, admin_port = free_ports(2)
     # No shutdown delay: this checks the drain itself (tests/test_rollout.py covers the delay).
-    proc = spawn("--listen", f"127.0.0.1:{port}", "--upstream", upstream.url, "--mode", "dynamo_headers",
-                 "--admin", f"127.0.0.1:{admin_port}",
-                 env={"SIDECAR_DRAIN_GRACE_SECONDS": "5", "SIDECAR_SHUTDOWN_DELAY_SECONDS": "0"})
+    proc = spawn(
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--upstream",
+        upstream.url,
+        "--mode",
+        "dynamo_headers",
+        "--admin",
+        f"127.0.0.1:{admin_port}",
+        env={"SIDECAR_DRAIN_GRACE_SECONDS": "5", "SIDECAR_SHUTDOWN_DELAY_SECONDS": "0"},
+    )
     admin = f"http://127.0.0.1:{admin_port}"
     try:
         await wait_healthy(admin, proc)
@@ -60,8 +73,9 @@ async def test_readme_example_command_and_sigterm_drain(upstream):
             async with s.get(f"{admin}/readyz") as resp:
                 assert resp.status in (200, 503)
             # A stream is in flight when SIGTERM arrives: it must finish, new connections refused.
-            async with s.get(f"http://127.0.0.1:{port}/sse?chunks=6&gap=0.15",
-                             headers={"X-Correlation-ID": "drain-me"}) as resp:
+            async with s.get(
+                f"http://127.0.0.1:{port}/sse?chunks=6&gap=0.15", headers={"X-Correlation-ID": "drain-me"}
+            ) as resp:
                 first = await resp.content.readuntil(b"\n\n")
                 proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.2)
@@ -85,16 +99,35 @@ async def test_readme_example_command_and_sigterm_drain(upstream):
 
 
 def test_invalid_flag_value_refuses_to_start():
-    proc = subprocess.run([sys.executable, "-m", "sidecar", "run", "--upstream", "http://127.0.0.1:1",
-                           "--mode", "dynamo_headers", "--mode-opt", "timeout_secs=5"],
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "run",
+            "--upstream",
+            "http://127.0.0.1:1",
+            "--mode",
+            "dynamo_headers",
+            "--mode-opt",
+            "timeout_secs=5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2
     assert "mode_options.timeout_secs: unknown setting" in proc.stderr
 
 
 def test_env_only_configuration_refuses_bad_listen():
-    proc = subprocess.run([sys.executable, "-m", "sidecar", "run"], capture_output=True, text=True, timeout=30,
-                          env={**os.environ, "SIDECAR_UPSTREAM": "http://127.0.0.1:1", "SIDECAR_LISTEN": "8080"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar", "run"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "SIDECAR_UPSTREAM": "http://127.0.0.1:1", "SIDECAR_LISTEN": "8080"},
+    )
     assert proc.returncode == 2
     assert "listen: must be HOST:PORT, e.g. 0.0.0.0:8080 (got '8080')\n" in proc.stderr
 
@@ -111,12 +144,19 @@ def test_modules_with_compiled_layouts_load_as_one_build(pure):
     """Every module with a .pxd layout (the request path: engine, router, lineage, metrics, ...)
     loads from the same build as the fast engine, and SIDECAR_PURE_PYTHON=1 covers all of them."""
     package = Path(sidecar.__file__).parent
-    modules = sorted("sidecar." + ".".join(p.relative_to(package).with_suffix("").parts)
-                     for p in package.rglob("*.pxd"))
+    modules = sorted(
+        "sidecar." + ".".join(p.relative_to(package).with_suffix("").parts) for p in package.rglob("*.pxd")
+    )
     assert "sidecar.router" in modules and "sidecar.engine.fast" in modules
     code = "import importlib, sys; print('\\n'.join(importlib.import_module(m).__file__ for m in sys.argv[1:]))"
-    files = subprocess.run([sys.executable, "-c", code, *modules], env={**os.environ, "SIDECAR_PURE_PYTHON": pure},
-                           capture_output=True, text=True, timeout=30, check=True).stdout.split()
+    files = subprocess.run(
+        [sys.executable, "-c", code, *modules],
+        env={**os.environ, "SIDECAR_PURE_PYTHON": pure},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout.split()
     assert len(files) == len(modules)
     compiled = [f for f in files if not f.endswith(".py")]
     if pure == "1":
@@ -130,25 +170,47 @@ async def test_startup_log_says_whether_the_fast_engine_runs_compiled(upstream, 
     """SIDECAR_PURE_PYTHON=1 runs the .py sources even where compiled modules are installed; the
     startup log line says which build serves (it must match the module actually loaded)."""
     env = {"SIDECAR_PURE_PYTHON": pure, "SIDECAR_SHUTDOWN_DELAY_SECONDS": "0"}
-    loaded = subprocess.run([sys.executable, "-c", "import sidecar.engine.fast as f; print(f.__file__)"],
-                            env={**os.environ, **env}, capture_output=True, text=True, timeout=30,
-                            check=True).stdout.strip()
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sidecar.engine.fast as f; print(f.__file__)"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout.strip()
     if pure == "1":
         assert loaded.endswith(os.path.join("engine", "fast.py")), loaded
     port, admin_port = free_ports(2)
-    proc = spawn("--listen", f"127.0.0.1:{port}", "--upstream", upstream.url, "--mode", "dynamo_headers",
-                 "--admin", f"127.0.0.1:{admin_port}", "--engine", "fast", env=env)
+    proc = spawn(
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--upstream",
+        upstream.url,
+        "--mode",
+        "dynamo_headers",
+        "--admin",
+        f"127.0.0.1:{admin_port}",
+        "--engine",
+        "fast",
+        env=env,
+    )
     try:
         await wait_healthy(f"http://127.0.0.1:{admin_port}", proc)
         async with aiohttp.ClientSession() as s:
-            async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", data=b"{}",
-                              headers={"X-Correlation-ID": f"build-{pure}"}) as resp:
+            async with s.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                data=b"{}",
+                headers={"X-Correlation-ID": f"build-{pure}"},
+            ) as resp:
                 assert resp.status == 200
         assert upstream.received[-1].all("X-Dynamo-Session-ID") == [f"build-{pure}"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
-        lines = [orjson.loads(line) for line in (proc.stderr.read() if proc.stderr else "").splitlines()
-                 if '"sidecar started"' in line]
+        lines = [
+            orjson.loads(line)
+            for line in (proc.stderr.read() if proc.stderr else "").splitlines()
+            if '"sidecar started"' in line
+        ]
         assert len(lines) == 1 and lines[0]["engine"] == "fast"
         assert lines[0]["compiled"] is (not loaded.endswith(".py"))
     finally:

@@ -46,14 +46,14 @@ def conversation(*user_turns: str, replies: list[list[str]] | None = None) -> li
     return messages
 
 
-async def chat(client: Client, messages: list[dict[str, str]], *, session: str | None = None,
-               stream: bool = True) -> tuple[str, dict[str, Any], list[bytes]]:
+async def chat(
+    client: Client, messages: list[dict[str, str]], *, session: str | None = None, stream: bool = True
+) -> tuple[str, dict[str, Any], list[bytes]]:
     """One chat request; returns (worker, usage, raw SSE events)."""
     headers = {X_REQUEST_ID: f"req-{id(messages)}"}
     if session is not None:
         headers[X_DYNAMO_SESSION_ID] = session
-    body = {"model": "demo-model", "messages": messages, "stream": stream,
-            "stream_options": {"include_usage": True}}
+    body = {"model": "demo-model", "messages": messages, "stream": stream, "stream_options": {"include_usage": True}}
     async with client.post("/v1/chat/completions", json=body, headers=headers) as resp:
         assert resp.status == 200, await resp.text()
         worker = resp.headers[X_WORKER_ID]
@@ -61,7 +61,7 @@ async def chat(client: Client, messages: list[dict[str, str]], *, session: str |
             return worker, (await resp.json())["usage"], []
         events = [line.strip() async for line in resp.content if line.strip()]
     assert events[-1] == b"data: [DONE]"
-    usage = orjson.loads(events[-2][len(b"data: "):])["usage"]
+    usage = orjson.loads(events[-2][len(b"data: ") :])["usage"]
     return worker, usage, events
 
 
@@ -77,8 +77,7 @@ async def test_session_header_pins_each_session_to_its_first_worker(gateway: Cli
     async def session(name: str) -> list[str]:
         workers = []
         for turn in range(4):
-            w, _, _ = await chat(gateway, conversation(*[f"{name} turn {t}" for t in range(turn + 1)]),
-                                 session=name)
+            w, _, _ = await chat(gateway, conversation(*[f"{name} turn {t}" for t in range(turn + 1)]), session=name)
             workers.append(w)
         return workers
 
@@ -101,8 +100,7 @@ async def test_session_header_is_trimmed_and_empty_means_absent(gateway: Client)
 
 async def test_oversized_session_id_is_rejected(gateway: Client) -> None:
     body = {"messages": conversation("hi"), "stream": False}
-    async with gateway.post("/v1/chat/completions", json=body,
-                            headers={X_DYNAMO_SESSION_ID: "x" * 257}) as resp:
+    async with gateway.post("/v1/chat/completions", json=body, headers={X_DYNAMO_SESSION_ID: "x" * 257}) as resp:
         assert resp.status == 400
         assert (await resp.json())["error"]["type"] == "invalid_request_error"
 
@@ -183,14 +181,20 @@ async def test_extended_prompt_hits_on_same_worker_and_not_on_a_cold_one(gateway
 
 
 def _rec(session: int, turn: int, worker: str | None, ok: bool = True) -> RequestRecord:
-    return RequestRecord(session, turn, worker, 100, 50 if ok else 0, 0.01 * (turn + 1), ok,
-                         None if ok else "boom")
+    return RequestRecord(session, turn, worker, 100, 50 if ok else 0, 0.01 * (turn + 1), ok, None if ok else "boom")
 
 
 def test_switches_count_worker_changes_within_sessions() -> None:
-    records = [_rec(0, 0, "w0"), _rec(0, 1, "w1"), _rec(0, 2, "w1"),
-               _rec(1, 2, "w0"), _rec(1, 0, "w2"), _rec(1, 1, "w2"),
-               _rec(2, 0, "w3"), _rec(2, 1, None, ok=False)]
+    records = [
+        _rec(0, 0, "w0"),
+        _rec(0, 1, "w1"),
+        _rec(0, 2, "w1"),
+        _rec(1, 2, "w0"),
+        _rec(1, 0, "w2"),
+        _rec(1, 1, "w2"),
+        _rec(2, 0, "w3"),
+        _rec(2, 1, None, ok=False),
+    ]
     assert count_switches(records) == 2
 
 
@@ -249,16 +253,18 @@ class HeaderCopyProxy:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         assert self._http is not None
-        headers = {X_REQUEST_ID: request.headers.get(X_REQUEST_ID, ""),
-                   CONTENT_TYPE: request.headers.get(CONTENT_TYPE, "application/json")}
+        headers = {
+            X_REQUEST_ID: request.headers.get(X_REQUEST_ID, ""),
+            CONTENT_TYPE: request.headers.get(CONTENT_TYPE, "application/json"),
+        }
         if X_CORRELATION_ID in request.headers:
             headers[X_DYNAMO_SESSION_ID] = request.headers[X_CORRELATION_ID]
             self.seen_sessions.add(request.headers[X_CORRELATION_ID])
-        async with self._http.post(self.upstream + request.path, data=await request.read(),
-                                   headers=headers) as up:
-            resp = web.StreamResponse(status=up.status, headers={
-                X_WORKER_ID: up.headers.get(X_WORKER_ID, ""),
-                CONTENT_TYPE: up.headers.get(CONTENT_TYPE, "")})
+        async with self._http.post(self.upstream + request.path, data=await request.read(), headers=headers) as up:
+            resp = web.StreamResponse(
+                status=up.status,
+                headers={X_WORKER_ID: up.headers.get(X_WORKER_ID, ""), CONTENT_TYPE: up.headers.get(CONTENT_TYPE, "")},
+            )
             await resp.prepare(request)
             async for chunk in up.content.iter_any():
                 await resp.write(chunk)

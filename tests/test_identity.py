@@ -29,8 +29,14 @@ def test_no_session_signal_means_no_session():
 
 
 def test_parent_root_and_final():
-    ident = read({"X-Correlation-ID": "s", "X-Dynamo-Parent-Session-ID": "p", "X-Root-Session-ID": "r",
-                  "x-dynamo-session-final": "TRUE"})
+    ident = read(
+        {
+            "X-Correlation-ID": "s",
+            "X-Dynamo-Parent-Session-ID": "p",
+            "X-Root-Session-ID": "r",
+            "x-dynamo-session-final": "TRUE",
+        }
+    )
     assert (ident.session, ident.parent, ident.root, ident.final) == ("s", "p", "r", True)
     assert read({"X-Correlation-ID": "s", "X-Session-Final": "false"}).final is False
     assert read({"X-Correlation-ID": "s", "X-Session-Final": "1"}).final is True

@@ -74,10 +74,18 @@ def old_fingerprint(body: dict[str, Any]) -> str | None:
 def test_fingerprints_are_those_of_the_parsed_body() -> None:
     bodies = [
         {"messages": [{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"}]},
-        {"system": [{"type": "text", "text": "A", "cache": {"b": 1, "a": 2}}],
-         "messages": [{"content": [{"type": "text", "text": "q"}], "role": "user"}]},
-        {"messages": [7, {"role": "developer", "content": None}, {"role": "assistant", "content": "x"},
-                      {"role": "user"}]},
+        {
+            "system": [{"type": "text", "text": "A", "cache": {"b": 1, "a": 2}}],
+            "messages": [{"content": [{"type": "text", "text": "q"}], "role": "user"}],
+        },
+        {
+            "messages": [
+                7,
+                {"role": "developer", "content": None},
+                {"role": "assistant", "content": "x"},
+                {"role": "user"},
+            ]
+        },
     ]
     for body in bodies:
         assert session(body, fingerprint=True) == old_fingerprint(body) is not None
@@ -91,11 +99,17 @@ def test_small_parts_are_canonical_large_parts_are_hashed_as_sent() -> None:
     assert session(small, fingerprint=True) == session(spaced, fingerprint=True)
     big = [{"text": "x" * FINGERPRINT_PARSE_BYTES, "k": i} for i in range(2)]
     one = {"messages": [{"role": "user", "content": big}]}
-    later_turn = {"messages": [{"role": "user", "content": big}, {"role": "assistant", "content": "a"},
-                               {"role": "user", "content": "more"}]}
+    later_turn = {
+        "messages": [
+            {"role": "user", "content": big},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "more"},
+        ]
+    }
     assert session(one, fingerprint=True) == session(later_turn, fingerprint=True) is not None
-    assert session(one, fingerprint=True) != session({"messages": [{"role": "user", "content": big[:1]}]},
-                                                     fingerprint=True)
+    assert session(one, fingerprint=True) != session(
+        {"messages": [{"role": "user", "content": big[:1]}]}, fingerprint=True
+    )
 
 
 def test_the_fingerprint_reads_a_bounded_number_of_messages() -> None:

@@ -19,12 +19,15 @@ def sessions(upstream) -> list[str | None]:
     return [r.header("X-Dynamo-Session-ID") for r in upstream.received]
 
 
-@pytest.mark.parametrize(("header", "client"), [
-    ("X-Session-Affinity", "opencode / AIPerf"),
-    ("x-claude-code-session-id", "Claude Code"),
-    ("session_id", "Codex"),
-    ("thread-id", "Codex"),
-])
+@pytest.mark.parametrize(
+    ("header", "client"),
+    [
+        ("X-Session-Affinity", "opencode / AIPerf"),
+        ("x-claude-code-session-id", "Claude Code"),
+        ("session_id", "Codex"),
+        ("thread-id", "Codex"),
+    ],
+)
 async def test_agent_client_header_signals(upstream, start_sidecar, header, client):
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
     await post(sc, b"{}", {header: f"id-{client}"})
@@ -32,10 +35,13 @@ async def test_agent_client_header_signals(upstream, start_sidecar, header, clie
 
 
 async def test_header_signal_precedence(upstream, start_sidecar):
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers",
-                             identity={"body": ["prompt_cache_key"], "fingerprint": True})
+    sc = await start_sidecar(
+        upstream=upstream.url, mode="dynamo_headers", identity={"body": ["prompt_cache_key"], "fingerprint": True}
+    )
     body = orjson.dumps({"prompt_cache_key": "from-body", "messages": [{"role": "user", "content": "hi"}]})
-    await post(sc, body, {"thread-id": "codex-thread", "x-claude-code-session-id": "claude", "X-Correlation-ID": "corr"})
+    await post(
+        sc, body, {"thread-id": "codex-thread", "x-claude-code-session-id": "claude", "X-Correlation-ID": "corr"}
+    )
     await post(sc, body, {"thread-id": "codex-thread", "x-claude-code-session-id": "claude"})
     await post(sc, body, {"thread-id": "codex-thread"})
     await post(sc, body)  # no header: body signals, in configured order, before the fingerprint
@@ -43,12 +49,19 @@ async def test_header_signal_precedence(upstream, start_sidecar):
 
 
 async def test_body_signals_in_configured_order_and_body_unchanged(upstream, start_sidecar):
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers",
-                             identity={"body": ["metadata.user_id", "user", "prompt_cache_key"]})
-    claude = {"model": "m", "metadata": {"user_id": orjson.dumps({"device_id": "d", "account_uuid": "a",
-                                                                    "session_id": "claude-sess"}).decode()}}
+    sc = await start_sidecar(
+        upstream=upstream.url,
+        mode="dynamo_headers",
+        identity={"body": ["metadata.user_id", "user", "prompt_cache_key"]},
+    )
+    claude = {
+        "model": "m",
+        "metadata": {
+            "user_id": orjson.dumps({"device_id": "d", "account_uuid": "a", "session_id": "claude-sess"}).decode()
+        },
+    }
     bodies = [
-        orjson.dumps({"prompt_cache_key": "pck", "user": "u-1"}),   # user before prompt_cache_key
+        orjson.dumps({"prompt_cache_key": "pck", "user": "u-1"}),  # user before prompt_cache_key
         orjson.dumps({"prompt_cache_key": "pck"}),
         orjson.dumps(claude),
         b'{"metadata": {"user_id": "user_abc_account_def_session_legacy-1"}}',
@@ -73,8 +86,11 @@ def conversation(system: str, first: str, turns: int) -> list[bytes]:
     out = []
     for t in range(turns):
         out.append(orjson.dumps({"model": "m", "messages": messages, "stream": True}))
-        messages = [*messages, {"role": "assistant", "content": f"answer {t}"},
-                    {"role": "user", "content": f"follow-up {t}"}]
+        messages = [
+            *messages,
+            {"role": "assistant", "content": f"answer {t}"},
+            {"role": "user", "content": f"follow-up {t}"},
+        ]
     return out
 
 

@@ -78,17 +78,85 @@ def depth_of(value: Any) -> int:
 
 
 VALID = [
-    b"{}", b"[]", b"0", b"-0", b"-0.0", b"1e2", b"1E+2", b"-1.5e-3", b"123456789012345678901234567890",
-    b"1e400", b'""', b'"\\u00e9\\n\\t\\"\\\\\\/\\b\\f\\r"', b'"\\ud83d\\ude00"', b'"\\ud800"', b'"\\udc00x"',
-    b'"\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80"', b'"\x7f"', b"true", b"false", b"null", b" \t\n\r{} \t\n\r",
-    b'{"a":1,"a":2}', b'{"":{"":[]}}', b'[[[[]]],{"k":[1,"x",null]}]', b'{ "a" : [ 1 , 2 ] , "b" : { } }',
+    b"{}",
+    b"[]",
+    b"0",
+    b"-0",
+    b"-0.0",
+    b"1e2",
+    b"1E+2",
+    b"-1.5e-3",
+    b"123456789012345678901234567890",
+    b"1e400",
+    b'""',
+    b'"\\u00e9\\n\\t\\"\\\\\\/\\b\\f\\r"',
+    b'"\\ud83d\\ude00"',
+    b'"\\ud800"',
+    b'"\\udc00x"',
+    b'"\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80"',
+    b'"\x7f"',
+    b"true",
+    b"false",
+    b"null",
+    b" \t\n\r{} \t\n\r",
+    b'{"a":1,"a":2}',
+    b'{"":{"":[]}}',
+    b'[[[[]]],{"k":[1,"x",null]}]',
+    b'{ "a" : [ 1 , 2 ] , "b" : { } }',
 ]
 INVALID_DOCS = [
-    b"", b" ", b"\xef\xbb\xbf{}", b"{", b"}", b"[", b"[1,]", b'{"a":1,}', b"[,1]", b"{,}", b"01", b"-", b"1.",
-    b".5", b"1e", b"1e+", b"+1", b"0x1", b"NaN", b"Infinity", b"-Infinity", b"tru", b"nul", b"True", b"[1 2]",
-    b'{"a" 1}', b'{"a":}', b"{1:2}", b'{"a":1 "b":2}', b"[}", b"{]", b"[]]", b'"abc', b'"\t"', b'"\x00"',
-    b'"\x1f"', b'"\\x"', b'"\\u12"', b'"\\u12g4"', b"'a'", b"[1]x", b"[1]\x00", b"\x0c1", b"1 2", b'"\xc3"',
-    b'"\xc0\x80"', b'"\xed\xa0\x80"', b'"\xf4\x90\x80\x80"', b'"\xff"', b'"\x80"', b"/*c*/1", b"[1,\n]",
+    b"",
+    b" ",
+    b"\xef\xbb\xbf{}",
+    b"{",
+    b"}",
+    b"[",
+    b"[1,]",
+    b'{"a":1,}',
+    b"[,1]",
+    b"{,}",
+    b"01",
+    b"-",
+    b"1.",
+    b".5",
+    b"1e",
+    b"1e+",
+    b"+1",
+    b"0x1",
+    b"NaN",
+    b"Infinity",
+    b"-Infinity",
+    b"tru",
+    b"nul",
+    b"True",
+    b"[1 2]",
+    b'{"a" 1}',
+    b'{"a":}',
+    b"{1:2}",
+    b'{"a":1 "b":2}',
+    b"[}",
+    b"{]",
+    b"[]]",
+    b'"abc',
+    b'"\t"',
+    b'"\x00"',
+    b'"\x1f"',
+    b'"\\x"',
+    b'"\\u12"',
+    b'"\\u12g4"',
+    b"'a'",
+    b"[1]x",
+    b"[1]\x00",
+    b"\x0c1",
+    b"1 2",
+    b'"\xc3"',
+    b'"\xc0\x80"',
+    b'"\xed\xa0\x80"',
+    b'"\xf4\x90\x80\x80"',
+    b'"\xff"',
+    b'"\x80"',
+    b"/*c*/1",
+    b"[1,\n]",
 ]
 
 
@@ -132,9 +200,13 @@ def test_hits_report_the_named_members_in_document_order(impl: Any) -> None:
     status, start, end, last, hits = scan(doc, 0, len(doc), 64, (b"model", b"nvext", "\u00e9".encode()))
     assert (status, doc[start:end]) == (3, doc.strip())
     assert doc[last:end] == b" }"
-    got = [(hits[i], doc[hits[i + 1]:hits[i + 2]], doc[hits[i + 3]:hits[i + 4]]) for i in range(0, len(hits), 5)]
-    assert got == [(0, b'"model"', b'"m"'), (1, b'"nv\\u0065xt"', b'{"model":1}'), (0, b'"model"', b"[1]"),
-                   (2, b'"\\u00e9"', b"0")]
+    got = [(hits[i], doc[hits[i + 1] : hits[i + 2]], doc[hits[i + 3] : hits[i + 4]]) for i in range(0, len(hits), 5)]
+    assert got == [
+        (0, b'"model"', b'"m"'),
+        (1, b'"nv\\u0065xt"', b'{"model":1}'),
+        (0, b'"model"', b"[1]"),
+        (2, b'"\\u00e9"', b"0"),
+    ]
 
 
 def test_keys_with_escapes_match_by_their_decoded_text(impl: Any) -> None:
@@ -162,12 +234,12 @@ def test_spans_of_a_larger_document(impl: Any) -> None:
     _, _, _, _, hits = scan(doc, 0, len(doc), 64, (b"messages", b"m"))
     ms, me, os_, oe = hits[3], hits[4], hits[8], hits[9]
     spans = elements(doc, ms, me, 10)
-    assert [doc[spans[i]:spans[i + 1]] for i in range(0, len(spans), 2)] == [b'{"role":"user"}', b"7", b"[]", b'"s"']
+    assert [doc[spans[i] : spans[i + 1]] for i in range(0, len(spans), 2)] == [b'{"role":"user"}', b"7", b"[]", b'"s"']
     assert elements(doc, ms, me, 2) == spans[:4]
     assert elements(doc, ms, me, 0) == []
     status, start, end, last, hits = scan(doc, os_, oe, 64, (b"b",))
     assert (status, doc[start:end], doc[last:end]) == (2, doc[os_:oe], b"}")
-    assert [doc[hits[i + 3]:hits[i + 4]] for i in range(0, len(hits), 5)] == [b"2"]  # not the nested "b"
+    assert [doc[hits[i + 3] : hits[i + 4]] for i in range(0, len(hits), 5)] == [b"2"]  # not the nested "b"
 
 
 def test_large_inputs_scan_without_building_objects(impl: Any) -> None:
@@ -182,13 +254,26 @@ def test_large_inputs_scan_without_building_objects(impl: Any) -> None:
 
 # -- generated documents ----------------------------------------------------------------------
 
-KEYS = st.sampled_from(["a", "b", "model", "nvext", "é", "\n", "\U0001f600", "", "k\"ey"])
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(10**30), max_value=10**30),
-                    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))
-VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                       st.dictionaries(KEYS, inner, max_size=4)), max_leaves=20)
-FORMATS = st.fixed_dictionaries({"indent": st.sampled_from([None, 0, 2, "\t"]), "ensure_ascii": st.booleans(),
-                                 "separators": st.sampled_from([(",", ":"), (", ", ": "), (" ,\n", " :\r\n")])})
+KEYS = st.sampled_from(["a", "b", "model", "nvext", "é", "\n", "\U0001f600", "", 'k"ey'])
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**30), max_value=10**30),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(KEYS, inner, max_size=4)),
+    max_leaves=20,
+)
+FORMATS = st.fixed_dictionaries(
+    {
+        "indent": st.sampled_from([None, 0, 2, "\t"]),
+        "ensure_ascii": st.booleans(),
+        "separators": st.sampled_from([(",", ":"), (", ", ": "), (" ,\n", " :\r\n")]),
+    }
+)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -201,38 +286,90 @@ def test_generated_documents_scan_like_json_reads_them(impl: Any, value: Any, fm
     assert (start, end) == (0, len(doc))
     if isinstance(value, dict):
         want = [(k, v) for k, v in json.loads(doc, object_pairs_hook=list) if k in ("a", "model", "é")]
-        got = [(json.loads(doc[hits[i + 1]:hits[i + 2]]), json.loads(doc[hits[i + 3]:hits[i + 4]],
-                                                                    object_pairs_hook=list))
-               for i in range(0, len(hits), 5)]
+        got = [
+            (
+                json.loads(doc[hits[i + 1] : hits[i + 2]]),
+                json.loads(doc[hits[i + 3] : hits[i + 4]], object_pairs_hook=list),
+            )
+            for i in range(0, len(hits), 5)
+        ]
         assert got == want
     if isinstance(value, (dict, list)):
         assert doc[last:end].strip(b" \t\n\r") in (b"}", b"]")
     if isinstance(value, list):
         spans = elements(doc, start, end, MAX_HITS)
-        assert [json.loads(doc[spans[i]:spans[i + 1]]) for i in range(0, len(spans), 2)] == value[:MAX_HITS]
+        assert [json.loads(doc[spans[i] : spans[i + 1]]) for i in range(0, len(spans), 2)] == value[:MAX_HITS]
 
 
-MUTATIONS = st.sampled_from([b"{", b"}", b"[", b"]", b",", b":", b'"', b"\\", b" ", b"0", b"-", b"e", b".",
-                             b"\x00", b"\x1f", b"\x80", b"\xc3", b"\xff", b"t", b"n", b"u"])
+MUTATIONS = st.sampled_from(
+    [
+        b"{",
+        b"}",
+        b"[",
+        b"]",
+        b",",
+        b":",
+        b'"',
+        b"\\",
+        b" ",
+        b"0",
+        b"-",
+        b"e",
+        b".",
+        b"\x00",
+        b"\x1f",
+        b"\x80",
+        b"\xc3",
+        b"\xff",
+        b"t",
+        b"n",
+        b"u",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(value=VALUES, fmt=FORMATS, edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 2), MUTATIONS),
-                                                  min_size=1, max_size=3))
-def test_mutated_documents_agree_with_the_reference(impl: Any, value: Any, fmt: dict[str, Any],
-                                                    edits: list[tuple[int, int, bytes]]) -> None:
+@given(
+    value=VALUES,
+    fmt=FORMATS,
+    edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 2), MUTATIONS), min_size=1, max_size=3),
+)
+def test_mutated_documents_agree_with_the_reference(
+    impl: Any, value: Any, fmt: dict[str, Any], edits: list[tuple[int, int, bytes]]
+) -> None:
     scan, _ = impl
     doc = json.dumps(value, **fmt).encode()
     for at, op, byte in edits:
         at %= len(doc) + 1
-        doc = doc[:at] + (b"" if op == 0 else byte) + doc[at + (op < 2):]  # delete, replace, insert
+        doc = doc[:at] + (b"" if op == 0 else byte) + doc[at + (op < 2) :]  # delete, replace, insert
     valid = scan(doc, 0, len(doc), 1000, ())[0] >= 0
     assert valid == reference_valid(doc), doc
     assert valid or not orjson_valid(doc), doc  # orjson accepts a subset
 
 
-TOKENS = st.sampled_from([b"{", b"}", b"[", b"]", b",", b":", b'"a"', b'"\\u00e9"', b"1", b"-2.5e3", b"true",
-                          b"null", b" ", b"\n", b"0", b".", b'"', b"x", b"\xc3\xa9"])
+TOKENS = st.sampled_from(
+    [
+        b"{",
+        b"}",
+        b"[",
+        b"]",
+        b",",
+        b":",
+        b'"a"',
+        b'"\\u00e9"',
+        b"1",
+        b"-2.5e3",
+        b"true",
+        b"null",
+        b" ",
+        b"\n",
+        b"0",
+        b".",
+        b'"',
+        b"x",
+        b"\xc3\xa9",
+    ]
+)
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -248,7 +385,7 @@ def test_token_soup_agrees_with_the_reference(impl: Any, tokens: list[bytes]) ->
 @given(value=VALUES, fmt=FORMATS, cut=st.integers(0, 10**6))
 def test_c_and_python_scanners_agree_on_spans(value: Any, fmt: dict[str, Any], cut: int) -> None:
     doc = json.dumps(value, **fmt).encode()
-    doc = doc[:cut % (len(doc) + 1)] if cut % 3 == 0 else doc
+    doc = doc[: cut % (len(doc) + 1)] if cut % 3 == 0 else doc
     names = (b"a", b"b", b"model")
     assert _compiled.scan(doc, 0, len(doc), 64, names) == jsonscan.scan_py(doc, 0, len(doc), 64, names)
 
@@ -262,8 +399,9 @@ if _compiled is not None:
 def test_assemble_applies_sorted_edits(assemble: Callable[..., bytes]) -> None:
     data = b"0123456789"
     assert assemble(data, []) == data
-    assert assemble(data, [(0, 0, b"<"), (3, 5, b""), (5, 5, b"+"), (9, 10, b"NINE"), (10, 10, b">")]) == \
-        b"<012+5678NINE>"
+    assert (
+        assemble(data, [(0, 0, b"<"), (3, 5, b""), (5, 5, b"+"), (9, 10, b"NINE"), (10, 10, b">")]) == b"<012+5678NINE>"
+    )
     big = b"x" * 300_000
     assert assemble(big, [(100, 200, b"y" * 5)]) == big[:100] + b"y" * 5 + big[200:]
     for bad in ([(5, 6, b""), (4, 5, b"")], [(5, 4, b"")]):

@@ -32,10 +32,16 @@ class Harness:
         self.tree = SessionTree(clock=self.clock, **kwargs)  # type: ignore[arg-type]
         self.ended: list[SessionEnd] = []
 
-    def begin(self, session: str, parent: str | None = None, *, final: bool = False,
-              root_hint: str | None = None, deployment: str = "dep") -> Turn:
-        turn, evicted = self.tree.begin(session, parent=parent, root_hint=root_hint, final=final,
-                                        deployment=deployment)
+    def begin(
+        self,
+        session: str,
+        parent: str | None = None,
+        *,
+        final: bool = False,
+        root_hint: str | None = None,
+        deployment: str = "dep",
+    ) -> Turn:
+        turn, evicted = self.tree.begin(session, parent=parent, root_hint=root_hint, final=final, deployment=deployment)
         self.ended += evicted
         return turn
 
@@ -44,8 +50,15 @@ class Harness:
         self.ended += ended
         return ended
 
-    def turn(self, session: str, parent: str | None = None, *, final: bool = False,
-             root_hint: str | None = None, outcome: TurnOutcome = COMPLETED) -> RoutingContext:
+    def turn(
+        self,
+        session: str,
+        parent: str | None = None,
+        *,
+        final: bool = False,
+        root_hint: str | None = None,
+        outcome: TurnOutcome = COMPLETED,
+    ) -> RoutingContext:
         """One whole request: begin, then end."""
         turn = self.begin(session, parent, final=final, root_hint=root_hint)
         self.end(turn, outcome)
@@ -95,12 +108,28 @@ def walk(view: dict | None) -> list[dict]:
 def test_lone_session_turns_and_final() -> None:
     h = Harness()
     first = h.turn("s")
-    assert first == RoutingContext(session="s", parent=None, root="s", is_final_turn=False,
-                          is_parent_final=None, is_tree_final=False, turn=1, deployment="dep")
+    assert first == RoutingContext(
+        session="s",
+        parent=None,
+        root="s",
+        is_final_turn=False,
+        is_parent_final=None,
+        is_tree_final=False,
+        turn=1,
+        deployment="dep",
+    )
     assert h.turn("s").turn == 2
     turn = h.begin("s", final=True)
-    assert turn.ctx == RoutingContext(session="s", parent=None, root="s", is_final_turn=True,
-                          is_parent_final=None, is_tree_final=True, turn=3, deployment="dep")
+    assert turn.ctx == RoutingContext(
+        session="s",
+        parent=None,
+        root="s",
+        is_final_turn=True,
+        is_parent_final=None,
+        is_tree_final=True,
+        turn=3,
+        deployment="dep",
+    )
     assert h.end(turn) == [SessionEnd("s", None, "s", "dep", EndReason.FINAL_TURN_COMPLETED, 3)]
     assert h.tree.live_sessions == 0 and h.tree.live_trees == 0
     assert h.tree.get("s") is None and h.tree.is_closed("s")
@@ -217,11 +246,14 @@ def test_concurrent_turns_of_one_session() -> None:
 # -- end of session, one test per reason ---------------------------------------------------------
 
 
-@pytest.mark.parametrize(("outcome", "reason"), [
-    (COMPLETED, EndReason.FINAL_TURN_COMPLETED),
-    (FAILED, EndReason.FINAL_TURN_FAILED),
-    (ABORTED, EndReason.CLIENT_ABANDONED),
-])
+@pytest.mark.parametrize(
+    ("outcome", "reason"),
+    [
+        (COMPLETED, EndReason.FINAL_TURN_COMPLETED),
+        (FAILED, EndReason.FINAL_TURN_FAILED),
+        (ABORTED, EndReason.CLIENT_ABANDONED),
+    ],
+)
 def test_final_turn_outcome_sets_the_reason(outcome: TurnOutcome, reason: EndReason) -> None:
     h = Harness()
     h.turn("r")
@@ -518,6 +550,7 @@ def check_counters(tree: SessionTree) -> None:
     """White-box: the tree's counters are what its nodes say (one linked node per id, each live
     session, placeholder and draining detached session counted in its tree, each held ended node
     once)."""
+
     def top(node):  # no path compression: only look
         while node.root is not node:
             node = node.root
@@ -708,11 +741,24 @@ def test_node_dict() -> None:
     turn = h.begin("c", "r", final=True, deployment="other")
     node = h.tree.get("c")
     assert node is not None
-    assert node.items() >= {
-        "session": "c", "parent": "r", "root": "r", "deployment": "other", "created_at": 1002.0,
-        "last_active_at": 1002.0, "turns": 1, "in_flight": 1, "final_turn_seen": True, "ended": False,
-        "end_reason": None, "closed": False, "placeholder": False,
-    }.items()
+    assert (
+        node.items()
+        >= {
+            "session": "c",
+            "parent": "r",
+            "root": "r",
+            "deployment": "other",
+            "created_at": 1002.0,
+            "last_active_at": 1002.0,
+            "turns": 1,
+            "in_flight": 1,
+            "final_turn_seen": True,
+            "ended": False,
+            "end_reason": None,
+            "closed": False,
+            "placeholder": False,
+        }.items()
+    )
     view = h.tree.tree("c")  # any member's id gives its whole tree
     assert view is not None and view["session"] == "r" and view["children"][0]["children"] == []
     h.clock.now += 1
@@ -834,8 +880,10 @@ def test_views_stay_well_formed_while_the_tree_changes_between_pauses(seed: int)
                 h.clock.now += 3
                 h.expire()
 
-    for builder in (lambda: h.tree.recent_roots(50), lambda: h.tree.view(rng.choice(pool[:50]), max_depth=6,
-                                                                          max_nodes=300)):
+    for builder in (
+        lambda: h.tree.recent_roots(50),
+        lambda: h.tree.view(rng.choice(pool[:50]), max_depth=6, max_nodes=300),
+    ):
         for _ in range(10):
             steps = builder()
             while True:
@@ -867,8 +915,7 @@ def test_stats() -> None:
     assert h.tree.ended_by_reason == {**dict.fromkeys(EndReason, 0), EndReason.FINAL_TURN_COMPLETED: 1}
 
 
-@pytest.mark.parametrize("kwargs", [{"idle_ttl": 0}, {"max_live": 0}, {"tombstone_max": -1},
-                                    {"tombstone_ttl": -1}])
+@pytest.mark.parametrize("kwargs", [{"idle_ttl": 0}, {"max_live": 0}, {"tombstone_max": -1}, {"tombstone_ttl": -1}])
 def test_invalid_limits_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SessionTree(**kwargs)  # type: ignore[arg-type]

@@ -41,9 +41,15 @@ async def test_moved_line_carries_request_id_and_deployment_not_session_at_info(
     sc = await start_sidecar(upstream=upstream.url, mode="smg_routing_key")
     async with aiohttp.ClientSession() as s:
         for i, w in enumerate(["a", "b"]):
-            async with s.post(f"{sc.proxy_url}/worker?w={w}", data=b'{"secret": "prompt text"}',
-                              headers={"X-Correlation-ID": "sess-private", "X-Request-ID": f"req-{i}",
-                                       "Authorization": "Bearer sk-secret-token"}) as resp:
+            async with s.post(
+                f"{sc.proxy_url}/worker?w={w}",
+                data=b'{"secret": "prompt text"}',
+                headers={
+                    "X-Correlation-ID": "sess-private",
+                    "X-Request-ID": f"req-{i}",
+                    "Authorization": "Bearer sk-secret-token",
+                },
+            ) as resp:
                 await resp.read()
     text = buf.getvalue()
     [moved] = [r for r in lines(buf) if r.get("event") == "moved"]
@@ -57,13 +63,18 @@ async def test_debug_access_log_names_the_session(upstream, start_sidecar, captu
     buf = capture("debug")
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
     async with aiohttp.ClientSession() as s:
-        async with s.get(f"{sc.proxy_url}/status/201", headers={"X-Correlation-ID": "sess-d",
-                                                                "X-Request-ID": "r-42"}) as resp:
+        async with s.get(
+            f"{sc.proxy_url}/status/201", headers={"X-Correlation-ID": "sess-d", "X-Request-ID": "r-42"}
+        ) as resp:
             await resp.read()
     [access] = [r for r in lines(buf) if r.get("event") == "request"]
     assert access["level"] == "debug"
     assert (access["request_id"], access["session"], access["status"], access["outcome"]) == (
-        "r-42", "sess-d", 201, "completed")
+        "r-42",
+        "sess-d",
+        201,
+        "completed",
+    )
     assert access["deployment"] == "default" and access["mode"] == "dynamo_headers"
 
 

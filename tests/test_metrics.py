@@ -11,8 +11,11 @@ from sidecar.metrics import ADDED_BUCKETS, Metrics
 
 def samples(m: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = generate_latest(m.registry).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def test_histogram_buckets_are_cumulative_and_le_inclusive():
@@ -28,7 +31,8 @@ def test_histogram_buckets_are_cumulative_and_le_inclusive():
     assert got[key("+Inf")] == 4
     assert got[("sidecar_added_latency_seconds_count", (("deployment", "d"),))] == 4
     assert got[("sidecar_added_latency_seconds_sum", (("deployment", "d"),))] == pytest.approx(
-        ADDED_BUCKETS[0] * 2.01 + 10.5)
+        ADDED_BUCKETS[0] * 2.01 + 10.5
+    )
 
 
 def test_counters_and_gauges():
@@ -41,8 +45,10 @@ def test_counters_and_gauges():
     got = samples(m)
     assert got[("sidecar_requests_total", (("deployment", "d"), ("mode", "m"), ("status_class", "2xx")))] == 3
     assert got[("sidecar_in_flight_requests", ())] == 1
-    assert m.registry.get_sample_value("sidecar_requests_total",
-                                       {"deployment": "d", "mode": "m", "status_class": "2xx"}) == 3
+    assert (
+        m.registry.get_sample_value("sidecar_requests_total", {"deployment": "d", "mode": "m", "status_class": "2xx"})
+        == 3
+    )
 
 
 def test_wrong_label_count_is_refused():
@@ -60,18 +66,23 @@ async def test_metrics_after_a_known_workload(upstream, start_sidecar):
             headers = {"X-Correlation-ID": "m-1", **({"X-Session-Final": "true"} if turn == 3 else {})}
             async with s.post(f"{sc.proxy_url}/v1/chat/completions", data=b'{"model": "m"}', headers=headers) as r:
                 assert r.status == 200
-        async with s.post(f"{sc.proxy_url}/v1/chat/completions", data=b"[1, 2]",
-                          headers={"X-Correlation-ID": "m-2"}) as r:
+        async with s.post(
+            f"{sc.proxy_url}/v1/chat/completions", data=b"[1, 2]", headers={"X-Correlation-ID": "m-2"}
+        ) as r:
             assert r.status == 200
-        async with s.post(f"{sc.proxy_url}/v1/chat/completions", data=b"x" * 5000,
-                          headers={"X-Correlation-ID": "m-3"}) as r:
+        async with s.post(
+            f"{sc.proxy_url}/v1/chat/completions", data=b"x" * 5000, headers={"X-Correlation-ID": "m-3"}
+        ) as r:
             assert r.status == 413
         async with s.get(f"{sc.proxy_url}/status/503") as r:
             assert r.status == 503
         async with s.get(f"{sc.admin_url}/metrics") as r:
             text = await r.text()
-    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
-           for fam in text_string_to_metric_families(text) for s in fam.samples}
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
     dep = (("deployment", "default"), ("mode", "dynamo_nvext"))
     assert got[("sidecar_requests_total", (*dep, ("status_class", "2xx")))] == 4
     assert got[("sidecar_requests_total", (*dep, ("status_class", "4xx")))] == 1

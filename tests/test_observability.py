@@ -27,8 +27,13 @@ async def test_standard_collectors_and_build_info_on_every_apps_registry(upstrea
     second = await start_sidecar(upstream=upstream.url)
     for sc in (first, second):
         text = await metrics_text(sc)
-        for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds",
-                     "python_gc_objects_collected_total", "python_info"):
+        for name in (
+            "process_cpu_seconds_total",
+            "process_resident_memory_bytes",
+            "process_open_fds",
+            "python_gc_objects_collected_total",
+            "python_info",
+        ):
             assert re.search(rf"^{name}(\{{.*\}})? ", text, re.M), name
         labels = {"version": sidecar.__version__, "engine": engine, "compiled": str(sc.engine.compiled).lower()}
         assert sc.metrics.registry.get_sample_value("sidecar_build_info", labels) == 1.0
@@ -36,33 +41,55 @@ async def test_standard_collectors_and_build_info_on_every_apps_registry(upstrea
 
 
 async def test_session_counters_carry_the_deployment(upstream, start_sidecar):
-    sc = await start_sidecar(deployments=[
-        {"name": "chat", "upstreams": [upstream.url], "mode": "smg_routing_key"},
-        {"name": "agents", "upstreams": [upstream.url], "mode": "dynamo_headers"}])
+    sc = await start_sidecar(
+        deployments=[
+            {"name": "chat", "upstreams": [upstream.url], "mode": "smg_routing_key"},
+            {"name": "agents", "upstreams": [upstream.url], "mode": "dynamo_headers"},
+        ]
+    )
     async with aiohttp.ClientSession() as s:
-        for deployment, session, path in [("chat", "c1", "/worker?w=w1"), ("chat", "c1", "/worker?w=w1"),
-                                          ("agents", "a1", "/x")]:
-            async with s.get(f"{sc.proxy_url}{path}", headers={"X-Sidecar-Deployment": deployment,
-                                                               "X-Correlation-ID": session,
-                                                               "X-Session-Final": "true"}) as resp:
+        for deployment, session, path in [
+            ("chat", "c1", "/worker?w=w1"),
+            ("chat", "c1", "/worker?w=w1"),
+            ("agents", "a1", "/x"),
+        ]:
+            async with s.get(
+                f"{sc.proxy_url}{path}",
+                headers={"X-Sidecar-Deployment": deployment, "X-Correlation-ID": session, "X-Session-Final": "true"},
+            ) as resp:
                 assert resp.status == 200
     reg = sc.metrics.registry
-    assert reg.get_sample_value("sidecar_headers_injected_total", {"deployment": "chat", "mode": "smg_routing_key"}) == 2
-    assert reg.get_sample_value("sidecar_headers_injected_total",
-                                {"deployment": "agents", "mode": "dynamo_headers"}) == 1
+    assert (
+        reg.get_sample_value("sidecar_headers_injected_total", {"deployment": "chat", "mode": "smg_routing_key"}) == 2
+    )
+    assert (
+        reg.get_sample_value("sidecar_headers_injected_total", {"deployment": "agents", "mode": "dynamo_headers"}) == 1
+    )
     assert reg.get_sample_value("sidecar_affinity_turns_total", {"deployment": "chat", "outcome": "first"}) == 2
     assert reg.get_sample_value("sidecar_affinity_turns_total", {"deployment": "agents", "outcome": "first"}) is None
-    assert reg.get_sample_value("sidecar_sessions_ended_total",
-                                {"deployment": "agents", "reason": "final_turn_completed"}) == 1
-    assert reg.get_sample_value("sidecar_sessions_ended_total",
-                                {"deployment": "chat", "reason": "final_turn_completed"}) == 2
+    assert (
+        reg.get_sample_value("sidecar_sessions_ended_total", {"deployment": "agents", "reason": "final_turn_completed"})
+        == 1
+    )
+    assert (
+        reg.get_sample_value("sidecar_sessions_ended_total", {"deployment": "chat", "reason": "final_turn_completed"})
+        == 2
+    )
 
 
 async def test_startup_line_names_version_modes_upstreams_and_bound_addresses(upstream, engine, caplog):
     caplog.set_level(logging.INFO, logger="sidecar")
     url = upstream.url.replace("http://", "http://operator:pw-secret@")
-    cfg = build_config(flags={"listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": url,
-                              "mode": "dynamo_headers", "engine": engine}, env={})
+    cfg = build_config(
+        flags={
+            "listen": "127.0.0.1:0",
+            "admin": "127.0.0.1:0",
+            "upstream": url,
+            "mode": "dynamo_headers",
+            "engine": engine,
+        },
+        env={},
+    )
     sc = Sidecar(cfg, registry=CollectorRegistry())
     await sc.start()
     try:

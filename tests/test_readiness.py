@@ -68,8 +68,13 @@ async def test_dead_upstream_turns_readiness_off_and_back_without_traffic(start_
     try:
         body = await until_readyz(sc, 200)
         assert body["status"] == "ready" and body["deployments"][0]["ready"] is True
-        assert only_upstream(body) | {"since": None} == {"index": 0, "healthy": True, "checked_by": "connect",
-                                                         "reason": "connect succeeded", "since": None}
+        assert only_upstream(body) | {"since": None} == {
+            "index": 0,
+            "healthy": True,
+            "checked_by": "connect",
+            "reason": "connect succeeded",
+            "since": None,
+        }
         await runner.cleanup()
         body = await until_readyz(sc, 503)
         assert body["status"] == "waiting_for_upstream"
@@ -118,31 +123,54 @@ async def test_active_health_checks_decide_readiness(raw_upstream, start_sidecar
         return True
 
     up = await raw_upstream({"/health": check})
-    sc = await start_sidecar(deployments=[{"name": "chat", "upstreams": [up.url], "mode": "dynamo_headers",
-                                           "health_check": {"path": "/health", "interval_seconds": 0.05}}])
+    sc = await start_sidecar(
+        deployments=[
+            {
+                "name": "chat",
+                "upstreams": [up.url],
+                "mode": "dynamo_headers",
+                "health_check": {"path": "/health", "interval_seconds": 0.05},
+            }
+        ]
+    )
     body = await until(sc, lambda _, b: only_upstream(b)["reason"] != health.NOT_CHECKED)
     assert only_upstream(body)["checked_by"] == "health_check"
     assert only_upstream(body)["reason"] == "GET /health: answered 503"
     assert (await readyz(sc))[0] == 503 and body["reason"] == "no healthy upstream for deployment 'chat'"
     healthy["now"] = True
     body = await until_readyz(sc, 200)
-    assert only_upstream(body) | {"since": None} == {"index": 0, "healthy": True, "checked_by": "health_check",
-                                                     "reason": "GET /health: answered 200", "since": None}
+    assert only_upstream(body) | {"since": None} == {
+        "index": 0,
+        "healthy": True,
+        "checked_by": "health_check",
+        "reason": "GET /health: answered 200",
+        "since": None,
+    }
 
 
 async def test_every_deployment_needs_a_healthy_upstream(upstream, start_sidecar, monkeypatch):
     monkeypatch.setattr(health, "PROBE_INTERVAL_SECONDS", 0.1)
     dead = f"http://127.0.0.1:{free_port()}"
-    sc = await start_sidecar(deployments=[
-        {"name": "chat", "upstreams": [dead, upstream.url], "mode": "dynamo_headers"},
-        {"name": "agents", "upstreams": [dead], "mode": "smg_routing_key"}])
-    body = await until(sc, lambda _, b: b["deployments"][0]["upstreams"][1]["healthy"] and all(
-        u["reason"] != health.NOT_CHECKED for d in b["deployments"] for u in d["upstreams"]))
+    sc = await start_sidecar(
+        deployments=[
+            {"name": "chat", "upstreams": [dead, upstream.url], "mode": "dynamo_headers"},
+            {"name": "agents", "upstreams": [dead], "mode": "smg_routing_key"},
+        ]
+    )
+    body = await until(
+        sc,
+        lambda _, b: (
+            b["deployments"][0]["upstreams"][1]["healthy"]
+            and all(u["reason"] != health.NOT_CHECKED for d in b["deployments"] for u in d["upstreams"])
+        ),
+    )
     # One healthy upstream is enough for chat; agents has none.
     assert (await readyz(sc))[0] == 503
     assert body["reason"] == "no healthy upstream for deployment 'agents'"
     assert [(d["name"], d["ready"], [u["healthy"] for u in d["upstreams"]]) for d in body["deployments"]] == [
-        ("chat", True, [False, True]), ("agents", False, [False])]
+        ("chat", True, [False, True]),
+        ("agents", False, [False]),
+    ]
     assert dead not in str(body) and upstream.url not in str(body)  # upstreams by index only
 
 

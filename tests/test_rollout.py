@@ -81,8 +81,9 @@ async def test_within_the_delay_new_connections_are_served_while_readyz_is_503(u
 
 def log_lines(proc: subprocess.Popen) -> list[dict]:
     """The process's JSON log lines once it exited."""
-    return [orjson.loads(line) for line in (proc.stderr.read() if proc.stderr else "").splitlines()
-            if line.startswith("{")]
+    return [
+        orjson.loads(line) for line in (proc.stderr.read() if proc.stderr else "").splitlines() if line.startswith("{")
+    ]
 
 
 async def wait_ready(admin_url: str, proc: subprocess.Popen, timeout: float = 20.0) -> None:
@@ -100,9 +101,19 @@ async def wait_ready(admin_url: str, proc: subprocess.Popen, timeout: float = 20
 
 def start_replica(name: str, upstream_url: str, engine: str, delay: float) -> tuple[subprocess.Popen, int, str]:
     port, admin_port = free_ports(2)
-    proc = spawn("--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin_port}", "--upstream", upstream_url,
-                 "--mode", "dynamo_headers", "--engine", engine,
-                 env={"SIDECAR_SHUTDOWN_DELAY_SECONDS": str(delay), "SIDECAR_DRAIN_GRACE_SECONDS": "10"})
+    proc = spawn(
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--admin",
+        f"127.0.0.1:{admin_port}",
+        "--upstream",
+        upstream_url,
+        "--mode",
+        "dynamo_headers",
+        "--engine",
+        engine,
+        env={"SIDECAR_SHUTDOWN_DELAY_SECONDS": str(delay), "SIDECAR_DRAIN_GRACE_SECONDS": "10"},
+    )
     return proc, port, f"http://127.0.0.1:{admin_port}"
 
 

@@ -95,8 +95,9 @@ async def test_client_abandoned_final_turn(upstream, start_sidecar):
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
     rec = record(sc)
     reader, writer = await asyncio.open_connection("127.0.0.1", int(sc.proxy_url.rsplit(":", 1)[1]))
-    writer.write(b"GET /sse?chunks=40&gap=0.05 HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: s3\r\n"
-                 b"X-Session-Final: true\r\n\r\n")
+    writer.write(
+        b"GET /sse?chunks=40&gap=0.05 HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: s3\r\nX-Session-Final: true\r\n\r\n"
+    )
     await reader.readuntil(b'{"i":0}\n\n')
     assert rec.ends == []
     writer.close()
@@ -143,8 +144,13 @@ class Clock:
 def make_router(clock: Clock, **sessions: object) -> tuple[Router, Recording, Metrics]:
     cfg = build_config(flags={"upstream": "http://127.0.0.1:9", "mode": "dynamo_headers"}, env={})
     s = cfg.sessions.model_copy(update=sessions)
-    tree = SessionTree(idle_ttl=s.idle_ttl_seconds, max_live=s.max_live_sessions, tombstone_max=s.tombstone_max,
-                       tombstone_ttl=s.tombstone_ttl_seconds, clock=clock)
+    tree = SessionTree(
+        idle_ttl=s.idle_ttl_seconds,
+        max_live=s.max_live_sessions,
+        tombstone_max=s.tombstone_max,
+        tombstone_ttl=s.tombstone_ttl_seconds,
+        clock=clock,
+    )
     metrics = Metrics()
     router = Router(cfg, metrics, tree=tree)
     rec = Recording(router.default.mode.options, fail_for="boom")
@@ -173,7 +179,12 @@ def test_idle_expiry_with_injectable_clock():
     router.expire()
     router.expire()
     assert [(e[0], e[1]) for e in rec.ends] == [("old", "idle_expired"), ("young", "idle_expired")]
-    assert metrics.registry.get_sample_value("sidecar_sessions_ended_total", {"deployment": "default", "reason": "idle_expired"}) == 2
+    assert (
+        metrics.registry.get_sample_value(
+            "sidecar_sessions_ended_total", {"deployment": "default", "reason": "idle_expired"}
+        )
+        == 2
+    )
 
 
 def test_eviction_at_cap_least_recently_active_first_and_hook_failure_does_not_stop_it():
@@ -190,8 +201,12 @@ def test_eviction_at_cap_least_recently_active_first_and_hook_failure_does_not_s
     turn(router, "s6")
     # The failing hook of "boom" is counted; the next eviction still happened.
     assert [(e[0], e[1]) for e in rec.ends] == [("s2", "evicted"), ("s3", "evicted"), ("boom", "evicted")]
-    assert metrics.registry.get_sample_value(
-        "sidecar_plugin_errors_total", {"mode": "dynamo_headers", "hook": "on_session_end"}) == 1
+    assert (
+        metrics.registry.get_sample_value(
+            "sidecar_plugin_errors_total", {"mode": "dynamo_headers", "hook": "on_session_end"}
+        )
+        == 1
+    )
     assert metrics.registry.get_sample_value("sidecar_session_evictions_total") == 3
     assert router.tree.live_sessions == 3
 
@@ -206,8 +221,10 @@ def test_tombstoned_id_returning_is_a_new_session_and_counted():
     assert metrics.registry.get_sample_value("sidecar_tombstone_reuses_total") == 1
 
 
-@pytest.mark.parametrize("outcome,reason", [(TurnOutcome.UPSTREAM_FAILED, "final_turn_failed"),
-                                            (TurnOutcome.CLIENT_ABORTED, "client_abandoned")])
+@pytest.mark.parametrize(
+    "outcome,reason",
+    [(TurnOutcome.UPSTREAM_FAILED, "final_turn_failed"), (TurnOutcome.CLIENT_ABORTED, "client_abandoned")],
+)
 def test_finish_is_idempotent_and_ends_once(outcome, reason):
     router, rec, _ = make_router(Clock())
     d = router.route(RequestHead("GET", "/", {"x-correlation-id": "z", "x-session-final": "true"}))

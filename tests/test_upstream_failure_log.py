@@ -48,9 +48,15 @@ async def test_first_line_at_once_then_one_per_interval_with_the_count(caplog):
     up = Upstream.parse("http://user:pw-secret@127.0.0.1:9/v1", 1)
     for _ in range(6):
         flog.record("chat", up, "connect", "connection refused")
-    assert [fields(r) for r in lines(caplog)] == [{"deployment": "chat", "upstream": "http://127.0.0.1:9/v1",
-                                                   "upstream_index": 1, "kind": "connect",
-                                                   "reason": "connection refused"}]
+    assert [fields(r) for r in lines(caplog)] == [
+        {
+            "deployment": "chat",
+            "upstream": "http://127.0.0.1:9/v1",
+            "upstream_index": 1,
+            "kind": "connect",
+            "reason": "connection refused",
+        }
+    ]
     assert lines(caplog)[0].levelno == logging.WARNING
     assert lines(caplog)[0].getMessage() == "upstream failed: connection refused"
     # The end of the interval carries the five that were only counted.
@@ -89,12 +95,20 @@ async def test_unreachable_upstream_is_logged_once_per_interval(start_sidecar, c
     sc = await start_sidecar(upstream=f"http://operator:pw-secret@127.0.0.1:{port}", mode="dynamo_headers")
     async with aiohttp.ClientSession() as s:
         for i in range(20):
-            async with s.post(f"{sc.proxy_url}/v1/chat/completions", data=b'{"secret-body": 1}',
-                              headers={**SECRET_HEADER, "X-Correlation-ID": f"s{i}"}) as resp:
+            async with s.post(
+                f"{sc.proxy_url}/v1/chat/completions",
+                data=b'{"secret-body": 1}',
+                headers={**SECRET_HEADER, "X-Correlation-ID": f"s{i}"},
+            ) as resp:
                 assert resp.status == 502
     (line,) = lines(caplog)
-    assert fields(line) == {"deployment": "default", "upstream": f"http://127.0.0.1:{port}", "upstream_index": 0,
-                            "kind": "connect", "reason": "connection refused"}
+    assert fields(line) == {
+        "deployment": "default",
+        "upstream": f"http://127.0.0.1:{port}",
+        "upstream_index": 0,
+        "kind": "connect",
+        "reason": "connection refused",
+    }
     await sc.stop()  # what was counted is logged at shutdown
     assert fields(lines(caplog)[-1])["suppressed"] == 19
     logged = everything_logged(caplog)

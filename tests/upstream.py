@@ -72,8 +72,9 @@ class RecordingUpstream:
         if path == "/sse":
             return await self._sse(request)
         if path == "/gzip":
-            return web.Response(body=GZIP_PAYLOAD, headers={"Content-Encoding": "gzip",
-                                                            "Content-Type": "application/json"})
+            return web.Response(
+                body=GZIP_PAYLOAD, headers={"Content-Encoding": "gzip", "Content-Type": "application/json"}
+            )
         if path == "/slow":
             await asyncio.sleep(float(request.query.get("delay", "5")))
             return web.json_response({"slow": True})

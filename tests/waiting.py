@@ -19,8 +19,9 @@ async def wait_for(condition: Callable[[], Any], timeout: float = 5.0, interval:
         await asyncio.sleep(interval)
 
 
-async def eventually(fetch: Callable[[], Awaitable[T]], check: Callable[[T], bool], timeout: float = 5.0,
-                     interval: float = 0.01) -> T:
+async def eventually(
+    fetch: Callable[[], Awaitable[T]], check: Callable[[T], bool], timeout: float = 5.0, interval: float = 0.01
+) -> T:
     """Await ``fetch()`` until ``check`` holds for what it returned, and return that; fail the test
     (showing the last value) after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

@@ -19,9 +19,23 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel
 from sidecar.lineage import EndReason
 from sidecar.sessions import SessionStatus
 
-__all__ = ["DOCUMENTED", "SESSION_ID_PATTERN", "Affinity", "DeploymentReadiness", "Error", "ErrorDetail",
-           "Readiness", "Session", "SessionCreate", "SessionList", "Status", "TreeNode", "UpstreamReadiness",
-           "WorkerRun", "WorkerRuns"]
+__all__ = [
+    "DOCUMENTED",
+    "SESSION_ID_PATTERN",
+    "Affinity",
+    "DeploymentReadiness",
+    "Error",
+    "ErrorDetail",
+    "Readiness",
+    "Session",
+    "SessionCreate",
+    "SessionList",
+    "Status",
+    "TreeNode",
+    "UpstreamReadiness",
+    "WorkerRun",
+    "WorkerRuns",
+]
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:@+=~-]{1,256}$"
 
@@ -50,13 +64,16 @@ class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     deployment: str = Field(min_length=1, max_length=63, description="the deployment to bind the session to")
     session_id: str | None = Field(
-        None, pattern=SESSION_ID_PATTERN,
+        None,
+        pattern=SESSION_ID_PATTERN,
         description="default: a generated UUID. A workspace token chooses ids in its own namespace only: "
-                    "`<workspace>:` and at least one more character (any other id is refused with 400 "
-                    "`invalid_request`, whether or not it exists); admin tokens and an open API choose any id")
+        "`<workspace>:` and at least one more character (any other id is refused with 400 "
+        "`invalid_request`, whether or not it exists); admin tokens and an open API choose any id",
+    )
     ttl_seconds: float | None = Field(None, gt=0, description="expire after this long without a request")
-    parent: str | None = Field(None, pattern=SESSION_ID_PATTERN,
-                               description="an active session of the same deployment you created")
+    parent: str | None = Field(
+        None, pattern=SESSION_ID_PATTERN, description="an active session of the same deployment you created"
+    )
 
 
 # -- sessions and trees ----------------------------------------------------------------------
@@ -88,11 +105,14 @@ class Session(_Answer):
 
     id: str
     deployment: str
-    workspace: str | None = Field(description="the workspace whose token created it; null when an admin token or "
-                                              "an open API created it, and for traffic sessions")
+    workspace: str | None = Field(
+        description="the workspace whose token created it; null when an admin token or "
+        "an open API created it, and for traffic sessions"
+    )
     status: SessionStatus
-    origin: Literal["api", "traffic"] = Field(description="created through this API, or learned from request "
-                                                          "headers (visible to admin tokens only)")
+    origin: Literal["api", "traffic"] = Field(
+        description="created through this API, or learned from request headers (visible to admin tokens only)"
+    )
     parent: str | None
     ttl_seconds: float | None = Field(description="expiry after this long without a request; null: none")
     created_at: datetime
@@ -103,8 +123,9 @@ class Session(_Answer):
     turns: int = Field(ge=0)
     in_flight: int = Field(ge=0)
     final_turn_seen: bool
-    placeholder: bool = _absent_unless("traffic sessions: named by another session (as its parent or root) "
-                                       "but had no request of its own")
+    placeholder: bool = _absent_unless(
+        "traffic sessions: named by another session (as its parent or root) but had no request of its own"
+    )
     end_reason: EndReason | None = _absent_unless("traffic sessions: why it ended (null while it has not)")
     workers: WorkerRuns
     affinity: Affinity
@@ -121,11 +142,14 @@ class TreeNode(_Answer):
     """A session of a lineage tree, with the sessions below it."""
 
     session: str
-    parent: str | None = Field(description="null for the root, and for a session that joined the tree through a "
-                                           "root hint without naming a parent")
+    parent: str | None = Field(
+        description="null for the root, and for a session that joined the tree through a "
+        "root hint without naming a parent"
+    )
     root: str
-    deployment: str | None = Field(description="null only for a placeholder whose record the shared session "
-                                               "store no longer holds")
+    deployment: str | None = Field(
+        description="null only for a placeholder whose record the shared session store no longer holds"
+    )
     created_at: datetime | None = Field(description="null only when `deployment` is")
     last_active_at: datetime | None = Field(description="null only when `deployment` is")
     turns: int = Field(ge=0)
@@ -134,13 +158,13 @@ class TreeNode(_Answer):
     ended: bool
     end_reason: EndReason | None = Field(description="why it ended; null while it has not")
     closed: bool = Field(description="closed through the API or ended: admits no new request")
-    placeholder: bool = Field(description="named by another session (as its parent or root) but had no request "
-                                          "of its own")
+    placeholder: bool = Field(
+        description="named by another session (as its parent or root) but had no request of its own"
+    )
     workers: WorkerRuns
     affinity: Affinity
     children: list[TreeNode] = Field(description="oldest first; cut by the view's bounds (see `omitted`)")
-    omitted: int = _absent_unless("present when the view cut sessions below this node: how many are not shown",
-                                  ge=0)
+    omitted: int = _absent_unless("present when the view cut sessions below this node: how many are not shown", ge=0)
 
 
 # -- errors, health, readiness ---------------------------------------------------------------
@@ -172,7 +196,8 @@ class UpstreamReadiness(_Answer):
     index: int = Field(ge=0)
     healthy: bool
     checked_by: Literal["health_check", "connect"] = Field(
-        description="an active health check, or connections (passive)")
+        description="an active health check, or connections (passive)"
+    )
     reason: str
     since: datetime = Field(description="when `healthy` last changed")
 
@@ -191,7 +216,8 @@ class Readiness(_Answer):
     status: Literal["ready", "waiting_for_upstream", "draining"]
     reason: str = _absent_unless("why it is not ready: draining, or the deployments without a healthy upstream")
     deployments: list[DeploymentReadiness] = _absent_unless(
-        "each deployment's upstreams, when readiness checks upstreams (`readiness_check_upstream`)")
+        "each deployment's upstreams, when readiness checks upstreams (`readiness_check_upstream`)"
+    )
 
 
 # The request body and every answer the document describes: its schemas are generated from

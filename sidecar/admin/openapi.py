@@ -47,8 +47,9 @@ class _Schemas(GenerateJsonSchema):
 @functools.cache
 def _model_schemas() -> dict[str, Any]:
     """``components/schemas`` generated from the models (the same for every configuration)."""
-    _, top = models_json_schema([(m, "validation") for m in models.DOCUMENTED], ref_template=_REF,
-                                schema_generator=_Schemas)
+    _, top = models_json_schema(
+        [(m, "validation") for m in models.DOCUMENTED], ref_template=_REF, schema_generator=_Schemas
+    )
     return top["$defs"]
 
 
@@ -86,23 +87,58 @@ def _schemas(config: Config) -> dict[str, Any]:
 def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
     """The document for this configuration (limits and deployment names filled in);
     ``authenticated``: whether ``/v1/*`` requires a bearer token (a tokens file is set)."""
-    session_path = {"name": "session_id", "in": "path", "required": True,
-                    "schema": {"type": "string", "minLength": 1, "maxLength": 256}}
+    session_path = {
+        "name": "session_id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "minLength": 1, "maxLength": 256},
+    }
     secured: list[dict[str, list[str]]] = [{"bearerAuth": []}] if authenticated else []
-    unauthorized = _error("No or invalid bearer token.",
-                          {"WWW-Authenticate": {"schema": {"type": "string"}, "required": True}})
+    unauthorized = _error(
+        "No or invalid bearer token.", {"WWW-Authenticate": {"schema": {"type": "string"}, "required": True}}
+    )
     session_not_found = _error("Unknown, or not visible to the caller (`session_not_found`).")
     paths: dict[str, Any] = {
-        "/healthz": {"get": {"operationId": "healthz", "summary": "Liveness", "security": [],
-                             "responses": {"200": _json_body(_ref("Status"), "Alive.")}}},
-        "/readyz": {"get": {"operationId": "readyz", "summary": "Readiness", "security": [],
-                            "responses": {"200": _json_body(_ref("Readiness"), "Ready."),
-                                          "503": _json_body(_ref("Readiness"), "Not ready or draining.")}}},
-        "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus metrics", "security": [],
-                             "responses": {"200": {"description": "Prometheus text format.",
-                                                   "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-        "/openapi.json": {"get": {"operationId": "openapi", "summary": "This document", "security": [],
-                                  "responses": {"200": _json_body({"type": "object"}, "OpenAPI 3.1 document.")}}},
+        "/healthz": {
+            "get": {
+                "operationId": "healthz",
+                "summary": "Liveness",
+                "security": [],
+                "responses": {"200": _json_body(_ref("Status"), "Alive.")},
+            }
+        },
+        "/readyz": {
+            "get": {
+                "operationId": "readyz",
+                "summary": "Readiness",
+                "security": [],
+                "responses": {
+                    "200": _json_body(_ref("Readiness"), "Ready."),
+                    "503": _json_body(_ref("Readiness"), "Not ready or draining."),
+                },
+            }
+        },
+        "/metrics": {
+            "get": {
+                "operationId": "metrics",
+                "summary": "Prometheus metrics",
+                "security": [],
+                "responses": {
+                    "200": {
+                        "description": "Prometheus text format.",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "operationId": "openapi",
+                "summary": "This document",
+                "security": [],
+                "responses": {"200": _json_body({"type": "object"}, "OpenAPI 3.1 document.")},
+            }
+        },
         "/v1/sessions": {
             "post": {
                 "operationId": "createSession",
@@ -110,13 +146,18 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "security": secured,
                 "requestBody": {"required": True, "content": {_JSON: {"schema": _ref("SessionCreate")}}},
                 "responses": {
-                    "201": _json_body(_ref("Session"), "Created.",
-                                      {"Location": {"schema": {"type": "string"}, "required": True}}),
-                    "400": _error("Invalid body, or a `session_id` outside the workspace token's namespace "
-                                  "(`invalid_request`), or unknown deployment (`unknown_deployment`)."),
+                    "201": _json_body(
+                        _ref("Session"), "Created.", {"Location": {"schema": {"type": "string"}, "required": True}}
+                    ),
+                    "400": _error(
+                        "Invalid body, or a `session_id` outside the workspace token's namespace "
+                        "(`invalid_request`), or unknown deployment (`unknown_deployment`)."
+                    ),
                     "401": unauthorized,
-                    "404": _error("`parent` names no active session of the deployment that the caller "
-                                  "created (`parent_not_found`)."),
+                    "404": _error(
+                        "`parent` names no active session of the deployment that the caller "
+                        "created (`parent_not_found`)."
+                    ),
                     "409": _error("The id is taken (`session_exists`)."),
                     "429": _error("Too many active sessions (`session_limit_reached`)."),
                 },
@@ -128,12 +169,24 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "parameters": [
                     {"name": "deployment", "in": "query", "required": False, "schema": {"type": "string"}},
                     {"name": "status", "in": "query", "required": False, "schema": _ref("SessionStatus")},
-                    {"name": "limit", "in": "query", "required": False,
-                     "schema": {"type": "integer", "minimum": 1, "maximum": LIST_MAX_LIMIT,
-                                "default": LIST_DEFAULT_LIMIT}},
-                    {"name": "cursor", "in": "query", "required": False,
-                     "description": "the `next_cursor` of the previous page (opaque)",
-                     "schema": {"type": "string", "pattern": CURSOR_PATTERN}},
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "required": False,
+                        "schema": {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": LIST_MAX_LIMIT,
+                            "default": LIST_DEFAULT_LIMIT,
+                        },
+                    },
+                    {
+                        "name": "cursor",
+                        "in": "query",
+                        "required": False,
+                        "description": "the `next_cursor` of the previous page (opaque)",
+                        "schema": {"type": "string", "pattern": CURSOR_PATTERN},
+                    },
                 ],
                 "responses": {
                     "200": _json_body(_ref("SessionList"), "One page."),
@@ -148,9 +201,11 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "summary": "One session with its lineage facts",
                 "security": secured,
                 "parameters": [session_path],
-                "responses": {"200": _json_body(_ref("Session"), "The session."),
-                              "401": unauthorized,
-                              "404": session_not_found},
+                "responses": {
+                    "200": _json_body(_ref("Session"), "The session."),
+                    "401": unauthorized,
+                    "404": session_not_found,
+                },
             },
         },
         "/v1/sessions/{session_id}/close": {
@@ -158,13 +213,15 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "operationId": "closeSession",
                 "summary": "Close a session (idempotent)",
                 "description": "No request of the session is forwarded once this returned; requests "
-                               "already in flight finish. Closing a closed or expired session returns "
-                               "it unchanged.",
+                "already in flight finish. Closing a closed or expired session returns "
+                "it unchanged.",
                 "security": secured,
                 "parameters": [session_path],
-                "responses": {"200": _json_body(_ref("Session"), "The session, closed."),
-                              "401": unauthorized,
-                              "404": session_not_found},
+                "responses": {
+                    "200": _json_body(_ref("Session"), "The session, closed."),
+                    "401": unauthorized,
+                    "404": session_not_found,
+                },
             },
         },
         "/v1/trees/{root}": {
@@ -172,23 +229,34 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "operationId": "getTree",
                 "summary": "The lineage tree a session belongs to",
                 "description": "The tree from its root, whichever of its sessions is named. At most "
-                               f"{MAX_NODES} sessions are shown, nested at most {MAX_DEPTH} levels below the "
-                               "root; a node whose descendants were cut carries `omitted`. The tree may "
-                               "change while the view is built: it is then a slightly inconsistent snapshot.",
+                f"{MAX_NODES} sessions are shown, nested at most {MAX_DEPTH} levels below the "
+                "root; a node whose descendants were cut carries `omitted`. The tree may "
+                "change while the view is built: it is then a slightly inconsistent snapshot.",
                 "security": secured,
-                "parameters": [{"name": "root", "in": "path", "required": True,
-                                "schema": {"type": "string", "minLength": 1, "maxLength": 256}}],
-                "responses": {"200": _json_body(_ref("TreeNode"), "The tree, nested."),
-                              "401": unauthorized,
-                              "404": _error("Unknown, or not visible to the caller (`tree_not_found`).")},
+                "parameters": [
+                    {
+                        "name": "root",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string", "minLength": 1, "maxLength": 256},
+                    }
+                ],
+                "responses": {
+                    "200": _json_body(_ref("TreeNode"), "The tree, nested."),
+                    "401": unauthorized,
+                    "404": _error("Unknown, or not visible to the caller (`tree_not_found`)."),
+                },
             },
         },
     }
     return {
         "openapi": "3.1.0",
-        "info": {"title": "session-sidecar admin API", "version": __version__,
-                 "description": "Health, readiness, metrics, and the deployment-scoped sessions API. "
-                                "`/v1/*` needs a bearer token when `admin_tokens_file` is set."},
+        "info": {
+            "title": "session-sidecar admin API",
+            "version": __version__,
+            "description": "Health, readiness, metrics, and the deployment-scoped sessions API. "
+            "`/v1/*` needs a bearer token when `admin_tokens_file` is set.",
+        },
         "paths": paths,
         "components": {
             "schemas": _schemas(config),

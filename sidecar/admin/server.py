@@ -55,8 +55,9 @@ async def openapi(request: web.Request) -> web.Response:
     return web.Response(body=request.app[OPENAPI_KEY], content_type="application/json")
 
 
-def build_admin_app(router: Router, health: UpstreamHealth, metrics_: Metrics,
-                    tokens: TokenSet | None = None) -> web.Application:
+def build_admin_app(
+    router: Router, health: UpstreamHealth, metrics_: Metrics, tokens: TokenSet | None = None
+) -> web.Application:
     """The admin application, sharing the proxy's router, readiness and metrics. ``tokens``:
     the bearer tokens of the sessions API (None: open, for a loopback admin listener)."""
     app = web.Application(middlewares=[sessions_api.json_errors], client_max_size=MAX_ADMIN_BODY)
@@ -68,8 +69,12 @@ def build_admin_app(router: Router, health: UpstreamHealth, metrics_: Metrics,
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     sessions_api.add_routes(app, router, tokens)
-    add_ui_routes(app, lambda: router.tree, authorize=_admin_only,
-                  store_snapshot=_store_snapshot(router) if router.state.shared else None)
+    add_ui_routes(
+        app,
+        lambda: router.tree,
+        authorize=_admin_only,
+        store_snapshot=_store_snapshot(router) if router.state.shared else None,
+    )
     return app
 
 
@@ -92,7 +97,8 @@ def _store_snapshot(router: Router) -> Callable[[int], Awaitable[dict[str, Any]]
         try:
             return await ui_snapshot(state, limit=limit, max_nodes=MAX_NODES, max_depth=MAX_DEPTH)
         except StoreUnavailable:
-            raise sessions_api.ApiError(errors.STORE_UNAVAILABLE, "the shared session store is unreachable; retry",
-                                        headers={"Retry-After": "1"}) from None
+            raise sessions_api.ApiError(
+                errors.STORE_UNAVAILABLE, "the shared session store is unreachable; retry", headers={"Retry-After": "1"}
+            ) from None
 
     return snapshot

@@ -71,14 +71,18 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return await handler(request)
     except ApiError as exc:
         err = exc.error
-        return web.Response(status=err.status, body=err.body(), content_type="application/json",
-                            headers=exc.headers)
+        return web.Response(status=err.status, body=err.body(), content_type="application/json", headers=exc.headers)
     except web.HTTPMethodNotAllowed as exc:
-        return web.Response(status=405, content_type="application/json", headers={h.ALLOW: exc.headers[h.ALLOW]},
-                            body=errors.error_body(errors.METHOD_NOT_ALLOWED, f"{request.method} is not allowed here"))
+        return web.Response(
+            status=405,
+            content_type="application/json",
+            headers={h.ALLOW: exc.headers[h.ALLOW]},
+            body=errors.error_body(errors.METHOD_NOT_ALLOWED, f"{request.method} is not allowed here"),
+        )
     except web.HTTPNotFound:
-        return web.Response(status=404, content_type="application/json",
-                            body=errors.error_body(errors.NOT_FOUND, "no such resource"))
+        return web.Response(
+            status=404, content_type="application/json", body=errors.error_body(errors.NOT_FOUND, "no such resource")
+        )
 
 
 def caller(request: web.Request) -> Principal:
@@ -90,20 +94,26 @@ def caller(request: web.Request) -> Principal:
     principal = tokens.authenticate(given)
     if principal is None:
         challenge = 'Bearer realm="sidecar"' + (', error="invalid_token"' if given else "")
-        raise ApiError(errors.UNAUTHORIZED, "a valid bearer token is required",
-                       headers={h.WWW_AUTHENTICATE: challenge})
+        raise ApiError(errors.UNAUTHORIZED, "a valid bearer token is required", headers={h.WWW_AUTHENTICATE: challenge})
     return principal
 
 
 # -- resources -------------------------------------------------------------------------------
+
 
 def _wall_offset(router: Router) -> float:
     """What to add to a lineage tree clock value to get wall-clock seconds."""
     return time.time() - router.tree.now()
 
 
-_LINEAGE_DEFAULTS: dict[str, Any] = {"root": None, "turns": 0, "in_flight": 0, "final_turn_seen": False, "workers": [],
-                     "affinity": {"first": 0, "same_worker": 0, "moved": 0}}
+_LINEAGE_DEFAULTS: dict[str, Any] = {
+    "root": None,
+    "turns": 0,
+    "in_flight": 0,
+    "final_turn_seen": False,
+    "workers": [],
+    "affinity": {"first": 0, "same_worker": 0, "moved": 0},
+}
 
 
 def api_resource(router: Router, rec: ApiSession) -> dict[str, Any]:
@@ -170,8 +180,9 @@ def _store_errors() -> Iterator[None]:
         yield
     except StoreError as exc:
         err = exc.error
-        raise ApiError(err.type, err.message, headers={h.RETRY_AFTER: "1"} if err.status in (429, 503) else None,
-                       **err.fields) from None
+        raise ApiError(
+            err.type, err.message, headers={h.RETRY_AFTER: "1"} if err.status in (429, 503) else None, **err.fields
+        ) from None
 
 
 def _visible(router: Router, who: Principal, session: str) -> ApiSession | None:
@@ -180,6 +191,7 @@ def _visible(router: Router, who: Principal, session: str) -> ApiSession | None:
 
 
 # -- handlers --------------------------------------------------------------------------------
+
 
 async def create_session(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
@@ -198,12 +210,18 @@ async def create_session(request: web.Request) -> web.Response:
         # Before anything looks the id up: the answer must not depend on what exists.
         prefix = f"{who.workspace}:"
         if not body.session_id.startswith(prefix) or len(body.session_id) == len(prefix):
-            raise ApiError(errors.INVALID_REQUEST, f"session_id: must start with {prefix!r} followed by at least "
-                           "one character (a workspace token chooses ids in its own namespace)")
+            raise ApiError(
+                errors.INVALID_REQUEST,
+                f"session_id: must start with {prefix!r} followed by at least "
+                "one character (a workspace token chooses ids in its own namespace)",
+            )
     dep = router.deployment(body.deployment)
     if dep is None:
-        raise ApiError(errors.UNKNOWN_DEPLOYMENT, f"no deployment named {body.deployment!r}",
-                       deployments=[d.name for d in router.deployments])
+        raise ApiError(
+            errors.UNKNOWN_DEPLOYMENT,
+            f"no deployment named {body.deployment!r}",
+            deployments=[d.name for d in router.deployments],
+        )
     api_cfg = router.store.cfg
     ttl = body.ttl_seconds
     if ttl is not None and ttl > api_cfg.max_ttl_seconds:
@@ -212,24 +230,30 @@ async def create_session(request: web.Request) -> web.Response:
         from sidecar.admin import shared_sessions as shared
 
         with _store_errors():
-            created = await shared.create(router, who, session=body.session_id, deployment=dep.name, ttl=ttl,
-                                          parent=body.parent)
+            created = await shared.create(
+                router, who, session=body.session_id, deployment=dep.name, ttl=ttl, parent=body.parent
+            )
         return _json(created, 201, headers={h.LOCATION: f"/v1/sessions/{created['id']}"})
     if body.parent is not None:
         parent = _visible(router, who, body.parent)
         if parent is None or parent.status is not SessionStatus.ACTIVE or parent.deployment != dep.name:
-            raise ApiError(errors.PARENT_NOT_FOUND,
-                           f"parent: no active session of deployment {dep.name!r} that you created")
+            raise ApiError(
+                errors.PARENT_NOT_FOUND, f"parent: no active session of deployment {dep.name!r} that you created"
+            )
     if body.session_id is not None and router.tree.bound_deployment(body.session_id) is not None:
         raise ApiError(errors.SESSION_EXISTS, "a live session with this id exists (learned from traffic)")
     try:
-        rec = router.store.create(deployment=dep.name, workspace=who.workspace, session_id=body.session_id,
-                                  ttl=ttl, parent=body.parent)
+        rec = router.store.create(
+            deployment=dep.name, workspace=who.workspace, session_id=body.session_id, ttl=ttl, parent=body.parent
+        )
     except SessionExists:
         raise ApiError(errors.SESSION_EXISTS, "a session with this id exists or was closed recently") from None
     except SessionLimitReached as exc:
-        raise ApiError(errors.SESSION_LIMIT_REACHED, f"{exc.args[0]} active sessions exist already; close some",
-                       headers={h.RETRY_AFTER: "1"}) from None
+        raise ApiError(
+            errors.SESSION_LIMIT_REACHED,
+            f"{exc.args[0]} active sessions exist already; close some",
+            headers={h.RETRY_AFTER: "1"},
+        ) from None
     return _json(api_resource(router, rec), 201, headers={h.LOCATION: f"/v1/sessions/{rec.id}"})
 
 
@@ -251,14 +275,26 @@ async def list_sessions(request: web.Request) -> web.Response:
         from sidecar.admin import shared_sessions as shared
 
         with _store_errors():
-            data, nxt = await shared.page(router, who, after=after, limit=limit, deployment=q.get("deployment"),
-                                          status=SessionStatus(status) if status else None)
+            data, nxt = await shared.page(
+                router,
+                who,
+                after=after,
+                limit=limit,
+                deployment=q.get("deployment"),
+                status=SessionStatus(status) if status else None,
+            )
         return _json({"data": data, "next_cursor": None if nxt is None else _encode_cursor(nxt)})
-    page, nxt = router.store.page(workspace=who.workspace, all_workspaces=who.admin,
-                                  deployment=q.get("deployment"),
-                                  status=SessionStatus(status) if status else None, after=after, limit=limit)
-    return _json({"data": [api_resource(router, r) for r in page],
-                  "next_cursor": None if nxt is None else _encode_cursor(nxt)})
+    page, nxt = router.store.page(
+        workspace=who.workspace,
+        all_workspaces=who.admin,
+        deployment=q.get("deployment"),
+        status=SessionStatus(status) if status else None,
+        after=after,
+        limit=limit,
+    )
+    return _json(
+        {"data": [api_resource(router, r) for r in page], "next_cursor": None if nxt is None else _encode_cursor(nxt)}
+    )
 
 
 CURSOR_PATTERN = r"^[0-9]{1,18}$"
@@ -338,8 +374,7 @@ async def get_tree(request: web.Request) -> web.Response:
         from sidecar.admin import shared_sessions as shared
 
         with _store_errors():
-            top = await shared.tree(router, who, request.match_info["root"], max_depth=MAX_DEPTH,
-                                    max_nodes=MAX_NODES)
+            top = await shared.tree(router, who, request.match_info["root"], max_depth=MAX_DEPTH, max_nodes=MAX_NODES)
         if top is None:
             raise ApiError(errors.TREE_NOT_FOUND, "no such session tree")
         return _json(top)
@@ -349,8 +384,9 @@ async def get_tree(request: web.Request) -> web.Response:
         # Only the workspace owning the tree's root session sees it. No await between this check
         # and the builder's first step, which fixes the root it walks down from.
         if root is not None and (who.admin or _visible(router, who, root) is not None):
-            view, _ = await run_sliced(_stamped(router, router.tree.view(root, max_depth=MAX_DEPTH,
-                                                                          max_nodes=MAX_NODES)))
+            view, _ = await run_sliced(
+                _stamped(router, router.tree.view(root, max_depth=MAX_DEPTH, max_nodes=MAX_NODES))
+            )
     if view is None:
         raise ApiError(errors.TREE_NOT_FOUND, "no such session tree")
     return _json(view.tree)

@@ -40,7 +40,6 @@ def _state(router: Router) -> RedisState:
     return state
 
 
-
 def _store_down() -> StoreError:
     return StoreError(errors.ProxyError(STORE_UNAVAILABLE, "the shared session store is unreachable; retry"))
 
@@ -64,13 +63,25 @@ def resource(router: Router, rec: Record) -> dict[str, Any]:
     closed = rec.closing or rec.ended
     idle = router.config.sessions.idle_ttl_seconds
     return {
-        "id": rec.id, "deployment": rec.deployment, "workspace": None,
-        "status": SessionStatus.CLOSED.value if closed else SessionStatus.ACTIVE.value, "origin": "traffic",
-        "parent": rec.parent, "ttl_seconds": idle, "created_at": rfc3339(rec.created),
-        "last_active_at": rfc3339(rec.last_active), "expires_at": None if closed else rfc3339(rec.last_active + idle),
-        "ended_at": None, "root": rec.root, "turns": rec.turns, "in_flight": rec.in_flight,
-        "final_turn_seen": rec.final_seen, "placeholder": rec.placeholder, "end_reason": lineage["end_reason"],
-        "workers": lineage["workers"], "affinity": lineage["affinity"],
+        "id": rec.id,
+        "deployment": rec.deployment,
+        "workspace": None,
+        "status": SessionStatus.CLOSED.value if closed else SessionStatus.ACTIVE.value,
+        "origin": "traffic",
+        "parent": rec.parent,
+        "ttl_seconds": idle,
+        "created_at": rfc3339(rec.created),
+        "last_active_at": rfc3339(rec.last_active),
+        "expires_at": None if closed else rfc3339(rec.last_active + idle),
+        "ended_at": None,
+        "root": rec.root,
+        "turns": rec.turns,
+        "in_flight": rec.in_flight,
+        "final_turn_seen": rec.final_seen,
+        "placeholder": rec.placeholder,
+        "end_reason": lineage["end_reason"],
+        "workers": lineage["workers"],
+        "affinity": lineage["affinity"],
     }
 
 
@@ -86,31 +97,45 @@ async def get(router: Router, who: Principal, session: str) -> dict[str, Any] | 
     return resource(router, rec)
 
 
-async def create(router: Router, who: Principal, *, session: str | None, deployment: str, ttl: float | None,
-                 parent: str | None) -> dict[str, Any]:
+async def create(
+    router: Router, who: Principal, *, session: str | None, deployment: str, ttl: float | None, parent: str | None
+) -> dict[str, Any]:
     state = _state(router)
     api_cfg = router.store.cfg
     if parent is not None:
         prec = await _record(router, parent)
-        if prec is None or not prec.api or not who.sees(prec.workspace) or not prec.live or \
-                prec.deployment != deployment:
-            raise StoreError(errors.ProxyError(errors.PARENT_NOT_FOUND, f"parent: no active session of deployment "
-                                               f"{deployment!r} that you created"))
+        if (
+            prec is None
+            or not prec.api
+            or not who.sees(prec.workspace)
+            or not prec.live
+            or prec.deployment != deployment
+        ):
+            raise StoreError(
+                errors.ProxyError(
+                    errors.PARENT_NOT_FOUND, f"parent: no active session of deployment {deployment!r} that you created"
+                )
+            )
     sid = session or str(uuid.uuid4())
     if ttl is None:
         ttl = api_cfg.default_ttl_seconds
     now = time.time()
     try:
-        seq = await state.create_api(session=sid, deployment=deployment, workspace=who.workspace, parent=parent,
-                                     ttl=ttl, now=now)
+        seq = await state.create_api(
+            session=sid, deployment=deployment, workspace=who.workspace, parent=parent, ttl=ttl, now=now
+        )
     except StoreUnavailable:
         raise _store_down() from None
     if seq == 0:
-        raise StoreError(errors.ProxyError(errors.SESSION_EXISTS, "a session with this id exists or was closed "
-                                           "recently"))
+        raise StoreError(
+            errors.ProxyError(errors.SESSION_EXISTS, "a session with this id exists or was closed recently")
+        )
     if seq == -2:
-        raise StoreError(errors.ProxyError(errors.SESSION_LIMIT_REACHED, f"{api_cfg.max_sessions} active sessions "
-                                           "exist already; close some"))
+        raise StoreError(
+            errors.ProxyError(
+                errors.SESSION_LIMIT_REACHED, f"{api_cfg.max_sessions} active sessions exist already; close some"
+            )
+        )
     rec = await _record(router, sid)
     assert rec is not None
     router.store.cache(_api_session(rec))
@@ -132,8 +157,9 @@ async def close(router: Router, who: Principal, session: str) -> dict[str, Any] 
     return None if rec is None else resource(router, rec)
 
 
-async def page(router: Router, who: Principal, *, after: int, limit: int, deployment: str | None,
-               status: SessionStatus | None) -> tuple[list[dict[str, Any]], int | None]:
+async def page(
+    router: Router, who: Principal, *, after: int, limit: int, deployment: str | None, status: SessionStatus | None
+) -> tuple[list[dict[str, Any]], int | None]:
     """One page of API sessions in creation order, and the next cursor (None on the last page)."""
     state = _state(router)
     out: list[dict[str, Any]] = []
@@ -159,8 +185,9 @@ async def page(router: Router, who: Principal, *, after: int, limit: int, deploy
     return out, after
 
 
-async def tree(router: Router, who: Principal, session: str, *, max_depth: int, max_nodes: int
-               ) -> dict[str, Any] | None:
+async def tree(
+    router: Router, who: Principal, session: str, *, max_depth: int, max_nodes: int
+) -> dict[str, Any] | None:
     try:
         built = await tree_view(_state(router), session, max_depth=max_depth, max_nodes=max_nodes)
     except StoreUnavailable:

@@ -57,8 +57,17 @@ from aiohttp import web
 from sidecar.admin.views import MAX_DEPTH, MAX_NODES, run_sliced, views_lock
 from sidecar.lineage import SessionTree
 
-__all__ = ["DEFAULT_LIMIT", "MAX_DEPTH", "MAX_LIMIT", "MAX_NODES", "STATIC", "add_ui_routes", "snapshot",
-           "snapshot_steps", "static_files"]
+__all__ = [
+    "DEFAULT_LIMIT",
+    "MAX_DEPTH",
+    "MAX_LIMIT",
+    "MAX_NODES",
+    "STATIC",
+    "add_ui_routes",
+    "snapshot",
+    "snapshot_steps",
+    "static_files",
+]
 
 DEFAULT_LIMIT = 200
 MAX_LIMIT = 1000
@@ -76,17 +85,22 @@ STATIC = {
 _SECURITY_HEADERS = {
     # The page loads its own script and stylesheet and fetches its own data.json, nothing else;
     # no inline script or style runs (client-supplied session ids are drawn on it).
-    "Content-Security-Policy": ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
-                                "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"),
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
 
 
-def add_ui_routes(app: web.Application, tree_getter: Callable[[], SessionTree],
-                  authorize: Callable[[web.Request], None] | None = None,
-                  store_snapshot: Callable[[int], Awaitable[dict[str, Any]]] | None = None) -> None:
+def add_ui_routes(
+    app: web.Application,
+    tree_getter: Callable[[], SessionTree],
+    authorize: Callable[[web.Request], None] | None = None,
+    store_snapshot: Callable[[int], Awaitable[dict[str, Any]]] | None = None,
+) -> None:
     """Add ``GET /ui`` (the page) and ``GET /ui/data.json`` (its snapshot) to ``app``.
 
     ``authorize`` guards the snapshot (it exposes session ids): it raises to refuse a request.
@@ -129,8 +143,7 @@ def add_ui_routes(app: web.Application, tree_getter: Callable[[], SessionTree],
                     now = time.monotonic()
                     cost += now - started
                     cache.clear()
-                    cache[limit] = (now + min(max(CACHE_SECONDS, cost * CACHE_COST_FACTOR), CACHE_MAX_SECONDS),
-                                    body)
+                    cache[limit] = (now + min(max(CACHE_SECONDS, cost * CACHE_COST_FACTOR), CACHE_MAX_SECONDS), body)
         return web.Response(body=body, content_type="application/json", headers=_SECURITY_HEADERS)
 
     for name, body in static_files().items():
@@ -154,16 +167,18 @@ def _serve(body: bytes, content_type: str) -> Callable[[web.Request], Awaitable[
     return handler
 
 
-async def snapshot(tree: SessionTree, *, limit: int = DEFAULT_LIMIT, max_nodes: int = MAX_NODES,
-                   max_depth: int = MAX_DEPTH) -> dict[str, Any]:
+async def snapshot(
+    tree: SessionTree, *, limit: int = DEFAULT_LIMIT, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH
+) -> dict[str, Any]:
     """The bounded view of ``tree`` that ``/ui/data.json`` serves (shape in the module doc),
     built in slices that let the event loop run in between."""
     snap, _ = await run_sliced(snapshot_steps(tree, limit=limit, max_nodes=max_nodes, max_depth=max_depth))
     return snap
 
 
-def snapshot_steps(tree: SessionTree, *, limit: int = DEFAULT_LIMIT, max_nodes: int = MAX_NODES,
-                   max_depth: int = MAX_DEPTH) -> Generator[None, None, dict[str, Any]]:
+def snapshot_steps(
+    tree: SessionTree, *, limit: int = DEFAULT_LIMIT, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH
+) -> Generator[None, None, dict[str, Any]]:
     """:func:`snapshot` as a view builder (see :mod:`sidecar.lineage`): pauses every few
     hundred nodes, returns the snapshot."""
     budget = max(max_nodes, 1)
@@ -174,9 +189,18 @@ def snapshot_steps(tree: SessionTree, *, limit: int = DEFAULT_LIMIT, max_nodes: 
         if view is None:  # gone while the snapshot was being built
             continue
         budget -= view.shown
-        trees.append({"root": view.tree["session"], "last_active_at": view.last_active_at,
-                      "sessions": view.sessions, "live": view.live, "in_flight": view.in_flight,
-                      "final": view.final, "omitted": view.omitted, "tree": view.tree})
+        trees.append(
+            {
+                "root": view.tree["session"],
+                "last_active_at": view.last_active_at,
+                "sessions": view.sessions,
+                "live": view.live,
+                "in_flight": view.in_flight,
+                "final": view.final,
+                "omitted": view.omitted,
+                "tree": view.tree,
+            }
+        )
     return {
         "now": tree.now(),
         "generated_at": time.time(),

@@ -38,8 +38,7 @@ def views_lock(app: web.Application) -> asyncio.Lock:
     return app.setdefault(VIEWS_LOCK, asyncio.Lock())
 
 
-async def run_sliced(steps: Generator[None, None, T], *,
-                     slice_seconds: float = SLICE_SECONDS) -> tuple[T, float]:
+async def run_sliced(steps: Generator[None, None, T], *, slice_seconds: float = SLICE_SECONDS) -> tuple[T, float]:
     """Run the builder ``steps`` to its end, letting the event loop run whenever a slice took
     ``slice_seconds``. Returns the builder's result and the seconds spent in the slices (what
     the view cost the loop)."""

@@ -51,11 +51,52 @@ BLOCK_SIZE = 16
 MAX_SESSION_ID_BYTES = 256
 
 _WORDS: tuple[str, ...] = (
-    "cache", "token", "prefix", "worker", "session", "stream", "batch", "model", "prompt",
-    "router", "latency", "kernel", "tensor", "decode", "prefill", "block", "layer", "turn",
-    "agent", "tool", "context", "answer", "query", "vector", "memory", "graph", "plan", "step",
-    "result", "signal", "request", "reply", "budget", "window", "shard", "replica", "queue",
-    "schedule", "throughput", "warm", "cold", "hit", "miss", "evict", "page", "attention",
+    "cache",
+    "token",
+    "prefix",
+    "worker",
+    "session",
+    "stream",
+    "batch",
+    "model",
+    "prompt",
+    "router",
+    "latency",
+    "kernel",
+    "tensor",
+    "decode",
+    "prefill",
+    "block",
+    "layer",
+    "turn",
+    "agent",
+    "tool",
+    "context",
+    "answer",
+    "query",
+    "vector",
+    "memory",
+    "graph",
+    "plan",
+    "step",
+    "result",
+    "signal",
+    "request",
+    "reply",
+    "budget",
+    "window",
+    "shard",
+    "replica",
+    "queue",
+    "schedule",
+    "throughput",
+    "warm",
+    "cold",
+    "hit",
+    "miss",
+    "evict",
+    "page",
+    "attention",
 )
 
 
@@ -173,8 +214,7 @@ class MockGateway:
         if self.n_workers < 1:
             raise ValueError("n_workers must be >= 1")
         self.workers = [
-            Worker(f"w{k}", PrefixCache(capacity_blocks=self.capacity_blocks))
-            for k in range(self.n_workers)
+            Worker(f"w{k}", PrefixCache(capacity_blocks=self.capacity_blocks)) for k in range(self.n_workers)
         ]
         self.log = deque(maxlen=self.log_size)
         self._pins = OrderedDict()
@@ -216,9 +256,7 @@ class MockGateway:
             return k
         return self._least_loaded()
 
-    def route(
-        self, session_header: str | None, request_id: str | None, tokens: Sequence[str]
-    ) -> tuple[Worker, int]:
+    def route(self, session_header: str | None, request_id: str | None, tokens: Sequence[str]) -> tuple[Worker, int]:
         """Choose the worker for a request and count it in flight; returns it with the number
         of cached prompt tokens. ``request_id`` is only recorded in :attr:`log`. Raises
         :class:`BadRequest` for an oversized session id. Every call must be paired with
@@ -255,8 +293,7 @@ def _parse_messages(body: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list")
     for m in messages:
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise BadRequest("each message needs string role and content")
     return messages
 
@@ -271,9 +308,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
         messages = _parse_messages(body)
         tokens = render_chat(messages)
-        worker, cached = gw.route(
-            request.headers.get(X_DYNAMO_SESSION_ID), request.headers.get(X_REQUEST_ID), tokens
-        )
+        worker, cached = gw.route(request.headers.get(X_DYNAMO_SESSION_ID), request.headers.get(X_REQUEST_ID), tokens)
     except orjson.JSONDecodeError:
         return _error(400, "body is not valid JSON")
     except BadRequest as exc:
@@ -293,28 +328,39 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         if not body.get("stream"):
             completed = tokens + reply
             answer = {
-                "id": rid, "object": "chat.completion", "model": model,
-                "choices": [{"index": 0, "finish_reason": "stop",
-                             "message": {"role": "assistant", "content": " ".join(reply)}}],
+                "id": rid,
+                "object": "chat.completion",
+                "model": model,
+                "choices": [
+                    {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": " ".join(reply)}}
+                ],
                 "usage": usage,
             }
-            return web.Response(body=orjson.dumps(answer), content_type="application/json",
-                                headers={X_WORKER_ID: worker.name})
+            return web.Response(
+                body=orjson.dumps(answer), content_type="application/json", headers={X_WORKER_ID: worker.name}
+            )
 
-        resp = web.StreamResponse(headers={CONTENT_TYPE: "text/event-stream",
-                                           hdrs.CACHE_CONTROL: "no-cache", X_WORKER_ID: worker.name})
+        resp = web.StreamResponse(
+            headers={CONTENT_TYPE: "text/event-stream", hdrs.CACHE_CONTROL: "no-cache", X_WORKER_ID: worker.name}
+        )
         await resp.prepare(request)
         base = {"id": rid, "object": "chat.completion.chunk", "model": model}
-        await resp.write(_sse({**base, "choices": [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}))
+        await resp.write(
+            _sse(
+                {
+                    **base,
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                }
+            )
+        )
         step = gw.words_per_chunk
         for i in range(0, len(reply), step):
             await asyncio.sleep(gw.chunk_delay_s)
             text = " ".join(reply[i : i + step]) + (" " if i + step < len(reply) else "")
-            await resp.write(_sse({**base, "choices": [
-                {"index": 0, "delta": {"content": text}, "finish_reason": None}]}))
-        await resp.write(_sse({**base, "choices": [
-            {"index": 0, "delta": {}, "finish_reason": "stop"}]}))
+            await resp.write(
+                _sse({**base, "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})
+            )
+        await resp.write(_sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))
         stream_options = body.get("stream_options")
         if isinstance(stream_options, dict) and stream_options.get("include_usage"):
             await resp.write(_sse({**base, "choices": [], "usage": usage}))
@@ -327,8 +373,9 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [
-        {"id": MODEL_NAME, "object": "model", "owned_by": "sidecar-demo"}]})
+    return web.json_response(
+        {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "sidecar-demo"}]}
+    )
 
 
 async def _health(request: web.Request) -> web.Response:

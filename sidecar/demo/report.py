@@ -72,7 +72,10 @@ def summarize(records: Sequence[RequestRecord], *, wall_s: float) -> RunMetrics:
 
 
 def format_table(
-    direct: RunMetrics, via_sidecar: RunMetrics, *, title: str = "",
+    direct: RunMetrics,
+    via_sidecar: RunMetrics,
+    *,
+    title: str = "",
     labels: tuple[str, str] = ("direct", "via sidecar"),
 ) -> str:
     """The two runs side by side as aligned plain text, ending with a newline."""
@@ -85,8 +88,11 @@ def format_table(
         ("requests", str(direct.requests), str(via_sidecar.requests)),
         ("errors", str(direct.errors), str(via_sidecar.errors)),
         ("worker switches in sessions", str(direct.switches), str(via_sidecar.switches)),
-        ("cached / prompt tokens", f"{direct.cached_tokens}/{direct.prompt_tokens}",
-         f"{via_sidecar.cached_tokens}/{via_sidecar.prompt_tokens}"),
+        (
+            "cached / prompt tokens",
+            f"{direct.cached_tokens}/{direct.prompt_tokens}",
+            f"{via_sidecar.cached_tokens}/{via_sidecar.prompt_tokens}",
+        ),
         ("cached ratio", f"{direct.cached_ratio:.2f}", f"{via_sidecar.cached_ratio:.2f}"),
         ("latency p50 (ms)", f"{direct.latency_p50_ms:.1f}", f"{via_sidecar.latency_p50_ms:.1f}"),
         ("latency p99 (ms)", f"{direct.latency_p99_ms:.1f}", f"{via_sidecar.latency_p99_ms:.1f}"),

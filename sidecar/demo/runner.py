@@ -48,8 +48,7 @@ def default_sidecar_factory(upstream_url: str) -> SidecarHandle:
     from sidecar.config import build_config
 
     cfg = build_config(
-        flags={"listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": upstream_url,
-               "mode": "dynamo_headers"},
+        flags={"listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": upstream_url, "mode": "dynamo_headers"},
         env={},
     )
     sidecar: SidecarHandle = Sidecar(cfg, registry=CollectorRegistry())
@@ -73,8 +72,7 @@ class DemoResult:
     @property
     def ok(self) -> bool:
         """Both runs without errors, and no session moved between workers through the sidecar."""
-        return (self.direct.errors == 0 and self.via_sidecar.errors == 0
-                and self.via_sidecar.switches == 0)
+        return self.direct.errors == 0 and self.via_sidecar.errors == 0 and self.via_sidecar.switches == 0
 
     @property
     def added_latency_p50_ms(self) -> float:
@@ -86,8 +84,7 @@ async def _timed_run(
     url: str, *, sessions: int, turns: int, seed: int, request_timeout_s: float
 ) -> tuple[list[RequestRecord], RunMetrics]:
     start = time.perf_counter()
-    records = await run_workload(url, sessions=sessions, turns=turns, seed=seed,
-                                 request_timeout_s=request_timeout_s)
+    records = await run_workload(url, sessions=sessions, turns=turns, seed=seed, request_timeout_s=request_timeout_s)
     wall = time.perf_counter() - start
     probe = percentile(await probe_latency(url), 50)
     return records, dataclasses.replace(summarize(records, wall_s=wall), probe_p50_ms=probe)
@@ -115,8 +112,9 @@ async def run_demo(
         await site.start()
         port = runner.addresses[0][1]
         gateway_url = f"http://127.0.0.1:{port}"
-        run = functools.partial(_timed_run, sessions=sessions, turns=turns, seed=seed,
-                                request_timeout_s=request_timeout_s)
+        run = functools.partial(
+            _timed_run, sessions=sessions, turns=turns, seed=seed, request_timeout_s=request_timeout_s
+        )
 
         direct_records, direct = await run(gateway_url)
 
@@ -132,15 +130,24 @@ async def run_demo(
     finally:
         await runner.cleanup()
 
-    title = (f"sidecar demo: {sessions} sessions x {turns} turns, streaming, mock gateway with "
-             f"{workers} workers (Dynamo-style X-Dynamo-Session-ID affinity)")
+    title = (
+        f"sidecar demo: {sessions} sessions x {turns} turns, streaming, mock gateway with "
+        f"{workers} workers (Dynamo-style X-Dynamo-Session-ID affinity)"
+    )
     table = format_table(direct, via_sidecar, title=title) + (
         "latency p50/p99: streamed requests end to end, concurrent, all in this one process; the added\n"
-        "latency is measured apart, by 200 sequential requests with nothing else in flight\n")
+        "latency is measured apart, by 200 sequential requests with nothing else in flight\n"
+    )
     out.write(table)
     out.flush()
     return DemoResult(
-        sessions=sessions, turns=turns, workers=workers, direct=direct, via_sidecar=via_sidecar,
-        direct_records=tuple(direct_records), sidecar_records=tuple(sidecar_records),
-        table=table, elapsed_s=time.perf_counter() - started,
+        sessions=sessions,
+        turns=turns,
+        workers=workers,
+        direct=direct,
+        via_sidecar=via_sidecar,
+        direct_records=tuple(direct_records),
+        sidecar_records=tuple(sidecar_records),
+        table=table,
+        elapsed_s=time.perf_counter() - started,
     )

@@ -25,11 +25,54 @@ from sidecar.demo.gateway import MODEL_NAME, X_WORKER_ID
 from sidecar.headers import CONTENT_TYPE, X_CORRELATION_ID, X_REQUEST_ID
 
 _VOCAB: tuple[str, ...] = (
-    "summarize", "the", "latest", "deployment", "logs", "and", "explain", "why", "requests",
-    "slow", "down", "under", "load", "compare", "two", "options", "for", "caching", "list",
-    "risks", "of", "rolling", "back", "draft", "a", "short", "plan", "with", "steps", "check",
-    "config", "files", "find", "errors", "in", "service", "metrics", "describe", "trend",
-    "suggest", "next", "action", "what", "changed", "since", "yesterday", "please", "focus",
+    "summarize",
+    "the",
+    "latest",
+    "deployment",
+    "logs",
+    "and",
+    "explain",
+    "why",
+    "requests",
+    "slow",
+    "down",
+    "under",
+    "load",
+    "compare",
+    "two",
+    "options",
+    "for",
+    "caching",
+    "list",
+    "risks",
+    "of",
+    "rolling",
+    "back",
+    "draft",
+    "a",
+    "short",
+    "plan",
+    "with",
+    "steps",
+    "check",
+    "config",
+    "files",
+    "find",
+    "errors",
+    "in",
+    "service",
+    "metrics",
+    "describe",
+    "trend",
+    "suggest",
+    "next",
+    "action",
+    "what",
+    "changed",
+    "since",
+    "yesterday",
+    "please",
+    "focus",
 )
 
 
@@ -66,8 +109,7 @@ async def _one_request(
         "stream_options": {"include_usage": True},
         "max_tokens": 32,
     }
-    headers = {X_CORRELATION_ID: correlation_id, X_REQUEST_ID: str(uuid.uuid4()),
-               CONTENT_TYPE: "application/json"}
+    headers = {X_CORRELATION_ID: correlation_id, X_REQUEST_ID: str(uuid.uuid4()), CONTENT_TYPE: "application/json"}
     async with http.post(url, data=orjson.dumps(body), headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
@@ -97,8 +139,13 @@ async def _one_request(
 
 
 async def _run_session(
-    http: aiohttp.ClientSession, url: str, index: int, turns: int, seed: int,
-    system_prompt: str, records: list[RequestRecord],
+    http: aiohttp.ClientSession,
+    url: str,
+    index: int,
+    turns: int,
+    seed: int,
+    system_prompt: str,
+    records: list[RequestRecord],
 ) -> None:
     rng = random.Random(seed * 1_000_003 + index)
     correlation_id = _session_id(rng)
@@ -107,19 +154,24 @@ async def _run_session(
         messages.append({"role": "user", "content": _words(rng, rng.randint(24, 40))})
         start = time.perf_counter()
         try:
-            worker, reply, prompt_tokens, cached = await _one_request(
-                http, url, messages, correlation_id)
+            worker, reply, prompt_tokens, cached = await _one_request(http, url, messages, correlation_id)
         except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError, KeyError, TypeError) as exc:
-            records.append(RequestRecord(index, turn, None, 0, 0, time.perf_counter() - start,
-                                         False, f"{type(exc).__name__}: {exc}"[:200]))
+            records.append(
+                RequestRecord(
+                    index, turn, None, 0, 0, time.perf_counter() - start, False, f"{type(exc).__name__}: {exc}"[:200]
+                )
+            )
             return
-        records.append(RequestRecord(index, turn, worker, prompt_tokens, cached,
-                                     time.perf_counter() - start, True))
+        records.append(RequestRecord(index, turn, worker, prompt_tokens, cached, time.perf_counter() - start, True))
         messages.append({"role": "assistant", "content": reply})
 
 
 async def run_workload(
-    base_url: str, *, sessions: int, turns: int, seed: int = 0,
+    base_url: str,
+    *,
+    sessions: int,
+    turns: int,
+    seed: int = 0,
     request_timeout_s: float = 10.0,
 ) -> list[RequestRecord]:
     """Run ``sessions`` concurrent conversations of ``turns`` streaming turns against

@@ -114,12 +114,15 @@ class _Connection(web_protocol.RequestHandler):
             return
         self._on_refused("request_timeout")
         body = errors.request_timeout(f"the request head did not arrive within {self._head_timeout:g} s").body()
-        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        self.transport.write(
+            b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+        )
         self.force_close()
 
-    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         """Answer in the JSON error format. A malformed request is logged without its bytes
         (aiohttp's message quotes them: headers, bearer tokens); a failure of the sidecar's own
         handler keeps its traceback."""
@@ -152,8 +155,9 @@ class _Server(web.Server):
         self._on_refused = on_refused
 
     def __call__(self) -> web_protocol.RequestHandler:
-        return _Connection(self, loop=self._loop, head_timeout=self._head_timeout, on_refused=self._on_refused,
-                           **self._kwargs)
+        return _Connection(
+            self, loop=self._loop, head_timeout=self._head_timeout, on_refused=self._on_refused, **self._kwargs
+        )
 
 
 class AiohttpEngine(Engine):
@@ -181,16 +185,21 @@ class AiohttpEngine(Engine):
         self._keepalive = True  # off from the start of shutdown: every answer closes its connection
         self._idle = asyncio.Event()
         self._idle.set()
-        server = _Server(self._handle, head_timeout=self.config.head_timeout_seconds,
-                         on_refused=lambda reason: self.metrics.rejected.labels(reason).inc(),
-                         handler_cancellation=True, keepalive_timeout=KEEPALIVE_TIMEOUT,
-                         lingering_time=LINGER_SECONDS,
-                         max_field_size=self.config.limits.max_header_bytes,
-                         max_line_size=self.config.limits.max_header_bytes)
+        server = _Server(
+            self._handle,
+            head_timeout=self.config.head_timeout_seconds,
+            on_refused=lambda reason: self.metrics.rejected.labels(reason).inc(),
+            handler_cancellation=True,
+            keepalive_timeout=KEEPALIVE_TIMEOUT,
+            lingering_time=LINGER_SECONDS,
+            max_field_size=self.config.limits.max_header_bytes,
+            max_line_size=self.config.limits.max_header_bytes,
+        )
         self._runner = web.ServerRunner(server, handle_signals=False)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.config.listen.host, self.config.listen.port,
-                                 backlog=1024, reuse_address=True)
+        self._site = web.TCPSite(
+            self._runner, self.config.listen.host, self.config.listen.port, backlog=1024, reuse_address=True
+        )
         await self._site.start()
 
     @property
@@ -251,15 +260,29 @@ class AiohttpEngine(Engine):
         router = self.router
         in_headers = request.headers
         if request.version < (1, 0) or request.version > (1, 1):
-            return self._refuse(request, errors.bad_request(
-                f"unsupported HTTP version {request.version[0]}.{request.version[1]}"), "bad_request")
+            return self._refuse(
+                request,
+                errors.bad_request(f"unsupported HTTP version {request.version[0]}.{request.version[1]}"),
+                "bad_request",
+            )
         hosts = in_headers.getall(h.HOST, ())
-        if len(hosts) > 1 or (not hosts and request.version >= (1, 1)) or \
-                (hosts and not valid_host(hosts[0].encode("utf-8", "surrogateescape"), 0, len(hosts[0].encode(
-                    "utf-8", "surrogateescape")))):
-            problem = "more than one Host header" if len(hosts) > 1 else \
-                "missing Host header (required in HTTP/1.1)" if not hosts else \
-                "invalid Host header (uri-host[:port] expected)"
+        if (
+            len(hosts) > 1
+            or (not hosts and request.version >= (1, 1))
+            or (
+                hosts
+                and not valid_host(
+                    hosts[0].encode("utf-8", "surrogateescape"), 0, len(hosts[0].encode("utf-8", "surrogateescape"))
+                )
+            )
+        ):
+            problem = (
+                "more than one Host header"
+                if len(hosts) > 1
+                else "missing Host header (required in HTTP/1.1)"
+                if not hosts
+                else "invalid Host header (uri-host[:port] expected)"
+            )
             return self._refuse(request, errors.bad_request(problem), "bad_request")
         if h.UPGRADE in in_headers and "upgrade" in h.connection_tokens(in_headers.getall(h.CONNECTION, ())):
             # The rest of the stream belongs to the refused protocol.
@@ -270,8 +293,11 @@ class AiohttpEngine(Engine):
             if origin is not None:
                 target = origin.decode("utf-8", "surrogateescape")
         if request.method == "CONNECT" or not target.startswith("/"):
-            return self._refuse(request, errors.bad_request(
-                "request target must be origin-form (/path) or absolute-form (http://host/path)"), "bad_request")
+            return self._refuse(
+                request,
+                errors.bad_request("request target must be origin-form (/path) or absolute-form (http://host/path)"),
+                "bad_request",
+            )
         head = RequestHead(request.method, target, in_headers)
         try:
             try:
@@ -286,8 +312,9 @@ class AiohttpEngine(Engine):
         declared = request.content_length
         if declared is not None and declared > limit:
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-            return self._error(_too_large(dep.name, limit, decision.needs_body), dep.name, dep.mode_name,
-                               "body_too_large")
+            return self._error(
+                _too_large(dep.name, limit, decision.needs_body), dep.name, dep.mode_name, "body_too_large"
+            )
 
         body: bytes | io.BytesIO | AsyncIterator[bytes] | None = None
         if request.method not in ("GET", "HEAD") or request.body_exists:
@@ -303,9 +330,12 @@ class AiohttpEngine(Engine):
                     return self._error(_too_large(dep.name, limit, True), dep.name, dep.mode_name, "body_too_large")
                 except _ClientTimeout:
                     router.finish(decision, TurnOutcome.CLIENT_ABORTED)
-                    resp = self._error(errors.request_timeout(
-                        f"the request body stalled for {dep.timeouts.idle:g} s"), dep.name, dep.mode_name,
-                        errors.REQUEST_TIMEOUT)
+                    resp = self._error(
+                        errors.request_timeout(f"the request body stalled for {dep.timeouts.idle:g} s"),
+                        dep.name,
+                        dep.mode_name,
+                        errors.REQUEST_TIMEOUT,
+                    )
                     resp.force_close()
                     return resp
                 except errors.ProxyError as exc:
@@ -360,8 +390,15 @@ class AiohttpEngine(Engine):
                 raise
             step = partial(result.resume, done)
 
-    async def _exchange(self, request: web.BaseRequest, target: str, decision: Decision, out: CIMultiDict[str],
-                        body: bytes | io.BytesIO | AsyncIterator[bytes] | None, t0: float) -> web.StreamResponse:
+    async def _exchange(
+        self,
+        request: web.BaseRequest,
+        target: str,
+        decision: Decision,
+        out: CIMultiDict[str],
+        body: bytes | io.BytesIO | AsyncIterator[bytes] | None,
+        t0: float,
+    ) -> web.StreamResponse:
         router = self.router
         dep = decision.deployment
         up = decision.upstream
@@ -373,44 +410,68 @@ class AiohttpEngine(Engine):
         try:
             async with asyncio.timeout(t.first_byte):
                 upstream = await self._session.request(
-                    request.method, url, headers=out, data=body, allow_redirects=False,
-                    skip_auto_headers=_SKIP_AUTO, compress=None, chunked=None,
+                    request.method,
+                    url,
+                    headers=out,
+                    data=body,
+                    allow_redirects=False,
+                    skip_auto_headers=_SKIP_AUTO,
+                    compress=None,
+                    chunked=None,
                     timeout=aiohttp.ClientTimeout(total=None, connect=t.connect, sock_read=t.idle),
                     # The deployment's TLS context; it is part of the pool key, like the server name.
-                    ssl=up.tls_context or True, server_hostname=up.server_hostname,
+                    ssl=up.tls_context or True,
+                    server_hostname=up.server_hostname,
                 )
         except _TooLarge:
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-            return self._error(errors.request_too_large(dep.name, dep.limits.max_body_bytes), dep.name,
-                               dep.mode_name, "body_too_large")
+            return self._error(
+                errors.request_too_large(dep.name, dep.limits.max_body_bytes), dep.name, dep.mode_name, "body_too_large"
+            )
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             connecting = isinstance(exc, aiohttp.ConnectionTimeoutError)
-            reason = "connect timed out" if connecting else \
-                f"no response data for {t.idle:g} s" if isinstance(exc, aiohttp.SocketTimeoutError) else \
-                f"no response within {t.first_byte:g} s"
-            return self._upstream_failed(decision, "timeout", errors.upstream_timeout(dep.name, up.index), reason,
-                                         connecting=connecting)
+            reason = (
+                "connect timed out"
+                if connecting
+                else f"no response data for {t.idle:g} s"
+                if isinstance(exc, aiohttp.SocketTimeoutError)
+                else f"no response within {t.first_byte:g} s"
+            )
+            return self._upstream_failed(
+                decision, "timeout", errors.upstream_timeout(dep.name, up.index), reason, connecting=connecting
+            )
         except aiohttp.ClientConnectorError as exc:
             router.upstream_unreachable(decision)
             reason = failure_reason(exc.os_error)
-            return self._upstream_failed(decision, "connect", errors.upstream_unreachable(
-                dep.name, up.index, reason), reason, connecting=True)
+            return self._upstream_failed(
+                decision, "connect", errors.upstream_unreachable(dep.name, up.index, reason), reason, connecting=True
+            )
         except aiohttp.ClientError as exc:
             if _caused_by(exc, _TooLarge):  # raised in the body iterator, wrapped by the client
                 router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-                return self._error(errors.request_too_large(dep.name, decision.max_body_bytes), dep.name,
-                                   dep.mode_name, "body_too_large")
+                return self._error(
+                    errors.request_too_large(dep.name, decision.max_body_bytes),
+                    dep.name,
+                    dep.mode_name,
+                    "body_too_large",
+                )
             if isinstance(exc.__cause__, ssl.SSLError):
                 # The upstream refused the TLS session before answering (a TLS 1.3 server checks
                 # the client's certificate after the client's side of the handshake): the request
                 # never reached the application, like a refused connect.
                 router.upstream_unreachable(decision)
                 reason = failure_reason(exc.__cause__)
-                return self._upstream_failed(decision, "connect", errors.upstream_unreachable(
-                    dep.name, up.index, reason), reason, connecting=True)
+                return self._upstream_failed(
+                    decision,
+                    "connect",
+                    errors.upstream_unreachable(dep.name, up.index, reason),
+                    reason,
+                    connecting=True,
+                )
             reason = _client_error_reason(exc)
-            return self._upstream_failed(decision, "protocol", errors.upstream_protocol_error(
-                dep.name, up.index, reason), reason)
+            return self._upstream_failed(
+                decision, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
+            )
         except asyncio.CancelledError:
             router.finish(decision, TurnOutcome.CLIENT_ABORTED)
             raise
@@ -418,14 +479,16 @@ class AiohttpEngine(Engine):
             # The sidecar never asks for a protocol switch: this upstream is broken.
             upstream.close()
             reason = "the response switches protocols"
-            return self._upstream_failed(decision, "protocol", errors.upstream_protocol_error(
-                dep.name, up.index, reason), reason)
+            return self._upstream_failed(
+                decision, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
+            )
         head_size = sum(len(k) + len(v) + 4 for k, v in upstream.raw_headers)
         if head_size > dep.limits.max_header_bytes:
             upstream.close()
             reason = f"response head larger than {dep.limits.max_header_bytes} bytes"
-            return self._upstream_failed(decision, "protocol", errors.upstream_protocol_error(
-                dep.name, up.index, reason), reason)
+            return self._upstream_failed(
+                decision, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
+            )
         if not self.health.settled:
             self.health.answered(dep, up)
         m.ttfb_hist(dep.name, dep.mode_name).observe(time.perf_counter() - t0)
@@ -433,8 +496,12 @@ class AiohttpEngine(Engine):
         try:
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             _copy_response_headers(upstream, resp)
-            if (request.version < (1, 1) and h.CONTENT_LENGTH not in resp.headers and request.method != "HEAD"
-                    and upstream.status not in (204, 304)):
+            if (
+                request.version < (1, 1)
+                and h.CONTENT_LENGTH not in resp.headers
+                and request.method != "HEAD"
+                and upstream.status not in (204, 304)
+            ):
                 resp.force_close()  # an unframed body to an HTTP/1.0 client ends with the connection
             if not self._keepalive:
                 resp.force_close()
@@ -458,8 +525,12 @@ class AiohttpEngine(Engine):
             kind = "timeout" if timeout else "reset"
             m.upstream_error(dep.name, kind).inc()
             router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-            self.upstream_failure(dep, up, kind, f"mid-response: idle for {t.idle:g} s" if timeout else
-                                  f"mid-response: {_client_error_reason(exc)}")
+            self.upstream_failure(
+                dep,
+                up,
+                kind,
+                f"mid-response: idle for {t.idle:g} s" if timeout else f"mid-response: {_client_error_reason(exc)}",
+            )
             if request.transport is not None:
                 request.transport.abort()
             raise _UpstreamCut from exc
@@ -469,8 +540,9 @@ class AiohttpEngine(Engine):
         router.finish(decision, TurnOutcome.COMPLETED if upstream.status < 500 else TurnOutcome.UPSTREAM_FAILED)
         return resp
 
-    def _upstream_failed(self, decision: Decision, kind: str, exc: errors.ProxyError, reason: str, *,
-                         connecting: bool = False) -> web.Response:
+    def _upstream_failed(
+        self, decision: Decision, kind: str, exc: errors.ProxyError, reason: str, *, connecting: bool = False
+    ) -> web.Response:
         dep = decision.deployment
         self.upstream_failure(dep, decision.upstream, kind, reason, connecting=connecting)
         self.metrics.upstream_error(dep.name, kind).inc()

@@ -62,8 +62,9 @@ class Engine(abc.ABC):
         self.health = health
         self.failures = UpstreamFailureLog()
 
-    def upstream_failure(self, dep: Deployment, up: Upstream, kind: str, reason: str, *,
-                         connecting: bool = False) -> None:
+    def upstream_failure(
+        self, dep: Deployment, up: Upstream, kind: str, reason: str, *, connecting: bool = False
+    ) -> None:
         """A request failed on the upstream side: log it (rate-limited); ``connecting``: no
         connection could be made, which also counts against the upstream's readiness.
         ``kind``: the ``sidecar_upstream_errors_total`` kind; ``reason``: client-safe, stable."""

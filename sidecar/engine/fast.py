@@ -73,9 +73,13 @@ class FastEngine(Engine):
         if poll_us:
             quota = cpu_quota()
             if quota is not None and quota < 1:
-                log.warning("idle polling is on (idle_poll_us %d) under a CPU quota of %.2g CPU: polling spends "
-                            "the quota, and the container is then throttled until the next period, which costs "
-                            "more latency than polling saves (idle_poll_us: 0 turns it off)", poll_us, quota)
+                log.warning(
+                    "idle polling is on (idle_poll_us %d) under a CPU quota of %.2g CPU: polling spends "
+                    "the quota, and the container is then throttled until the next period, which costs "
+                    "more latency than polling saves (idle_poll_us: 0 turns it off)",
+                    poll_us,
+                    quota,
+                )
         self.shared.poller = poller = IdlePoller(loop, poll_us / 1e6)
         self.metrics.watch_poller(poller)
         shared = self.shared
@@ -87,24 +91,35 @@ class FastEngine(Engine):
             for up in dep.upstreams:
                 key = (up.host, up.port, up.tls_context)
                 conns, head = limits.get(key, (0, 0))
-                limits[key] = (max(conns, dep.limits.max_connections_per_upstream),
-                               max(head, dep.limits.max_header_bytes))
+                limits[key] = (
+                    max(conns, dep.limits.max_connections_per_upstream),
+                    max(head, dep.limits.max_header_bytes),
+                )
         pools: dict[tuple[Any, ...], UpstreamPool] = {}
         for dep in self.router.deployments:
             for up in dep.upstreams:
                 key = (up.host, up.port, up.tls_context)
                 if key not in pools:
-                    pools[key] = UpstreamPool(loop, up.host, up.port, *limits[key], poller, up.tls_context,
-                                              up.server_hostname)
-                shared.upstreams[up.pool_key] = (pools[key], b" " + up.base_path.encode(),
-                                                 f" HTTP/1.1\r\n{h.HOST}: {up.host_header}\r\n".encode())
+                    pools[key] = UpstreamPool(
+                        loop, up.host, up.port, *limits[key], poller, up.tls_context, up.server_hostname
+                    )
+                shared.upstreams[up.pool_key] = (
+                    pools[key],
+                    b" " + up.base_path.encode(),
+                    f" HTTP/1.1\r\n{h.HOST}: {up.host_header}\r\n".encode(),
+                )
         self._pools = list(pools.values())
         listen = self.config.listen
         clients, max_head = self.clients, self.config.limits.max_header_bytes
         head_timeout = self.config.head_timeout_seconds
         self._server = await loop.create_server(
-            lambda: ClientConnection(shared, loop, clients, max_head, head_timeout), listen.host, listen.port,
-            backlog=1024, reuse_address=True)
+            # (a protocol by its methods: compiled, it cannot subclass asyncio.Protocol)
+            lambda: ClientConnection(shared, loop, clients, max_head, head_timeout),  # type: ignore[arg-type,return-value]
+            listen.host,
+            listen.port,
+            backlog=1024,
+            reuse_address=True,
+        )
         self._port = int(self._server.sockets[0].getsockname()[1])
 
     @property
@@ -134,7 +149,7 @@ class FastEngine(Engine):
             shared.drained = drained = self.loop.create_future()
             try:
                 await asyncio.wait_for(asyncio.shield(drained), grace)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("drain grace expired with %d requests in flight", shared.in_flight)
 
     async def close(self) -> None:

@@ -43,19 +43,34 @@ LINGER_SECONDS = 2.0
 _INF = float("inf")
 _HOST_FACTS = HOST_SEEN | HOST_REPEATED | HOST_INVALID
 # Request headers whose presence takes the head checks and the forwarding off the fast path.
-_SPECIAL = name_table(frozenset({wire.CONNECTION, wire.TRANSFER_ENCODING, wire.EXPECT, wire.UPGRADE, wire.XFF,
-                                 wire.XFP}))
+_SPECIAL = name_table(
+    frozenset({wire.CONNECTION, wire.TRANSFER_ENCODING, wire.EXPECT, wire.UPGRADE, wire.XFF, wire.XFP})
+)
 
 
 class ClientConnection(ClientSide):
     """One client connection: parses requests, answers them in order (an asyncio protocol by
     duck typing: compiled, it is an extension type, which cannot derive from ``asyncio.Protocol``)."""
 
-    __slots__ = ("clients", "parser", "transport", "queue", "cur", "max_head", "stopped", "closing", "advancing",
-                 "idle_since", "timer", "head_since", "head_timeout")
+    __slots__ = (
+        "clients",
+        "parser",
+        "transport",
+        "queue",
+        "cur",
+        "max_head",
+        "stopped",
+        "closing",
+        "advancing",
+        "idle_since",
+        "timer",
+        "head_since",
+        "head_timeout",
+    )
 
-    def __init__(self, shared: Shared, loop: asyncio.AbstractEventLoop, clients: set[Any], max_head: int,
-                 head_timeout: float) -> None:
+    def __init__(
+        self, shared: Shared, loop: asyncio.AbstractEventLoop, clients: set[Any], max_head: int, head_timeout: float
+    ) -> None:
         super().__init__(shared, loop)
         self.clients = clients  # the engine's open connections: in it from connection_made to connection_lost
         self.max_head = max_head
@@ -137,16 +152,24 @@ class ClientConnection(ClientSide):
 
     # -- parser callbacks (see sidecar.engine.parsers) --------------------------------
 
-    def on_head(self, raw: bytes, first: int, end: int, method: bytes, target: bytes, version: int,
-                keep_alive: bool, length: int) -> None:
+    def on_head(
+        self,
+        raw: bytes,
+        first: int,
+        end: int,
+        method: bytes,
+        target: bytes,
+        version: int,
+        keep_alive: bool,
+        length: int,
+    ) -> None:
         ex = Exchange(self, raw, first, end, method, target, keep_alive, length)
         facts = scan_request(raw, first, end, _SPECIAL)
         ex.special = special = facts & LISTED != 0
         # Without a Connection header (``special`` covers it), llhttp keeps a request alive only
         # for HTTP/1.1 (major and minor both > 0; it rejects versions other than 0.9, 1.0, 1.1
         # and 2.0): the common case (one valid Host, origin-form) needs no further check.
-        if not keep_alive or special or facts & _HOST_FACTS != HOST_SEEN or target[:1] != b"/" \
-                or method == b"CONNECT":
+        if not keep_alive or special or facts & _HOST_FACTS != HOST_SEEN or target[:1] != b"/" or method == b"CONNECT":
             ex.check_head(version, facts)
         queue = self.queue
         waits = bool(queue)  # an earlier request is still in progress
@@ -313,8 +336,10 @@ class ClientConnection(ClientSide):
             head_since = self.head_since
             if head_since and now - head_since >= self.head_timeout:
                 self.head_since = 0.0
-                self._refuse(errors.request_timeout(
-                    f"the request head did not arrive within {self.head_timeout:g} s"), errors.REQUEST_TIMEOUT)
+                self._refuse(
+                    errors.request_timeout(f"the request head did not arrive within {self.head_timeout:g} s"),
+                    errors.REQUEST_TIMEOUT,
+                )
                 self.advance()
                 return
             if now - self.idle_since >= KEEPALIVE_TIMEOUT:

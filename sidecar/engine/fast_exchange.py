@@ -48,9 +48,10 @@ from time import perf_counter
 from typing import Any
 
 from sidecar import errors
+from sidecar.context import TurnOutcome
 from sidecar.engine import wire
 from sidecar.engine.fast_upstream import UpstreamConnection, UpstreamPool
-from sidecar.engine.flow import PEER_FULL, WAITING, ReadFlow
+from sidecar.engine.flow import PEER_FULL, WAITING
 from sidecar.engine.head import (
     HAS_CONTENT_LENGTH,
     HAS_TRANSFER_ENCODING,
@@ -70,8 +71,7 @@ from sidecar.engine.head import (
     token_set,
 )
 from sidecar.engine.idle_poll import IdlePoller
-from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW, LENGTH, BodyRelay, ClientOutput
-from sidecar.context import TurnOutcome
+from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW, LENGTH, BodyRelay
 from sidecar.router import BodyWork, Decision, RequestHead, Router
 from sidecar.state import LoadNeeded
 
@@ -118,8 +118,18 @@ class Shared:
     """What every connection of one engine reads or updates per request, in one typed object
     (compiled, a struct: the engine itself is a Python class, whose attributes cost a lookup each)."""
 
-    __slots__ = ("engine", "router", "upstreams", "drops", "gauge", "health", "in_flight", "draining", "drained",
-                 "poller")
+    __slots__ = (
+        "engine",
+        "router",
+        "upstreams",
+        "drops",
+        "gauge",
+        "health",
+        "in_flight",
+        "draining",
+        "drained",
+        "poller",
+    )
 
     def __init__(self, engine: Any, router: Router, gauge: Any, health: Any) -> None:
         self.engine = engine  # the FastEngine: metrics, failure log, loop, body pool (rare paths)
@@ -132,7 +142,7 @@ class Shared:
         self.in_flight = 0
         self.draining = False
         self.drained: asyncio.Future[None] | None = None  # set while a drain waits for in_flight == 0
-        self.poller: IdlePoller | None = None  # set when the engine starts; told of every read
+        self.poller: IdlePoller = None  # type: ignore[assignment]  # set when the engine starts, before any read
 
     def request_started(self) -> None:
         self.in_flight += 1
@@ -193,13 +203,54 @@ class ClientSide:
 class Exchange:
     """One request/response: routed, forwarded, relayed, ended exactly once (module docstring)."""
 
-    __slots__ = ("client", "shared", "method", "target", "raw", "first", "end", "special", "http10", "keep_alive",
-                 "length", "chunked", "expect", "conn_tokens", "error", "body", "body_size", "complete", "state",
-                 "decision", "t0", "limit", "head", "frame_chunked", "conn", "connect_timeout", "first_byte_timeout",
-                 "idle_timeout", "last_io", "seen_reads", "resp_status", "resp_head", "head_at", "close_after")
+    __slots__ = (
+        "client",
+        "shared",
+        "method",
+        "target",
+        "raw",
+        "first",
+        "end",
+        "special",
+        "http10",
+        "keep_alive",
+        "length",
+        "chunked",
+        "expect",
+        "conn_tokens",
+        "error",
+        "body",
+        "body_size",
+        "complete",
+        "state",
+        "decision",
+        "t0",
+        "limit",
+        "head",
+        "frame_chunked",
+        "conn",
+        "connect_timeout",
+        "first_byte_timeout",
+        "idle_timeout",
+        "last_io",
+        "seen_reads",
+        "resp_status",
+        "resp_head",
+        "head_at",
+        "close_after",
+    )
 
-    def __init__(self, client: ClientSide, raw: bytes, first: int, end: int, method: bytes, target: bytes,
-                 keep_alive: bool, length: int) -> None:
+    def __init__(
+        self,
+        client: ClientSide,
+        raw: bytes,
+        first: int,
+        end: int,
+        method: bytes,
+        target: bytes,
+        keep_alive: bool,
+        length: int,
+    ) -> None:
         self.client = client
         self.shared = client.shared
         self.method = method
@@ -252,9 +303,13 @@ class Exchange:
             return
         # RFC 9112 3.2: one valid Host, required in HTTP/1.1.
         if facts & HOST_REPEATED or facts & HOST_INVALID or not (facts & HOST_SEEN or self.http10):
-            problem = "more than one Host header" if facts & HOST_REPEATED else \
-                "invalid Host header (uri-host[:port] expected)" if facts & HOST_INVALID else \
-                "missing Host header (required in HTTP/1.1)"
+            problem = (
+                "more than one Host header"
+                if facts & HOST_REPEATED
+                else "invalid Host header (uri-host[:port] expected)"
+                if facts & HOST_INVALID
+                else "missing Host header (required in HTTP/1.1)"
+            )
             self.error = (errors.bad_request(problem), "bad_request")
             return
         connection = header_values(raw, first, end, wire.CONNECTION_B, False)
@@ -263,8 +318,10 @@ class Exchange:
         te = header_values(raw, first, end, wire.TRANSFER_ENCODING_B, False)
         if te:
             if self.http10 or len(te) > 1 or te[0].strip().lower() != b"chunked":
-                self.error = (errors.bad_request("unsupported Transfer-Encoding (only chunked, on HTTP/1.1)"),
-                              "bad_request")
+                self.error = (
+                    errors.bad_request("unsupported Transfer-Encoding (only chunked, on HTTP/1.1)"),
+                    "bad_request",
+                )
                 return
             self.chunked = True
         if "upgrade" in self.conn_tokens and has_header(raw, first, end, wire.UPGRADE_B):
@@ -275,8 +332,10 @@ class Exchange:
             if origin is not None:
                 self.target = origin
         if self.method == b"CONNECT" or not self.target.startswith(b"/"):
-            self.error = (errors.bad_request("request target must be origin-form (/path) or absolute-form "
-                                             "(http://host/path)"), "bad_request")
+            self.error = (
+                errors.bad_request("request target must be origin-form (/path) or absolute-form (http://host/path)"),
+                "bad_request",
+            )
             return
         expect = first_value(raw, first, end, wire.EXPECT_B)
         self.expect = expect is not None and expect.lower() == b"100-continue"
@@ -302,10 +361,14 @@ class Exchange:
         router = self.shared.router
         method = self.method
         try:
-            decision = router.route(RequestHead(wire.METHODS[method] if method in wire.METHODS
-                                                else method.decode("latin-1"),
-                                                self.target.decode("utf-8", "surrogateescape"),
-                                                header_map(self.raw, self.first, self.end)), loaded)
+            decision = router.route(
+                RequestHead(
+                    wire.METHODS[method] if method in wire.METHODS else method.decode("latin-1"),
+                    self.target.decode("utf-8", "surrogateescape"),
+                    header_map(self.raw, self.first, self.end),
+                ),
+                loaded,
+            )
         except errors.ProxyError as exc:
             self.respond_error(exc, router.default.name, router.default.mode_name, exc.type)
             return
@@ -319,8 +382,8 @@ class Exchange:
             self._finish_turn(_UPSTREAM_FAILED)
             # A declared length whose body is already parsed leaves nothing to skip: keep the
             # connection. A chunked body over the limit, or one still arriving, ends it.
-            exc = errors.request_too_large(dep.name, limit, decision.needs_body)
-            self.respond_error(exc, dep.name, dep.mode_name, "body_too_large", close=self.chunked or not self.complete)
+            err = errors.request_too_large(dep.name, limit, decision.needs_body)
+            self.respond_error(err, dep.name, dep.mode_name, "body_too_large", close=self.chunked or not self.complete)
             return
         if self.expect and not self.complete and not self.http10:
             self.client.output.parts.append(wire.CONTINUE)
@@ -404,8 +467,11 @@ class Exchange:
         else:
             parts.append(client.xff_xfp)
         for name, value in add:
-            parts += ((_ADD_NAMES[name] if name in _ADD_NAMES else _add_name(name))[1],
-                      value.encode("utf-8", "surrogateescape"), b"\r\n")
+            parts += (
+                (_ADD_NAMES[name] if name in _ADD_NAMES else _add_name(name))[1],
+                value.encode("utf-8", "surrogateescape"),
+                b"\r\n",
+            )
         # The framing, from what the parser found (never from the client's header lines).
         if length >= 0:
             parts += (wire.CL_LINE, b"%d" % length, b"\r\n\r\n")
@@ -495,7 +561,9 @@ class Exchange:
         raw = body[0] if len(body) == 1 else list(body)  # a large body is joined off the loop
         body.clear()
         try:
-            self._body_ready(self.shared.router.transform_body(self.decision, raw, self.body_size))
+            decision = self.decision
+            assert decision is not None
+            self._body_ready(self.shared.router.transform_body(decision, raw, self.body_size))
         except LoadNeeded as need:
             self._load(need.identity, need.resume)
         except Exception as exc:
@@ -505,7 +573,7 @@ class Exchange:
         """Forward what the router's complete decision says (it replaces the provisional one),
         or run its body work (a large body) on a worker thread: a future whose callback comes
         back here, on the loop."""
-        if type(result) is not BodyWork:
+        if isinstance(result, Decision):
             self.decision = decision = result
             body = decision.body
             assert body is not None
@@ -636,8 +704,7 @@ class Exchange:
         else:
             self.client.flow.resume(PEER_FULL)
 
-    def response_head(self, status: int, raw: bytes, start: int, first: int, end: int,
-                      now: float) -> BodyRelay | None:
+    def response_head(self, status: int, raw: bytes, start: int, first: int, end: int, now: float) -> BodyRelay | None:
         """The upstream's final response head (status line at ``raw[start:first]``, header block
         ``raw[first:end]``): put the client's head in its output and return the relay of the body
         (None: no body). Flattened: once per request; the router hears of the head in
@@ -650,9 +717,13 @@ class Exchange:
         http10 = self.http10
         output = client.output
         out = output.parts
-        out += (wire.HTTP10 if http10 else wire.HTTP11,
-                wire.STATUS_CODE[status] if status in wire.STATUS_CODE else b"%d" % status, b" ",
-                reason_phrase(raw, start, first), b"\r\n")
+        out += (
+            wire.HTTP10 if http10 else wire.HTTP11,
+            wire.STATUS_CODE[status] if status in wire.STATUS_CODE else b"%d" % status,
+            b" ",
+            reason_phrase(raw, start, first),
+            b"\r\n",
+        )
         mark = len(out)
         framing = relay_block(raw, first, end, out, None)  # the header lines minus hop-by-hop ones
         if framing & NAMES_HEADERS:  # not the usual single "keep-alive" or "close"
@@ -664,15 +735,20 @@ class Exchange:
         elif framing & (HAS_CONTENT_LENGTH | HAS_TRANSFER_ENCODING) == HAS_CONTENT_LENGTH:
             mode = LENGTH
             length = int(first_value(raw, first, end, _CONTENT_LENGTH_B) or 0)  # (llhttp checked it)
-        elif framing & HAS_TRANSFER_ENCODING and b",".join(header_values(
-                raw, first, end, wire.TRANSFER_ENCODING_B, False)).rsplit(b",", 1)[-1].strip().lower() == b"chunked":
+        elif (
+            framing & HAS_TRANSFER_ENCODING
+            and b",".join(header_values(raw, first, end, wire.TRANSFER_ENCODING_B, False))
+            .rsplit(b",", 1)[-1]
+            .strip()
+            .lower()
+            == b"chunked"
+        ):
             mode = DECHUNK if http10 else CHUNKED
         else:  # delimited by the upstream's close
             mode = EOF_RAW if http10 else EOF_CHUNKED
         if mode == CHUNKED or mode == EOF_CHUNKED:
             out.append(wire.CHUNKED_LINE)
-        if not (self.keep_alive and self.complete and mode != DECHUNK and mode != EOF_RAW
-                and not self.shared.draining):
+        if not (self.keep_alive and self.complete and mode != DECHUNK and mode != EOF_RAW and not self.shared.draining):
             if not http10:  # closing is HTTP/1.0's default
                 out.append(wire.CLOSE_LINE)
             self.close_after = True
@@ -764,8 +840,13 @@ class Exchange:
         dep, up = decision.deployment, decision.upstream
         if self.state == BUFFERING:  # the client stopped sending the body a mode reads
             self._finish_turn(_CLIENT_ABORTED)
-            self.respond_error(errors.request_timeout(f"the request body stalled (deployment {dep.name!r})"),
-                               dep.name, dep.mode_name, errors.REQUEST_TIMEOUT, close=True)
+            self.respond_error(
+                errors.request_timeout(f"the request body stalled (deployment {dep.name!r})"),
+                dep.name,
+                dep.mode_name,
+                errors.REQUEST_TIMEOUT,
+                close=True,
+            )
             return
         if not self.resp_status:
             reason = f"no response within {self.first_byte_timeout:g} s"
@@ -788,8 +869,9 @@ class Exchange:
         engine.upstream_failure(dep, decision.upstream, kind, message)
         self._end(ABORT)
 
-    def respond_error(self, exc: errors.ProxyError, dep_name: str, mode_name: str, reason: str | None,
-                      close: bool = False) -> None:
+    def respond_error(
+        self, exc: errors.ProxyError, dep_name: str, mode_name: str, reason: str | None, close: bool = False
+    ) -> None:
         """Answer with the JSON error and end (the router's turn, if any, is already finished)."""
         metrics = self.shared.engine.metrics
         metrics.request_counter(dep_name, mode_name, f"{exc.status // 100}xx").inc()
@@ -852,7 +934,9 @@ class Exchange:
         not heard of yet, if any."""
         if self.resp_head is not None:
             self.head_sent()
-        self.shared.router.finish(self.decision, outcome)
+        decision = self.decision
+        assert decision is not None  # every exchange that ends a turn was routed
+        self.shared.router.finish(decision, outcome)
 
     def _end(self, close: int) -> None:
         """The exchange is over: every end goes through here, exactly once. An upstream

@@ -77,12 +77,14 @@ class Exchange(Protocol):
     def connect_failed(self, kind: str, exc: BaseException) -> None:
         """No connection: ``kind`` is ``timeout``, ``connect``, or ``tls`` (the upstream refused
         the TLS session on a connection that was already bound to the exchange)."""
+
     def peer_full(self, full: bool) -> None: ...
-    def response_head(self, status: int, raw: bytes, start: int, first: int, end: int,
-                      now: float) -> BodyRelay | None:
+    def response_head(self, status: int, raw: bytes, start: int, first: int, end: int, now: float) -> BodyRelay | None:
         """The final response head; the relay its body goes through, or None when it has none."""
+
     def head_sent(self) -> None:
         """The head went to the client (it may hear of it later, at the latest on its end)."""
+
     def response_end(self, now: float) -> None: ...
     def upstream_failed(self, message: str) -> None: ...
 
@@ -91,9 +93,28 @@ class UpstreamConnection:
     """One keep-alive connection to an upstream; relays one response at a time to its exchange
     (an asyncio protocol by duck typing, like :class:`sidecar.engine.fast_connection.ClientConnection`)."""
 
-    __slots__ = ("pool", "transport", "flow", "parser", "ex", "lost", "counted", "_poll", "pieces", "raw_at",
-                 "scan_at", "fed", "head_done", "relay", "keep_alive", "reusable", "sent_all", "write_paused",
-                 "idle_since", "fresh")
+    __slots__ = (
+        "pool",
+        "transport",
+        "flow",
+        "parser",
+        "ex",
+        "lost",
+        "counted",
+        "_poll",
+        "pieces",
+        "raw_at",
+        "scan_at",
+        "fed",
+        "head_done",
+        "relay",
+        "keep_alive",
+        "reusable",
+        "sent_all",
+        "write_paused",
+        "idle_since",
+        "fresh",
+    )
 
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
@@ -155,8 +176,9 @@ class UpstreamConnection:
             return
         self._unbind()
         if exc is None:
-            ex.upstream_failed("the upstream closed the connection" +
-                               ("" if relay is not None else " before responding"))
+            ex.upstream_failed(
+                "the upstream closed the connection" + ("" if relay is not None else " before responding")
+            )
         elif self.fresh and relay is None and isinstance(exc, ssl.SSLError):
             # A TLS 1.3 server checks the client's certificate after the client's side of the
             # handshake is done, and refuses with an alert the client reads only now: the
@@ -189,8 +211,13 @@ class UpstreamConnection:
     def usable(self, now: float) -> bool:
         """Still open, and nothing (FIN or stray bytes) arrived while it sat in the pool (the
         socket is polled only after :data:`STALE_CHECK_AFTER` of idleness)."""
-        return not self.lost and not self.transport.is_closing() and (  # type: ignore[union-attr]
-            now - self.idle_since < STALE_CHECK_AFTER or not self._poll.poll(0))
+        transport = self.transport
+        assert transport is not None  # pooled connections are connected
+        return (
+            not self.lost
+            and not transport.is_closing()
+            and (now - self.idle_since < STALE_CHECK_AFTER or not self._poll.poll(0))
+        )
 
     def send(self, data: bytes, last: bool) -> None:
         """Write request bytes (``last``: the request is complete with them)."""
@@ -241,7 +268,7 @@ class UpstreamConnection:
                 self.parser = parser = ResponseParser(self)
             self.head_done = False
             try:
-                parser.feed_data(raw[self.fed:stop] if self.fed or stop < len(raw) else raw)
+                parser.feed_data(raw[self.fed : stop] if self.fed or stop < len(raw) else raw)
             except ParseError as exc:
                 self._fail(f"invalid response: {exc}")
                 return
@@ -333,11 +360,33 @@ class UpstreamConnection:
 class UpstreamPool:
     """Keep-alive connections to one upstream ``host:port``, at most ``limit`` of them."""
 
-    __slots__ = ("loop", "host", "port", "tls", "server_hostname", "limit", "max_head", "idle", "waiters", "total",
-                 "tasks", "closed", "poller")
+    __slots__ = (
+        "loop",
+        "host",
+        "port",
+        "tls",
+        "server_hostname",
+        "limit",
+        "max_head",
+        "idle",
+        "waiters",
+        "total",
+        "tasks",
+        "closed",
+        "poller",
+    )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int, limit: int, max_head: int,
-                 poller: IdlePoller, tls: ssl.SSLContext | None = None, server_hostname: str | None = None) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        host: str,
+        port: int,
+        limit: int,
+        max_head: int,
+        poller: IdlePoller,
+        tls: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+    ) -> None:
         self.loop = loop
         self.poller = poller  # told of every read (see sidecar.engine.idle_poll)
         self.host = host
@@ -432,12 +481,18 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(ex.connect_timeout):
                 if self.tls is None:
-                    _, conn = await self.loop.create_connection(lambda: UpstreamConnection(self), self.host,
-                                                                self.port)
+                    # (a protocol by its methods: compiled, it cannot subclass asyncio.Protocol)
+                    _, conn = await self.loop.create_connection(  # type: ignore[type-var]
+                        lambda: UpstreamConnection(self), self.host, self.port
+                    )
                 else:
-                    _, conn = await self.loop.create_connection(
-                        lambda: UpstreamConnection(self), self.host, self.port, ssl=self.tls,
-                        server_hostname=self.server_hostname or self.host)
+                    _, conn = await self.loop.create_connection(  # type: ignore[type-var]
+                        lambda: UpstreamConnection(self),
+                        self.host,
+                        self.port,
+                        ssl=self.tls,
+                        server_hostname=self.server_hostname or self.host,
+                    )
         except TimeoutError as exc:
             self.total -= 1
             ex.connect_failed("timeout", exc)

@@ -47,8 +47,13 @@ MAX_KEYS = 1024
 def _classes() -> list[tuple[tuple[bytes, int], ...]]:
     """The classified names (lower-case bytes) by length: ``_BY_LENGTH[len(name)]``."""
     bits = {n: HAS_HOP for n in h.HOP_BY_HOP}
-    bits.update({h.CONNECTION.lower(): HAS_CONNECTION, h.TRANSFER_ENCODING.lower(): HAS_TRANSFER_ENCODING,
-                 h.CONTENT_LENGTH.lower(): HAS_CONTENT_LENGTH})
+    bits.update(
+        {
+            h.CONNECTION.lower(): HAS_CONNECTION,
+            h.TRANSFER_ENCODING.lower(): HAS_TRANSFER_ENCODING,
+            h.CONTENT_LENGTH.lower(): HAS_CONTENT_LENGTH,
+        }
+    )
     by_length: list[tuple[tuple[bytes, int], ...]] = [() for _ in range(max(map(len, bits)) + 1)]
     for name, bit in bits.items():
         by_length[len(name)] += ((name.encode(), bit),)
@@ -156,7 +161,7 @@ def locate(raw: bytes, at: int) -> tuple[int, int, int]:
 def reason_phrase(raw: bytes, start: int, first: int) -> bytes:
     """The reason phrase of the status line ``raw[start:first]`` (llhttp checked its form:
     ``<version> SP <3 digits> [SP reason] CRLF``)."""
-    return raw[_find(raw, 32, start, first) + 5:first - 2]
+    return raw[_find(raw, 32, start, first) + 5 : first - 2]
 
 
 def relay_block(raw: bytes, first: int, end: int, out: list[bytes], extra: set[str] | None) -> int:
@@ -210,7 +215,7 @@ def header_values(raw: bytes, first: int, end: int, lower: bytes, first_only: bo
     out: list[bytes] = []
     v, eol = _next_value(raw, first, end, lower)
     while v >= 0:
-        out.append(raw[v:eol - 1])
+        out.append(raw[v : eol - 1])
         if first_only:
             break
         v, eol = _next_value(raw, eol + 1, end, lower)
@@ -222,7 +227,7 @@ def first_value(raw: bytes, first: int, end: int, lower: bytes) -> bytes | None:
     None without one."""
     first, end = _clamp(raw, first, end)  # (the C scans index without bounds checks)
     v, eol = _next_value(raw, first, end, lower)
-    return raw[v:eol - 1] if v >= 0 else None
+    return raw[v : eol - 1] if v >= 0 else None
 
 
 def name_table(names: frozenset[str]) -> tuple[tuple[bytes, ...], ...]:
@@ -389,8 +394,7 @@ def _relay_block_py(raw: bytes, first: int, end: int, out: list[bytes], extra: s
         colon = line.find(b":")
         name = line[:colon].lower()
         cls = _CLASS_OF.get(name, 0)
-        if cls == HAS_CONNECTION and (bits & HAS_CONNECTION or
-                                      line[colon + 1:].lstrip(b" \t").lower() not in _PLAIN):
+        if cls == HAS_CONNECTION and (bits & HAS_CONNECTION or line[colon + 1 :].lstrip(b" \t").lower() not in _PLAIN):
             bits |= NAMES_HEADERS
         bits |= cls
         nxt = at + len(line) + 2
@@ -405,7 +409,7 @@ def _copy_block_py(raw: bytes, first: int, end: int, out: list[bytes], table: tu
     dropped = []
     at = first
     for line in raw[first:end].split(b"\r\n")[:-1]:
-        name = line[:line.find(b":")].lower()
+        name = line[: line.find(b":")].lower()
         nxt = at + len(line) + 2
         if len(name) < len(table) and name in table[len(name)]:
             dropped.append((at, nxt))
@@ -431,7 +435,7 @@ def _scan_request_py(raw: bytes, first: int, end: int, table: tuple[tuple[bytes,
         name = line[:colon].lower()
         if name == _HOST:
             bits |= HOST_REPEATED if bits & HOST_SEEN else HOST_SEEN
-            value = line[colon + 1:].lstrip(b" \t")
+            value = line[colon + 1 :].lstrip(b" \t")
             if not valid_host(value, 0, len(value)):
                 bits |= HOST_INVALID
         elif len(name) < len(table) and name in table[len(name)]:
@@ -452,7 +456,7 @@ def _header_values_py(raw: bytes, first: int, end: int, lower: bytes, first_only
     i = lowered.find(key)
     while i >= 0:
         if i == 0 or lowered[i - 1] == 10:  # at a line start (values hold no LF)
-            out.append(block[i + len(key):block.find(b"\r\n", i)].lstrip(b" \t"))
+            out.append(block[i + len(key) : block.find(b"\r\n", i)].lstrip(b" \t"))
             if first_only:
                 break
         i = lowered.find(key, i + 1)

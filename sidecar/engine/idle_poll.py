@@ -45,8 +45,20 @@ class IdlePoller:
     less than ``window`` apart and the loop spends at least :data:`MIN_BUSY` of its polling time
     on work. The engine calls :meth:`note` on every read; ``window`` 0 never polls."""
 
-    __slots__ = ("loop", "window", "last", "running", "stopped", "busy_from", "busy", "polled", "since",
-                 "resume_at", "total", "_tick_cb")
+    __slots__ = (
+        "loop",
+        "window",
+        "last",
+        "running",
+        "stopped",
+        "busy_from",
+        "busy",
+        "polled",
+        "since",
+        "resume_at",
+        "total",
+        "_tick_cb",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, window: float) -> None:
         self.loop = loop

@@ -54,8 +54,19 @@ _CONTENT_LENGTH = b"content-length"
 class HttptoolsParser:
     """The pure-Python build's request parser: httptools, with one callback per header."""
 
-    __slots__ = ("parser", "on_head", "on_body", "on_message_complete", "max_head", "in_head", "target", "lines",
-                 "length", "size", "fed")
+    __slots__ = (
+        "parser",
+        "on_head",
+        "on_body",
+        "on_message_complete",
+        "max_head",
+        "in_head",
+        "target",
+        "lines",
+        "length",
+        "size",
+        "fed",
+    )
 
     def __init__(self, owner: Any, max_head: int) -> None:
         self.on_head = owner.on_head
@@ -121,8 +132,16 @@ class HttptoolsParser:
         raw = b"".join(self.lines)
         parser = self.parser
         major, _, minor = parser.get_http_version().partition(".")
-        self.on_head(raw, 0, len(raw), parser.get_method(), self.target, int(major) * 10 + int(minor),
-                     parser.should_keep_alive(), self.length)
+        self.on_head(
+            raw,
+            0,
+            len(raw),
+            parser.get_method(),
+            self.target,
+            int(major) * 10 + int(minor),
+            parser.should_keep_alive(),
+            self.length,
+        )
 
 
 class HttptoolsResponseParser:

@@ -139,7 +139,7 @@ class BodyRelay:
                 if take > left:
                     take = left
                 if not through:
-                    out.append(data[pos:pos + take])
+                    out.append(data[pos : pos + take])
                 pos += take
                 left -= take
                 if left == 0:

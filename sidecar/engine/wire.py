@@ -60,8 +60,13 @@ def error_response(exc: errors.ProxyError, http10: bool, keep_alive: bool, head_
     """The complete JSON error answer for ``exc`` (its status and body; no body for HEAD), framed
     for the client's HTTP version and saying whether the connection stays open."""
     body = exc.body()
-    parts = [HTTP10 if http10 else HTTP11, STATUS_LINE.get(exc.status) or b"%d Error\r\n" % exc.status,
-             JSON_HEAD, b"%d" % len(body), b"\r\n"]
+    parts = [
+        HTTP10 if http10 else HTTP11,
+        STATUS_LINE.get(exc.status) or b"%d Error\r\n" % exc.status,
+        JSON_HEAD,
+        b"%d" % len(body),
+        b"\r\n",
+    ]
     if not keep_alive:
         if not http10:  # closing is HTTP/1.0's default
             parts.append(CLOSE_LINE)

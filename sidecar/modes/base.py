@@ -145,8 +145,9 @@ def check_contract(cls: type) -> type[Mode]:
     if hooks and not cls.mutates_body:
         raise ModeContractError(f"mode {cls.name!r} overrides {hooks[0]} but does not declare mutates_body = True")
     if cls.mutates_body and not hooks:
-        raise ModeContractError(f"mode {cls.name!r} declares mutates_body = True but does not override "
-                                "body_patch or transform_body")
+        raise ModeContractError(
+            f"mode {cls.name!r} declares mutates_body = True but does not override body_patch or transform_body"
+        )
     if len(hooks) > 1:
         raise ModeContractError(f"mode {cls.name!r} overrides both body_patch and transform_body: implement one")
     if not (isinstance(cls.Options, type) and issubclass(cls.Options, BaseModel)):

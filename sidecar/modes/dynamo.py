@@ -81,14 +81,17 @@ class DynamoHeaders(Mode):
             session = fit_id(session, DYNAMO_MAX_ID_BYTES)
         if ctx.parent is None:
             return ((h.X_DYNAMO_SESSION_ID, session),)
-        return ((h.X_DYNAMO_SESSION_ID, session),
-                (h.X_DYNAMO_PARENT_SESSION_ID, fit_id(ctx.parent, DYNAMO_MAX_ID_BYTES)))
+        return (
+            (h.X_DYNAMO_SESSION_ID, session),
+            (h.X_DYNAMO_PARENT_SESSION_ID, fit_id(ctx.parent, DYNAMO_MAX_ID_BYTES)),
+        )
 
 
 class NvextOptions(Scoped):
     timeout_seconds: Seconds = Field(300, description="affinity timeout sent with bind/open, seconds >= 1")
     protocol: Annotated[Literal["bind", "open"], BeforeValidator(canonical_word)] = Field(
-        "bind", description="bind: bind/close on every turn; open: open/-/close (Dynamo <= 1.2.x)")
+        "bind", description="bind: bind/close on every turn; open: open/-/close (Dynamo <= 1.2.x)"
+    )
 
 
 class DynamoNvext(Mode):

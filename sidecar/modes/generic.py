@@ -53,8 +53,7 @@ class IdentityHeadersOptions(BaseModel):
     session: HeaderNames = Field(default_factory=list, description="headers carrying the session id")
     parent: HeaderNames = Field(default_factory=list, description="headers carrying the parent id (children only)")
     # validate_default: the "at least one name" rule must run even when `root` is not given.
-    root: HeaderNames = Field(default_factory=list, validate_default=True,
-                              description="headers carrying the root id")
+    root: HeaderNames = Field(default_factory=list, validate_default=True, description="headers carrying the root id")
 
     @field_validator("session", "parent", "root")
     @classmethod

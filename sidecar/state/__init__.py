@@ -83,4 +83,3 @@ class SessionState:
 
 class MemoryState(SessionState):
     """Sessions in this process only (``state.url: memory://``)."""
-

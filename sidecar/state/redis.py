@@ -82,8 +82,9 @@ class _Written:
 
     __slots__ = ("node", "full", "turns", "in_flight", "flags", "created", "mode", "workers")
 
-    def __init__(self, node: Any, full: bool, turns: int, in_flight: int, flags: int, created: bool,
-                 mode: bool, workers: bool) -> None:
+    def __init__(
+        self, node: Any, full: bool, turns: int, in_flight: int, flags: int, created: bool, mode: bool, workers: bool
+    ) -> None:
         self.node, self.full, self.turns, self.in_flight, self.flags = node, full, turns, in_flight, flags
         self.created, self.mode, self.workers = created, mode, workers
 
@@ -93,8 +94,9 @@ class RedisState(SessionState):
 
     shared = True
 
-    def __init__(self, config: Config, metrics: Metrics, tree: SessionTree, api: SessionStore,
-                 *, clock: Any = time.time) -> None:
+    def __init__(
+        self, config: Config, metrics: Metrics, tree: SessionTree, api: SessionStore, *, clock: Any = time.time
+    ) -> None:
         super().__init__()
         sc = config.state
         self.config = sc
@@ -163,15 +165,18 @@ class RedisState(SessionState):
         except (RedisError, OSError, TimeoutError) as exc:
             if self.config.required:
                 await self.client.aclose()
-                raise StoreUnavailable(f"state.url: the shared store is unreachable ({_reason(exc)}) and "
-                                       "state.required is true") from None
+                raise StoreUnavailable(
+                    f"state.url: the shared store is unreachable ({_reason(exc)}) and state.required is true"
+                ) from None
             self._failed("start", exc)
         else:
             self._set_up(True)
             log.info("shared session store connected", extra={"replica": self.replica, "prefix": self.prefix})
         loop = self._loop
-        self._tasks = [loop.create_task(self._flusher(), name="sidecar-state-flush"),
-                       loop.create_task(self._listener(), name="sidecar-state-events")]
+        self._tasks = [
+            loop.create_task(self._flusher(), name="sidecar-state-flush"),
+            loop.create_task(self._listener(), name="sidecar-state-events"),
+        ]
 
     async def stop(self) -> None:
         # The loops also check the flag: a cancellation that lands while a store call times out
@@ -195,9 +200,14 @@ class RedisState(SessionState):
     def _connect(self) -> aioredis.Redis:
         sc = self.config
         # No retries inside the client: a failure reaches the breaker at once.
-        kwargs: dict[str, Any] = {"socket_timeout": self.timeout, "socket_connect_timeout": self.timeout,
-                                  "decode_responses": True, "encoding_errors": "surrogateescape",
-                                  "retry_on_timeout": False, "retry": Retry(NoBackoff(), 0)}
+        kwargs: dict[str, Any] = {
+            "socket_timeout": self.timeout,
+            "socket_connect_timeout": self.timeout,
+            "decode_responses": True,
+            "encoding_errors": "surrogateescape",
+            "retry_on_timeout": False,
+            "retry": Retry(NoBackoff(), 0),
+        }
         password = os.environ.get("SIDECAR_STATE_PASSWORD")
         if sc.password_file:
             with open(sc.password_file, encoding="utf-8") as f:
@@ -219,8 +229,12 @@ class RedisState(SessionState):
     def _failed(self, op: str, exc: BaseException) -> None:
         """A store call failed: open the breaker (log once per outage)."""
         if self.up or op == "start":
-            log.warning("shared session store unreachable (%s: %s): serving on local state, retrying",
-                        op, _reason(exc), extra={"replica": self.replica})
+            log.warning(
+                "shared session store unreachable (%s: %s): serving on local state, retrying",
+                op,
+                _reason(exc),
+                extra={"replica": self.replica},
+            )
         self._set_up(False)
         assert self._loop is not None
         self._retry_at = self._loop.time() + self._backoff
@@ -240,8 +254,7 @@ class RedisState(SessionState):
             self._failed("ping", exc)
             return False
         self._set_up(True)
-        log.info("shared session store reachable again: republishing live sessions",
-                 extra={"replica": self.replica})
+        log.info("shared session store reachable again: republishing live sessions", extra={"replica": self.replica})
         self._republish = self.tree.held_sessions()
         return True
 
@@ -315,10 +328,22 @@ class RedisState(SessionState):
     def _seed(self, rec: Record) -> None:
         tree = self.tree
         offset = tree.now() - self.clock()  # store times are wall-clock, the tree's are its own
-        tree.seed(rec.id, rec.above, rec.root, hinted=rec.above is not None and rec.parent is None,
-                  deployment=rec.deployment, turns=rec.turns, final_seen=rec.final_seen,
-                  created=rec.created + offset, last_active=rec.last_active + offset, mode_state=rec.mode_state,
-                  workers=rec.workers, worker_turns=rec.worker_turns, moves=rec.moves, placeholder=rec.placeholder)
+        tree.seed(
+            rec.id,
+            rec.above,
+            rec.root,
+            hinted=rec.above is not None and rec.parent is None,
+            deployment=rec.deployment,
+            turns=rec.turns,
+            final_seen=rec.final_seen,
+            created=rec.created + offset,
+            last_active=rec.last_active + offset,
+            mode_state=rec.mode_state,
+            workers=rec.workers,
+            worker_turns=rec.worker_turns,
+            moves=rec.moves,
+            placeholder=rec.placeholder,
+        )
 
     # -- the request path: writes behind ---------------------------------------------------------
 
@@ -435,12 +460,24 @@ class RedisState(SessionState):
             now_ms = ms(self.clock())
             checked = [*ending, *(c for c in checks if c not in ending)]
             calls: list[tuple[Any, list[Any]]] = [
-                (self._flush_script, [self.prefix, now_ms, self.replica, self.tomb_ttl, LEASE_SECONDS,
-                                      int(self.idle_ttl + self.tomb_ttl + KEY_GRACE_SECONDS), *args])]
-            calls += [(self._close_script, [self.prefix, sid, now_ms, reason, self.settle_ms])
-                      for sid, reason in ending.items()]
-            calls += [(self._end_script, [self.prefix, sid, now_ms, self.tomb_ttl, self.settle_ms])
-                      for sid in checked]
+                (
+                    self._flush_script,
+                    [
+                        self.prefix,
+                        now_ms,
+                        self.replica,
+                        self.tomb_ttl,
+                        LEASE_SECONDS,
+                        int(self.idle_ttl + self.tomb_ttl + KEY_GRACE_SECONDS),
+                        *args,
+                    ],
+                )
+            ]
+            calls += [
+                (self._close_script, [self.prefix, sid, now_ms, reason, self.settle_ms])
+                for sid, reason in ending.items()
+            ]
+            calls += [(self._end_script, [self.prefix, sid, now_ms, self.tomb_ttl, self.settle_ms]) for sid in checked]
             try:
                 results = await self._scripts("flush", calls)
             except BaseException:
@@ -455,8 +492,12 @@ class RedisState(SessionState):
                 if w.full:
                     entry.turns0, entry.flags0 = w.turns, w.flags
                 node = w.node
-                if (node.turns == entry.turns0 and node.in_flight == entry.in_flight0 and node.flags == entry.flags0
-                        and not (entry.created or entry.mode or entry.workers)):
+                if (
+                    node.turns == entry.turns0
+                    and node.in_flight == entry.in_flight0
+                    and node.flags == entry.flags0
+                    and not (entry.created or entry.mode or entry.workers)
+                ):
                     del self._dirty[sid]
             for sid in ending:
                 self._ending.pop(sid, None)
@@ -466,7 +507,7 @@ class RedisState(SessionState):
             self._republish.extend(missing)
             for sid in ended:
                 self._forget(sid, None)
-            for sid, outcome in zip(checked, results[1 + len(ending):], strict=True):
+            for sid, outcome in zip(checked, results[1 + len(ending) :], strict=True):
                 self._end_outcome(sid, outcome)
 
     def _untake(self, written: dict[str, _Written], urgent: set[str]) -> None:
@@ -510,8 +551,9 @@ class RedisState(SessionState):
                 continue
             node = entry.node
             full = everything or entry.created
-            written[sid] = w = _Written(node, full, node.turns, node.in_flight, node.flags, entry.created,
-                                        entry.mode, full and entry.workers)
+            written[sid] = w = _Written(
+                node, full, node.turns, node.in_flight, node.flags, entry.created, entry.mode, full and entry.workers
+            )
             entry.created = entry.mode = False
             if full:
                 entry.workers = False
@@ -524,9 +566,19 @@ class RedisState(SessionState):
                 if above is not None and above.flags & 1:  # a placeholder made here: tell the others
                     out += ("P", above.session, node.deployment, key_ttl)
                 root = self.tree.root_of(sid) or sid
-                out += ("C", sid, node.deployment, above.session if above is not None else "",
-                        "" if root == sid else root, _flags(node), ms(wall - (tree_now - node.created_at)),
-                        active, node.turns, deadline, key_ttl)
+                out += (
+                    "C",
+                    sid,
+                    node.deployment,
+                    above.session if above is not None else "",
+                    "" if root == sid else root,
+                    _flags(node),
+                    ms(wall - (tree_now - node.created_at)),
+                    active,
+                    node.turns,
+                    deadline,
+                    key_ttl,
+                )
             elif full:
                 out += ("U", sid, node.turns - entry.turns0, active, deadline, key_ttl)
                 if node.flags & 2 and not entry.flags0 & 2:
@@ -552,8 +604,19 @@ class RedisState(SessionState):
             deployment, above, root, flags, turns, created, last_active = facts
             active = ms(wall - (tree_now - last_active))
             key_ttl = int(self._ttl_of(sid) + self.tomb_ttl + KEY_GRACE_SECONDS)
-            out += ("R", sid, deployment, above or "", "" if root == sid else root, flags,
-                    ms(wall - (tree_now - created)), active, turns, active + int(self._ttl_of(sid) * 1000), key_ttl)
+            out += (
+                "R",
+                sid,
+                deployment,
+                above or "",
+                "" if root == sid else root,
+                flags,
+                ms(wall - (tree_now - created)),
+                active,
+                turns,
+                active + int(self._ttl_of(sid) * 1000),
+                key_ttl,
+            )
         return out
 
     def _ttl_of(self, sid: str) -> float:
@@ -598,14 +661,20 @@ class RedisState(SessionState):
             raise StoreUnavailable("the shared session store is unavailable")
         assert self.client is not None
         try:
-            return int(await self._timed("close", self._close_script(
-                args=[self.prefix, session, ms(self.clock()), reason, self.settle_ms]), commands=1))
+            return int(
+                await self._timed(
+                    "close",
+                    self._close_script(args=[self.prefix, session, ms(self.clock()), reason, self.settle_ms]),
+                    commands=1,
+                )
+            )
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("close", exc)
             raise StoreUnavailable("the shared session store is unavailable") from exc
 
-    async def create_api(self, *, session: str, deployment: str, workspace: str | None, parent: str | None,
-                         ttl: float | None, now: float) -> int:
+    async def create_api(
+        self, *, session: str, deployment: str, workspace: str | None, parent: str | None, ttl: float | None, now: float
+    ) -> int:
         """Create an API session in the store: its sequence number, 0 when the id is taken, -2 at
         the limit of active API sessions. Raises when the store is unavailable."""
         if not await self._probe():
@@ -613,10 +682,26 @@ class RedisState(SessionState):
         deadline = "+inf" if ttl is None else ms(now + ttl)
         key_ttl = int((ttl if ttl is not None else 10 * 365 * 86400.0) + self.tomb_ttl + KEY_GRACE_SECONDS)
         try:
-            return int(await self._timed("create", self._create_script(
-                args=[self.prefix, session, deployment, workspace or "", parent or "",
-                      "" if ttl is None else repr(ttl), ms(now), deadline, key_ttl, self.api_cfg.max_sessions]),
-                commands=1))
+            return int(
+                await self._timed(
+                    "create",
+                    self._create_script(
+                        args=[
+                            self.prefix,
+                            session,
+                            deployment,
+                            workspace or "",
+                            parent or "",
+                            "" if ttl is None else repr(ttl),
+                            ms(now),
+                            deadline,
+                            key_ttl,
+                            self.api_cfg.max_sessions,
+                        ]
+                    ),
+                    commands=1,
+                )
+            )
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("create", exc)
             raise StoreUnavailable("the shared session store is unavailable") from exc
@@ -627,16 +712,18 @@ class RedisState(SessionState):
             return {}
         if self.up:
             await self._flush_now()
-        rows = await self._read("read", lambda pipe: [pipe.hgetall(self.prefix + "s:" + s) for s in sessions],
-                                len(sessions))
+        rows = await self._read(
+            "read", lambda pipe: [pipe.hgetall(self.prefix + "s:" + s) for s in sessions], len(sessions)
+        )
         return {sid: decode(sid, row) for sid, row in zip(sessions, rows, strict=True)}
 
     async def children(self, sessions: Sequence[str]) -> dict[str, list[str]]:
         """The child ids the store records under each of these sessions (one round trip)."""
         if not sessions:
             return {}
-        rows = await self._read("read", lambda pipe: [pipe.smembers(self.prefix + "k:" + s) for s in sessions],
-                                len(sessions))
+        rows = await self._read(
+            "read", lambda pipe: [pipe.smembers(self.prefix + "k:" + s) for s in sessions], len(sessions)
+        )
         return {sid: sorted(row) for sid, row in zip(sessions, rows, strict=True)}
 
     async def recent(self, count: int) -> list[str]:
@@ -651,8 +738,9 @@ class RedisState(SessionState):
 
     async def api_page(self, after: int, count: int) -> list[Record]:
         """Up to ``count`` API sessions created after sequence number ``after``, in creation order."""
-        (ids,) = await self._read("read", lambda pipe: [pipe.zrangebyscore(
-            self.prefix + "api", f"({after}", "+inf", start=0, num=count)], 1)
+        (ids,) = await self._read(
+            "read", lambda pipe: [pipe.zrangebyscore(self.prefix + "api", f"({after}", "+inf", start=0, num=count)], 1
+        )
         records = await self.fetch(list(ids))
         return [r for r in records.values() if r is not None]
 
@@ -682,9 +770,21 @@ class RedisState(SessionState):
     async def _sweep(self) -> None:
         """Claim the idle expiries and cap evictions that are due fleet-wide, in batches."""
         while True:
-            claimed = await self._timed("sweep", self._sweep_script(args=[
-                self.prefix, ms(self.clock()), SWEEP_BATCH, self.cap, self.tomb_ttl, self.settle_ms,
-                int(self.idle_ttl * 1000)]), commands=1)
+            claimed = await self._timed(
+                "sweep",
+                self._sweep_script(
+                    args=[
+                        self.prefix,
+                        ms(self.clock()),
+                        SWEEP_BATCH,
+                        self.cap,
+                        self.tomb_ttl,
+                        self.settle_ms,
+                        int(self.idle_ttl * 1000),
+                    ]
+                ),
+                commands=1,
+            )
             for row in claimed:
                 self._claimed(row)
             if len(claimed) < SWEEP_BATCH:
@@ -734,7 +834,7 @@ class RedisState(SessionState):
         """After a gap in the events: ask the store about every session held here."""
         held = self.tree.held_sessions()
         for i in range(0, len(held), REPUBLISH_BATCH):
-            records = await self.fetch(held[i:i + REPUBLISH_BATCH])
+            records = await self.fetch(held[i : i + REPUBLISH_BATCH])
             for sid, rec in records.items():
                 if rec is None:
                     self._republish.append(sid)
@@ -766,8 +866,18 @@ def _api_session(rec: Record) -> ApiSession:
         status = SessionStatus.EXPIRED if rec.end_reason == EndReason.IDLE_EXPIRED else SessionStatus.CLOSED
     else:
         status = SessionStatus.ACTIVE
-    return ApiSession(rec.id, rec.deployment, rec.workspace, rec.parent, rec.ttl, rec.created, rec.seq,
-                      status=status, last_active_at=rec.last_active or None, ended_at=rec.ended_at)
+    return ApiSession(
+        rec.id,
+        rec.deployment,
+        rec.workspace,
+        rec.parent,
+        rec.ttl,
+        rec.created,
+        rec.seq,
+        status=status,
+        last_active_at=rec.last_active or None,
+        ended_at=rec.ended_at,
+    )
 
 
 def _reason(exc: BaseException) -> str:

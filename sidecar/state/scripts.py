@@ -62,7 +62,9 @@ end
 
 # ARGV: prefix, now_ms, replica, tombstone ttl s, lease s, kids ttl s, then ops (see
 # sidecar.state.redis.Flush). Returns {missing ids, ended ids}.
-FLUSH = _COMMON + """
+FLUSH = (
+    _COMMON
+    + """
 local now, rid = tonumber(ARGV[2]), ARGV[3]
 local lease, kttl = tonumber(ARGV[5]), tonumber(ARGV[6])
 redis.call('SET', P .. 'rep:' .. rid, '1', 'EX', lease)
@@ -147,11 +149,14 @@ while i <= #ARGV do
 end
 return {missing, ended}
 """
+)
 
 # ARGV: prefix, id, now_ms, reason, settle_ms. Starts closing a session (its requests in flight
 # anywhere finish; then one replica ends it). Returns 1 closing now, 2 already closing,
 # 0 unknown, -1 already ended.
-CLOSE = _COMMON + """
+CLOSE = (
+    _COMMON
+    + """
 local id, now, reason, settle = ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
 local k = skey(id)
 local f = tonumber(redis.call('HGET', k, 'f') or '-1')
@@ -164,12 +169,15 @@ if bit.band(f, 32) ~= 0 then redis.call('DECR', P .. 'apin') end
 redis.call('PUBLISH', P .. 'ev', 'c ' .. id .. ' ' .. reason)
 return 1
 """
+)
 
 # ARGV: prefix, id, now_ms, tombstone ttl s, settle_ms. Ends a closing session once its settle
 # window passed and no live replica has a request of it in flight. Returns the ended session
 # ({id, d, p, r, n, reason, api, workspace}) to the one caller that ended it, else {'', wait_ms}
 # (wait_ms: when to check again; -1: nothing left to do).
-END_CHECK = _COMMON + """
+END_CHECK = (
+    _COMMON
+    + """
 local id, now, tomb, settle = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local k = skey(id)
 local v = redis.call('HMGET', k, 'f', 'z', 'e')
@@ -180,12 +188,15 @@ if now < due then return {'', due - now} end
 if holders_live(k) then return {'', -1} end
 return finish(id, k, f, v[3] or 'api_closed', now, tomb)
 """
+)
 
 # ARGV: prefix, now_ms, limit, cap, tombstone ttl s, settle_ms, idle ttl ms. Claims, at most
 # limit of each: sessions due (idle past their deadline, or closing past the settle window) and,
 # while more than cap sessions live, the ones due soonest (evicted). A session with requests in
 # flight on a live replica is never claimed (its deadline moves on). Returns the claimed ones.
-SWEEP = _COMMON + """
+SWEEP = (
+    _COMMON
+    + """
 local now, limit, cap = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local tomb, settle, idle = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local live = P .. 'live'
@@ -215,12 +226,15 @@ if over > 0 then
 end
 return out
 """
+)
 
 # ARGV: prefix, id, deployment, workspace, parent, ttl_s ('' = none), now_ms, deadline_ms
 # ('+inf' without ttl), key ttl s, max active. Creates an API session. Returns its sequence
 # number, 0 when the id is taken (a session, live or remembered, or a live traffic session),
 # -2 when max active API sessions exist already.
-API_CREATE = _COMMON + """
+API_CREATE = (
+    _COMMON
+    + """
 local id, now = ARGV[2], ARGV[7]
 local k = skey(id)
 local f = tonumber(redis.call('HGET', k, 'f') or '-1')
@@ -242,3 +256,4 @@ if ARGV[5] ~= '' then
 end
 return seq
 """
+)

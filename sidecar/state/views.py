@@ -37,8 +37,11 @@ def node_dict(rec: Record, root: str) -> dict[str, Any]:
         "closed": rec.closing or ended,
         "placeholder": rec.placeholder,
         "workers": _runs(rec.workers),
-        "affinity": {"first": 1 if rec.worker_turns else 0,
-                     "same_worker": max(rec.worker_turns - 1 - rec.moves, 0), "moved": rec.moves},
+        "affinity": {
+            "first": 1 if rec.worker_turns else 0,
+            "same_worker": max(rec.worker_turns - 1 - rec.moves, 0),
+            "moved": rec.moves,
+        },
     }
 
 
@@ -48,14 +51,28 @@ def _runs(flat: list[Any] | None) -> list[dict[str, Any]]:
 
 def _placeholder(session: str, root: str) -> dict[str, Any]:
     """A node the store no longer holds a record of (its key expired): shown as a placeholder."""
-    return {"session": session, "parent": None, "root": root, "deployment": None, "created_at": None,
-            "last_active_at": None, "turns": 0, "in_flight": 0, "final_turn_seen": False, "ended": False,
-            "end_reason": None, "closed": False, "placeholder": True, "workers": [],
-            "affinity": {"first": 0, "same_worker": 0, "moved": 0}}
+    return {
+        "session": session,
+        "parent": None,
+        "root": root,
+        "deployment": None,
+        "created_at": None,
+        "last_active_at": None,
+        "turns": 0,
+        "in_flight": 0,
+        "final_turn_seen": False,
+        "ended": False,
+        "end_reason": None,
+        "closed": False,
+        "placeholder": True,
+        "workers": [],
+        "affinity": {"first": 0, "same_worker": 0, "moved": 0},
+    }
 
 
-async def tree_view(state: RedisState, session: str, *, max_depth: int, max_nodes: int
-                    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+async def tree_view(
+    state: RedisState, session: str, *, max_depth: int, max_nodes: int
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The tree ``session`` belongs to, from its root, and its counts (sessions, live,
     in_flight, final, last_active_at, omitted); None when the store has no such session."""
     found = (await state.fetch([session]))[session]
@@ -73,7 +90,7 @@ async def tree_view(state: RedisState, session: str, *, max_depth: int, max_node
     while level:
         kids = await state.children([sid for sid, _ in level])
         ids = [kid for sid, _ in level for kid in kids.get(sid, ())]
-        records = await state.fetch(ids[:max(budget, 0)]) if depth < max_depth and budget > 0 else {}
+        records = await state.fetch(ids[: max(budget, 0)]) if depth < max_depth and budget > 0 else {}
         next_level = []
         for sid, d in level:
             shown = [r for k in kids.get(sid, ()) if (r := records.get(k)) is not None]
@@ -133,13 +150,29 @@ async def ui_snapshot(state: RedisState, *, limit: int, max_nodes: int, max_dept
         tree, counts = built
         _unix_times(tree)
         budget -= counts["sessions"] - counts["omitted"]
-        trees.append({"root": root, "last_active_at": counts["last_active_at"], "sessions": counts["sessions"],
-                      "live": counts["live"], "in_flight": counts["in_flight"], "final": counts["final"],
-                      "omitted": counts["omitted"], "tree": tree})
+        trees.append(
+            {
+                "root": root,
+                "last_active_at": counts["last_active_at"],
+                "sessions": counts["sessions"],
+                "live": counts["live"],
+                "in_flight": counts["in_flight"],
+                "final": counts["final"],
+                "omitted": counts["omitted"],
+                "tree": tree,
+            }
+        )
     live = await state.live_count()
-    return {"now": time.time(), "generated_at": time.time(), "live_sessions": live, "live_trees": None,
-            "limit": limit, "shown_trees": len(trees), "truncated": len(roots) < live or any(
-                t["omitted"] for t in trees), "trees": trees}
+    return {
+        "now": time.time(),
+        "generated_at": time.time(),
+        "live_sessions": live,
+        "live_trees": None,
+        "limit": limit,
+        "shown_trees": len(trees),
+        "truncated": len(roots) < live or any(t["omitted"] for t in trees),
+        "trees": trees,
+    }
 
 
 def _unix_times(tree: dict[str, Any]) -> None:

@@ -41,18 +41,31 @@ def py_fields(cls: ast.ClassDef) -> tuple[str, list[str]]:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__slots__" for t in node.targets):
             return "__slots__", list(ast.literal_eval(node.value))
     if any(getattr(d, "id", getattr(getattr(d, "func", None), "id", "")) == "dataclass" for d in cls.decorator_list):
-        return "dataclass", [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)
-                             and isinstance(n.target, ast.Name) and "ClassVar" not in ast.unparse(n.annotation)]
+        return "dataclass", [
+            n.target.id
+            for n in cls.body
+            if isinstance(n, ast.AnnAssign)
+            and isinstance(n.target, ast.Name)
+            and "ClassVar" not in ast.unparse(n.annotation)
+        ]
     names: list[str] = []
     for node in cls.body:
         if isinstance(node, ast.FunctionDef) and node.name == "__init__":
             for sub in ast.walk(node):
-                targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(
-                    sub, (ast.AnnAssign, ast.AugAssign)) else []
+                targets = (
+                    sub.targets
+                    if isinstance(sub, ast.Assign)
+                    else [sub.target]
+                    if isinstance(sub, (ast.AnnAssign, ast.AugAssign))
+                    else []
+                )
                 for t in targets:
-                    for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
-                        if isinstance(el, ast.Attribute) and getattr(el.value, "id", "") == "self" \
-                                and el.attr not in names:
+                    for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                        if (
+                            isinstance(el, ast.Attribute)
+                            and getattr(el.value, "id", "") == "self"
+                            and el.attr not in names
+                        ):
                             names.append(el.attr)
     return "__init__", names
 
@@ -70,7 +83,8 @@ def test_each_compiled_layout_matches_its_class(pxd: Path) -> None:
         else:
             assert sorted(fields) == sorted(expected), (
                 f"{name}: pxd fields {sorted(set(fields) - set(expected))} not in {how}, "
-                f"{how} {sorted(set(expected) - set(fields))} not in pxd")
+                f"{how} {sorted(set(expected) - set(fields))} not in pxd"
+            )
 
 
 def test_the_check_reads_layouts_and_finds_a_mismatch() -> None:

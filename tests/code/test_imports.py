@@ -123,17 +123,41 @@ def reachable(edges: dict[str, set[str]], start: str) -> set[str]:
 def test_the_import_graph_has_no_cycle() -> None:
     found = cycles(graph())
     assert found == [], "import cycles (each a set of modules that import each other):\n" + "\n".join(
-        " <-> ".join(c) for c in found)
+        " <-> ".join(c) for c in found
+    )
 
 
 # Modules that parse bytes, build records or hold errors: they import no module of the
 # application (config, router, engines, app, admin, metrics, the session tree).
-LEAVES = ["sidecar.engine.head", "sidecar.engine.flow", "sidecar.engine.parsers", "sidecar.engine.idle_poll",
-          "sidecar.engine.relay", "sidecar.engine.wire", "sidecar.errors", "sidecar.headers", "sidecar.modes.ids", "sidecar.jsonscan", "sidecar.state.scripts"]
-APPLICATION = {"sidecar.config", "sidecar.router", "sidecar.app", "sidecar.engine.base", "sidecar.engine.fast",
-               "sidecar.engine.fast_connection", "sidecar.engine.fast_exchange", "sidecar.engine.fast_upstream",
-               "sidecar.engine.aiohttp_engine", "sidecar.admin", "sidecar.metrics", "sidecar.lineage",
-               "sidecar.health", "sidecar.deployments"}
+LEAVES = [
+    "sidecar.engine.head",
+    "sidecar.engine.flow",
+    "sidecar.engine.parsers",
+    "sidecar.engine.idle_poll",
+    "sidecar.engine.relay",
+    "sidecar.engine.wire",
+    "sidecar.errors",
+    "sidecar.headers",
+    "sidecar.modes.ids",
+    "sidecar.jsonscan",
+    "sidecar.state.scripts",
+]
+APPLICATION = {
+    "sidecar.config",
+    "sidecar.router",
+    "sidecar.app",
+    "sidecar.engine.base",
+    "sidecar.engine.fast",
+    "sidecar.engine.fast_connection",
+    "sidecar.engine.fast_exchange",
+    "sidecar.engine.fast_upstream",
+    "sidecar.engine.aiohttp_engine",
+    "sidecar.admin",
+    "sidecar.metrics",
+    "sidecar.lineage",
+    "sidecar.health",
+    "sidecar.deployments",
+}
 
 
 @pytest.mark.parametrize("module", LEAVES)

@@ -35,26 +35,42 @@ def error(**kw) -> str:  # type: ignore[no-untyped-def]
     return str(exc.value)
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"SIDECAR_UPSTREAM": UP, "SIDECAR_LISTEN": "8080"},
-     "listen: must be HOST:PORT, e.g. 0.0.0.0:8080 (got '8080')"),
-    ({"SIDECAR_UPSTREAM": "ftp://gw:1"}, "upstream: must be an http:// or https:// URL with a host (got 'ftp://gw:1')"),
-    ({"SIDECAR_UPSTREAM": "http://gw:1/?a=b"}, "upstream: must not carry a query or fragment (got 'http://gw:1/?a=b')"),
-    ({"SIDECAR_UPSTREAM": UP, "SIDECAR_SHUTDOWN_DELAY_SECONDS": "-1"},
-     "shutdown_delay_seconds: Input should be greater than or equal to 0 (got '-1')"),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        (
+            {"SIDECAR_UPSTREAM": UP, "SIDECAR_LISTEN": "8080"},
+            "listen: must be HOST:PORT, e.g. 0.0.0.0:8080 (got '8080')",
+        ),
+        (
+            {"SIDECAR_UPSTREAM": "ftp://gw:1"},
+            "upstream: must be an http:// or https:// URL with a host (got 'ftp://gw:1')",
+        ),
+        (
+            {"SIDECAR_UPSTREAM": "http://gw:1/?a=b"},
+            "upstream: must not carry a query or fragment (got 'http://gw:1/?a=b')",
+        ),
+        (
+            {"SIDECAR_UPSTREAM": UP, "SIDECAR_SHUTDOWN_DELAY_SECONDS": "-1"},
+            "shutdown_delay_seconds: Input should be greater than or equal to 0 (got '-1')",
+        ),
+    ],
+)
 def test_each_bad_value_is_quoted_once(env, expected):
     assert error(env=env) == expected
 
 
 def test_values_in_files_are_quoted_once_too(tmp_path):
-    text = (f"upstream: {UP}\nlisten: 8080\ndeployment_header: 'bad name'\n")
+    text = f"upstream: {UP}\nlisten: 8080\ndeployment_header: 'bad name'\n"
     assert error(file=write(tmp_path, text)).splitlines() == [
         "listen: must be HOST:PORT, e.g. 0.0.0.0:8080 (got 8080)",
-        "deployment_header: 'bad name' is not a valid header name (RFC 9110 token)"]
+        "deployment_header: 'bad name' is not a valid header name (RFC 9110 token)",
+    ]
     text = "deployments:\n  - name: a\n    upstreams: [nope]\n"
-    assert error(file=write(tmp_path, text)) == \
-        "deployments[0].upstreams[0]: must be an http:// or https:// URL with a host (got 'nope')"
+    assert (
+        error(file=write(tmp_path, text))
+        == "deployments[0].upstreams[0]: must be an http:// or https:// URL with a host (got 'nope')"
+    )
     # A listen address in its structured form is still accepted.
     cfg = build_config(env={}, file=write(tmp_path, f"upstream: {UP}\nadmin: {{host: 127.0.0.1, port: 9999}}\n"))
     assert str(cfg.admin) == "127.0.0.1:9999"
@@ -71,8 +87,10 @@ def test_yaml_errors_name_the_file_and_the_line(tmp_path):
 def test_shutdown_delay_setting(tmp_path):
     assert build_config(flags={"upstream": UP}, env={}).shutdown_delay_seconds == 5.0
     assert build_config(flags={"upstream": UP}, env={"SIDECAR_SHUTDOWN_DELAY_SECONDS": "0"}).shutdown_delay_seconds == 0
-    cfg = build_config(env={"SIDECAR_SHUTDOWN_DELAY_SECONDS": "2.5"},
-                       file=write(tmp_path, f"upstream: {UP}\nshutdown_delay_seconds: 9\n"))
+    cfg = build_config(
+        env={"SIDECAR_SHUTDOWN_DELAY_SECONDS": "2.5"},
+        file=write(tmp_path, f"upstream: {UP}\nshutdown_delay_seconds: 9\n"),
+    )
     assert cfg.shutdown_delay_seconds == 2.5  # the environment over the file
 
 
@@ -86,15 +104,17 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def check_config(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "sidecar", "check-config", *args], capture_output=True,
-                          text=True, timeout=30, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar", "check-config", *args], capture_output=True, text=True, timeout=30, env=env
+    )
 
 
 def test_check_config_shows_the_configuration_in_effect(tmp_path):
     f = write(tmp_path, f"upstream: {UP}\nmode: dynamo_headers\nshutdown_delay_seconds: 9\n")
     # As in a pod: the file named by SIDECAR_CONFIG, settings from the environment on top.
-    result = check_config(env=clean_env(SIDECAR_CONFIG=str(f), SIDECAR_SHUTDOWN_DELAY_SECONDS="3",
-                                        SIDECAR_LISTEN="0.0.0.0:8080"))
+    result = check_config(
+        env=clean_env(SIDECAR_CONFIG=str(f), SIDECAR_SHUTDOWN_DELAY_SECONDS="3", SIDECAR_LISTEN="0.0.0.0:8080")
+    )
     assert result.returncode == 0, result.stderr
     shown = yaml.safe_load(result.stdout)
     assert (shown["shutdown_delay_seconds"], shown["listen"]) == (3.0, "0.0.0.0:8080")
@@ -119,21 +139,30 @@ def test_check_config_without_a_complete_configuration_exits_2():
 
 
 def test_version_flag():
-    result = subprocess.run([sys.executable, "-m", "sidecar", "--version"], capture_output=True, text=True,
-                            timeout=30)
+    result = subprocess.run([sys.executable, "-m", "sidecar", "--version"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0 and result.stdout.strip() == f"sidecar {sidecar.__version__}"
 
 
 # -- admin tokens ---------------------------------------------------------------------------------
 
-PLACEHOLDERS = ["CHANGE-ME-replace-with-openssl-rand-hex-32", "changeme-0123456789abcdef",
-                "replace-this-with-a-real-token", "<your-admin-token-here>", "example-token-0123456789",
-                "0123456789-PLACEHOLDER", "ChangeMe0123456789abcdef", "change_me_0123456789abc"]
+PLACEHOLDERS = [
+    "CHANGE-ME-replace-with-openssl-rand-hex-32",
+    "changeme-0123456789abcdef",
+    "replace-this-with-a-real-token",
+    "<your-admin-token-here>",
+    "example-token-0123456789",
+    "0123456789-PLACEHOLDER",
+    "ChangeMe0123456789abcdef",
+    "change_me_0123456789abc",
+]
 
 
 def tokens_file(tmp_path: Path, token: str) -> Path:
-    return write(tmp_path, yaml.safe_dump({"tokens": [{"token": "f" * 32, "admin": True},
-                                                      {"token": token, "workspace": "team-a"}]}), "tokens.yaml")
+    return write(
+        tmp_path,
+        yaml.safe_dump({"tokens": [{"token": "f" * 32, "admin": True}, {"token": token, "workspace": "team-a"}]}),
+        "tokens.yaml",
+    )
 
 
 @pytest.mark.parametrize("token", PLACEHOLDERS)
@@ -150,16 +179,21 @@ def test_short_tokens_are_refused_and_random_ones_accepted(tmp_path):
         load_tokens(tokens_file(tmp_path, "0123456789abcde"))
     with pytest.raises(ConfigError, match=r"tokens\[1\]\.token: must be"):
         load_tokens(tokens_file(tmp_path, "0123456789\tabcdefgh"))
-    assert load_tokens(tokens_file(tmp_path, "3f9a1c0e5b7d2468ace13579bdf02468")).authenticate(
-        "Bearer 3f9a1c0e5b7d2468ace13579bdf02468").workspace == "team-a"
+    assert (
+        load_tokens(tokens_file(tmp_path, "3f9a1c0e5b7d2468ace13579bdf02468"))
+        .authenticate("Bearer 3f9a1c0e5b7d2468ace13579bdf02468")
+        .workspace
+        == "team-a"
+    )
 
 
 def test_the_sidecar_refuses_to_start_with_a_placeholder_token(tmp_path):
     token = "CHANGE-ME-replace-with-openssl-rand-hex-32"
     env = clean_env(SIDECAR_UPSTREAM=UP, SIDECAR_ADMIN_TOKENS_FILE=str(tokens_file(tmp_path, token)))
     for command in (["run", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"], ["check-config"]):
-        result = subprocess.run([sys.executable, "-m", "sidecar", *command], capture_output=True, text=True,
-                                timeout=30, env=env)
+        result = subprocess.run(
+            [sys.executable, "-m", "sidecar", *command], capture_output=True, text=True, timeout=30, env=env
+        )
         assert result.returncode == 2, (command, result.stderr)
         assert "tokens[1].token: is a placeholder" in result.stderr
         assert token not in result.stderr + result.stdout

@@ -44,13 +44,15 @@ def test_chart_ships_the_schema_of_the_current_model() -> None:
     expected.pop("$schema")
     assert shipped == expected, (
         f"the Helm chart's copy of the config schema ({VALUES_SCHEMA.relative_to(ROOT)}, "
-        f"definitions.{EMBED_KEY}) differs from what sidecar.config.Config generates: run `{REGENERATE}`")
+        f"definitions.{EMBED_KEY}) differs from what sidecar.config.Config generates: run `{REGENERATE}`"
+    )
 
 
 def test_embed_rewrites_only_its_own_definition(tmp_path: Path) -> None:
     target = tmp_path / "values.schema.json"
-    target.write_text(json.dumps({"type": "object", "definitions": {"port": {"type": "integer"},
-                                                                    EMBED_KEY: {"stale": True}}}))
+    target.write_text(
+        json.dumps({"type": "object", "definitions": {"port": {"type": "integer"}, EMBED_KEY: {"stale": True}}})
+    )
     assert embed(target) is True
     document = json.loads(target.read_text())
     assert document["definitions"]["port"] == {"type": "integer"} and document["type"] == "object"
@@ -83,10 +85,15 @@ def test_example_configs_match_the_schema(example: Path) -> None:
 
 def test_canonical_input_forms_pass() -> None:
     """What the model accepts in its canonical form passes the schema too (before-validators)."""
-    config = {"listen": "0.0.0.0:8080", "admin": "[::1]:9091",
-              "identity": {"session": "X-Session-ID, X-Correlation-ID", "parent": ["X-Parent-Session-ID"]},
-              "affinity": {"worker_headers": "x-worker"},
-              "upstream": "http://router:8000", "mode": "session_id_header", "mode_options": {"scope": "tree"}}
+    config = {
+        "listen": "0.0.0.0:8080",
+        "admin": "[::1]:9091",
+        "identity": {"session": "X-Session-ID, X-Correlation-ID", "parent": ["X-Parent-Session-ID"]},
+        "affinity": {"worker_headers": "x-worker"},
+        "upstream": "http://router:8000",
+        "mode": "session_id_header",
+        "mode_options": {"scope": "tree"},
+    }
     assert errors(config) == []
     build_config(env={}, flags=config)  # and the sidecar accepts it
 

@@ -25,8 +25,14 @@ def test_defaults():
     cfg = build_config(flags={"upstream": UP}, env={})
     assert str(cfg.listen) == "127.0.0.1:8080"
     assert str(cfg.admin) == "127.0.0.1:9091"
-    assert cfg.identity.session == ["X-Correlation-ID", "X-Session-Affinity", "X-Session-ID",
-                                    "x-claude-code-session-id", "session_id", "thread-id"]
+    assert cfg.identity.session == [
+        "X-Correlation-ID",
+        "X-Session-Affinity",
+        "X-Session-ID",
+        "x-claude-code-session-id",
+        "session_id",
+        "thread-id",
+    ]
     assert cfg.identity.body == [] and cfg.identity.fingerprint is False  # body signals are opt-in
     [dep] = cfg.resolved_deployments()
     assert dep.name == "default" and dep.upstreams == [UP] and dep.mode is None
@@ -67,8 +73,11 @@ def test_mode_replaced_by_higher_layer_drops_lower_options(tmp_path):
         ({"upstream": UP, "listen": "nope"}, "", "listen: must be HOST:PORT"),
         ({"upstream": UP, "listen": "127.0.0.1:70000"}, "", "listen.port: Input should be less than or equal to 65535"),
         ({"upstream": UP, "mode": "no_such_mode"}, "", "mode: unknown mode 'no_such_mode'"),
-        ({"upstream": UP, "mode": "dynamo_headers", "mode_opt": ["timeout_seconds=5"]}, "",
-         "mode_options.timeout_seconds: unknown setting"),
+        (
+            {"upstream": UP, "mode": "dynamo_headers", "mode_opt": ["timeout_seconds=5"]},
+            "",
+            "mode_options.timeout_seconds: unknown setting",
+        ),
         ({"upstream": UP, "mode_opt": ["a=1"]}, "", "mode_options: given without a mode"),
         ({"upstream": UP, "mode": "dynamo_headers", "mode_opt": ["novalue"]}, "", "--mode-opt: expected key=value"),
         ({"upstream": UP}, "timeouts: {connect: 0}", "timeouts.connect: Input should be greater than 0"),
@@ -76,11 +85,17 @@ def test_mode_replaced_by_higher_layer_drops_lower_options(tmp_path):
         ({"upstream": UP}, "bogus_key: 1", "bogus_key: unknown setting"),
         ({"upstream": UP}, "identity: {session: 'X-Correlation-ID, bad name'}", "identity.session: Value error"),
         ({"upstream": UP}, "identity: {session: X-Request-ID}", "X-Request-ID is a per-request id"),
-        ({"upstream": UP}, "identity: {parent: [X-Parent, content-length]}",
-         "identity.parent: 'content-length' frames or routes the message itself"),
+        (
+            {"upstream": UP},
+            "identity: {parent: [X-Parent, content-length]}",
+            "identity.parent: 'content-length' frames or routes the message itself",
+        ),
         ({}, "deployments: [{name: a, upstreams: []}]", "deployments[0].upstreams: List should have at least 1 item"),
-        ({}, "deployments: [{name: a, upstreams: ['http://x:1'], mode: dynamo_headers, mode_options: {k: 1}}]",
-         "deployments[0].mode_options.k: unknown setting"),
+        (
+            {},
+            "deployments: [{name: a, upstreams: ['http://x:1'], mode: dynamo_headers, mode_options: {k: 1}}]",
+            "deployments[0].mode_options.k: unknown setting",
+        ),
         ({}, "upstream: http://x:1\ndeployments: [{name: a, upstreams: ['http://x:1']}]", "not both"),
     ],
 )
@@ -104,16 +119,18 @@ def test_invalid_yaml_and_missing_file(tmp_path):
 def test_example_configs_load(path):
     cfg = build_config(env={}, file=path)
     assert cfg.resolved_deployments()
-    result = subprocess.run([sys.executable, "-m", "sidecar", "check-config", str(path)],
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar", "check-config", str(path)], capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 0, result.stderr
     assert "deployments:" in result.stdout
 
 
 def test_check_config_exit_2_names_setting(tmp_path):
     f = write(tmp_path, f"upstream: {UP}\nmode: dynamo_headers\ntimeouts: {{idle: -1}}\n")
-    result = subprocess.run([sys.executable, "-m", "sidecar", "check-config", str(f)],
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar", "check-config", str(f)], capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 2
     assert "timeouts.idle: Input should be greater than 0 (got -1)" in result.stderr
 

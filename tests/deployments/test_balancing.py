@@ -75,7 +75,7 @@ async def run_round(http, proxy: str, trees: list[str], served: dict[str, list[i
 
     statuses = await asyncio.gather(*(tree_requests(t) for t in trees))
     assert all(code == 200 for codes in statuses for code in codes), statuses
-    return {t: {r for s, _ in sessions_of(t) for r in served[s][before[s]:]} for t in trees}
+    return {t: {r for s, _ in sessions_of(t) for r in served[s][before[s] :]} for t in trees}
 
 
 @pytest.fixture

@@ -28,8 +28,9 @@ async def post(http, sc, headers=None, body: dict | bytes | None = None, path="/
 
 async def test_selector_header_picks_and_is_stripped(launch, http, two_upstreams):
     a, b = two_upstreams
-    sc = await launch(deployments=[deployment("a", a.url, mode="dynamo_headers"),
-                                   deployment("b", b.url, mode="smg_routing_key")])
+    sc = await launch(
+        deployments=[deployment("a", a.url, mode="dynamo_headers"), deployment("b", b.url, mode="smg_routing_key")]
+    )
     assert (await post(http, sc, {"X-Sidecar-Deployment": "b", "X-Correlation-ID": "s1"}))[0] == 200
     assert (await post(http, sc, {"X-Sidecar-Deployment": "b"}))[0] == 200  # sessionless too
     assert (await post(http, sc))[0] == 200  # default: the first
@@ -42,8 +43,9 @@ async def test_selector_header_picks_and_is_stripped(launch, http, two_upstreams
 
 async def test_custom_selector_header_and_default_deployment(launch, http, two_upstreams):
     a, b = two_upstreams
-    sc = await launch(deployments=[deployment("a", a.url), deployment("b", b.url)],
-                      deployment_header="X-Pool", default_deployment="b")
+    sc = await launch(
+        deployments=[deployment("a", a.url), deployment("b", b.url)], deployment_header="X-Pool", default_deployment="b"
+    )
     assert (await post(http, sc))[0] == 200
     assert (await post(http, sc, {"X-Pool": "a"}))[0] == 200
     assert (len(a.received), len(b.received)) == (1, 1)
@@ -52,8 +54,9 @@ async def test_custom_selector_header_and_default_deployment(launch, http, two_u
 
 async def test_binding_sticks_and_conflicts_are_409(launch, http, two_upstreams):
     a, b = two_upstreams
-    sc = await launch(deployments=[deployment("a", a.url, mode="dynamo_headers"),
-                                   deployment("b", b.url, mode="dynamo_headers")])
+    sc = await launch(
+        deployments=[deployment("a", a.url, mode="dynamo_headers"), deployment("b", b.url, mode="dynamo_headers")]
+    )
     assert (await post(http, sc, {"X-Correlation-ID": "bound", "X-Sidecar-Deployment": "b"}))[0] == 200
     assert (await post(http, sc, {"X-Correlation-ID": "bound"}))[0] == 200  # binding, no selector
     status, err = await post(http, sc, {"X-Correlation-ID": "bound", "X-Sidecar-Deployment": "a"})
@@ -82,8 +85,12 @@ MODELS = {"a": ["llama-8b"], "b": ["qwen-32b", "qwen-7b"]}
 
 async def test_body_model_selects_deployment(launch, http, two_upstreams):
     a, b = two_upstreams
-    sc = await launch(deployments=[deployment("a", a.url, mode="dynamo_headers", models=MODELS["a"]),
-                                   deployment("b", b.url, mode="dynamo_headers", models=MODELS["b"])])
+    sc = await launch(
+        deployments=[
+            deployment("a", a.url, mode="dynamo_headers", models=MODELS["a"]),
+            deployment("b", b.url, mode="dynamo_headers", models=MODELS["b"]),
+        ]
+    )
     body = {"model": "qwen-7b", "messages": [{"role": "user", "content": "hi"}]}
     assert (await post(http, sc, {"X-Correlation-ID": "m1"}, body))[0] == 200
     assert (await post(http, sc, {}, {"model": "llama-8b"}))[0] == 200  # sessionless
@@ -103,8 +110,12 @@ async def test_body_model_selects_deployment(launch, http, two_upstreams):
 
 async def test_model_conflicts_when_body_is_read(launch, http, two_upstreams):
     a, b = two_upstreams
-    sc = await launch(deployments=[deployment("a", a.url, mode="dynamo_headers", models=MODELS["a"]),
-                                   deployment("b", b.url, mode="dynamo_nvext", models=MODELS["b"])])
+    sc = await launch(
+        deployments=[
+            deployment("a", a.url, mode="dynamo_headers", models=MODELS["a"]),
+            deployment("b", b.url, mode="dynamo_nvext", models=MODELS["b"]),
+        ]
+    )
     status, _ = await post(http, sc, {"X-Correlation-ID": "n1"}, {"model": "qwen-32b"})
     assert status == 200
     assert b.received[0].json()["nvext"]["session_control"]["session_id"] == "n1"  # rewritten after choice
@@ -119,9 +130,12 @@ async def test_model_conflicts_when_body_is_read(launch, http, two_upstreams):
 
 async def test_model_selection_body_is_bounded(launch, http, two_upstreams):
     a, b = two_upstreams
-    sc = await launch(deployments=[
-        deployment("a", a.url, models=MODELS["a"], limits={"max_body_bytes": 2000}),
-        deployment("b", b.url, models=MODELS["b"], limits={"max_body_bytes": 100})])
+    sc = await launch(
+        deployments=[
+            deployment("a", a.url, models=MODELS["a"], limits={"max_body_bytes": 2000}),
+            deployment("b", b.url, models=MODELS["b"], limits={"max_body_bytes": 100}),
+        ]
+    )
     big = {"model": "qwen-7b", "pad": "x" * 500}
     status, err = await post(http, sc, {}, big)
     assert status == 413 and err["error"]["type"] == "request_too_large" and err["error"]["deployment"] == "b"
@@ -133,8 +147,12 @@ async def test_model_selection_body_is_bounded(launch, http, two_upstreams):
 
 async def test_strict_deployment_chosen_by_model(launch, http, two_upstreams):
     a, b = two_upstreams
-    sc = await launch(deployments=[deployment("a", a.url, models=MODELS["a"]),
-                                   deployment("b", b.url, models=MODELS["b"], strict=True, mode="dynamo_headers")])
+    sc = await launch(
+        deployments=[
+            deployment("a", a.url, models=MODELS["a"]),
+            deployment("b", b.url, models=MODELS["b"], strict=True, mode="dynamo_headers"),
+        ]
+    )
     status, err = await post(http, sc, {"X-Correlation-ID": "unknown"}, {"model": "qwen-7b"})
     assert status == 404 and err["error"]["type"] == "session_not_found"
     status, err = await post(http, sc, {}, {"model": "qwen-7b"})
@@ -145,9 +163,12 @@ async def test_strict_deployment_chosen_by_model(launch, http, two_upstreams):
 async def test_body_limit_before_choice_is_the_largest(launch, http, two_upstreams):
     """Engines buffer up to ``decision.max_body_bytes`` before the model chose the deployment."""
     a, b = two_upstreams
-    sc = await launch(deployments=[
-        deployment("a", a.url, models=MODELS["a"], limits={"max_body_bytes": 100}),
-        deployment("b", b.url, models=MODELS["b"], limits={"max_body_bytes": 2000})])
+    sc = await launch(
+        deployments=[
+            deployment("a", a.url, models=MODELS["a"], limits={"max_body_bytes": 100}),
+            deployment("b", b.url, models=MODELS["b"], limits={"max_body_bytes": 2000}),
+        ]
+    )
     assert (await post(http, sc, {}, {"model": "qwen-7b", "pad": "x" * 500}))[0] == 200
     status, err = await post(http, sc, {}, {"model": "llama-8b", "pad": "x" * 500})
     assert status == 413 and err["error"]["deployment"] == "a"

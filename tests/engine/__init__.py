@@ -63,8 +63,9 @@ async def read_head(reader: asyncio.StreamReader) -> tuple[str, list[tuple[str, 
     return lines[0], headers
 
 
-async def read_body(reader: asyncio.StreamReader, headers: list[tuple[str, str]], *, is_request: bool,
-                    no_body: bool = False) -> tuple[bytes, str, list[bytes]]:
+async def read_body(
+    reader: asyncio.StreamReader, headers: list[tuple[str, str]], *, is_request: bool, no_body: bool = False
+) -> tuple[bytes, str, list[bytes]]:
     """Read a body framed as ``headers`` say. Requests without framing have no body."""
     lows = {k.lower(): v for k, v in headers}
     if no_body:
@@ -100,8 +101,9 @@ async def read_response(reader: asyncio.StreamReader, *, head: bool = False) -> 
     return RawMessage(start, headers, body, framing, chunks)
 
 
-async def exchange(port: int, data: bytes, *, responses: int = 1, head: bool = False,
-                   timeout: float = 5.0) -> tuple[list[RawMessage], bool]:
+async def exchange(
+    port: int, data: bytes, *, responses: int = 1, head: bool = False, timeout: float = 5.0
+) -> tuple[list[RawMessage], bool]:
     """Send raw bytes, read ``responses`` responses; also report whether the proxy then closed."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
@@ -168,15 +170,16 @@ def echo(delay: float = 0.0) -> Handler:
         if delay:
             await asyncio.sleep(delay)
         body = orjson.dumps({"target": req.target, "bytes": len(req.body)})
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                     % (len(body), body))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         await writer.drain()
         return True
 
     return handle
 
 
-OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}"
+OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
 
 
 class RawUpstream:

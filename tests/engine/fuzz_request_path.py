@@ -187,22 +187,64 @@ TARGETS = st.one_of(
     st.from_regex(r"\A/[a-zA-Z0-9._~%/?=&-]{0,30}\Z"),
     st.sampled_from(["/", "*", "http://h.example/x?y", "h.example:443", "/a b", "/%zz", "/\x7f", "/é", ""]),
 )
-NAMES = ["Host", "Content-Length", "Transfer-Encoding", "Connection", "Upgrade", "Expect", "X-Correlation-ID",
-         "X-Forwarded-For", "TE", "Trailer", "Keep-Alive", "X-A", "x-a", "X A", "X:A", "", "Content-Length ",
-         "Transfer-Encoding ", "\x00"]
+NAMES = [
+    "Host",
+    "Content-Length",
+    "Transfer-Encoding",
+    "Connection",
+    "Upgrade",
+    "Expect",
+    "X-Correlation-ID",
+    "X-Forwarded-For",
+    "TE",
+    "Trailer",
+    "Keep-Alive",
+    "X-A",
+    "x-a",
+    "X A",
+    "X:A",
+    "",
+    "Content-Length ",
+    "Transfer-Encoding ",
+    "\x00",
+]
 VALUES = {
     "Content-Length": ["0", "1", "3", "5", "10", "-1", "+3", "3 3", "0x3", "99999999999999999999", "", " 3"],
-    "Transfer-Encoding": ["chunked", "CHUNKED", "gzip, chunked", "chunked, gzip", "identity", "xchunked",
-                          " chunked", "chunked\x00", ""],
-    "Connection": ["close", "keep-alive", "upgrade", "Upgrade, X-A", "X-A", "close, keep-alive",
-                   # naming the framing (or Host) must never unframe the forwarded message
-                   "content-length", "keep-alive, Transfer-Encoding", "Host", "CONTENT-LENGTH, close"],
+    "Transfer-Encoding": [
+        "chunked",
+        "CHUNKED",
+        "gzip, chunked",
+        "chunked, gzip",
+        "identity",
+        "xchunked",
+        " chunked",
+        "chunked\x00",
+        "",
+    ],
+    "Connection": [
+        "close",
+        "keep-alive",
+        "upgrade",
+        "Upgrade, X-A",
+        "X-A",
+        "close, keep-alive",
+        # naming the framing (or Host) must never unframe the forwarded message
+        "content-length",
+        "keep-alive, Transfer-Encoding",
+        "Host",
+        "CONTENT-LENGTH, close",
+    ],
     "Upgrade": ["websocket", "h2c"],
     "Host": ["x", "a.example:8080", "[::1]:80", "", "user@evil", "a/b", "a b", "h:8o", "%41", "%4"],
     "Expect": ["100-continue", "nothing"],
 }
-FRAMING_NOMINATIONS = [b"content-length", b"Content-Length, keep-alive", b"keep-alive, TRANSFER-ENCODING",
-                       b"Host, Content-Length", b"transfer-encoding, content-length"]
+FRAMING_NOMINATIONS = [
+    b"content-length",
+    b"Content-Length, keep-alive",
+    b"keep-alive, TRANSFER-ENCODING",
+    b"Host, Content-Length",
+    b"transfer-encoding, content-length",
+]
 GENERIC_VALUE = st.text(alphabet=st.sampled_from(list("abcXYZ019 ,;=\t\x00\x7f\x80\xff\r\n")), max_size=12)
 
 
@@ -212,8 +254,11 @@ def chunked_body(draw: st.DrawFn) -> bytes:
     for _ in range(draw(st.integers(0, 3))):
         payload = draw(st.binary(max_size=20))
         size = draw(st.sampled_from(["hex", "hex", "hex", "wrong", "garbage"]))
-        size_b = b"%x" % len(payload) if size == "hex" else (
-            b"%x" % (len(payload) + 1) if size == "wrong" else draw(st.sampled_from([b"zz", b"-1", b"", b"1 1"])))
+        size_b = (
+            b"%x" % len(payload)
+            if size == "hex"
+            else (b"%x" % (len(payload) + 1) if size == "wrong" else draw(st.sampled_from([b"zz", b"-1", b"", b"1 1"])))
+        )
         ext = draw(st.sampled_from([b"", b"", b";ext=1", b"; bad", b" ; e = v", b";\x01"]))
         end = draw(st.sampled_from([b"\r\n", b"\r\n", b"\r\n", b"\n", b""]))
         out += size_b + ext + b"\r\n" + payload + end
@@ -242,10 +287,14 @@ def request(draw: st.DrawFn) -> bytes:
     kind = draw(st.sampled_from(["none", "length", "length", "chunked", "chunked", "raw"]))
     if kind == "length":
         body = draw(st.binary(max_size=24))
-        head = head[:-len(eol)] + b"Content-Length: %d" % draw(st.sampled_from([len(body)] * 3 + [0, len(body) + 2])) \
-            + eol + eol
+        head = (
+            head[: -len(eol)]
+            + b"Content-Length: %d" % draw(st.sampled_from([len(body)] * 3 + [0, len(body) + 2]))
+            + eol
+            + eol
+        )
     elif kind == "chunked":
-        head = head[:-len(eol)] + b"Transfer-Encoding: chunked" + eol + eol
+        head = head[: -len(eol)] + b"Transfer-Encoding: chunked" + eol + eol
         body = draw(chunked_body())
     elif kind == "raw":
         body = draw(st.binary(max_size=16))
@@ -263,8 +312,13 @@ def stream(draw: st.DrawFn) -> bytes:
         i = draw(st.integers(0, len(data) - 1))
         op = draw(st.sampled_from(["flip", "insert", "delete"]))
         b = bytes([draw(st.integers(0, 255))])
-        data = data[:i] + b + data[i + 1:] if op == "flip" else data[:i] + b + data[i:] if op == "insert" \
-            else data[:i] + data[i + 1:]
+        data = (
+            data[:i] + b + data[i + 1 :]
+            if op == "flip"
+            else data[:i] + b + data[i:]
+            if op == "insert"
+            else data[:i] + data[i + 1 :]
+        )
     return data
 
 
@@ -305,8 +359,17 @@ class Target:
 
     async def _start(self) -> None:
         self.upstream = await RawUpstream().start()
-        cfg = build_config(flags={"listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": self.upstream.url,
-                                  "mode": "dynamo_headers", "engine": "fast"}, env={}, file=None)
+        cfg = build_config(
+            flags={
+                "listen": "127.0.0.1:0",
+                "admin": "127.0.0.1:0",
+                "upstream": self.upstream.url,
+                "mode": "dynamo_headers",
+                "engine": "fast",
+            },
+            env={},
+            file=None,
+        )
         cfg = cfg.model_copy(update={"readiness_check_upstream": False})
         self.sidecar = Sidecar(cfg, registry=CollectorRegistry())
         await self.sidecar.start()
@@ -432,8 +495,14 @@ def fuzz(seconds: float, *, examples_per_round: int = 50) -> dict[str, int]:
     with Target() as target:
         end = time.monotonic() + seconds  # after the set-up, which a loaded machine may slow down
 
-        @settings(max_examples=examples_per_round, deadline=None, database=None, derandomize=False,
-                  suppress_health_check=list(HealthCheck), print_blob=True)
+        @settings(
+            max_examples=examples_per_round,
+            deadline=None,
+            database=None,
+            derandomize=False,
+            suppress_health_check=list(HealthCheck),
+            print_blob=True,
+        )
         @given(stream())
         def prop(data: bytes) -> None:
             if time.monotonic() > end:

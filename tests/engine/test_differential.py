@@ -51,8 +51,14 @@ from sidecar.engine.fast import FastEngine
 from tests.engine import RawMessage, RawUpstream, WireError, closed_soon, read_response, reply
 
 
-def resp(status: bytes, headers: list[tuple[bytes, bytes]], body: bytes = b"", *,
-         chunks: list[bytes] | None = None, version: bytes = b"HTTP/1.1") -> bytes:
+def resp(
+    status: bytes,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes = b"",
+    *,
+    chunks: list[bytes] | None = None,
+    version: bytes = b"HTTP/1.1",
+) -> bytes:
     """A raw upstream response: length-framed, or chunked with these chunk payloads."""
     head = version + b" " + status + b"\r\n" + b"".join(b"%s: %s\r\n" % kv for kv in headers)
     if chunks is not None:
@@ -91,122 +97,221 @@ CORPUS: dict[str, Case] = {
     "session_header_becomes_dynamo_id": Case(get(b"X-Correlation-ID: s-1\r\nAccept: */*\r\n", b"/d?q=1&r=%20")),
     "spoofed_gateway_header_replaced": Case(get(b"X-Correlation-ID: s-2\r\nX-Dynamo-Session-ID: spoof\r\n")),
     "no_session_passes_gateway_header": Case(get(b"X-Dynamo-Session-ID: own\r\nX-Request-ID: r-1\r\n")),
-    "post_json_with_length": Case(b"POST /d HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\n"
-                                  b"Content-Length: 13\r\nX-Session-ID: s-3\r\n\r\n{\"model\":\"m\"}"),
+    "post_json_with_length": Case(
+        b"POST /d HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 13\r\nX-Session-ID: s-3\r\n\r\n{"model":"m"}'
+    ),
     "post_chunked_with_extension_and_trailer": Case(
         b"POST /d HTTP/1.1\r\nHost: c\r\nTransfer-Encoding: chunked\r\nContent-Type: text/plain\r\n\r\n"
-        b"3;ext=1\r\nabc\r\n5\r\ndefgh\r\n0\r\nX-Trailer: t\r\n\r\n"),
+        b"3;ext=1\r\nabc\r\n5\r\ndefgh\r\n0\r\nX-Trailer: t\r\n\r\n"
+    ),
     "post_without_body_gets_zero_length": Case(b"POST /d HTTP/1.1\r\nHost: c\r\n\r\n"),
     "delete_without_body_gets_zero_length": Case(b"DELETE /d HTTP/1.1\r\nHost: c\r\n\r\n"),
-    "hop_by_hop_request_headers_dropped": Case(get(
-        b"Connection: keep-alive, X-Hop\r\nX-Hop: 1\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\n"
-        b"Proxy-Authorization: Basic eA==\r\nUpgrade: h2c\r\nX-End: kept\r\n")),
-    "connection_header_on_two_lines_names_both": Case(get(
-        b"Connection: X-A\r\nX-A: 1\r\nConnection: x-b, keep-alive\r\nX-B: 2\r\nX-C: kept\r\n")),
+    "hop_by_hop_request_headers_dropped": Case(
+        get(
+            b"Connection: keep-alive, X-Hop\r\nX-Hop: 1\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\n"
+            b"Proxy-Authorization: Basic eA==\r\nUpgrade: h2c\r\nX-End: kept\r\n"
+        )
+    ),
+    "connection_header_on_two_lines_names_both": Case(
+        get(b"Connection: X-A\r\nX-A: 1\r\nConnection: x-b, keep-alive\r\nX-B: 2\r\nX-C: kept\r\n")
+    ),
     # A Connection token naming a framing field (or Host) never unframes the message.
-    "connection_names_content_length": Case(b"POST /d HTTP/1.1\r\nHost: c\r\nConnection: keep-alive, Content-Length\r\n"
-                                            b"Content-Length: 5\r\n\r\nhello"),
-    "connection_names_transfer_encoding": Case(b"POST /d HTTP/1.1\r\nHost: c\r\nConnection: TRANSFER-ENCODING\r\n"
-                                               b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"),
+    "connection_names_content_length": Case(
+        b"POST /d HTTP/1.1\r\nHost: c\r\nConnection: keep-alive, Content-Length\r\nContent-Length: 5\r\n\r\nhello"
+    ),
+    "connection_names_transfer_encoding": Case(
+        b"POST /d HTTP/1.1\r\nHost: c\r\nConnection: TRANSFER-ENCODING\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    ),
     "connection_names_host": Case(get(b"Connection: Host, X-A\r\nX-A: 1\r\n")),
-    "response_connection_names_content_length": Case(get(), resp(b"200 OK", [(b"Connection", b"content-length"),
-                                                                             JSON], b'{"a":1}')),
-    "forwarded_for_appended_proto_kept": Case(get(
-        b"X-Forwarded-For: 10.0.0.1\r\nX-Forwarded-For: 10.0.0.2\r\nX-Forwarded-Proto: https\r\n")),
-    "repeated_and_odd_case_request_headers": Case(get(
-        b"Accept: text/html\r\nx-ODD-case: v\r\nAccept: application/json\r\nX-EMPTY:\r\n")),
+    "response_connection_names_content_length": Case(
+        get(), resp(b"200 OK", [(b"Connection", b"content-length"), JSON], b'{"a":1}')
+    ),
+    "forwarded_for_appended_proto_kept": Case(
+        get(b"X-Forwarded-For: 10.0.0.1\r\nX-Forwarded-For: 10.0.0.2\r\nX-Forwarded-Proto: https\r\n")
+    ),
+    "repeated_and_odd_case_request_headers": Case(
+        get(b"Accept: text/html\r\nx-ODD-case: v\r\nAccept: application/json\r\nX-EMPTY:\r\n")
+    ),
     "utf8_header_value": Case(get(b"X-Note: caf\xc3\xa9 \xe2\x9c\x93\r\n")),
     "large_request_body": Case(b"PUT /d HTTP/1.1\r\nHost: c\r\nContent-Length: %d\r\n\r\n" % len(BIG_BODY) + BIG_BODY),
     "http10_request_closes": Case(b"GET /d HTTP/1.0\r\nHost: c\r\n\r\n"),
     "http10_keepalive_honoured": Case(b"GET /d HTTP/1.0\r\nHost: c\r\nConnection: keep-alive\r\n\r\n"),
     "connection_close_honoured": Case(get(b"Connection: close\r\n")),
-    "expect_continue_with_body": Case(b"POST /d HTTP/1.1\r\nHost: c\r\nExpect: 100-continue\r\n"
-                                      b"Content-Length: 5\r\n\r\nhello"),
-    "pipelined_requests_in_order": Case(get(target=b"/d?n=1") + b"POST /d?n=2 HTTP/1.1\r\nHost: c\r\n"
-                                        b"Content-Length: 2\r\n\r\nhi" + get(target=b"/d?n=3"), responses=3),
+    "expect_continue_with_body": Case(
+        b"POST /d HTTP/1.1\r\nHost: c\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\nhello"
+    ),
+    "pipelined_requests_in_order": Case(
+        get(target=b"/d?n=1") + b"POST /d?n=2 HTTP/1.1\r\nHost: c\r\n"
+        b"Content-Length: 2\r\n\r\nhi" + get(target=b"/d?n=3"),
+        responses=3,
+    ),
     "body_mode_rewrites_with_fresh_length": Case(
         b"POST /d HTTP/1.1\r\nHost: c\r\nX-Correlation-ID: s-4\r\nContent-Type: application/json\r\n"
-        b"Transfer-Encoding: chunked\r\n\r\n6\r\n{\"mode\r\n9\r\nl\":\"m\",\"a\r\n3\r\n\":1\r\n1\r\n}\r\n0\r\n\r\n",
-        mode="dynamo_nvext"),
+        b'Transfer-Encoding: chunked\r\n\r\n6\r\n{"mode\r\n9\r\nl":"m","a\r\n3\r\n":1\r\n1\r\n}\r\n0\r\n\r\n',
+        mode="dynamo_nvext",
+    ),
     "body_mode_passes_invalid_json": Case(
-        b"POST /d HTTP/1.1\r\nHost: c\r\nX-Correlation-ID: s-5\r\nContent-Length: 5\r\n\r\nnope!", mode="dynamo_nvext"),
+        b"POST /d HTTP/1.1\r\nHost: c\r\nX-Correlation-ID: s-5\r\nContent-Length: 5\r\n\r\nnope!", mode="dynamo_nvext"
+    ),
     # -- response shapes --------------------------------------------------------------------
     "fixed_length_response": Case(get(), resp(b"200 OK", [JSON, (b"X-Up", b"1")], b'{"a":1}')),
     "chunked_response": Case(get(), resp(b"200 OK", [JSON], chunks=[b'{"a"', b":", b"1}"])),
-    "sse_response": Case(get(b"Accept: text/event-stream\r\n"),
-                         resp(b"200 OK", [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no-cache")],
-                              chunks=[b'data: {"i":0}\n\n', b'data: {"i":1}\n\n', b"data: [DONE]\n\n"])),
+    "sse_response": Case(
+        get(b"Accept: text/event-stream\r\n"),
+        resp(
+            b"200 OK",
+            [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no-cache")],
+            chunks=[b'data: {"i":0}\n\n', b'data: {"i":1}\n\n', b"data: [DONE]\n\n"],
+        ),
+    ),
     "empty_204": Case(b"DELETE /d HTTP/1.1\r\nHost: c\r\n\r\n", b"HTTP/1.1 204 No Content\r\nX-Up: 1\r\n\r\n"),
-    "not_modified_304": Case(get(b'If-None-Match: "v1"\r\n'),
-                             b'HTTP/1.1 304 Not Modified\r\nETag: "v1"\r\nCache-Control: max-age=5\r\n\r\n',
-                             known="header-case"),
-    "head_response_without_body": Case(b"HEAD /d HTTP/1.1\r\nHost: c\r\n\r\n",
-                                       b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 99\r\n\r\n",
-                                       head=True),
-    "gzip_body_untouched": Case(get(b"Accept-Encoding: gzip\r\n"),
-                                resp(b"200 OK", [JSON, (b"Content-Encoding", b"gzip"), (b"Vary", b"Accept-Encoding")],
-                                     GZIPPED)),
-    "multiple_set_cookie": Case(get(), resp(b"200 OK", [(b"Set-Cookie", b"a=1; Path=/; HttpOnly"),
-                                                        (b"Set-Cookie", b"b=2; Max-Age=60"), JSON], b"{}")),
-    "odd_header_case_response": Case(get(), resp(b"200 OK", [(b"x-ODD-Case", b"v"), (b"X-lower-case", b"w"), JSON],
-                                                 b"{}")),
-    "well_known_header_in_odd_case": Case(get(), resp(b"200 OK", [(b"content-TYPE", b"text/plain")], b"odd"),
-                                          known="header-case"),
-    "hop_by_hop_response_headers_dropped": Case(get(), resp(b"200 OK", [
-        (b"Connection", b"X-Private, keep-alive"), (b"X-Private", b"secret"), (b"Keep-Alive", b"timeout=5"),
-        (b"Proxy-Authenticate", b"Basic"), (b"X-End-To-End", b"kept"), JSON], b"{}")),
-    "response_header_spacing_and_case": Case(get(), b"HTTP/1.1 200 OK\r\nx-tight:v\r\nX-Spaced: \t v w \t\r\n"
-                                                    b"X-Empty:\r\nCONNECTION: Keep-Alive\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"),
-    "many_response_headers_with_connection_names": Case(get(), resp(b"200 OK", [
-        *[(b"X-H%d" % i, b"v%d" % i) for i in range(40)], (b"Connection", b"x-h3"), (b"Connection", b"X-H7, close"),
-        (b"Trailer", b"X-T"), (b"Upgrade", b"h2c"), JSON], b"{}")),
+    "not_modified_304": Case(
+        get(b'If-None-Match: "v1"\r\n'),
+        b'HTTP/1.1 304 Not Modified\r\nETag: "v1"\r\nCache-Control: max-age=5\r\n\r\n',
+        known="header-case",
+    ),
+    "head_response_without_body": Case(
+        b"HEAD /d HTTP/1.1\r\nHost: c\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 99\r\n\r\n",
+        head=True,
+    ),
+    "gzip_body_untouched": Case(
+        get(b"Accept-Encoding: gzip\r\n"),
+        resp(b"200 OK", [JSON, (b"Content-Encoding", b"gzip"), (b"Vary", b"Accept-Encoding")], GZIPPED),
+    ),
+    "multiple_set_cookie": Case(
+        get(),
+        resp(b"200 OK", [(b"Set-Cookie", b"a=1; Path=/; HttpOnly"), (b"Set-Cookie", b"b=2; Max-Age=60"), JSON], b"{}"),
+    ),
+    "odd_header_case_response": Case(
+        get(), resp(b"200 OK", [(b"x-ODD-Case", b"v"), (b"X-lower-case", b"w"), JSON], b"{}")
+    ),
+    "well_known_header_in_odd_case": Case(
+        get(), resp(b"200 OK", [(b"content-TYPE", b"text/plain")], b"odd"), known="header-case"
+    ),
+    "hop_by_hop_response_headers_dropped": Case(
+        get(),
+        resp(
+            b"200 OK",
+            [
+                (b"Connection", b"X-Private, keep-alive"),
+                (b"X-Private", b"secret"),
+                (b"Keep-Alive", b"timeout=5"),
+                (b"Proxy-Authenticate", b"Basic"),
+                (b"X-End-To-End", b"kept"),
+                JSON,
+            ],
+            b"{}",
+        ),
+    ),
+    "response_header_spacing_and_case": Case(
+        get(),
+        b"HTTP/1.1 200 OK\r\nx-tight:v\r\nX-Spaced: \t v w \t\r\n"
+        b"X-Empty:\r\nCONNECTION: Keep-Alive\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok",
+    ),
+    "many_response_headers_with_connection_names": Case(
+        get(),
+        resp(
+            b"200 OK",
+            [
+                *[(b"X-H%d" % i, b"v%d" % i) for i in range(40)],
+                (b"Connection", b"x-h3"),
+                (b"Connection", b"X-H7, close"),
+                (b"Trailer", b"X-T"),
+                (b"Upgrade", b"h2c"),
+                JSON,
+            ],
+            b"{}",
+        ),
+    ),
     "large_response": Case(get(), resp(b"200 OK", [(b"Content-Type", b"application/octet-stream")], BIG_REPLY)),
-    "eof_delimited_response": Case(get(), b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil the upstream closes"),
-    "upstream_error_status_relayed": Case(get(), resp(b"503 Service Unavailable", [JSON, (b"Retry-After", b"1")],
-                                                      b'{"error":"busy"}')),
+    "eof_delimited_response": Case(
+        get(), b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil the upstream closes"
+    ),
+    "upstream_error_status_relayed": Case(
+        get(), resp(b"503 Service Unavailable", [JSON, (b"Retry-After", b"1")], b'{"error":"busy"}')
+    ),
     "no_content_type_response": Case(get(), b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", known="octet-stream"),
     # -- answered by the sidecar --------------------------------------------------------------
-    "declared_body_over_limit_413": Case(b"POST /d HTTP/1.1\r\nHost: c\r\nContent-Length: 101\r\n\r\n" + b"x" * 101,
-                                         config={"limits": {"max_body_bytes": 100}}),
+    "declared_body_over_limit_413": Case(
+        b"POST /d HTTP/1.1\r\nHost: c\r\nContent-Length: 101\r\n\r\n" + b"x" * 101,
+        config={"limits": {"max_body_bytes": 100}},
+    ),
     "upgrade_refused_501": Case(get(b"Upgrade: websocket\r\nConnection: Upgrade\r\n")),
     "absolute_form_target_in_origin_form": Case(get(target=b"http://other.example/d?q=1")),
     # -- malformed: both refuse, in their own format ------------------------------------------
     "content_length_and_chunked": Case(
         b"POST /d HTTP/1.1\r\nHost: c\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
-        known="refusal-body", statuses={"aiohttp": [400], "fast": [400]}, forwarded={"aiohttp": 0, "fast": 0}),
+        known="refusal-body",
+        statuses={"aiohttp": [400], "fast": [400]},
+        forwarded={"aiohttp": 0, "fast": 0},
+    ),
     "duplicate_content_length": Case(
         b"POST /d HTTP/1.1\r\nHost: c\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
-        known="refusal-body", statuses={"aiohttp": [400], "fast": [400]}, forwarded={"aiohttp": 0, "fast": 0}),
+        known="refusal-body",
+        statuses={"aiohttp": [400], "fast": [400]},
+        forwarded={"aiohttp": 0, "fast": 0},
+    ),
     "bad_chunk_size": Case(
         b"POST /d HTTP/1.1\r\nHost: c\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
-        known="refusal-body", statuses={"aiohttp": [400], "fast": [400]}, forwarded={"aiohttp": 0, "fast": 0}),
+        known="refusal-body",
+        statuses={"aiohttp": [400], "fast": [400]},
+        forwarded={"aiohttp": 0, "fast": 0},
+    ),
     "obs_fold_header": Case(
         get(b"X-Folded: a\r\n b\r\n"),
-        known="refusal-body", statuses={"aiohttp": [400], "fast": [400]}, forwarded={"aiohttp": 0, "fast": 0}),
+        known="refusal-body",
+        statuses={"aiohttp": [400], "fast": [400]},
+        forwarded={"aiohttp": 0, "fast": 0},
+    ),
     "head_over_header_limit": Case(
-        get(b"X-Big: " + b"a" * 3000 + b"\r\n"), config={"limits": {"max_header_bytes": 2048}},
-        known="refusal-body", statuses={"aiohttp": [431], "fast": [431]}, forwarded={"aiohttp": 0, "fast": 0}),
+        get(b"X-Big: " + b"a" * 3000 + b"\r\n"),
+        config={"limits": {"max_header_bytes": 2048}},
+        known="refusal-body",
+        statuses={"aiohttp": [431], "fast": [431]},
+        forwarded={"aiohttp": 0, "fast": 0},
+    ),
     "pipelined_smuggling_attempt": Case(
         get() + b"POST /d HTTP/1.1\r\nHost: c\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
-                b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: c\r\n\r\n",
-        responses=2, known="pipeline-error", statuses={"aiohttp": [400], "fast": [200, 400]},
-        forwarded={"aiohttp": 0, "fast": 1}),
+        b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: c\r\n\r\n",
+        responses=2,
+        known="pipeline-error",
+        statuses={"aiohttp": [400], "fast": [200, 400]},
+        forwarded={"aiohttp": 0, "fast": 1},
+    ),
     "chunk_extension_whitespace": Case(
         b"POST /d HTTP/1.1\r\nHost: c\r\nTransfer-Encoding: chunked\r\n\r\n3 ; ext = 1\r\nabc\r\n0\r\n\r\n",
-        known="chunk-bws", statuses={"aiohttp": [400], "fast": [200]}, forwarded={"aiohttp": 0, "fast": 1}),
+        known="chunk-bws",
+        statuses={"aiohttp": [400], "fast": [200]},
+        forwarded={"aiohttp": 0, "fast": 1},
+    ),
     "transfer_encoding_value_with_tabs": Case(
         b"POST /d HTTP/1.1\r\nHost: c\r\nTransfer-Encoding:\tchunked\t\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
-        known="chunk-bws", statuses={"aiohttp": [400], "fast": [200]}, forwarded={"aiohttp": 0, "fast": 1}),
+        known="chunk-bws",
+        statuses={"aiohttp": [400], "fast": [200]},
+        forwarded={"aiohttp": 0, "fast": 1},
+    ),
     # -- malformed for the fast engine only ---------------------------------------------------
     "transfer_coding_before_chunked": Case(
         b"POST /d HTTP/1.1\r\nHost: c\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
-        known="stricter", statuses={"aiohttp": [200], "fast": [400]}, forwarded={"aiohttp": 1, "fast": 0}),
+        known="stricter",
+        statuses={"aiohttp": [200], "fast": [400]},
+        forwarded={"aiohttp": 1, "fast": 0},
+    ),
     "chunked_on_http10": Case(
         b"POST /d HTTP/1.0\r\nHost: c\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
-        known="stricter", statuses={"aiohttp": [200], "fast": [400]}, forwarded={"aiohttp": 1, "fast": 0}),
+        known="stricter",
+        statuses={"aiohttp": [200], "fast": [400]},
+        forwarded={"aiohttp": 1, "fast": 0},
+    ),
     "http2_version_on_http1": Case(
         b"GET /d HTTP/2.0\r\nHost: c\r\n\r\n",
-        known="refusal-body", statuses={"aiohttp": [400], "fast": [400]}, forwarded={"aiohttp": 0, "fast": 0}),
+        known="refusal-body",
+        statuses={"aiohttp": [400], "fast": [400]},
+        forwarded={"aiohttp": 0, "fast": 0},
+    ),
 }
 
 
@@ -241,8 +346,13 @@ async def pair() -> AsyncIterator[Any]:
         started.append(up)
         sidecars = {}
         for engine in ("aiohttp", "fast"):
-            flags = {"listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": up.url, "mode": case.mode,
-                     "engine": engine}
+            flags = {
+                "listen": "127.0.0.1:0",
+                "admin": "127.0.0.1:0",
+                "upstream": up.url,
+                "mode": case.mode,
+                "engine": engine,
+            }
             cfg = _config(flags, case.config)
             sc = Sidecar(cfg, registry=CollectorRegistry())
             await sc.start()
@@ -281,8 +391,9 @@ async def through(sc: Sidecar, up: RawUpstream, case: Case) -> Seen:
                 except (WireError, ConnectionResetError, asyncio.IncompleteReadError):
                     closed = True
                     break
-                responses.append((r.start, [(k, v) for k, v in r.headers if k not in ("Date", "Server")],
-                                  r.body, r.framing))
+                responses.append(
+                    (r.start, [(k, v) for k, v in r.headers if k not in ("Date", "Server")], r.body, r.framing)
+                )
                 if r.framing == "close":
                     closed = True
                     break
@@ -301,8 +412,10 @@ async def through(sc: Sidecar, up: RawUpstream, case: Case) -> Seen:
 def normalized(seen: Seen, engine: str, known: str) -> Seen:
     responses = seen.responses
     if known == "octet-stream" and engine == "aiohttp":
-        responses = [(s, [(k, v) for k, v in hs if (k, v) != ("Content-Type", "application/octet-stream")], b, f)
-                     for s, hs, b, f in responses]
+        responses = [
+            (s, [(k, v) for k, v in hs if (k, v) != ("Content-Type", "application/octet-stream")], b, f)
+            for s, hs, b, f in responses
+        ]
     if known == "header-case":
         responses = [(s, [(k.lower(), v) for k, v in hs], b, f) for s, hs, b, f in responses]
     return Seen(seen.forwarded, responses, seen.closed)
@@ -310,8 +423,15 @@ def normalized(seen: Seen, engine: str, known: str) -> Seen:
 
 def test_corpus_is_large_enough():
     assert len(CORPUS) >= 25
-    assert {c.known for c in CORPUS.values()} <= {"", "octet-stream", "header-case", "refusal-body", "stricter",
-                                                  "pipeline-error", "chunk-bws"}
+    assert {c.known for c in CORPUS.values()} <= {
+        "",
+        "octet-stream",
+        "header-case",
+        "refusal-body",
+        "stricter",
+        "pipeline-error",
+        "chunk-bws",
+    }
 
 
 @pytest.mark.parametrize("name", sorted(CORPUS))

@@ -12,7 +12,6 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -22,11 +21,10 @@ from sidecar.engine import fast_connection
 from sidecar.engine.fast import FastEngine
 from tests.engine import (
     OK,
-    echo,
     Handler,
     RawMessage,
-    RawUpstream,
     closed_soon,
+    echo,
     exchange,
     read_response,
     refused_or_closed,
@@ -75,34 +73,43 @@ async def test_keepalive_serves_sequential_requests_on_one_connection(raw_upstre
 async def test_pipelined_requests_are_answered_in_order(raw_upstream, start_sidecar):
     up = await raw_upstream({"/slow": echo(0.3), "/post": echo(), "/chunked": echo(), "/last": echo()})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
-    pipeline = (b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
-                b"POST /post HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
-                b"POST /chunked HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
-                b"GET /last HTTP/1.1\r\nHost: x\r\n\r\n")
+    pipeline = (
+        b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+        b"POST /post HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+        b"POST /chunked HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+        b"GET /last HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
     responses, closed = await exchange(port(sc), pipeline, responses=4)
     assert [orjson.loads(r.body) for r in responses] == [
-        {"target": "/slow", "bytes": 0}, {"target": "/post", "bytes": 5},
-        {"target": "/chunked", "bytes": 5}, {"target": "/last", "bytes": 0}]
+        {"target": "/slow", "bytes": 0},
+        {"target": "/post", "bytes": 5},
+        {"target": "/chunked", "bytes": 5},
+        {"target": "/last", "bytes": 0},
+    ]
     assert not closed
     assert [(r.target, r.body) for r in up.received] == [
-        ("/slow", b""), ("/post", b"hello"), ("/chunked", b"abcde"), ("/last", b"")]
+        ("/slow", b""),
+        ("/post", b"hello"),
+        ("/chunked", b"abcde"),
+        ("/last", b""),
+    ]
 
 
 # -- framing refusals: no request smuggling ---------------------------------------------------
 
 SMUGGLING = {
     "cl_then_te": b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
-                  b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
     "te_then_cl": b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 40\r\n\r\n"
-                  b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
     "duplicate_differing_cl": b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 40\r\n\r\n"
-                              b"abcGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"abcGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
     "duplicate_equal_cl": b"POST /s HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
     "bad_chunk_size": b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n",
     "chunk_size_overflow": b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                           b"fffffffffffffffff1\r\nhello\r\n0\r\n\r\n",
+    b"fffffffffffffffff1\r\nhello\r\n0\r\n\r\n",
     "chunk_missing_crlf": b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                          b"3\r\nabcGET /smuggled HTTP/1.1\r\n\r\n",
+    b"3\r\nabcGET /smuggled HTTP/1.1\r\n\r\n",
     "space_before_colon": b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding : chunked\r\n\r\n0\r\n\r\n",
     "te_not_chunked_last": b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, identity\r\n\r\n0\r\n\r\n",
     "obs_fold": b"GET /s HTTP/1.1\r\nHost: x\r\nX-Folded: a\r\n b\r\n\r\n",
@@ -146,10 +153,11 @@ async def test_fast_refuses_transfer_codings_it_cannot_forward(raw_upstream, sta
     """Stricter than the aiohttp engine (see the differential corpus): RFC 9112 6.1 / 6.3."""
     up = await raw_upstream()
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
-    for data in (b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
-                 b"POST /s HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
-                 b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n"
-                 b"0\r\n\r\n"):
+    for data in (
+        b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        b"POST /s HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        b"POST /s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    ):
         resp, closed = await refused_or_closed(port(sc), data)
         assert resp is not None and resp.status == 400 and closed, data
         assert orjson.loads(resp.body)["error"]["type"] == "bad_request"
@@ -189,9 +197,11 @@ async def test_invalid_versions_hosts_and_targets_are_400_and_never_forwarded(ca
 async def test_whitespace_rfc9112_allows_in_chunked_framing_is_accepted_and_reframed(raw_upstream, start_sidecar):
     up = await raw_upstream()
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
-    data = (b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding:\tchunked \r\n\r\n3 ; ext = \"v w\"\r\nabc\r\n"
-            b"2;x\r\nde\r\n0\r\nX-Trailer: t\r\n\r\n"
-            b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+    data = (
+        b'POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding:\tchunked \r\n\r\n3 ; ext = "v w"\r\nabc\r\n'
+        b"2;x\r\nde\r\n0\r\nX-Trailer: t\r\n\r\n"
+        b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi"
+    )
     responses, closed = await exchange(port(sc), data, responses=2)
     assert [r.status for r in responses] == [200, 200] and not closed
     first, second = up.received
@@ -203,12 +213,19 @@ async def test_whitespace_rfc9112_allows_in_chunked_framing_is_accepted_and_refr
 async def test_absolute_form_target_is_forwarded_in_origin_form(raw_upstream, start_sidecar):
     up = await raw_upstream()
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
-    responses, closed = await exchange(port(sc), b"GET http://other.example/v1/models?x=1 HTTP/1.1\r\n"
-                                                 b"Host: other.example\r\n\r\n"
-                                                 b"POST HTTPS://other.example HTTP/1.1\r\nHost: other.example\r\n"
-                                                 b"Content-Length: 2\r\n\r\nhi", responses=2)
+    responses, closed = await exchange(
+        port(sc),
+        b"GET http://other.example/v1/models?x=1 HTTP/1.1\r\n"
+        b"Host: other.example\r\n\r\n"
+        b"POST HTTPS://other.example HTTP/1.1\r\nHost: other.example\r\n"
+        b"Content-Length: 2\r\n\r\nhi",
+        responses=2,
+    )
     assert [r.status for r in responses] == [200, 200] and not closed
-    assert [(r.start, r.body) for r in up.received] == [("GET /v1/models?x=1 HTTP/1.1", b""), ("POST / HTTP/1.1", b"hi")]
+    assert [(r.start, r.body) for r in up.received] == [
+        ("GET /v1/models?x=1 HTTP/1.1", b""),
+        ("POST / HTTP/1.1", b"hi"),
+    ]
     assert up.received[0].all("Host") == [f"127.0.0.1:{up.port}"]
 
 
@@ -239,7 +256,9 @@ async def test_header_bytes_that_are_not_utf8_reach_the_upstream_unchanged(raw_u
 async def test_oversized_head_is_refused_and_never_forwarded(raw_upstream, start_sidecar, engine):
     up = await raw_upstream()
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, limits={"max_header_bytes": 2048})
-    resp, closed = await refused_or_closed(port(sc), b"GET /h HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 4000 + b"\r\n\r\n")
+    resp, closed = await refused_or_closed(
+        port(sc), b"GET /h HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 4000 + b"\r\n\r\n"
+    )
     assert resp is not None and closed
     assert resp.status == 431
     assert orjson.loads(resp.body)["error"]["type"] == "headers_too_large"
@@ -284,7 +303,8 @@ async def test_chunked_body_over_limit_is_413(raw_upstream, start_sidecar, engin
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, limits={"max_body_bytes": 100})
     chunk = b"32\r\n" + b"x" * 50 + b"\r\n"
     resp, closed = await refused_or_closed(
-        port(sc), b"POST /big HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk * 3 + b"0\r\n\r\n")
+        port(sc), b"POST /big HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk * 3 + b"0\r\n\r\n"
+    )
     assert resp is not None and resp.status == 413
     assert closed or engine == "aiohttp"  # the aiohttp engine reads and discards the rest instead
     assert orjson.loads(resp.body)["error"]["type"] == "request_too_large"
@@ -398,8 +418,10 @@ def dribble(*parts: bytes) -> Handler:
     return handle
 
 
-SPLIT_HEAD = (b"HTTP/1.1 200 OK\r\nX-A: 1\r\nConnection: keep-alive, X-Private\r\nX-Private: p\r\n"
-              b"Content-Length: 2\r\nX-End:  kept \r\n\r\nok")
+SPLIT_HEAD = (
+    b"HTTP/1.1 200 OK\r\nX-A: 1\r\nConnection: keep-alive, X-Private\r\nX-Private: p\r\n"
+    b"Content-Length: 2\r\nX-End:  kept \r\n\r\nok"
+)
 
 
 @FAST
@@ -407,7 +429,7 @@ async def test_interim_response_and_a_head_in_pieces_are_relayed_minus_hop_by_ho
     """A 103 before the final response (after the CRLF llhttp skips), then the final head cut
     into pieces: the client gets the final head's end-to-end lines as sent, then the body."""
     interim = b"\r\nHTTP/1.1 103 Early Hints\r\nLink: </s.css>; rel=preload\r\n\r\n"
-    cut = [SPLIT_HEAD[i:i + 7] for i in range(0, len(SPLIT_HEAD), 7)]
+    cut = [SPLIT_HEAD[i : i + 7] for i in range(0, len(SPLIT_HEAD), 7)]
     up = await raw_upstream({"/split": dribble(interim, *cut), "/after": echo()})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
     reader, writer = await connect(sc)
@@ -435,15 +457,17 @@ async def test_status_line_without_reason_is_relayed_in_full_form(raw_upstream, 
 
 
 @pytest.mark.parametrize("shape", ["never_ends", "complete_over_the_cap", "many_headers_over_the_cap"])
-async def test_response_head_over_the_configured_cap_is_a_502_never_relayed(shape, raw_upstream, start_sidecar,
-                                                                              engine):
+async def test_response_head_over_the_configured_cap_is_a_502_never_relayed(shape, raw_upstream, start_sidecar, engine):
     if shape == "never_ends":
         big = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (300 * 1024)  # no end of head in sight
     elif shape == "complete_over_the_cap":
         big = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 6000 + b"\r\nContent-Length: 2\r\n\r\nok"
     else:
-        big = b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 40) for i in range(120)) + \
-            b"Content-Length: 2\r\n\r\nok"
+        big = (
+            b"HTTP/1.1 200 OK\r\n"
+            + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 40) for i in range(120))
+            + b"Content-Length: 2\r\n\r\nok"
+        )
     up = await raw_upstream({"/big": dribble(big[:1000], big[1000:]), "/after": echo()})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, limits={"max_header_bytes": 4096})
     [resp], _ = await exchange(port(sc), b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -461,8 +485,9 @@ async def test_a_protocol_switch_in_a_response_is_a_502_and_the_connection_dropp
     switch = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\nraw bytes"
     up = await raw_upstream({"/switch": reply(switch), "/after": echo()})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
-    [resp, after], _ = await exchange(port(sc), b"GET /switch HTTP/1.1\r\nHost: x\r\n\r\n"
-                                               b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n", responses=2)
+    [resp, after], _ = await exchange(
+        port(sc), b"GET /switch HTTP/1.1\r\nHost: x\r\n\r\nGET /after HTTP/1.1\r\nHost: x\r\n\r\n", responses=2
+    )
     assert resp.status == 502
     err = orjson.loads(resp.body)["error"]
     assert err["type"] == "upstream_protocol_error" and "switches protocols" in err["message"]
@@ -500,7 +525,8 @@ async def test_upgrade_is_refused_with_501_and_close(raw_upstream, start_sidecar
     up = await raw_upstream()
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
     resp, closed = await refused_or_closed(
-        port(sc), b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n\x81\x00")
+        port(sc), b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n\x81\x00"
+    )
     assert resp is not None and resp.status == 501 and closed
     assert orjson.loads(resp.body)["error"]["type"] == "upgrade_not_supported"
     assert up.received == []
@@ -601,7 +627,9 @@ async def test_request_already_sent_is_never_replayed(raw_upstream, start_sideca
 @FAST
 async def test_pool_bound_queues_requests_beyond_the_limit(raw_upstream, start_sidecar):
     up = await raw_upstream({"/q": echo(0.1)})
-    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, limits={"max_connections_per_upstream": 2})
+    sc = await start_sidecar(
+        upstream=up.url, readiness_check_upstream=False, limits={"max_connections_per_upstream": 2}
+    )
 
     async def one() -> int:
         [resp], _ = await exchange(port(sc), b"GET /q HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -618,8 +646,10 @@ async def test_client_disconnect_while_waiting_closes_upstream_within_1s(raw_ups
     up = await raw_upstream({"/hang": hang})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, mode="dynamo_headers")
     reader, writer = await connect(sc)
-    writer.write(b"POST /hang HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: gone-1\r\nX-Session-Final: true\r\n"
-                 b"Content-Length: 2\r\n\r\n{}")
+    writer.write(
+        b"POST /hang HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: gone-1\r\nX-Session-Final: true\r\n"
+        b"Content-Length: 2\r\n\r\n{}"
+    )
     await asyncio.wait_for(up.arrived.wait(), 5)
     writer.close()
     left_at = time.monotonic()
@@ -672,7 +702,6 @@ async def test_idle_keepalive_client_connection_is_closed(raw_upstream, start_si
     writer.close()
 
 
-
 @FAST
 async def test_first_byte_timeout_applies_to_every_request_on_a_kept_alive_connection(raw_upstream, start_sidecar):
     """The timeout watchdog is one timer per client connection, re-armed lazily: a request whose
@@ -701,8 +730,7 @@ async def test_first_byte_timeout_applies_to_every_request_on_a_kept_alive_conne
 async def test_idle_keepalive_close_is_not_delayed_by_long_request_timeouts(raw_upstream, start_sidecar, monkeypatch):
     monkeypatch.setattr(fast_connection, "KEEPALIVE_TIMEOUT", 0.3)
     up = await raw_upstream()
-    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False,
-                             timeouts={"first_byte": 600, "idle": 600})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, timeouts={"first_byte": 600, "idle": 600})
     reader, writer = await connect(sc)
     for _ in range(2):
         writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -835,11 +863,13 @@ async def test_body_mode_forwards_the_transformed_body_with_a_fresh_length(raw_u
     up = await raw_upstream({"/v1/chat/completions": echo()})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, mode="dynamo_nvext")
     body = b'{"model":"m","stream":true}'
-    for body_frame in (b"Content-Length: %d\r\n\r\n%s" % (len(body), body),
-                       b"Transfer-Encoding: chunked\r\n\r\n5\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n"
-                       % (body[:5], len(body) - 5, body[5:])):
-        [resp], _ = await exchange(port(sc), b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                                             b"X-Correlation-ID: body-1\r\n" + body_frame)
+    for body_frame in (
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body),
+        b"Transfer-Encoding: chunked\r\n\r\n5\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (body[:5], len(body) - 5, body[5:]),
+    ):
+        [resp], _ = await exchange(
+            port(sc), b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: body-1\r\n" + body_frame
+        )
         assert resp.status == 200
     for rec in up.received:
         sent = orjson.loads(rec.body)

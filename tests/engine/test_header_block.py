@@ -31,10 +31,10 @@ from sidecar.engine.head import (
     valid_host,
 )
 
-HEADERS = (b"X-Worker: w1\r\nContent-Type:application/json\r\nx-worker: w2\r\n"
-           b"X-Raw: \t caf\xc3\xa9 \xff \r\nX_Under^: u\r\n")
-EXPECTED = {"x-worker": "w1", "content-type": "application/json", "x-raw": "caf\u00e9 \udcff ",
-            "x_under^": "u"}
+HEADERS = (
+    b"X-Worker: w1\r\nContent-Type:application/json\r\nx-worker: w2\r\nX-Raw: \t caf\xc3\xa9 \xff \r\nX_Under^: u\r\n"
+)
+EXPECTED = {"x-worker": "w1", "content-type": "application/json", "x-raw": "caf\u00e9 \udcff ", "x_under^": "u"}
 
 
 def test_reads_like_the_first_value_dict() -> None:
@@ -87,8 +87,10 @@ def test_lookups_agree_with_a_dict_however_many_names_share_a_filter_bit() -> No
     assert first_value(block, 0, len(block), b"x-c") is None
 
 
-REQUEST_BLOCK = (b"Host: h\r\nX-Keep: 1\r\nconnection: close\r\nX-Strip-Me: s\r\nX-KEEP: 2\r\n"
-                 b"Expect: 100-continue\r\nAccept:  */* \r\n")
+REQUEST_BLOCK = (
+    b"Host: h\r\nX-Keep: 1\r\nconnection: close\r\nX-Strip-Me: s\r\nX-KEEP: 2\r\n"
+    b"Expect: 100-continue\r\nAccept:  */* \r\n"
+)
 
 
 def test_copy_block_drops_listed_names_and_keeps_the_rest_byte_for_byte() -> None:
@@ -113,8 +115,10 @@ def test_scan_request_and_has_header_match_whole_names_in_any_case() -> None:
     assert header_values(block, 0, len(block), b"x-keep", False) == [b"1", b"2"]
 
 
-BLOCK = (b"Server: up\r\nConnection: keep-alive, X-Private\r\nContent-Length: 2\r\nX-Private: p\r\n"
-         b"keep-ALIVE: timeout=5\r\nTE: trailers\r\nX-End: kept\r\nTransfer-Encoding: chunked\r\n")
+BLOCK = (
+    b"Server: up\r\nConnection: keep-alive, X-Private\r\nContent-Length: 2\r\nX-Private: p\r\n"
+    b"keep-ALIVE: timeout=5\r\nTE: trailers\r\nX-End: kept\r\nTransfer-Encoding: chunked\r\n"
+)
 
 
 def test_relay_block_keeps_end_to_end_lines_as_sent() -> None:
@@ -130,11 +134,19 @@ def test_relay_block_keeps_end_to_end_lines_as_sent() -> None:
     assert relay_block(plain, 0, len(plain), out, None) == 0 and out == [plain]
 
 
-@pytest.mark.parametrize(("block", "names"), [
-    (b"Connection: keep-alive\r\n", False), (b"connection:  Keep-ALIVE\r\n", False),
-    (b"Connection: close\r\n", False), (b"Connection: keep-alive \r\n", True),
-    (b"Connection: x-a\r\n", True), (b"Connection: keep-alive\r\nConnection: close\r\n", True),
-    (b"Connection: closed\r\n", True), (b"Connection:\r\n", True)])
+@pytest.mark.parametrize(
+    ("block", "names"),
+    [
+        (b"Connection: keep-alive\r\n", False),
+        (b"connection:  Keep-ALIVE\r\n", False),
+        (b"Connection: close\r\n", False),
+        (b"Connection: keep-alive \r\n", True),
+        (b"Connection: x-a\r\n", True),
+        (b"Connection: keep-alive\r\nConnection: close\r\n", True),
+        (b"Connection: closed\r\n", True),
+        (b"Connection:\r\n", True),
+    ],
+)
 def test_a_connection_header_names_more_unless_it_is_one_plain_token(block: bytes, names: bool) -> None:
     out: list[bytes] = []
     bits = relay_block(b"A: 1\r\n" + block + b"B: 2\r\n", 0, 1000, out, None)
@@ -149,23 +161,59 @@ def test_header_values_in_order() -> None:
     assert header_values(HEADERS, 0, len(HEADERS), b"x-missing", False) == []
 
 
-@pytest.mark.parametrize(("raw", "at", "expected", "phrase"), [
-    (b"HTTP/1.1 200 OK\r\nA: 1\r\n\r\nbody", 0, (0, 17, 23), b"OK"),
-    (b"HTTP/1.1 204 No Content\r\n\r\n", 0, (0, 25, 25), b"No Content"),
-    (b"\r\n\r\nHTTP/1.1 299\r\nA: 1\r\n\r\n", 0, (4, 18, 24), b""),
-    (b"HTTP/1.1 103 Early\r\n\r\nICE/1.0 200 \r\nA: 1\r\n\r\n", 22, (22, 36, 42), b""),
-])
-def test_locate_finds_the_start_line_and_the_block(raw: bytes, at: int, expected: tuple[int, int, int],
-                                                    phrase: bytes) -> None:
+@pytest.mark.parametrize(
+    ("raw", "at", "expected", "phrase"),
+    [
+        (b"HTTP/1.1 200 OK\r\nA: 1\r\n\r\nbody", 0, (0, 17, 23), b"OK"),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", 0, (0, 25, 25), b"No Content"),
+        (b"\r\n\r\nHTTP/1.1 299\r\nA: 1\r\n\r\n", 0, (4, 18, 24), b""),
+        (b"HTTP/1.1 103 Early\r\n\r\nICE/1.0 200 \r\nA: 1\r\n\r\n", 22, (22, 36, 42), b""),
+    ],
+)
+def test_locate_finds_the_start_line_and_the_block(
+    raw: bytes, at: int, expected: tuple[int, int, int], phrase: bytes
+) -> None:
     start, first, end = locate(raw, at)
-    assert (start, first, end) == expected and raw[end:end + 2] == b"\r\n"
+    assert (start, first, end) == expected and raw[end : end + 2] == b"\r\n"
     assert reason_phrase(raw, start, first) == phrase
 
 
-HOSTS_VALID = [b"", b"example.com", b"example.com:8080", b"EXAMPLE.com:", b"10.0.0.1", b"10.0.0.1:80", b"[::1]",
-               b"[::1]:443", b"[v1.fe80::a+en1]", b"a-b_c.~d", b"%41bc", b"x!$&'()*+,;=y", b"localhost  ", b"h\t"]
-HOSTS_INVALID = [b"user@example.com", b"user:pw@h", b"a/b", b"a?b", b"a#b", b"a b", b"[::1", b"[]", b"[::1]x",
-                 b"h:80:90", b"h:8o", b"%4", b"%zz", b"caf\xc3\xa9", b"a\\b", b'"h"', b"<h>", b"h:-1"]
+HOSTS_VALID = [
+    b"",
+    b"example.com",
+    b"example.com:8080",
+    b"EXAMPLE.com:",
+    b"10.0.0.1",
+    b"10.0.0.1:80",
+    b"[::1]",
+    b"[::1]:443",
+    b"[v1.fe80::a+en1]",
+    b"a-b_c.~d",
+    b"%41bc",
+    b"x!$&'()*+,;=y",
+    b"localhost  ",
+    b"h\t",
+]
+HOSTS_INVALID = [
+    b"user@example.com",
+    b"user:pw@h",
+    b"a/b",
+    b"a?b",
+    b"a#b",
+    b"a b",
+    b"[::1",
+    b"[]",
+    b"[::1]x",
+    b"h:80:90",
+    b"h:8o",
+    b"%4",
+    b"%zz",
+    b"caf\xc3\xa9",
+    b"a\\b",
+    b'"h"',
+    b"<h>",
+    b"h:-1",
+]
 
 
 @pytest.mark.parametrize("value", HOSTS_VALID)
@@ -192,10 +240,21 @@ def test_scan_request_counts_host_lines() -> None:
     assert scan_request(other, 0, len(other), table) == HOST_SEEN
 
 
-@pytest.mark.parametrize(("target", "origin"), [
-    (b"http://h.example/v1/chat?x=1", b"/v1/chat?x=1"), (b"HTTPS://h.example:443", b"/"),
-    (b"http://h.example?q", b"/?q"), (b"http://[::1]:8080/a", b"/a"),
-    (b"http://user@h.example/a", None), (b"http:///a", None), (b"ftp://h/a", None), (b"h.example:443", None),
-    (b"*", None), (b"http://h.example/a#frag", None), (b"http://h example/a", None)])
+@pytest.mark.parametrize(
+    ("target", "origin"),
+    [
+        (b"http://h.example/v1/chat?x=1", b"/v1/chat?x=1"),
+        (b"HTTPS://h.example:443", b"/"),
+        (b"http://h.example?q", b"/?q"),
+        (b"http://[::1]:8080/a", b"/a"),
+        (b"http://user@h.example/a", None),
+        (b"http:///a", None),
+        (b"ftp://h/a", None),
+        (b"h.example:443", None),
+        (b"*", None),
+        (b"http://h.example/a#frag", None),
+        (b"http://h example/a", None),
+    ],
+)
 def test_origin_form_of_absolute_targets(target: bytes, origin: bytes | None) -> None:
     assert origin_form(target) == origin

@@ -15,10 +15,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.errors import ConfigError
 from sidecar.config import build_config
 from sidecar.engine import idle_poll
 from sidecar.engine.idle_poll import COOLDOWN, MIN_BUSY, PERIOD, IdlePoller, cpu_quota
+from sidecar.errors import ConfigError
 from tests.conftest import StartSidecar
 from tests.upstream import RecordingUpstream
 
@@ -185,23 +185,28 @@ def test_setting_is_off_by_default_set_from_env_and_refused_out_of_range() -> No
             build_config(flags={"upstream": "http://127.0.0.1:9"}, env={"SIDECAR_IDLE_POLL_US": bad}, file=None)
 
 
-@pytest.mark.parametrize(("v2", "v1", "cpus"), [
-    (None, None, None),  # no cgroup files: no quota
-    ("max 100000\n", None, None),
-    ("100000 100000\n", None, 1.0),
-    ("50000 100000\n", None, 0.5),
-    (None, ("-1", "100000"), None),
-    (None, ("25000", "100000"), 0.25),
-    (None, ("400000", "100000"), 4.0),
-])
-def test_cpu_quota_from_cgroup_v2_or_v1(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v2: str | None,
-                                        v1: tuple[str, str] | None, cpus: float | None) -> None:
+@pytest.mark.parametrize(
+    ("v2", "v1", "cpus"),
+    [
+        (None, None, None),  # no cgroup files: no quota
+        ("max 100000\n", None, None),
+        ("100000 100000\n", None, 1.0),
+        ("50000 100000\n", None, 0.5),
+        (None, ("-1", "100000"), None),
+        (None, ("25000", "100000"), 0.25),
+        (None, ("400000", "100000"), 4.0),
+    ],
+)
+def test_cpu_quota_from_cgroup_v2_or_v1(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v2: str | None, v1: tuple[str, str] | None, cpus: float | None
+) -> None:
     use_quota(monkeypatch, tmp_path, v2, v1)
     assert cpu_quota() == cpus
 
 
-def use_quota(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v2: str | None,
-              v1: tuple[str, str] | None = None) -> None:
+def use_quota(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v2: str | None, v1: tuple[str, str] | None = None
+) -> None:
     """Make the cgroup files say ``v2`` (cpu.max) and ``v1`` (quota, period); None: absent."""
     cpu_max, quota, period = tmp_path / "cpu.max", tmp_path / "quota", tmp_path / "period"
     if v2 is not None:
@@ -227,12 +232,16 @@ async def polled_seconds(sc: Any) -> float:
 
 async def proxied_burst(start_sidecar: StartSidecar, upstream: RecordingUpstream, idle_poll_us: int | None) -> Any:
     """A sidecar with ``idle_poll_us`` (None: unset) that proxied 30 requests in a row, each one checked."""
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers",
-                             **({} if idle_poll_us is None else {"idle_poll_us": idle_poll_us}))
+    sc = await start_sidecar(
+        upstream=upstream.url, mode="dynamo_headers", **({} if idle_poll_us is None else {"idle_poll_us": idle_poll_us})
+    )
     async with aiohttp.ClientSession() as s:
         for i in range(30):
-            async with s.post(f"{sc.proxy_url}/v1/chat/completions", json={"model": "m", "messages": [], "i": i},
-                              headers={"X-Correlation-ID": "conv-poll"}) as r:
+            async with s.post(
+                f"{sc.proxy_url}/v1/chat/completions",
+                json={"model": "m", "messages": [], "i": i},
+                headers={"X-Correlation-ID": "conv-poll"},
+            ) as r:
                 assert r.status == 200
                 await r.read()
     assert [r.json()["i"] for r in upstream.received] == list(range(30))  # type: ignore[index]
@@ -241,8 +250,9 @@ async def proxied_burst(start_sidecar: StartSidecar, upstream: RecordingUpstream
 
 
 @pytest.mark.parametrize("engine", ["fast"])
-async def test_engine_polls_during_traffic_then_sleeps(start_sidecar: StartSidecar,
-                                                       upstream: RecordingUpstream) -> None:
+async def test_engine_polls_during_traffic_then_sleeps(
+    start_sidecar: StartSidecar, upstream: RecordingUpstream
+) -> None:
     # The longest window: on any machine a local round trip keeps events closer than 10 ms.
     sc = await proxied_burst(start_sidecar, upstream, 10_000)
     poller = sc.engine.shared.poller
@@ -258,8 +268,12 @@ async def test_engine_polls_during_traffic_then_sleeps(start_sidecar: StartSidec
 
 @pytest.mark.parametrize("engine", ["fast"])
 async def test_engine_polls_only_when_opted_in_and_warns_under_a_small_cpu_quota(
-        start_sidecar: StartSidecar, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch,
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    start_sidecar: StartSidecar,
+    upstream: RecordingUpstream,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     use_quota(monkeypatch, tmp_path, "50000 100000\n")
     with caplog.at_level(logging.INFO, logger="sidecar.engine"):
         sc = await proxied_burst(start_sidecar, upstream, 10_000)
@@ -270,9 +284,13 @@ async def test_engine_polls_only_when_opted_in_and_warns_under_a_small_cpu_quota
 
 
 @pytest.mark.parametrize("engine", ["fast"])
-async def test_engine_by_default_never_polls_nor_warns(start_sidecar: StartSidecar, upstream: RecordingUpstream,
-                                                       monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
+async def test_engine_by_default_never_polls_nor_warns(
+    start_sidecar: StartSidecar,
+    upstream: RecordingUpstream,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     use_quota(monkeypatch, tmp_path, "50000 100000\n")
     with caplog.at_level(logging.INFO, logger="sidecar.engine"):
         sc = await proxied_burst(start_sidecar, upstream, None)
@@ -282,7 +300,8 @@ async def test_engine_by_default_never_polls_nor_warns(start_sidecar: StartSidec
 
 
 @pytest.mark.parametrize("engine", ["fast"])
-async def test_engine_with_polling_set_off_never_polls(start_sidecar: StartSidecar,
-                                                       upstream: RecordingUpstream) -> None:
+async def test_engine_with_polling_set_off_never_polls(
+    start_sidecar: StartSidecar, upstream: RecordingUpstream
+) -> None:
     sc = await proxied_burst(start_sidecar, upstream, 0)
     assert await polled_seconds(sc) == 0.0

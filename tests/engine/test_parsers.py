@@ -38,8 +38,10 @@ LIMIT = 2048
 
 def fields(raw: bytes, first: int, end: int) -> list[tuple[bytes, bytes]]:
     """The (name, value) pairs of a header block, values without the leading OWS llhttp skips."""
-    return [(name, value.lstrip(b" \t")) for name, _, value in
-            (line.partition(b":") for line in raw[first:end].split(b"\r\n")[:-1])]
+    return [
+        (name, value.lstrip(b" \t"))
+        for name, _, value in (line.partition(b":") for line in raw[first:end].split(b"\r\n")[:-1])
+    ]
 
 
 class Recorder:
@@ -49,8 +51,17 @@ class Recorder:
         self.events: list[tuple[Any, ...]] = []
         self.blocks: list[bytes] = []
 
-    def on_head(self, raw: bytes, first: int, end: int, method: bytes, target: bytes, version: int,
-                keep_alive: bool, length: int) -> None:
+    def on_head(
+        self,
+        raw: bytes,
+        first: int,
+        end: int,
+        method: bytes,
+        target: bytes,
+        version: int,
+        keep_alive: bool,
+        length: int,
+    ) -> None:
         self.events.append(("head", method, target, version, keep_alive, length, fields(raw, first, end)))
         self.blocks.append(raw[first:end])
 
@@ -90,7 +101,8 @@ CORPUS: dict[str, bytes] = {
     "post_with_length": head(b"/p", b"Content-Type: application/json\r\nContent-Length: 7\r\n", b"POST") + b'{"a":1}',
     "pipelined": head(b"/1") + head(b"/2", b"Content-Length: 2\r\n", b"POST") + b"hi" + head(b"/3"),
     "chunked_with_trailers": head(b"/c", b"Transfer-Encoding: chunked\r\n", b"POST")
-    + b"5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n" + head(b"/after"),
+    + b"5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n"
+    + head(b"/after"),
     "spacing_and_empty_values": head(b"/s", b"X-Pad:   a b  \r\nX-Empty:\r\nX-Tab:\tv\r\nx-lower: l\r\n"),
     "repeated_headers": head(b"/r", b"X-Forwarded-For: 1.1.1.1\r\nX-Forwarded-For: 2.2.2.2\r\nAccept: a\r\n"),
     "obs_text_value": head(b"/o", "X-Name: caf\u00e9\r\n".encode()),
@@ -116,7 +128,9 @@ CORPUS: dict[str, bytes] = {
     # limits (well over, so both parsers' accounting agrees)
     "oversized_header": head(b"/big", b"X-Big: " + b"a" * 3000 + b"\r\n"),
     "oversized_trailers": head(b"/t", b"Transfer-Encoding: chunked\r\n", b"POST")
-    + b"1\r\na\r\n0\r\nX-T: " + b"b" * 3000 + b"\r\n\r\n",
+    + b"1\r\na\r\n0\r\nX-T: "
+    + b"b" * 3000
+    + b"\r\n\r\n",
 }
 
 
@@ -125,7 +139,7 @@ CORPUS: dict[str, bytes] = {
 def test_every_split_into_reads_gives_the_same_requests(name: str, parser_class: Any) -> None:
     data = CORPUS[name]
     whole, error = run(parser_class, [data])
-    bytewise, bytewise_error = run(parser_class, [data[i:i + 1] for i in range(len(data))])
+    bytewise, bytewise_error = run(parser_class, [data[i : i + 1] for i in range(len(data))])
     assert bytewise.events == whole.events
     assert bytewise_error == error
 
@@ -145,18 +159,31 @@ def test_corpus_outcomes() -> None:
     errors = {name: error for name, (_, error) in outcomes.items()}
     assert errors["oversized_header"] == errors["oversized_trailers"] == "HeadTooLarge"
     assert errors["upgrade"] == errors["connect"] == "UpgradeRequest"
-    for name in ("length_and_chunked", "double_length", "space_before_colon", "bare_lf", "bad_chunk_size",
-                 "length_overflow", "control_char_in_value", "unknown_version"):
+    for name in (
+        "length_and_chunked",
+        "double_length",
+        "space_before_colon",
+        "bare_lf",
+        "bad_chunk_size",
+        "length_overflow",
+        "control_char_in_value",
+        "unknown_version",
+    ):
         assert errors[name] == "ParseError", name
     heads = {name: [e for e in rec.events if e[0] == "head"] for name, (rec, _) in outcomes.items()}
     assert [h[2] for h in heads["pipelined"]] == [b"/1", b"/2", b"/3"]
     assert [h[2] for h in heads["upgrade"]] == [b"/ws"]  # nothing after the switch is parsed
     assert heads["post_with_length"][0][1:6] == (b"POST", b"/p", 11, True, 7)
-    assert heads["big_length"][0][5] == 10 ** 15
+    assert heads["big_length"][0][5] == 10**15
     assert heads["http10_keepalive"][0][3:5] == (10, True) and heads["http10_keepalive"][1][3:5] == (10, False)
     assert heads["connection_close"][0][4] is False
     assert heads["spacing_and_empty_values"][0][6] == [
-        (b"Host", b"h"), (b"X-Pad", b"a b  "), (b"X-Empty", b""), (b"X-Tab", b"v"), (b"x-lower", b"l")]
+        (b"Host", b"h"),
+        (b"X-Pad", b"a b  "),
+        (b"X-Empty", b""),
+        (b"X-Tab", b"v"),
+        (b"x-lower", b"l"),
+    ]
     rec, _ = outcomes["chunked_with_trailers"]
     assert [e[0] for e in rec.events] == ["head", "body", "end", "head", "end"]
     assert rec.events[1] == ("body", b"hello world")
@@ -165,8 +192,8 @@ def test_corpus_outcomes() -> None:
 @COMPILED_ONLY
 def test_compiled_parser_hands_over_header_lines_as_they_arrived() -> None:
     data = CORPUS["spacing_and_empty_values"]
-    block = data[data.index(b"\r\n") + 2:data.index(b"\r\n\r\n") + 2]
-    for reads in ([data], [data[i:i + 1] for i in range(len(data))], [data[:20], data[20:41], data[41:]]):
+    block = data[data.index(b"\r\n") + 2 : data.index(b"\r\n\r\n") + 2]
+    for reads in ([data], [data[i : i + 1] for i in range(len(data))], [data[:20], data[20:41], data[41:]]):
         owner, error = run(LlhttpParser, reads)
         assert error is None
         assert owner.blocks == [block]
@@ -196,8 +223,10 @@ def test_an_exception_in_an_owner_callback_is_a_callback_error_caused_by_it(pars
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
-STREAM = b"".join(CORPUS[n] for n in ("post_with_length", "chunked_with_trailers", "spacing_and_empty_values",
-                                      "repeated_headers", "get"))
+STREAM = b"".join(
+    CORPUS[n]
+    for n in ("post_with_length", "chunked_with_trailers", "spacing_and_empty_values", "repeated_headers", "get")
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -258,14 +287,19 @@ def test_response_parsers_agree_for_every_split(name: str, parser_class: Any) ->
     data = RESPONSES[name]
     expected = run_responses(HttptoolsResponseParser, [data])
     assert run_responses(parser_class, [data]) == expected
-    assert run_responses(parser_class, [data[i:i + 1] for i in range(len(data))]) == expected
+    assert run_responses(parser_class, [data[i : i + 1] for i in range(len(data))]) == expected
 
 
 def test_response_corpus_outcomes() -> None:
     outcomes = {name: run_responses(HttptoolsResponseParser, [data]) for name, data in RESPONSES.items()}
     assert outcomes["length"] == ([("head", 200), ("body", b"hello"), ("end", True)], None)
-    assert outcomes["chunked_then_close"][0] == [("head", 200), ("body", b"abc"), ("end", True), ("head", 503),
-                                                 ("end", False)]
+    assert outcomes["chunked_then_close"][0] == [
+        ("head", 200),
+        ("body", b"abc"),
+        ("end", True),
+        ("head", 503),
+        ("end", False),
+    ]
     assert outcomes["interim_then_final"][0] == [("head", 100), ("end", True), ("head", 204), ("end", True)]
     assert outcomes["until_eof"] == ([("head", 200), ("body", b"streamed without a length")], None)
     assert outcomes["http10"][0][-1] == ("end", False)
@@ -279,8 +313,8 @@ def test_response_corpus_outcomes() -> None:
 BWS_CHUNKED: dict[str, tuple[bytes, bytes]] = {
     "space_before_semicolon": (b"Transfer-Encoding: chunked\r\n", b"3 ;ext=1\r\nabc\r\n0\r\n\r\n"),
     "spaces_around_equals": (b"Transfer-Encoding: chunked\r\n", b"3 ; ext = 1\r\nabc\r\n0\r\n\r\n"),
-    "tabs_and_quoted_value": (b"Transfer-Encoding: chunked\r\n", b"3\t;\tx\t=\t\"a \\\" b\"\r\nabc\r\n0 ; last\r\n\r\n"),
-    "several_extensions": (b"Transfer-Encoding: chunked\r\n", b"3;a;b=c ; d=\"e\"\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"),
+    "tabs_and_quoted_value": (b"Transfer-Encoding: chunked\r\n", b'3\t;\tx\t=\t"a \\" b"\r\nabc\r\n0 ; last\r\n\r\n'),
+    "several_extensions": (b"Transfer-Encoding: chunked\r\n", b'3;a;b=c ; d="e"\r\nabc\r\n2\r\nde\r\n0\r\n\r\n'),
     "spaces_after_size": (b"Transfer-Encoding: chunked\r\n", b"3  \r\nabc\r\n0\r\n\r\n"),
     "te_value_with_tabs": (b"Transfer-Encoding:\tchunked\t\r\n", b"3\r\nabc\r\n0\r\n\r\n"),
     "te_value_with_spaces": (b"Transfer-Encoding:  chunked  \r\n", b"3\r\nabc\r\n0\r\nX-T: v\r\n\r\n"),
@@ -288,7 +322,7 @@ BWS_CHUNKED: dict[str, tuple[bytes, bytes]] = {
 }
 BAD_CHUNKED: dict[str, bytes] = {
     "control_char_in_extension": b"3;x=\x01\r\nabc\r\n0\r\n\r\n",
-    "unterminated_quoted_value": b"3;x=\"abc\r\nabc\r\n0\r\n\r\n",
+    "unterminated_quoted_value": b'3;x="abc\r\nabc\r\n0\r\n\r\n',
     "no_crlf_after_data": b"3\r\nabcX\r\n0\r\n\r\n",
     "bare_lf_after_size": b"3\nabc\r\n0\r\n\r\n",
     "size_too_large": b"1000000000000000\r\na\r\n0\r\n\r\n",
@@ -304,7 +338,7 @@ def test_compiled_parser_accepts_whitespace_rfc9112_allows_in_chunked_framing(na
     framing, body = BWS_CHUNKED[name]
     data = head(b"/c", framing, b"POST") + body + head(b"/after")
     whole, error = run(LlhttpParser, [data])
-    bytewise, bytewise_error = run(LlhttpParser, [data[i:i + 1] for i in range(len(data))])
+    bytewise, bytewise_error = run(LlhttpParser, [data[i : i + 1] for i in range(len(data))])
     assert error is None and bytewise_error is None
     assert bytewise.events == whole.events
     decoded = b"0123456789" if name.startswith("leading") else b"abcde" if name == "several_extensions" else b"abc"
@@ -317,7 +351,7 @@ def test_compiled_parser_accepts_whitespace_rfc9112_allows_in_chunked_framing(na
 @pytest.mark.parametrize("name", sorted(BAD_CHUNKED))
 def test_compiled_parser_refuses_malformed_chunked_framing(name: str) -> None:
     data = head(b"/c", b"Transfer-Encoding: chunked\r\n", b"POST") + BAD_CHUNKED[name] + head(b"/never")
-    for reads in ([data], [data[i:i + 1] for i in range(len(data))]):
+    for reads in ([data], [data[i : i + 1] for i in range(len(data))]):
         owner, error = run(LlhttpParser, reads)
         assert error == "ParseError", reads
         assert ("end",) not in owner.events  # the request never completes

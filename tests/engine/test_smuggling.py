@@ -22,13 +22,17 @@ ONE_CONNECTION = {"limits": {"max_connections_per_upstream": 1}, "readiness_chec
 
 
 def _length_framed(connection: bytes) -> bytes:
-    return (b"POST /attack HTTP/1.1\r\nHost: x\r\nConnection: " + connection + b"\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(SMUGGLED) + SMUGGLED)
+    return (
+        b"POST /attack HTTP/1.1\r\nHost: x\r\nConnection: " + connection + b"\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(SMUGGLED) + SMUGGLED
+    )
 
 
 def _chunked(connection: bytes) -> bytes:
-    return (b"POST /attack HTTP/1.1\r\nHost: x\r\nConnection: " + connection + b"\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % len(SMUGGLED) + SMUGGLED + b"\r\n0\r\n\r\n")
+    return (
+        b"POST /attack HTTP/1.1\r\nHost: x\r\nConnection: " + connection + b"\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % len(SMUGGLED) + SMUGGLED + b"\r\n0\r\n\r\n"
+    )
 
 
 NOMINATIONS = {
@@ -77,8 +81,10 @@ async def test_connection_naming_framing_never_unframes_a_response(nominated, ra
     # The upstream's first answer names its own Content-Length as hop-by-hop and carries a body
     # that looks like a second response: relayed unframed, it would answer the next request.
     fake = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nsmuggled"
-    first = (b"HTTP/1.1 200 OK\r\nConnection: " + nominated + b"\r\nContent-Type: text/plain\r\n"
-             b"Content-Length: %d\r\n\r\n" % len(fake) + fake)
+    first = (
+        b"HTTP/1.1 200 OK\r\nConnection: " + nominated + b"\r\nContent-Type: text/plain\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(fake) + fake
+    )
     keep = b"close" not in nominated.lower()
     up = await raw_upstream({"/first": reply(first, keep=keep), "/next": echo(), "/other": echo()})
     sc = await start_sidecar(upstream=up.url, **ONE_CONNECTION)
@@ -98,10 +104,11 @@ async def test_connection_naming_framing_never_unframes_a_response(nominated, ra
     assert [r.target for r in up.received] == ["/first", "/next", "/other"]
 
 
-async def test_connection_naming_transfer_encoding_of_a_chunked_response_keeps_it_framed(raw_upstream,
-                                                                                        start_sidecar):
-    first = (b"HTTP/1.1 200 OK\r\nConnection: Transfer-Encoding\r\nTransfer-Encoding: chunked\r\n\r\n"
-             b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+async def test_connection_naming_transfer_encoding_of_a_chunked_response_keeps_it_framed(raw_upstream, start_sidecar):
+    first = (
+        b"HTTP/1.1 200 OK\r\nConnection: Transfer-Encoding\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    )
     up = await raw_upstream({"/first": reply(first), "/next": echo()})
     sc = await start_sidecar(upstream=up.url, **ONE_CONNECTION)
     resp, reader, writer = await _ask(sc.engine.port, b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")

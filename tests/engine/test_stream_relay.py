@@ -16,12 +16,14 @@ import pytest
 
 from sidecar.engine.parse_errors import ParseError
 from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW, LENGTH, BodyRelay, ClientOutput
-from tests.engine import Handler, RawMessage, RawUpstream, echo, read_response
+from tests.engine import Handler, RawMessage, echo, read_response
 
 FAST = pytest.mark.parametrize("engine", ["fast"])
 
-SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n")
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n"
+)
 
 
 def event(i: int) -> bytes:
@@ -80,7 +82,8 @@ def paced(parts: list[bytes], pause: float = 0.02) -> Handler:
 
 
 async def test_events_arriving_in_one_upstream_read_all_reach_the_client_before_the_next_read(
-        raw_upstream: Any, start_sidecar: Any, engine: str) -> None:
+    raw_upstream: Any, start_sidecar: Any, engine: str
+) -> None:
     gate = asyncio.Event()
     first = b"".join(event(i) for i in range(3))
     rest = b"".join(event(i) for i in range(3, 6)) + b"0\r\n\r\n"
@@ -113,11 +116,12 @@ SPLIT_RELAYED = event(0) + b"1a\r\n" + b"x" * 26 + b"\r\n" + event(1) + b"0\r\n\
 
 
 @pytest.mark.parametrize("cut", [1, 2, 3, 5, 17, 36, 37, 38, 40, 45, 72, 75, 80, 96])
-async def test_an_event_split_across_reads_is_delivered_byte_exact(cut: int, raw_upstream: Any,
-                                                                   start_sidecar: Any, engine: str) -> None:
+async def test_an_event_split_across_reads_is_delivered_byte_exact(
+    cut: int, raw_upstream: Any, start_sidecar: Any, engine: str
+) -> None:
     """The stream cut at ``cut`` bytes and again every 11 bytes from there: inside size lines,
     between CR and LF, inside data and extensions, around the last chunk and its trailer."""
-    parts = [SPLIT_STREAM[:cut]] + [SPLIT_STREAM[i:i + 11] for i in range(cut, len(SPLIT_STREAM), 11)]
+    parts = [SPLIT_STREAM[:cut]] + [SPLIT_STREAM[i : i + 11] for i in range(cut, len(SPLIT_STREAM), 11)]
     up = await raw_upstream({"/s": paced([SSE_HEAD] + parts, 0.005), "/after": echo()})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
     reader, writer = await asyncio.open_connection("127.0.0.1", port(sc))
@@ -134,15 +138,19 @@ async def test_an_event_split_across_reads_is_delivered_byte_exact(cut: int, raw
 
 
 @FAST  # (the aiohttp engine's client does not report these framing errors mid-body: the stream hangs)
-@pytest.mark.parametrize("bad", [
-    b"zz\r\nabc\r\n",  # not a size
-    b"5\r\nhello!!\r\n",  # data longer than its size (no CRLF after it)
-    b"5\nhello\r\n",  # bare LF after the size
-    b"1000000000000000\r\n",  # a size of 2**60: beyond what llhttp accepts
-    b"5;\x01\r\nhello\r\n",  # a control character in an extension
-])
-async def test_chunk_framing_error_mid_stream_aborts_the_client_connection(bad: bytes, raw_upstream: Any,
-                                                                          start_sidecar: Any) -> None:
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"zz\r\nabc\r\n",  # not a size
+        b"5\r\nhello!!\r\n",  # data longer than its size (no CRLF after it)
+        b"5\nhello\r\n",  # bare LF after the size
+        b"1000000000000000\r\n",  # a size of 2**60: beyond what llhttp accepts
+        b"5;\x01\r\nhello\r\n",  # a control character in an extension
+    ],
+)
+async def test_chunk_framing_error_mid_stream_aborts_the_client_connection(
+    bad: bytes, raw_upstream: Any, start_sidecar: Any
+) -> None:
     up = await raw_upstream({"/s": paced([SSE_HEAD + event(0), bad + event(1) + b"0\r\n\r\n"])})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
     reader, writer, got = await stream(sc, b"/s")
@@ -156,14 +164,14 @@ async def test_chunk_framing_error_mid_stream_aborts_the_client_connection(bad: 
     assert b'"i":0' in got  # the event before the error went through
     assert b'"i":1' not in got and not got.endswith(b"0\r\n\r\n")  # incomplete: the client can tell
     assert bytes(got) == event(0)
-    errors = sc.metrics.registry.get_sample_value("sidecar_upstream_errors_total",
-                                                  {"deployment": "default", "kind": "reset"})
+    errors = sc.metrics.registry.get_sample_value(
+        "sidecar_upstream_errors_total", {"deployment": "default", "kind": "reset"}
+    )
     assert errors == 1.0
 
 
 @FAST
-async def test_bytes_after_a_complete_chunked_response_are_never_relayed(raw_upstream: Any,
-                                                                         start_sidecar: Any) -> None:
+async def test_bytes_after_a_complete_chunked_response_are_never_relayed(raw_upstream: Any, start_sidecar: Any) -> None:
     smuggled = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nevil!"
     up = await raw_upstream({"/s": paced([SSE_HEAD + event(0) + b"0\r\n\r\n" + smuggled]), "/after": echo()})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
@@ -196,8 +204,9 @@ async def test_http10_client_gets_a_stream_dechunked_event_by_event(raw_upstream
     assert bytes(got) == event(0)[4:-2] + b"!"
 
 
-async def test_a_stream_with_events_closer_than_the_idle_timeout_is_never_cut(raw_upstream: Any,
-                                                                             start_sidecar: Any) -> None:
+async def test_a_stream_with_events_closer_than_the_idle_timeout_is_never_cut(
+    raw_upstream: Any, start_sidecar: Any
+) -> None:
     """The idle timeout is the silence between reads, however long the whole stream lasts."""
     parts = [SSE_HEAD] + [event(i) for i in range(12)] + [b"0\r\n\r\n"]
     up = await raw_upstream({"/s": paced(parts, 0.1)})
@@ -236,8 +245,14 @@ def feed_all(r: BodyRelay, reads: list[bytes]) -> int:
     return used
 
 
-STREAM = (b"4\r\nabcd\r\n" + b"A;ext=\"q;\\\"\"; e2\r\n" + bytes(range(32, 42)) + b"\r\n" +
-          b"000b\r\nhello world\r\n" + b"00;last\r\nTrailer-A: 1\r\nTrailer-B: 2\r\n\r\n")
+STREAM = (
+    b"4\r\nabcd\r\n"
+    + b'A;ext="q;\\""; e2\r\n'
+    + bytes(range(32, 42))
+    + b"\r\n"
+    + b"000b\r\nhello world\r\n"
+    + b"00;last\r\nTrailer-A: 1\r\nTrailer-B: 2\r\n\r\n"
+)
 THROUGH = b"4\r\nabcd\r\n" + b"A\r\n" + bytes(range(32, 42)) + b"\r\n" + b"000b\r\nhello world\r\n" + b"00\r\n\r\n"
 DATA = b"abcd" + bytes(range(32, 42)) + b"hello world"
 
@@ -263,10 +278,21 @@ def test_relay_passes_whole_events_through_as_the_same_object() -> None:
     assert r.reads == 1
 
 
-@pytest.mark.parametrize("bad", [
-    b"g\r\n", b"\r\n", b"-1\r\n", b"5 \x00\r\nhello\r\n", b"5\r\nhelloX\r\n", b"5\r\nhello\rX", b"5\rX",
-    b"1" * 16 + b"\r\n", b"0\r\nBad\nLine\r\n\r\n", b"0\r\n\r\r",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"g\r\n",
+        b"\r\n",
+        b"-1\r\n",
+        b"5 \x00\r\nhello\r\n",
+        b"5\r\nhelloX\r\n",
+        b"5\r\nhello\rX",
+        b"5\rX",
+        b"1" * 16 + b"\r\n",
+        b"0\r\nBad\nLine\r\n\r\n",
+        b"0\r\n\r\r",
+    ],
+)
 def test_relay_refuses_malformed_chunks_before_writing_that_read(bad: bytes) -> None:
     r, sink = relay(CHUNKED)
     r.feed(b"3\r\nabc\r\n")

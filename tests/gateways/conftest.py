@@ -78,8 +78,7 @@ def vllm_router(request: pytest.FixtureRequest, gateway_logs: Path) -> Iterator[
     """vllm-router 0.1.17 ``--policy sticky_least_loaded`` in front of the two mock workers."""
     require_gateway("vllm-router")
     mock_workers: list[MockWorker] = request.getfixturevalue("mock_workers")
-    stack = start_vllm_router([w.url for w in mock_workers], gateway_logs,
-                              policy="sticky_least_loaded")
+    stack = start_vllm_router([w.url for w in mock_workers], gateway_logs, policy="sticky_least_loaded")
     yield stack
     stack.stop()
 
@@ -122,8 +121,7 @@ def gateway_report(request: pytest.FixtureRequest) -> Callable[[str], None]:
     return report
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
-                            exitstatus: int, config: pytest.Config) -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
     lines = config.stash.get(_REPORTS, [])
     if lines:
         terminalreporter.section("gateway reports")

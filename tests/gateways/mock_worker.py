@@ -62,8 +62,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    model = {"id": request.app[MODEL], "object": "model", "created": 0,
-             "owned_by": request.app[OWNED_BY]}
+    model = {"id": request.app[MODEL], "object": "model", "created": 0, "owned_by": request.app[OWNED_BY]}
     return web.json_response({"object": "list", "data": [model]})
 
 
@@ -81,18 +80,27 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return web.json_response({"error": {"message": "body is not JSON"}}, status=400)
     name = request.app[NAME]
     words = f"Hello from {name} .".split()
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-            "model": body.get("model", request.app[MODEL]), "system_fingerprint": name}
-    usage = {"prompt_tokens": len(json.dumps(body.get("messages", []))) // 4,
-             "completion_tokens": len(words)}
+    base = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": body.get("model", request.app[MODEL]),
+        "system_fingerprint": name,
+    }
+    usage = {"prompt_tokens": len(json.dumps(body.get("messages", []))) // 4, "completion_tokens": len(words)}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     if not body.get("stream"):
         message = {"role": "assistant", "content": " ".join(words)}
-        return web.json_response({**base, "object": "chat.completion", "usage": usage,
-                                  "choices": [{"index": 0, "message": message,
-                                               "finish_reason": "stop"}]})
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache", WORKER_HEADER: name})
+        return web.json_response(
+            {
+                **base,
+                "object": "chat.completion",
+                "usage": usage,
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            }
+        )
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", WORKER_HEADER: name}
+    )
     await resp.prepare(request)
     chunk = {**base, "object": "chat.completion.chunk"}
     for i, word in enumerate(words):
@@ -109,8 +117,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def make_app(name: str, model: str = "tiny", owned_by: str = "vllm",
-             chunk_delay: float = 0.005) -> web.Application:
+def make_app(name: str, model: str = "tiny", owned_by: str = "vllm", chunk_delay: float = 0.005) -> web.Application:
     app = web.Application(middlewares=[record_and_tag])
     app[NAME], app[MODEL], app[OWNED_BY], app[CHUNK_DELAY] = name, model, owned_by, chunk_delay
     app[RECEIVED] = deque(maxlen=MAX_RECORDED)

@@ -59,8 +59,7 @@ def gateway_missing(name: str) -> str | None:
         missing.append(TINY_MODEL_DIR / ".complete")
     if not missing:
         return None
-    return (f"{name} is not installed in {GATEWAYS_DIR} (missing {missing[0]}); "
-            f"run {INSTALL_COMMAND}")
+    return f"{name} is not installed in {GATEWAYS_DIR} (missing {missing[0]}); run {INSTALL_COMMAND}"
 
 
 def free_port() -> int:
@@ -86,9 +85,16 @@ def free_low_port(low: int = 20000, high: int = 32767, attempts: int = 200) -> i
 class ManagedProcess:
     """One child process, its log file, and a PID-based stop."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, *,
-                 env: Mapping[str, str] | None = None, cwd: Path | None = None,
-                 term_grace: float = 10.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_dir: Path,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        term_grace: float = 10.0,
+    ) -> None:
         self.name = name
         self.argv = [str(a) for a in argv]
         self.log_path = log_dir / f"{name}.log"
@@ -97,8 +103,13 @@ class ManagedProcess:
         full_env = {**os.environ, "NO_COLOR": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         try:
             self.popen = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                env=full_env, cwd=str(cwd or REPO_ROOT), start_new_session=True,
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                cwd=str(cwd or REPO_ROOT),
+                start_new_session=True,
             )
         except BaseException:
             self._log.close()
@@ -152,26 +163,26 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes] | None:
         return None
 
 
-def wait_ready(what: str, probe: Callable[[], bool], procs: Sequence[ManagedProcess],
-               timeout: float = 30.0, interval: float = 0.1) -> None:
+def wait_ready(
+    what: str, probe: Callable[[], bool], procs: Sequence[ManagedProcess], timeout: float = 30.0, interval: float = 0.1
+) -> None:
     """Poll ``probe`` until it returns True; fail early if any of ``procs`` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         dead = [p for p in procs if not p.alive()]
         if dead:
-            raise StartupError(f"{what}: process exited before it was ready\n"
-                               + "\n".join(p.tail() for p in dead))
+            raise StartupError(f"{what}: process exited before it was ready\n" + "\n".join(p.tail() for p in dead))
         if probe():
             return
         time.sleep(interval)
-    raise StartupError(f"{what}: not ready after {timeout:.0f} s\n"
-                       + "\n".join(p.tail() for p in procs))
+    raise StartupError(f"{what}: not ready after {timeout:.0f} s\n" + "\n".join(p.tail() for p in procs))
 
 
 def _status_is(url: str, status: int = 200) -> Callable[[], bool]:
     def probe() -> bool:
         got = http_get(url)
         return got is not None and got[0] == status
+
     return probe
 
 
@@ -184,12 +195,14 @@ def _json_probe(url: str, check: Callable[[Any], bool]) -> Callable[[], bool]:
             return bool(check(json.loads(got[1])))
         except ValueError:
             return False
+
     return probe
 
 
 # ---------------------------------------------------------------------------------------------
 # Servers
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Stack:
@@ -226,17 +239,30 @@ class MockWorker:
             assert resp.status == 200
 
 
-def start_mock_workers(names: Sequence[str], log_dir: Path, *, owned_by: str = "vllm",
-                       timeout: float = 15.0) -> list[MockWorker]:
+def start_mock_workers(
+    names: Sequence[str], log_dir: Path, *, owned_by: str = "vllm", timeout: float = 15.0
+) -> list[MockWorker]:
     workers: list[MockWorker] = []
     try:
         for name in names:
             port = free_port()
             proc = ManagedProcess(
                 f"mock-{name}",
-                [sys.executable, "-m", "tests.gateways.mock_worker", "--port", port,
-                 "--name", name, "--model", MODEL, "--owned-by", owned_by],
-                log_dir, term_grace=5,
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.gateways.mock_worker",
+                    "--port",
+                    port,
+                    "--name",
+                    name,
+                    "--model",
+                    MODEL,
+                    "--owned-by",
+                    owned_by,
+                ],
+                log_dir,
+                term_grace=5,
             )
             workers.append(MockWorker(name, f"http://127.0.0.1:{port}", proc))
         for w in workers:
@@ -247,24 +273,44 @@ def start_mock_workers(names: Sequence[str], log_dir: Path, *, owned_by: str = "
     return workers
 
 
-def start_smg(worker_urls: Sequence[str], log_dir: Path, *, policy: str = "manual",
-              extra_args: Sequence[str] = (), timeout: float = 30.0) -> Stack:
+def start_smg(
+    worker_urls: Sequence[str],
+    log_dir: Path,
+    *,
+    policy: str = "manual",
+    extra_args: Sequence[str] = (),
+    timeout: float = 30.0,
+) -> Stack:
     """SMG ``launch`` in front of ``worker_urls``; ready once every worker is registered."""
     port, metrics_port = free_port(), free_port()
     exe = GATEWAYS_DIR / GATEWAYS["smg"][1]
     # SMG drains for ~7 s on SIGTERM; nothing here needs a graceful drain.
     proc = ManagedProcess(
         "smg",
-        [exe, "launch", "--host", "127.0.0.1", "--port", port,
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", metrics_port,
-         "--worker-urls", *worker_urls, "--policy", policy, *extra_args],
-        log_dir, term_grace=2,
+        [
+            exe,
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            port,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            metrics_port,
+            "--worker-urls",
+            *worker_urls,
+            "--policy",
+            policy,
+            *extra_args,
+        ],
+        log_dir,
+        term_grace=2,
     )
     stack = Stack(f"http://127.0.0.1:{port}", [proc])
 
     def all_registered(body: Any) -> bool:
-        ready = {w["url"] for w in body.get("workers", [])
-                 if w.get("is_healthy") and w.get("status") == "ready"}
+        ready = {w["url"] for w in body.get("workers", []) if w.get("is_healthy") and w.get("status") == "ready"}
         return ready >= set(worker_urls)
 
     try:
@@ -275,18 +321,39 @@ def start_smg(worker_urls: Sequence[str], log_dir: Path, *, policy: str = "manua
     return stack
 
 
-def start_vllm_router(worker_urls: Sequence[str], log_dir: Path, *,
-                      policy: str = "sticky_least_loaded", extra_args: Sequence[str] = (),
-                      env: Mapping[str, str] | None = None, timeout: float = 30.0) -> Stack:
+def start_vllm_router(
+    worker_urls: Sequence[str],
+    log_dir: Path,
+    *,
+    policy: str = "sticky_least_loaded",
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    timeout: float = 30.0,
+) -> Stack:
     """vllm-router in front of ``worker_urls`` (it waits for healthy workers before serving)."""
     port, metrics_port = free_port(), free_port()
     exe = GATEWAYS_DIR / GATEWAYS["vllm-router"][1]
     proc = ManagedProcess(
         "vllm-router",
-        [exe, "--host", "127.0.0.1", "--port", port,
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", metrics_port,
-         "--worker-urls", *worker_urls, "--policy", policy, *extra_args],
-        log_dir, env=env, term_grace=5,
+        [
+            exe,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            port,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            metrics_port,
+            "--worker-urls",
+            *worker_urls,
+            "--policy",
+            policy,
+            *extra_args,
+        ],
+        log_dir,
+        env=env,
+        term_grace=5,
     )
     stack = Stack(f"http://127.0.0.1:{port}", [proc])
     try:
@@ -314,22 +381,35 @@ def dynamo_env(state_dir: Path, xsub: int, xpub: int) -> dict[str, str]:
     home.mkdir(parents=True, exist_ok=True)
     kv.mkdir(parents=True, exist_ok=True)
     env = {
-        "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(kv),
-        "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(kv),
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_EVENT_PLANE": "zmq",
         "DYN_ZMQ_BROKER_URL": f"xsub=tcp://127.0.0.1:{xsub} , xpub=tcp://127.0.0.1:{xpub}",
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
         "HOME": str(home),  # model cards are cached under $HOME/.cache/dynamo
     }
-    for var in ("DYN_HTTP_HOST", "DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST",
-                "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST", "DYN_HTTP_RPC_HOST"):
+    for var in (
+        "DYN_HTTP_HOST",
+        "DYN_TCP_RPC_HOST",
+        "DYN_TCP_RESPONSE_STREAM_HOST",
+        "DYN_EVENT_PLANE_HOST",
+        "DYN_SYSTEM_HOST",
+        "DYN_HTTP_RPC_HOST",
+    ):
         env[var] = "127.0.0.1"
     return env
 
 
-def start_dynamo(log_dir: Path, state_dir: Path, *, workers: int = 2,
-                 frontend_args: Sequence[str] = ("--router-mode", "kv",
-                                                 "--router-session-affinity-ttl-secs", "60"),
-                 timeout: float = 60.0) -> Stack:
+def start_dynamo(
+    log_dir: Path,
+    state_dir: Path,
+    *,
+    workers: int = 2,
+    frontend_args: Sequence[str] = ("--router-mode", "kv", "--router-session-affinity-ttl-secs", "60"),
+    timeout: float = 60.0,
+) -> Stack:
     """ZMQ relay + ``workers`` mocker engines + the frontend; ready once the frontend lists
     every worker's ``generate`` instance and serves the model."""
     py = GATEWAYS_DIR / GATEWAYS["dynamo"][1]
@@ -337,34 +417,60 @@ def start_dynamo(log_dir: Path, state_dir: Path, *, workers: int = 2,
     env = dynamo_env(state_dir, xsub, xpub)
     stack = Stack(f"http://127.0.0.1:{http_port}")
     try:
-        relay = ManagedProcess("zmq-relay", [py, "-c", _ZMQ_RELAY, f"tcp://127.0.0.1:{xsub}",
-                                             f"tcp://127.0.0.1:{xpub}"], log_dir, env=env,
-                               term_grace=5)
+        relay = ManagedProcess(
+            "zmq-relay",
+            [py, "-c", _ZMQ_RELAY, f"tcp://127.0.0.1:{xsub}", f"tcp://127.0.0.1:{xpub}"],
+            log_dir,
+            env=env,
+            term_grace=5,
+        )
         stack.procs.append(relay)
         for i in range(1, workers + 1):
-            stack.procs.append(ManagedProcess(
-                f"dynamo-mocker-{i}",
-                [py, "-m", "dynamo.mocker", "--model-path", TINY_MODEL_DIR,
-                 "--model-name", MODEL, "--speedup-ratio", "10"],
-                log_dir, env={**env, "DYN_SYSTEM_PORT": str(free_low_port())}, term_grace=10,
-            ))
-        stack.procs.append(ManagedProcess(
-            "dynamo-frontend",
-            [py, "-m", "dynamo.frontend", "--http-port", http_port, *frontend_args],
-            log_dir, env=env, term_grace=10,
-        ))
+            stack.procs.append(
+                ManagedProcess(
+                    f"dynamo-mocker-{i}",
+                    [
+                        py,
+                        "-m",
+                        "dynamo.mocker",
+                        "--model-path",
+                        TINY_MODEL_DIR,
+                        "--model-name",
+                        MODEL,
+                        "--speedup-ratio",
+                        "10",
+                    ],
+                    log_dir,
+                    env={**env, "DYN_SYSTEM_PORT": str(free_low_port())},
+                    term_grace=10,
+                )
+            )
+        stack.procs.append(
+            ManagedProcess(
+                "dynamo-frontend",
+                [py, "-m", "dynamo.frontend", "--http-port", http_port, *frontend_args],
+                log_dir,
+                env=env,
+                term_grace=10,
+            )
+        )
 
         def all_workers(body: Any) -> bool:
-            ids = {i["instance_id"] for i in body.get("instances", [])
-                   if i.get("endpoint") == "generate"}
+            ids = {i["instance_id"] for i in body.get("instances", []) if i.get("endpoint") == "generate"}
             return len(ids) >= workers
 
         def serves_model(body: Any) -> bool:
             return any(m.get("id") == MODEL for m in body.get("data", []))
 
-        wait_ready("dynamo", lambda: _json_probe(f"{stack.url}/health", all_workers)()
-                   and _json_probe(f"{stack.url}/v1/models", serves_model)(),
-                   stack.procs, timeout)
+        wait_ready(
+            "dynamo",
+            lambda: (
+                _json_probe(f"{stack.url}/health", all_workers)()
+                and _json_probe(f"{stack.url}/v1/models", serves_model)()
+            ),
+            stack.procs,
+            timeout,
+        )
     except BaseException:
         stack.stop()
         raise
@@ -386,22 +492,38 @@ class Sidecar:
         return got[1].decode()
 
 
-def start_sidecar(upstream: str, mode: str, log_dir: Path, *,
-                  mode_opts: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
-                  timeout: float = 30.0) -> Sidecar:
+def start_sidecar(
+    upstream: str,
+    mode: str,
+    log_dir: Path,
+    *,
+    mode_opts: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
+    timeout: float = 30.0,
+) -> Sidecar:
     """``python -m sidecar run`` in front of ``upstream``; ready when admin ``/healthz`` is 200."""
     port, admin_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "sidecar", "run",
-            "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin_port}",
-            "--upstream", upstream, "--mode", mode]
+    argv = [
+        sys.executable,
+        "-m",
+        "sidecar",
+        "run",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--admin",
+        f"127.0.0.1:{admin_port}",
+        "--upstream",
+        upstream,
+        "--mode",
+        mode,
+    ]
     for key, value in (mode_opts or {}).items():
         argv += ["--mode-opt", f"{key}={value}"]
     argv += list(extra_args)
     proc = ManagedProcess(f"sidecar-{mode}", argv, log_dir, term_grace=10)
     sidecar = Sidecar(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", proc)
     try:
-        wait_ready(f"sidecar ({mode})", _status_is(f"{sidecar.admin_url}/healthz"), [proc],
-                   timeout)
+        wait_ready(f"sidecar ({mode})", _status_is(f"{sidecar.admin_url}/healthz"), [proc], timeout)
     except BaseException:
         proc.stop()
         raise
@@ -420,14 +542,18 @@ WorkerOf = Callable[[Mapping[str, str], list[dict[str, Any]]], "str | None"]
 def worker_from_header(name: str) -> WorkerOf:
     def worker_of(headers: Mapping[str, str], events: list[dict[str, Any]]) -> str | None:
         return headers.get(name)
+
     return worker_of
 
 
 def dynamo_worker(headers: Mapping[str, str], events: list[dict[str, Any]]) -> str | None:
     """``nvext.worker_id.decode_worker_id`` (requires ``nvext.extra_fields: ["worker_id"]``);
     every chunk of one response must agree."""
-    ids = {str(e["nvext"]["worker_id"]["decode_worker_id"]) for e in events
-           if isinstance(e.get("nvext"), dict) and "worker_id" in e["nvext"]}
+    ids = {
+        str(e["nvext"]["worker_id"]["decode_worker_id"])
+        for e in events
+        if isinstance(e.get("nvext"), dict) and "worker_id" in e["nvext"]
+    }
     assert len(ids) <= 1, f"one response names several workers: {ids}"
     return ids.pop() if ids else None
 
@@ -462,8 +588,9 @@ def new_session_ids(n: int) -> list[str]:
     return [str(uuid.uuid4()) for _ in range(n)]
 
 
-async def _one_turn(http: aiohttp.ClientSession, url: str, headers: dict[str, str],
-                    body: dict[str, Any], worker_of: WorkerOf) -> TurnResult:
+async def _one_turn(
+    http: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict[str, Any], worker_of: WorkerOf
+) -> TurnResult:
     async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
         resp_headers = {k.lower(): v for k, v in resp.headers.items()}
         events: list[dict[str, Any]] = []
@@ -475,7 +602,7 @@ async def _one_turn(http: aiohttp.ClientSession, url: str, headers: dict[str, st
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
-                event = json.loads(line[len("data:"):])
+                event = json.loads(line[len("data:") :])
                 events.append(event)
                 for choice in event.get("choices", []):
                     text += (choice.get("delta") or {}).get("content") or ""
@@ -504,8 +631,10 @@ async def run_sessions(
     ``X-Request-ID``; ``session_headers(session_id, turn_index, is_last_turn)`` adds the
     session's own headers (default: ``X-Correlation-ID: <session id>``)."""
     if session_headers is None:
+
         def session_headers(sid: str, turn: int, last: bool) -> dict[str, str]:
             return {"X-Correlation-ID": sid}
+
     results = {sid: SessionResult(sid) for sid in session_ids}
     gate = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=30)
@@ -514,12 +643,15 @@ async def run_sessions(
         messages: list[dict[str, str]] = []
         async with gate:
             for turn in range(turns):
-                messages.append({"role": "user",
-                                 "content": f"Session {sid[:16]} turn {turn}: go on."})
-                body = {"model": MODEL, "messages": list(messages), "stream": stream,
-                        "max_tokens": max_tokens, **(body_extra or {})}
-                headers = {"X-Request-ID": str(uuid.uuid4()),
-                           **session_headers(sid, turn, turn == turns - 1)}
+                messages.append({"role": "user", "content": f"Session {sid[:16]} turn {turn}: go on."})
+                body = {
+                    "model": MODEL,
+                    "messages": list(messages),
+                    "stream": stream,
+                    "max_tokens": max_tokens,
+                    **(body_extra or {}),
+                }
+                headers = {"X-Request-ID": str(uuid.uuid4()), **session_headers(sid, turn, turn == turns - 1)}
                 result = await _one_turn(http, url, headers, body, worker_of)
                 results[sid].turns.append(result)
                 if result.status != 200:
@@ -532,8 +664,12 @@ async def run_sessions(
 
 
 def failed_turns(results: Mapping[str, SessionResult]) -> list[str]:
-    return [f"{sid} turn {i}: HTTP {t.status} {t.text[:300]}"
-            for sid, r in results.items() for i, t in enumerate(r.turns) if t.status != 200]
+    return [
+        f"{sid} turn {i}: HTTP {t.status} {t.text[:300]}"
+        for sid, r in results.items()
+        for i, t in enumerate(r.turns)
+        if t.status != 200
+    ]
 
 
 def summarize(results: Mapping[str, SessionResult]) -> dict[str, int]:
@@ -547,9 +683,13 @@ def summarize(results: Mapping[str, SessionResult]) -> dict[str, int]:
     }
 
 
-def header_values_by_session(workers: Iterable[MockWorker], header: str, *,
-                             session_header: str = "x-correlation-id",
-                             path: str = "/v1/chat/completions") -> dict[str, set[str | None]]:
+def header_values_by_session(
+    workers: Iterable[MockWorker],
+    header: str,
+    *,
+    session_header: str = "x-correlation-id",
+    path: str = "/v1/chat/completions",
+) -> dict[str, set[str | None]]:
     """For each session (by ``session_header`` as the workers received it), the set of values of
     ``header`` on the chat requests that reached any worker (None where it was absent)."""
     seen: dict[str, set[str | None]] = {}

@@ -43,8 +43,7 @@ def assert_zero_switches(results) -> None:
 
 
 async def post_chat(url: str, headers: dict[str, str], body_extra: dict | None = None):
-    body = {"model": MODEL, "max_tokens": 4,
-            "messages": [{"role": "user", "content": "hello"}], **(body_extra or {})}
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}], **(body_extra or {})}
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
             return resp.status, await resp.text()
@@ -53,23 +52,33 @@ async def post_chat(url: str, headers: dict[str, str], body_extra: dict | None =
 async def test_direct_session_header_zero_switches(dynamo: Stack) -> None:
     """Gateway sanity: Dynamo itself honours X-Dynamo-Session-ID."""
     results = await run_sessions(
-        dynamo.url, new_session_ids(SESSIONS), turns=TURNS, concurrency=CONCURRENCY,
-        worker_of=dynamo_worker, body_extra=DYNAMO_WORKER_ID_BODY,
-        session_headers=lambda sid, turn, last: {"X-Correlation-ID": sid,
-                                                 "X-Dynamo-Session-ID": sid},
+        dynamo.url,
+        new_session_ids(SESSIONS),
+        turns=TURNS,
+        concurrency=CONCURRENCY,
+        worker_of=dynamo_worker,
+        body_extra=DYNAMO_WORKER_ID_BODY,
+        session_headers=lambda sid, turn, last: {"X-Correlation-ID": sid, "X-Dynamo-Session-ID": sid},
     )
     assert_zero_switches(results)
 
 
 async def test_direct_without_session_header_control(dynamo: Stack, gateway_report) -> None:
     """Control: the workload straight to Dynamo with only X-Correlation-ID. Reported only."""
-    results = await run_sessions(dynamo.url, new_session_ids(SESSIONS), turns=TURNS,
-                                 concurrency=CONCURRENCY, worker_of=dynamo_worker,
-                                 body_extra=DYNAMO_WORKER_ID_BODY)
+    results = await run_sessions(
+        dynamo.url,
+        new_session_ids(SESSIONS),
+        turns=TURNS,
+        concurrency=CONCURRENCY,
+        worker_of=dynamo_worker,
+        body_extra=DYNAMO_WORKER_ID_BODY,
+    )
     assert not failed_turns(results), failed_turns(results)
     s = summarize(results)
-    gateway_report(f"Dynamo kv router without sidecar: {s['moved']}/{s['sessions']} sessions "
-                   f"moved, {s['switches']} worker switches in {SESSIONS * TURNS} requests")
+    gateway_report(
+        f"Dynamo kv router without sidecar: {s['moved']}/{s['sessions']} sessions "
+        f"moved, {s['switches']} worker switches in {SESSIONS * TURNS} requests"
+    )
 
 
 async def test_direct_session_id_over_256_bytes_is_rejected(dynamo: Stack) -> None:
@@ -88,20 +97,23 @@ async def test_direct_nvext_session_control_is_rejected(dynamo: Stack) -> None:
 async def test_sidecar_sessions_have_zero_worker_switches(
     dynamo: Stack, dynamo_sidecar: Sidecar, gateway_report
 ) -> None:
-    results = await run_sessions(dynamo_sidecar.url, new_session_ids(SESSIONS), turns=TURNS,
-                                 concurrency=CONCURRENCY, worker_of=dynamo_worker,
-                                 body_extra=DYNAMO_WORKER_ID_BODY)
+    results = await run_sessions(
+        dynamo_sidecar.url,
+        new_session_ids(SESSIONS),
+        turns=TURNS,
+        concurrency=CONCURRENCY,
+        worker_of=dynamo_worker,
+        body_extra=DYNAMO_WORKER_ID_BODY,
+    )
     assert_zero_switches(results)
     s = summarize(results)
-    gateway_report(f"Dynamo through sidecar: {s['switches']} worker switches, "
-                   f"{s['workers_used']} workers used")
+    gateway_report(f"Dynamo through sidecar: {s['switches']} worker switches, {s['workers_used']} workers used")
 
 
-async def test_sidecar_300_byte_session_id_stays_on_one_worker(
-    dynamo: Stack, dynamo_sidecar: Sidecar
-) -> None:
+async def test_sidecar_300_byte_session_id_stays_on_one_worker(dynamo: Stack, dynamo_sidecar: Sidecar) -> None:
     sid = f"agent-run/{uuid.uuid4()}/".ljust(300, "x")
     assert len(sid.encode()) > DYNAMO_MAX_SESSION_ID_BYTES
-    results = await run_sessions(dynamo_sidecar.url, [sid], turns=6, worker_of=dynamo_worker,
-                                 body_extra=DYNAMO_WORKER_ID_BODY)
+    results = await run_sessions(
+        dynamo_sidecar.url, [sid], turns=6, worker_of=dynamo_worker, body_extra=DYNAMO_WORKER_ID_BODY
+    )
     assert_zero_switches(results)

@@ -46,11 +46,13 @@ def assert_sticky(results) -> None:
         assert len(set(r.workers)) == 1, f"session {sid} moved between workers: {r.workers}"
 
 
-async def test_direct_routing_key_pins_each_session(smg: Stack,
-                                                    fresh_workers: list[MockWorker]) -> None:
+async def test_direct_routing_key_pins_each_session(smg: Stack, fresh_workers: list[MockWorker]) -> None:
     """Gateway sanity: SMG itself honours X-SMG-Routing-Key under --policy manual."""
     results = await run_sessions(
-        smg.url, new_session_ids(SESSIONS), turns=TURNS, concurrency=CONCURRENCY,
+        smg.url,
+        new_session_ids(SESSIONS),
+        turns=TURNS,
+        concurrency=CONCURRENCY,
         worker_of=served_by,
         session_headers=lambda sid, turn, last: {"X-Correlation-ID": sid, "X-SMG-Routing-Key": sid},
     )
@@ -59,23 +61,26 @@ async def test_direct_routing_key_pins_each_session(smg: Stack,
     assert keys == {sid: {sid} for sid in results}
 
 
-async def test_direct_without_routing_key_control(smg: Stack, fresh_workers: list[MockWorker],
-                                                  gateway_report) -> None:
+async def test_direct_without_routing_key_control(smg: Stack, fresh_workers: list[MockWorker], gateway_report) -> None:
     """Control: the same workload straight to SMG with only X-Correlation-ID (what AIPerf sends).
     Reports how many sessions moved; asserts only that every request succeeded."""
-    results = await run_sessions(smg.url, new_session_ids(SESSIONS), turns=TURNS,
-                                 concurrency=CONCURRENCY, worker_of=served_by)
+    results = await run_sessions(
+        smg.url, new_session_ids(SESSIONS), turns=TURNS, concurrency=CONCURRENCY, worker_of=served_by
+    )
     assert not failed_turns(results), failed_turns(results)
     s = summarize(results)
-    gateway_report(f"SMG --policy manual without sidecar: {s['moved']}/{s['sessions']} sessions "
-                   f"moved, {s['switches']} worker switches in {SESSIONS * TURNS} requests")
+    gateway_report(
+        f"SMG --policy manual without sidecar: {s['moved']}/{s['sessions']} sessions "
+        f"moved, {s['switches']} worker switches in {SESSIONS * TURNS} requests"
+    )
 
 
 async def test_sidecar_keeps_each_session_on_one_worker(
     smg: Stack, smg_sidecar: Sidecar, fresh_workers: list[MockWorker], gateway_report
 ) -> None:
-    results = await run_sessions(smg_sidecar.url, new_session_ids(SESSIONS), turns=TURNS,
-                                 concurrency=CONCURRENCY, worker_of=served_by)
+    results = await run_sessions(
+        smg_sidecar.url, new_session_ids(SESSIONS), turns=TURNS, concurrency=CONCURRENCY, worker_of=served_by
+    )
     assert_sticky(results)
     keys = header_values_by_session(fresh_workers, ROUTING_KEY)
     assert set(keys) == set(results), "every session's turns reached a worker"
@@ -85,8 +90,9 @@ async def test_sidecar_keeps_each_session_on_one_worker(
         assert 0 < len(key.encode()) <= SMG_MAX_KEY_BYTES
     assert len({next(iter(v)) for v in keys.values()}) == SESSIONS, "one key per session"
     s = summarize(results)
-    gateway_report(f"SMG through sidecar: {s['moved']}/{s['sessions']} sessions moved, "
-                   f"{s['workers_used']} workers used")
+    gateway_report(
+        f"SMG through sidecar: {s['moved']}/{s['sessions']} sessions moved, {s['workers_used']} workers used"
+    )
 
 
 async def test_sidecar_session_id_longer_than_128_bytes_stays_on_one_worker(

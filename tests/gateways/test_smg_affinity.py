@@ -57,7 +57,8 @@ DETECTION_TIMEOUT = 15.0  # seconds SMG gets to mark the killed worker unhealthy
 
 served_by = worker_from_header(ROUTED_WORKER)
 _AFFINITY_SAMPLE = re.compile(
-    r'^sidecar_affinity_turns_total\{deployment="[^"]*",outcome="(first|same_worker|moved)"\} ([0-9.e+]+)$', re.M)
+    r'^sidecar_affinity_turns_total\{deployment="[^"]*",outcome="(first|same_worker|moved)"\} ([0-9.e+]+)$', re.M
+)
 
 
 @pytest.fixture
@@ -69,11 +70,9 @@ def affinity_stack(gateway_logs: Path) -> Iterator[tuple[list[MockWorker], Stack
     try:
         workers = start_mock_workers(["w1", "w2", "w3"], gateway_logs)
         procs += [w.proc for w in workers]
-        smg = start_smg([w.url for w in workers], gateway_logs, policy="manual",
-                        extra_args=SMG_HEALTH_ARGS)
+        smg = start_smg([w.url for w in workers], gateway_logs, policy="manual", extra_args=SMG_HEALTH_ARGS)
         procs += smg.procs
-        sidecar = start_sidecar(smg.url, "smg_routing_key", gateway_logs,
-                                extra_args=["--log-level", "debug"])
+        sidecar = start_sidecar(smg.url, "smg_routing_key", gateway_logs, extra_args=["--log-level", "debug"])
         procs.append(sidecar.proc)
         yield workers, smg, sidecar
     finally:
@@ -112,8 +111,9 @@ def moved_log_lines(sidecar: Sidecar) -> list[dict[str, Any]]:
 def smg_healthy_workers(smg: Stack) -> set[str]:
     got = http_get(f"{smg.url}/workers")
     assert got is not None and got[0] == 200, f"SMG GET /workers: {got}"
-    return {w["url"] for w in json.loads(got[1]).get("workers", [])
-            if w.get("is_healthy") and w.get("status") == "ready"}
+    return {
+        w["url"] for w in json.loads(got[1]).get("workers", []) if w.get("is_healthy") and w.get("status") == "ready"
+    }
 
 
 async def test_manual_policy_same_worker_then_moved_exactly_for_killed_workers_sessions(
@@ -124,8 +124,7 @@ async def test_manual_policy_same_worker_then_moved_exactly_for_killed_workers_s
     sids = new_session_ids(SESSIONS)
 
     # -- 1. Multi-turn workload: every turn after a session's first stays on its worker. -------
-    results = await run_sessions(sidecar.url, sids, turns=TURNS, concurrency=CONCURRENCY,
-                                 worker_of=served_by)
+    results = await run_sessions(sidecar.url, sids, turns=TURNS, concurrency=CONCURRENCY, worker_of=served_by)
     assert not failed_turns(results), failed_turns(results)
     home: dict[str, str] = {}
     for sid, r in results.items():
@@ -133,8 +132,7 @@ async def test_manual_policy_same_worker_then_moved_exactly_for_killed_workers_s
         assert len(set(r.workers)) == 1, f"{sid} moved between workers: {r.workers}"
         home[sid] = r.workers[0]  # type: ignore[assignment]
 
-    assert affinity_counts(sidecar) == {"first": SESSIONS, "same_worker": SESSIONS * (TURNS - 1),
-                                        "moved": 0}
+    assert affinity_counts(sidecar) == {"first": SESSIONS, "same_worker": SESSIONS * (TURNS - 1), "moved": 0}
     for sid in sids:
         node = history(sidecar, sid)
         assert node["turns"] == TURNS
@@ -156,7 +154,8 @@ async def test_manual_policy_same_worker_then_moved_exactly_for_killed_workers_s
     deadline = killed_at + DETECTION_TIMEOUT
     while victim_url in smg_healthy_workers(smg):
         assert time.monotonic() < deadline, (
-            f"SMG still lists {victim_url} healthy {DETECTION_TIMEOUT:.0f} s after SIGKILL")
+            f"SMG still lists {victim_url} healthy {DETECTION_TIMEOUT:.0f} s after SIGKILL"
+        )
         await asyncio.sleep(0.05)
     detected_after = time.monotonic() - killed_at
     assert smg_healthy_workers(smg) == {w.url for w in workers} - {victim_url}
@@ -164,8 +163,7 @@ async def test_manual_policy_same_worker_then_moved_exactly_for_killed_workers_s
     # -- 3. One more turn per session: exactly the killed worker's sessions move. -------------
     # Observed with SMG 1.13: once the worker is marked unhealthy, a pinned key whose worker is
     # gone is reassigned on the spot and the request succeeds; no turn fails, so none is retried.
-    after = await run_sessions(sidecar.url, sids, turns=1, concurrency=CONCURRENCY,
-                               worker_of=served_by)
+    after = await run_sessions(sidecar.url, sids, turns=1, concurrency=CONCURRENCY, worker_of=served_by)
     assert not failed_turns(after), failed_turns(after)
     new_home = {sid: r.workers[0] for sid, r in after.items()}
     assert None not in new_home.values(), new_home
@@ -180,8 +178,7 @@ async def test_manual_policy_same_worker_then_moved_exactly_for_killed_workers_s
     }
     for sid in on_victim:
         node = history(sidecar, sid)
-        assert node["workers"] == [{"worker": victim_url, "turns": TURNS},
-                                   {"worker": new_home[sid], "turns": 1}], sid
+        assert node["workers"] == [{"worker": victim_url, "turns": TURNS}, {"worker": new_home[sid], "turns": 1}], sid
         assert node["affinity"] == {"first": 1, "same_worker": TURNS - 1, "moved": 1}, sid
     for sid in survivors:
         node = history(sidecar, sid)
@@ -198,8 +195,7 @@ async def test_manual_policy_same_worker_then_moved_exactly_for_killed_workers_s
         assert e["level"] == "info" and e["deployment"] == "default", e
 
     # -- 4. SMG re-pinned the moved keys: the next turn stays on the new worker. --------------
-    again = await run_sessions(sidecar.url, sids, turns=1, concurrency=CONCURRENCY,
-                               worker_of=served_by)
+    again = await run_sessions(sidecar.url, sids, turns=1, concurrency=CONCURRENCY, worker_of=served_by)
     assert not failed_turns(again), failed_turns(again)
     assert {sid: r.workers[0] for sid, r in again.items()} == new_home
     assert affinity_counts(sidecar) == {
@@ -214,4 +210,5 @@ async def test_manual_policy_same_worker_then_moved_exactly_for_killed_workers_s
         f"SMG --policy manual + sidecar, {SESSIONS}x{TURNS} turns: 100% same_worker; killed "
         f"{victim.name} ({len(on_victim)} sessions, split {sorted(by_worker.values())}), SMG "
         f"marked it unhealthy after {detected_after:.2f} s, next turn: 0 failed, "
-        f"{len(on_victim)} moved, {len(survivors)} same_worker; {elapsed:.1f} s")
+        f"{len(on_victim)} moved, {len(survivors)} same_worker; {elapsed:.1f} s"
+    )

@@ -56,9 +56,7 @@ def finished_sessions(router: Stack) -> list[str]:
 def end_actions_ok(sidecar: Sidecar) -> float:
     for family in text_string_to_metric_families(sidecar.metrics_text()):
         for sample in family.samples:
-            if sample.name == END_ACTIONS and all(
-                sample.labels.get(k) == v for k, v in END_ACTION_OK.items()
-            ):
+            if sample.name == END_ACTIONS and all(sample.labels.get(k) == v for k, v in END_ACTION_OK.items()):
                 return sample.value
     return 0.0
 
@@ -72,27 +70,26 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.1) -> bool:
     return predicate()
 
 
-async def test_direct_session_header_and_finish_session(
-    vllm_router: Stack, fresh_workers: list[MockWorker]
-) -> None:
+async def test_direct_session_header_and_finish_session(vllm_router: Stack, fresh_workers: list[MockWorker]) -> None:
     """Gateway sanity: x-session-id pins sessions; /finish_session releases them."""
     results = await run_sessions(
-        vllm_router.url, new_session_ids(SESSIONS), turns=TURNS, concurrency=CONCURRENCY,
+        vllm_router.url,
+        new_session_ids(SESSIONS),
+        turns=TURNS,
+        concurrency=CONCURRENCY,
         worker_of=served_by,
         session_headers=lambda sid, turn, last: {"X-Correlation-ID": sid, "X-Session-ID": sid},
     )
     assert_sticky(results)
     async with aiohttp.ClientSession() as http:
         for sid in results:
-            async with http.post(f"{vllm_router.url}/finish_session",
-                                 params={"session_id": sid}) as resp:
+            async with http.post(f"{vllm_router.url}/finish_session", params={"session_id": sid}) as resp:
                 assert resp.status == 200
                 assert (await resp.json())["status"] == "ok"
     assert wait_for(lambda: set(results) <= set(finished_sessions(vllm_router)))
 
 
-async def test_direct_control(vllm_router: Stack, fresh_workers: list[MockWorker],
-                              gateway_report) -> None:
+async def test_direct_control(vllm_router: Stack, fresh_workers: list[MockWorker], gateway_report) -> None:
     """Control: straight to vllm-router, AIPerf-style headers only (X-Correlation-ID, a fresh
     X-Request-ID per request), then with X-Request-ID alone. Reported only."""
     runs = {
@@ -100,13 +97,20 @@ async def test_direct_control(vllm_router: Stack, fresh_workers: list[MockWorker
         "X-Request-ID only": lambda sid, turn, last: {},
     }
     for label, headers in runs.items():
-        results = await run_sessions(vllm_router.url, new_session_ids(SESSIONS), turns=TURNS,
-                                     concurrency=CONCURRENCY, worker_of=served_by,
-                                     session_headers=headers)
+        results = await run_sessions(
+            vllm_router.url,
+            new_session_ids(SESSIONS),
+            turns=TURNS,
+            concurrency=CONCURRENCY,
+            worker_of=served_by,
+            session_headers=headers,
+        )
         assert not failed_turns(results), failed_turns(results)
         s = summarize(results)
-        gateway_report(f"vllm-router sticky_least_loaded without sidecar, {label}: "
-                       f"{s['moved']}/{s['sessions']} sessions moved, {s['switches']} switches")
+        gateway_report(
+            f"vllm-router sticky_least_loaded without sidecar, {label}: "
+            f"{s['moved']}/{s['sessions']} sessions moved, {s['switches']} switches"
+        )
 
 
 async def test_sidecar_sticky_sessions_and_finish_session(
@@ -116,16 +120,21 @@ async def test_sidecar_sticky_sessions_and_finish_session(
     sidecar call POST /finish_session?session_id=<id>, once per session."""
     before = end_actions_ok(vllm_sidecar)
     results = await run_sessions(
-        vllm_sidecar.url, new_session_ids(SESSIONS), turns=TURNS, concurrency=CONCURRENCY,
+        vllm_sidecar.url,
+        new_session_ids(SESSIONS),
+        turns=TURNS,
+        concurrency=CONCURRENCY,
         worker_of=served_by,
         session_headers=lambda sid, turn, last: {
-            "X-Correlation-ID": sid, **({"X-Session-Final": "true"} if last else {})},
+            "X-Correlation-ID": sid,
+            **({"X-Session-Final": "true"} if last else {}),
+        },
     )
     assert_sticky(results)
     # End-of-session actions run after the last byte is proxied: poll, bounded.
     assert wait_for(lambda: end_actions_ok(vllm_sidecar) >= before + SESSIONS), (
-        f"{END_ACTIONS}{END_ACTION_OK}: {before} -> {end_actions_ok(vllm_sidecar)}, "
-        f"expected +{SESSIONS}")
+        f"{END_ACTIONS}{END_ACTION_OK}: {before} -> {end_actions_ok(vllm_sidecar)}, expected +{SESSIONS}"
+    )
     await asyncio.sleep(0.5)  # a duplicate end action would show up here
     assert end_actions_ok(vllm_sidecar) == before + SESSIONS
     # The router itself released each session it had pinned.

@@ -22,8 +22,13 @@ BIND = b'"session_control":{"session_id":"s-1","action":"bind","timeout":300}'
 PARSED_LIMIT = 8 * 1024 * 1024
 
 
-async def post(sc: Any, body: bytes | AsyncIterator[bytes], session: str | None = "s-1",
-               headers: dict[str, str] | None = None, http: aiohttp.ClientSession | None = None) -> tuple[int, Any]:
+async def post(
+    sc: Any,
+    body: bytes | AsyncIterator[bytes],
+    session: str | None = "s-1",
+    headers: dict[str, str] | None = None,
+    http: aiohttp.ClientSession | None = None,
+) -> tuple[int, Any]:
     """POST ``body`` through the sidecar; the status and the parsed JSON answer (or raw bytes)."""
     hdrs = {"Content-Type": "application/json", **(headers or {})}
     if session is not None:
@@ -53,8 +58,10 @@ async def in_flight(sc: Any, session: str) -> int:
 
 # -- byte preservation ------------------------------------------------------------------------
 
-ODD = (b' {"z" : 123456789012345678901234567890 ,\n\t"b":1e2,"c":-0.0, "model":"m\\u00e9\\ud83d\\ude00",'
-       b'"model" : "dup","messages":[ {"role":"user","content":"\\u0048i \\"there\\"\\/"} ], "a":[ 2 ,1 ] }\r\n')
+ODD = (
+    b' {"z" : 123456789012345678901234567890 ,\n\t"b":1e2,"c":-0.0, "model":"m\\u00e9\\ud83d\\ude00",'
+    b'"model" : "dup","messages":[ {"role":"user","content":"\\u0048i \\"there\\"\\/"} ], "a":[ 2 ,1 ] }\r\n'
+)
 
 
 async def test_the_upstream_gets_the_clients_bytes_plus_the_field(upstream, start_sidecar) -> None:
@@ -68,11 +75,15 @@ async def test_the_upstream_gets_the_clients_bytes_plus_the_field(upstream, star
 
 MERGES = [
     # An nvext with other keys.
-    (b'{"model":"m","nvext":{"top_k" : 3, "extra_fields":["worker_id"]}}',
-     b'{"model":"m","nvext":{"top_k" : 3, "extra_fields":["worker_id"],' + BIND + b"}}"),
+    (
+        b'{"model":"m","nvext":{"top_k" : 3, "extra_fields":["worker_id"]}}',
+        b'{"model":"m","nvext":{"top_k" : 3, "extra_fields":["worker_id"],' + BIND + b"}}",
+    ),
     # A session_control with foreign keys and owned ones.
-    (b'{"nvext":{"session_control":{"session_id":"spoof","trace":"t-1", "timeout":1},"k":2},"n":1e2}',
-     b'{"nvext":{"session_control":{"trace":"t-1","session_id":"s-1","action":"bind","timeout":300},"k":2},"n":1e2}'),
+    (
+        b'{"nvext":{"session_control":{"session_id":"spoof","trace":"t-1", "timeout":1},"k":2},"n":1e2}',
+        b'{"nvext":{"session_control":{"trace":"t-1","session_id":"s-1","action":"bind","timeout":300},"k":2},"n":1e2}',
+    ),
     # A non-object nvext, replaced where it stood.
     (b'{"nvext": [1, 2], "model": "m"}', b'{"nvext": {' + BIND + b'}, "model": "m"}'),
     # nvext repeated: the last one is patched, the earlier ones removed.
@@ -89,21 +100,24 @@ async def test_nvext_merges_on_the_wire(upstream, start_sidecar, body: bytes, wa
 
 # -- limits -----------------------------------------------------------------------------------
 
+
 async def _chunks(data: bytes) -> AsyncIterator[bytes]:
     for i in range(0, len(data), 1 << 20):
-        yield data[i:i + (1 << 20)]
+        yield data[i : i + (1 << 20)]
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-async def test_a_body_over_the_parsed_limit_is_413_and_never_forwarded(upstream, start_sidecar,
-                                                                       chunked: bool) -> None:
+async def test_a_body_over_the_parsed_limit_is_413_and_never_forwarded(upstream, start_sidecar, chunked: bool) -> None:
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext")
     body = b'{"model":"m","pad":"' + b"x" * (9 * 1024 * 1024) + b'"}'
     status, answer = await post(sc, _chunks(body) if chunked else body)
     assert status == 413
     err = answer["error"]
-    assert (err["type"], err["limit"], err["setting"]) == ("request_too_large", PARSED_LIMIT,
-                                                           "limits.max_parsed_body_bytes")
+    assert (err["type"], err["limit"], err["setting"]) == (
+        "request_too_large",
+        PARSED_LIMIT,
+        "limits.max_parsed_body_bytes",
+    )
     assert "max_parsed_body_bytes" in err["message"]
     assert upstream.received == []
     # A header mode streams the same body through (its limit is max_body_bytes).
@@ -122,7 +136,8 @@ async def test_the_parsed_limit_is_configurable(upstream, start_sidecar) -> None
 
 @pytest.mark.parametrize("depth", [129, 300])
 async def test_a_body_nested_too_deep_is_400_and_the_session_is_not_left_in_flight(
-        upstream, start_sidecar, depth: int) -> None:
+    upstream, start_sidecar, depth: int
+) -> None:
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext")
     assert (await post(sc, b'{"model":"m"}'))[0] == 200  # the session exists
     deep = b'{"a":' * (depth - 1) + b"[]" + b"}" * (depth - 1)
@@ -160,6 +175,7 @@ async def test_non_object_bodies_pass_unchanged_large_or_small(upstream, start_s
 
 
 # -- large bodies: read on a worker thread ----------------------------------------------------
+
 
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, threading.Event]]:
@@ -207,8 +223,13 @@ async def test_a_large_body_is_read_while_other_requests_are_answered(upstream, 
     assert not task.done()
     release.set()
     assert (await task)[0] == 200
-    assert [r.header("X-Correlation-ID") for r in upstream.received] == ["small-0", "small-1", "small-2", "small-3",
-                                                                         "s-1"]
+    assert [r.header("X-Correlation-ID") for r in upstream.received] == [
+        "small-0",
+        "small-1",
+        "small-2",
+        "small-3",
+        "s-1",
+    ]
     assert upstream.received[-1].body == big[:-1] + b',"nvext":{' + BIND + b"}}"
     await settled(sc, "s-1")
 
@@ -234,8 +255,10 @@ async def test_a_client_that_leaves_during_body_work_ends_its_turn(upstream, sta
 
 async def test_large_bodies_name_sessions_and_deployments(two_upstreams, start_sidecar) -> None:
     a, b = two_upstreams
-    deployments = [{"name": "a", "upstreams": [a.url], "models": ["ma"], "mode": "dynamo_headers"},
-                   {"name": "b", "upstreams": [b.url], "models": ["mb"], "mode": "dynamo_nvext"}]
+    deployments = [
+        {"name": "a", "upstreams": [a.url], "models": ["ma"], "mode": "dynamo_headers"},
+        {"name": "b", "upstreams": [b.url], "models": ["mb"], "mode": "dynamo_nvext"},
+    ]
     sc = await start_sidecar(deployments=deployments, identity={"body": ["user"]})
     pad = b"x" * (2 * INLINE_BYTES)
     big_a = b'{"model":"ma","user":"u-a","pad":"' + pad + b'"}'
@@ -244,8 +267,10 @@ async def test_large_bodies_name_sessions_and_deployments(two_upstreams, start_s
     assert (await post(sc, big_b, session=None))[0] == 200
     assert [r.body for r in a.received] == [big_a]
     assert a.received[0].header("X-Dynamo-Session-ID") == "u-a"
-    assert b.received[0].body == big_b[:-1] + b',"nvext":{"session_control":{"session_id":"u-b","action":"bind",' \
-                                              b'"timeout":300}}}'
+    assert (
+        b.received[0].body == big_b[:-1] + b',"nvext":{"session_control":{"session_id":"u-b","action":"bind",'
+        b'"timeout":300}}}'
+    )
 
 
 @pytest.fixture
@@ -260,8 +285,9 @@ async def two_upstreams() -> AsyncIterator[tuple[Any, Any]]:
 
 
 @pytest.mark.parametrize("size", [16, 2 * INLINE_BYTES])
-async def test_a_defect_in_body_work_is_a_500_not_a_dropped_connection(upstream, start_sidecar, monkeypatch,
-                                                                       size: int) -> None:
+async def test_a_defect_in_body_work_is_a_500_not_a_dropped_connection(
+    upstream, start_sidecar, monkeypatch, size: int
+) -> None:
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext")
 
     def broken(data: bytes, max_depth: int, names: tuple[bytes, ...]) -> Any:

@@ -18,19 +18,42 @@ from sidecar.modes.smg import SmgRoutingKey
 LONG = "agent/" + "x" * 294  # 300 bytes
 
 
-def ctx(session: str = "s1", *, parent: str | None = None, root: str | None = None, final: bool = False,
-        tree_final: bool = False, turn: int = 2, parent_final: bool | None = None) -> RoutingContext:
-    return RoutingContext(session=session, parent=parent, root=root or parent or session, is_final_turn=final,
-                          is_parent_final=parent_final, is_tree_final=tree_final, turn=turn, deployment="default")
+def ctx(
+    session: str = "s1",
+    *,
+    parent: str | None = None,
+    root: str | None = None,
+    final: bool = False,
+    tree_final: bool = False,
+    turn: int = 2,
+    parent_final: bool | None = None,
+) -> RoutingContext:
+    return RoutingContext(
+        session=session,
+        parent=parent,
+        root=root or parent or session,
+        is_final_turn=final,
+        is_parent_final=parent_final,
+        is_tree_final=tree_final,
+        turn=turn,
+        deployment="default",
+    )
 
 
 def mode(name: str, **options: Any) -> Mode:
     return load_mode(name).from_options(options)
 
 
-@pytest.mark.parametrize("name,cls", [("dynamo_headers", DynamoHeaders), ("dynamo_nvext", DynamoNvext),
-                                      ("smg_routing_key", SmgRoutingKey), ("session_id_header", SessionIdHeader),
-                                      ("identity_headers", IdentityHeaders)])
+@pytest.mark.parametrize(
+    "name,cls",
+    [
+        ("dynamo_headers", DynamoHeaders),
+        ("dynamo_nvext", DynamoNvext),
+        ("smg_routing_key", SmgRoutingKey),
+        ("session_id_header", SessionIdHeader),
+        ("identity_headers", IdentityHeaders),
+    ],
+)
 def test_builtins_come_from_entry_points_and_meet_the_contract(name: str, cls: type[Mode]) -> None:
     assert load_mode(name) is cls
     assert check_contract(cls) is cls
@@ -39,11 +62,14 @@ def test_builtins_come_from_entry_points_and_meet_the_contract(name: str, cls: t
 
 # -- dynamo_headers ---------------------------------------------------------------------------
 
+
 def test_dynamo_headers_root_and_child() -> None:
     m = mode("dynamo_headers")
     assert list(m.request_headers(ctx("s1", turn=1))) == [("X-Dynamo-Session-ID", "s1")]
     assert list(m.request_headers(ctx("c1", parent="p1", root="r1", final=True))) == [
-        ("X-Dynamo-Session-ID", "c1"), ("X-Dynamo-Parent-Session-ID", "p1")]
+        ("X-Dynamo-Session-ID", "c1"),
+        ("X-Dynamo-Parent-Session-ID", "p1"),
+    ]
     assert set(m.emitted_headers()) == {"X-Dynamo-Session-ID", "X-Dynamo-Parent-Session-ID"}
 
 
@@ -57,6 +83,7 @@ def test_dynamo_headers_fits_long_session_and_parent_ids() -> None:
 
 
 # -- dynamo_nvext -----------------------------------------------------------------------------
+
 
 def apply(m: Mode, c: RoutingContext, body: dict[str, Any] | bytes) -> bytes:
     """The bytes the mode's patch makes of ``body`` (given as JSON bytes, or a dict to serialize)."""
@@ -128,18 +155,30 @@ def test_nvext_fits_long_ids() -> None:
 
 def test_nvext_merge_keeps_client_keys_and_mode_keys_win() -> None:
     m = mode("dynamo_nvext", timeout_seconds=123)
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-            "nvext": {"top_k": 5, "extra_fields": ["worker_id"],
-                      "session_control": {"session_id": "client", "action": "open", "timeout": 9, "note": "x"}}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "nvext": {
+            "top_k": 5,
+            "extra_fields": ["worker_id"],
+            "session_control": {"session_id": "client", "action": "open", "timeout": 9, "note": "x"},
+        },
+    }
     assert orjson.loads(apply(m, ctx("s1"), body)) == {
-        "model": "m", "messages": [{"role": "user", "content": "hi"}],
-        "nvext": {"top_k": 5, "extra_fields": ["worker_id"],
-                  "session_control": {"session_id": "s1", "action": "bind", "timeout": 123, "note": "x"}}}
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "nvext": {
+            "top_k": 5,
+            "extra_fields": ["worker_id"],
+            "session_control": {"session_id": "s1", "action": "bind", "timeout": 123, "note": "x"},
+        },
+    }
     # Spliced into the client's bytes: the client's other members stay as sent, the mode's
     # members follow them.
     assert apply(m, ctx("s1"), orjson.dumps(body)) == (
         b'{"model":"m","messages":[{"role":"user","content":"hi"}],"nvext":{"top_k":5,"extra_fields":["worker_id"],'
-        b'"session_control":{"note":"x","session_id":"s1","action":"bind","timeout":123}}}')
+        b'"session_control":{"note":"x","session_id":"s1","action":"bind","timeout":123}}}'
+    )
 
 
 def test_nvext_close_drops_client_timeout_and_middle_open_turn_drops_action() -> None:
@@ -162,16 +201,21 @@ def test_nvext_non_object_session_control_is_replaced(control: Any) -> None:
 
 def test_nvext_body_without_nvext() -> None:
     out = orjson.loads(apply(mode("dynamo_nvext"), ctx(), {"model": "m", "stream": True}))
-    assert out == {"model": "m", "stream": True,
-                   "nvext": {"session_control": {"session_id": "s1", "action": "bind", "timeout": 300}}}
+    assert out == {
+        "model": "m",
+        "stream": True,
+        "nvext": {"session_control": {"session_id": "s1", "action": "bind", "timeout": 300}},
+    }
 
 
 # -- smg_routing_key --------------------------------------------------------------------------
 
+
 def test_smg_routing_key_scopes() -> None:
     assert list(mode("smg_routing_key").request_headers(ctx("c1", parent="r1"))) == [("X-SMG-Routing-Key", "c1")]
     assert list(mode("smg_routing_key", scope="tree").request_headers(ctx("c1", parent="r1"))) == [
-        ("X-SMG-Routing-Key", "r1")]
+        ("X-SMG-Routing-Key", "r1")
+    ]
     assert list(mode("smg_routing_key").emitted_headers()) == ["X-SMG-Routing-Key"]
 
 
@@ -183,6 +227,7 @@ def test_smg_routing_key_fits_128_bytes() -> None:
 
 
 # -- session_id_header ------------------------------------------------------------------------
+
 
 def test_session_id_header_defaults_and_options() -> None:
     m = mode("session_id_header")
@@ -197,12 +242,19 @@ def test_session_id_header_defaults_and_options() -> None:
 
 # -- identity_headers -------------------------------------------------------------------------
 
+
 def test_identity_headers_tiers() -> None:
     m = mode("identity_headers", session="X-S1, X-S2", parent=["X-P1", " X-P2 "], root="X-R1,X-R2")
     assert list(m.emitted_headers()) == ["X-S1", "X-S2", "X-P1", "X-P2", "X-R1", "X-R2"]
     assert list(m.request_headers(ctx("r", turn=1))) == [("X-S1", "r"), ("X-S2", "r"), ("X-R1", "r"), ("X-R2", "r")]
     assert list(m.request_headers(ctx("c", parent="p", root="r"))) == [
-        ("X-S1", "c"), ("X-S2", "c"), ("X-P1", "p"), ("X-P2", "p"), ("X-R1", "r"), ("X-R2", "r")]
+        ("X-S1", "c"),
+        ("X-S2", "c"),
+        ("X-P1", "p"),
+        ("X-P2", "p"),
+        ("X-R1", "r"),
+        ("X-R2", "r"),
+    ]
 
 
 def test_identity_headers_single_tier() -> None:

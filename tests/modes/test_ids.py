@@ -53,8 +53,9 @@ def test_same_in_every_process() -> None:
     # No per-process salt: another interpreter (another sidecar replica) computes the same id.
     value = "replica-check-" + "q" * 300
     code = "import sys; from sidecar.modes.ids import fit_id; print(fit_id(sys.argv[1], 256))"
-    other = subprocess.run([sys.executable, "-c", code, value], check=True, capture_output=True, text=True,
-                           env={"PYTHONHASHSEED": "12345"})
+    other = subprocess.run(
+        [sys.executable, "-c", code, value], check=True, capture_output=True, text=True, env={"PYTHONHASHSEED": "12345"}
+    )
     assert other.stdout.strip() == fit_id(value, 256)
 
 

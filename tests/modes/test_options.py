@@ -32,38 +32,70 @@ def error(mode: str | None, *opts: str) -> str:
 
 # -- coercion and canonical forms -------------------------------------------------------------
 
+
 def test_flag_strings_are_coerced_and_canonicalized() -> None:
     assert options("dynamo_nvext", "timeout_seconds=123", "scope= Tree ", "protocol=OPEN") == {
-        "scope": "tree", "timeout_seconds": 123, "protocol": "open"}
+        "scope": "tree",
+        "timeout_seconds": 123,
+        "protocol": "open",
+    }
     assert options("dynamo_nvext") == {"scope": "session", "timeout_seconds": 300, "protocol": "bind"}
     assert options("smg_routing_key", "scope=TREE") == {"scope": "tree"}
     assert options("session_id_header", "header_name= X-Mine ") == {"scope": "session", "header_name": "X-Mine"}
     assert options("session_id_header") == {"scope": "session", "header_name": "X-Session-ID"}
     assert options("identity_headers", "session= X-A ,X-B", "root=X-R") == {
-        "session": ["X-A", "X-B"], "parent": [], "root": ["X-R"]}
+        "session": ["X-A", "X-B"],
+        "parent": [],
+        "root": ["X-R"],
+    }
     assert options("dynamo_headers") == {}
 
 
 def test_env_mode_opts_split_identity_lists_correctly() -> None:
-    cfg = build_config(env={"SIDECAR_UPSTREAM": UP, "SIDECAR_MODE": "identity_headers",
-                            "SIDECAR_MODE_OPTS": "session=X-A,X-B,parent=X-P"})
+    cfg = build_config(
+        env={
+            "SIDECAR_UPSTREAM": UP,
+            "SIDECAR_MODE": "identity_headers",
+            "SIDECAR_MODE_OPTS": "session=X-A,X-B,parent=X-P",
+        }
+    )
     assert cfg.normalized()["deployments"][0]["mode_options"] == {
-        "session": ["X-A", "X-B"], "parent": ["X-P"], "root": []}
+        "session": ["X-A", "X-B"],
+        "parent": ["X-P"],
+        "root": [],
+    }
 
 
 def test_yaml_values_are_typed(tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"upstream": UP, "mode": "identity_headers",
-                                 "mode_options": {"session": ["X-A", "X-B"], "parent": "X-P1, X-P2"}}))
+    f.write_text(
+        yaml.safe_dump(
+            {
+                "upstream": UP,
+                "mode": "identity_headers",
+                "mode_options": {"session": ["X-A", "X-B"], "parent": "X-P1, X-P2"},
+            }
+        )
+    )
     assert build_config(file=f, env={}).normalized()["deployments"][0]["mode_options"] == {
-        "session": ["X-A", "X-B"], "parent": ["X-P1", "X-P2"], "root": []}
+        "session": ["X-A", "X-B"],
+        "parent": ["X-P1", "X-P2"],
+        "root": [],
+    }
 
 
 # -- rejected values -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode,opts", [("dynamo_nvext", ["timeout_secs=5"]), ("smg_routing_key", ["header_name=X"]),
-                                       ("session_id_header", ["headername=X"]),
-                                       ("identity_headers", ["session=X-A", "sessions=X"])])
+
+@pytest.mark.parametrize(
+    "mode,opts",
+    [
+        ("dynamo_nvext", ["timeout_secs=5"]),
+        ("smg_routing_key", ["header_name=X"]),
+        ("session_id_header", ["headername=X"]),
+        ("identity_headers", ["session=X-A", "sessions=X"]),
+    ],
+)
 def test_unknown_keys_are_errors(mode: str, opts: list[str]) -> None:
     key = opts[-1].partition("=")[0]
     assert error(mode, *opts) == f"mode_options.{key}: unknown setting"
@@ -86,8 +118,16 @@ def test_options_without_a_mode_in_a_deployment(tmp_path: Path) -> None:
         build_config(file=f, env={})
 
 
-@pytest.mark.parametrize("value,needle", [("0", "greater than or equal to 1"), ("-5", "greater than or equal to 1"),
-                                          ("abc", "valid integer"), ("1.5", "valid integer"), ("", "valid integer")])
+@pytest.mark.parametrize(
+    "value,needle",
+    [
+        ("0", "greater than or equal to 1"),
+        ("-5", "greater than or equal to 1"),
+        ("abc", "valid integer"),
+        ("1.5", "valid integer"),
+        ("", "valid integer"),
+    ],
+)
 def test_bad_timeouts(value: str, needle: str) -> None:
     msg = error("dynamo_nvext", f"timeout_seconds={value}")
     assert msg.startswith("mode_options.timeout_seconds: ") and needle in msg
@@ -107,8 +147,10 @@ def test_bad_choices(opt: str) -> None:
     assert error("dynamo_nvext", opt).startswith(f"mode_options.{key}: Input should be ")
 
 
-@pytest.mark.parametrize("name", ["X Session", "X:Session", "X-Session\r\nX-Evil", "X-Session\nX", "X-Séssion",
-                                  "(X)", "X@Y", "X/Y", 'X"Y', "X\tY"])
+@pytest.mark.parametrize(
+    "name",
+    ["X Session", "X:Session", "X-Session\r\nX-Evil", "X-Session\nX", "X-Séssion", "(X)", "X@Y", "X/Y", 'X"Y', "X\tY"],
+)
 def test_session_id_header_name_must_be_a_token(tmp_path: Path, name: str) -> None:
     # Leading / trailing whitespace is stripped (canonical form); anything inside must be a token.
     f = tmp_path / "c.yaml"
@@ -120,7 +162,8 @@ def test_session_id_header_name_must_be_a_token(tmp_path: Path, name: str) -> No
 @pytest.mark.parametrize("name", ["", "   "])
 def test_session_id_header_name_non_empty(tmp_path: Path, name: str) -> None:
     assert error("session_id_header", f"header_name={name}") == (
-        "mode_options.header_name: header name must not be empty (got '')")
+        "mode_options.header_name: header name must not be empty (got '')"
+    )
 
 
 @pytest.mark.parametrize("name", ["Content-Length", "transfer-encoding", "Host", "Connection"])
@@ -133,16 +176,16 @@ def test_proxy_managed_headers_cannot_be_emitted(name: str) -> None:
 @pytest.mark.parametrize("name", ["X Session", "X:Session", "X-Session\r\nX-Evil", "X-Séssion"])
 def test_identity_header_names_must_be_tokens(tmp_path: Path, tier: str, name: str) -> None:
     f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"upstream": UP, "mode": "identity_headers",
-                                 "mode_options": {tier: ["X-Fine", name]}}))
+    f.write_text(yaml.safe_dump({"upstream": UP, "mode": "identity_headers", "mode_options": {tier: ["X-Fine", name]}}))
     with pytest.raises(ConfigError, match=rf"^mode_options\.{tier}\[1\]: .*not a valid header name"):
         build_config(file=f, env={})
 
 
 def test_identity_header_names_non_empty_in_lists(tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"upstream": UP, "mode": "identity_headers",
-                                 "mode_options": {"session": ["X-A", "  "]}}))
+    f.write_text(
+        yaml.safe_dump({"upstream": UP, "mode": "identity_headers", "mode_options": {"session": ["X-A", "  "]}})
+    )
     with pytest.raises(ConfigError, match=r"^mode_options\.session\[1\]: header name must not be empty"):
         build_config(file=f, env={})
 
@@ -153,13 +196,16 @@ def test_identity_headers_needs_at_least_one_name(opts: list[str]) -> None:
     assert error("identity_headers", *opts).startswith("mode_options.")
 
 
-@pytest.mark.parametrize("opts,path,dup", [
-    (["session=X-A, x-a"], "session", "x-a"),
-    (["session=X-A", "parent=X-P, X-a"], "parent", "X-a"),
-    (["session=X-A", "root=X-R,X-A"], "root", "X-A"),
-    (["parent=X-P", "root=x-p"], "root", "x-p"),
-    (["session=X-S", "parent=X-P", "root=X-R, X-S"], "root", "X-S"),
-])
+@pytest.mark.parametrize(
+    "opts,path,dup",
+    [
+        (["session=X-A, x-a"], "session", "x-a"),
+        (["session=X-A", "parent=X-P, X-a"], "parent", "X-a"),
+        (["session=X-A", "root=X-R,X-A"], "root", "X-A"),
+        (["parent=X-P", "root=x-p"], "root", "x-p"),
+        (["session=X-S", "parent=X-P", "root=X-R, X-S"], "root", "X-S"),
+    ],
+)
 def test_identity_header_names_unique_across_tiers(opts: list[str], path: str, dup: str) -> None:
     msg = error("identity_headers", *opts)
     assert msg.startswith(f"mode_options.{path}: header {dup!r} is named ")
@@ -168,9 +214,16 @@ def test_identity_header_names_unique_across_tiers(opts: list[str], path: str, d
 
 def test_errors_in_a_deployment_carry_its_path(tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"deployments": [
-        {"name": "a", "upstreams": [UP], "mode": "smg_routing_key"},
-        {"name": "b", "upstreams": [UP], "mode": "dynamo_nvext", "mode_options": {"timeout_secs": 5}}]}))
+    f.write_text(
+        yaml.safe_dump(
+            {
+                "deployments": [
+                    {"name": "a", "upstreams": [UP], "mode": "smg_routing_key"},
+                    {"name": "b", "upstreams": [UP], "mode": "dynamo_nvext", "mode_options": {"timeout_secs": 5}},
+                ]
+            }
+        )
+    )
     with pytest.raises(ConfigError) as info:
         build_config(file=f, env={})
     assert str(info.value) == "deployments[1].mode_options.timeout_secs: unknown setting"
@@ -183,35 +236,48 @@ def test_unknown_mode_is_named() -> None:
 
 # -- the CLI --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode_options,needle", [
-    ({"timeout_secs": 5}, "mode_options.timeout_secs: unknown setting"),
-    ({"timeout_seconds": 0}, "mode_options.timeout_seconds: Input should be greater than or equal to 1"),
-])
+
+@pytest.mark.parametrize(
+    "mode_options,needle",
+    [
+        ({"timeout_secs": 5}, "mode_options.timeout_secs: unknown setting"),
+        ({"timeout_seconds": 0}, "mode_options.timeout_seconds: Input should be greater than or equal to 1"),
+    ],
+)
 def test_check_config_exits_2_naming_the_setting(tmp_path: Path, mode_options: dict[str, Any], needle: str) -> None:
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump({"upstream": UP, "mode": "dynamo_nvext", "mode_options": mode_options}))
-    proc = subprocess.run([sys.executable, "-m", "sidecar", "check-config", str(f)], capture_output=True, text=True,
-                          timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar", "check-config", str(f)], capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr
 
 
 def test_check_config_identity_duplicate_exits_2(tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"upstream": UP, "mode": "identity_headers",
-                                 "mode_options": {"session": "X-A", "root": ["x-A"]}}))
-    proc = subprocess.run([sys.executable, "-m", "sidecar", "check-config", str(f)], capture_output=True, text=True,
-                          timeout=30)
+    f.write_text(
+        yaml.safe_dump(
+            {"upstream": UP, "mode": "identity_headers", "mode_options": {"session": "X-A", "root": ["x-A"]}}
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar", "check-config", str(f)], capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 2
     assert "mode_options.root: header 'x-A' is named in both session and root" in proc.stderr
 
 
 def test_check_config_prints_canonical_options(tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"upstream": UP, "mode": "dynamo_nvext",
-                                 "mode_options": {"timeout_seconds": "123", "scope": "Tree"}}))
-    proc = subprocess.run([sys.executable, "-m", "sidecar", "check-config", str(f)], capture_output=True, text=True,
-                          timeout=30)
+    f.write_text(
+        yaml.safe_dump(
+            {"upstream": UP, "mode": "dynamo_nvext", "mode_options": {"timeout_seconds": "123", "scope": "Tree"}}
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar", "check-config", str(f)], capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 0, proc.stderr
     dep = yaml.safe_load(proc.stdout)["deployments"][0]
     assert dep["mode_options"] == {"scope": "tree", "timeout_seconds": 123, "protocol": "bind"}
@@ -220,6 +286,14 @@ def test_check_config_prints_canonical_options(tmp_path: Path) -> None:
 def test_modes_command_lists_every_builtin_with_options() -> None:
     proc = subprocess.run([sys.executable, "-m", "sidecar", "modes"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
-    for needle in ("dynamo_headers", "dynamo_nvext (mutates the request body)", "timeout_seconds", "protocol",
-                   "smg_routing_key", "session_id_header", "header_name", "identity_headers"):
+    for needle in (
+        "dynamo_headers",
+        "dynamo_nvext (mutates the request body)",
+        "timeout_seconds",
+        "protocol",
+        "smg_routing_key",
+        "session_id_header",
+        "header_name",
+        "identity_headers",
+    ):
         assert needle in proc.stdout

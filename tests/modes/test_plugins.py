@@ -193,8 +193,14 @@ def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 def test_plugin_is_listed_beside_the_builtins(plugin: Path) -> None:
     names = registry.available()
-    assert {"acme_header", "dynamo_headers", "dynamo_nvext", "smg_routing_key", "session_id_header",
-            "identity_headers"} <= set(names)
+    assert {
+        "acme_header",
+        "dynamo_headers",
+        "dynamo_nvext",
+        "smg_routing_key",
+        "session_id_header",
+        "identity_headers",
+    } <= set(names)
     assert registry.load_mode("acme_header").__module__ == PLUGIN_MODULE
 
 
@@ -209,15 +215,22 @@ async def test_plugin_mode_from_config_reaches_the_upstream(plugin: Path, upstre
     steps = plan([("p-root", None), ("p-child", "p-root")], [0, 1, 0, 1, 1, 0])
     await drive(sc, steps, b"{}", extra={"X-Acme-Route": "spoof"})
     assert [r.all("X-Acme-Route") for r in upstream.received] == [
-        ["blue:p-root:1"], ["blue:p-root:1"], ["blue:p-root:2"], ["blue:p-root:2"], ["blue:p-root:3"],
-        ["blue:p-root:3"]]
+        ["blue:p-root:1"],
+        ["blue:p-root:1"],
+        ["blue:p-root:2"],
+        ["blue:p-root:2"],
+        ["blue:p-root:3"],
+        ["blue:p-root:3"],
+    ]
 
 
 def test_contract_refuses_undeclared_body_hook_at_startup(plugin: Path) -> None:
-    for name, needle in [("acme_undeclared_body", "overrides transform_body but does not declare mutates_body"),
-                         ("acme_undeclared_patch", "overrides body_patch but does not declare mutates_body"),
-                         ("acme_declared_no_body", "declares mutates_body = True but does not override"),
-                         ("acme_both_body_hooks", "overrides both body_patch and transform_body")]:
+    for name, needle in [
+        ("acme_undeclared_body", "overrides transform_body but does not declare mutates_body"),
+        ("acme_undeclared_patch", "overrides body_patch but does not declare mutates_body"),
+        ("acme_declared_no_body", "declares mutates_body = True but does not override"),
+        ("acme_both_body_hooks", "overrides both body_patch and transform_body"),
+    ]:
         flags = {"upstream": "http://127.0.0.1:9", "mode": name}
         with pytest.raises((ConfigError, ModeContractError), match=f"{name}.*{needle}"):
             build_config(flags=flags, env={})
@@ -227,8 +240,13 @@ def test_contract_refuses_undeclared_body_hook_at_startup(plugin: Path) -> None:
 def test_check_config_refuses_contract_breaking_mode_with_exit_2(plugin: Path, tmp_path: Path, name: str) -> None:
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump({"upstream": "http://127.0.0.1:9", "mode": name}))
-    proc = subprocess.run([sys.executable, "-m", "sidecar", "check-config", str(f)], capture_output=True, text=True,
-                          timeout=30, env={"PYTHONPATH": str(plugin)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar", "check-config", str(f)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PYTHONPATH": str(plugin)},
+    )
     assert proc.returncode == 2, proc.stderr
     assert "mode:" in proc.stderr and name in proc.stderr and "mutates_body" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -278,19 +296,29 @@ def test_check_contract_directly() -> None:
         check_contract(dict)
 
 
-@pytest.mark.parametrize("mode,hook", [("acme_request_boom", "request_headers"), ("acme_body_boom", "transform_body"),
-                                       ("acme_reframer", "request_headers"), ("acme_injector", "request_headers"),
-                                       ("acme_deep_result", "transform_body"), ("acme_patch_bad", "body_patch"),
-                                       ("acme_patch_wrong_type", "body_patch")])
+@pytest.mark.parametrize(
+    "mode,hook",
+    [
+        ("acme_request_boom", "request_headers"),
+        ("acme_body_boom", "transform_body"),
+        ("acme_reframer", "request_headers"),
+        ("acme_injector", "request_headers"),
+        ("acme_deep_result", "transform_body"),
+        ("acme_patch_bad", "body_patch"),
+        ("acme_patch_wrong_type", "body_patch"),
+    ],
+)
 @pytest.mark.parametrize("size", ["small", "large"])
-async def test_failing_request_hook_is_a_mode_error_naming_the_mode(plugin: Path, upstream, start_sidecar,
-                                                                    mode: str, hook: str, size: str) -> None:
+async def test_failing_request_hook_is_a_mode_error_naming_the_mode(
+    plugin: Path, upstream, start_sidecar, mode: str, hook: str, size: str
+) -> None:
     sc = await start_sidecar(upstream=upstream.url, mode=mode)
     # A large body's body work runs on a worker thread: failures there are the mode's too.
     body = b'{"model": "m"}' if size == "small" else b'{"model": "m", "pad": "' + b"x" * 2 * INLINE_BYTES + b'"}'
     async with aiohttp.ClientSession() as client:
-        async with client.post(sc.proxy_url + "/v1/chat/completions", data=body,
-                               headers={"X-Correlation-ID": "s-1"}) as resp:
+        async with client.post(
+            sc.proxy_url + "/v1/chat/completions", data=body, headers={"X-Correlation-ID": "s-1"}
+        ) as resp:
             status, body = resp.status, orjson.loads(await resp.read())
     assert status == 500
     err = body["error"]
@@ -305,15 +333,19 @@ async def test_failing_request_hook_is_a_mode_error_naming_the_mode(plugin: Path
     assert sc.router.tree.get("s-1") is None or sc.router.tree.get("s-1")["in_flight"] == 0
 
 
-async def test_failing_end_hook_is_counted_and_later_sessions_still_end(plugin: Path, upstream,
-                                                                         start_sidecar) -> None:
+async def test_failing_end_hook_is_counted_and_later_sessions_still_end(plugin: Path, upstream, start_sidecar) -> None:
     sc = await start_sidecar(upstream=upstream.url, mode="acme_end_boom")
     reg = sc.metrics.registry
     steps = plan([("e-1", None), ("e-2", None), ("e-3", None)], [0, 0, 1, 1, 2, 2], turns=2)
     await drive(sc, steps, b"{}")
     assert [r.all("X-Acme-Seen") for r in upstream.received] == [["e-1"], ["e-1"], ["e-2"], ["e-2"], ["e-3"], ["e-3"]]
     assert reg.get_sample_value("sidecar_plugin_errors_total", {"mode": "acme_end_boom", "hook": "on_session_end"}) == 3
-    assert reg.get_sample_value("sidecar_sessions_ended_total", {"deployment": "default", "reason": "final_turn_completed"}) == 3
+    assert (
+        reg.get_sample_value(
+            "sidecar_sessions_ended_total", {"deployment": "default", "reason": "final_turn_completed"}
+        )
+        == 3
+    )
     assert reg.get_sample_value("sidecar_live_sessions") == 0
     # And the proxy keeps serving.
     await drive(sc, plan([("e-4", None)], [0], turns=1), b"{}")
@@ -323,14 +355,19 @@ async def test_failing_end_hook_is_counted_and_later_sessions_still_end(plugin: 
 
 # -- dynamo_nvext with bodies that are not JSON objects ------------------------------------
 
-NON_OBJECT = [(b"[1,2]", "passthrough_not_object"), (b' "text" ', "passthrough_not_object"),
-              (b"null", "passthrough_not_object"), (b'{"model": "m",', "passthrough_invalid_json"),
-              (b"\xff\xfe not json", "passthrough_invalid_json")]
+NON_OBJECT = [
+    (b"[1,2]", "passthrough_not_object"),
+    (b' "text" ', "passthrough_not_object"),
+    (b"null", "passthrough_not_object"),
+    (b'{"model": "m",', "passthrough_invalid_json"),
+    (b"\xff\xfe not json", "passthrough_invalid_json"),
+]
 
 
 @pytest.mark.parametrize("body,outcome", NON_OBJECT)
-async def test_non_object_body_passes_through_and_is_counted(upstream, start_sidecar, body: bytes,
-                                                             outcome: str) -> None:
+async def test_non_object_body_passes_through_and_is_counted(
+    upstream, start_sidecar, body: bytes, outcome: str
+) -> None:
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", mode_opt=["timeout_seconds=123"])
     await drive(sc, plan([("n-1", None)], [0, 0], turns=2), body)
     assert [r.body for r in upstream.received] == [body, body]
@@ -343,26 +380,33 @@ async def test_non_object_body_passes_through_and_is_counted(upstream, start_sid
 async def test_non_object_body_rejected_when_the_deployment_says_so(upstream, start_sidecar, body: bytes) -> None:
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", non_object_body="reject")
     async with aiohttp.ClientSession() as client:
-        async with client.post(sc.proxy_url + "/v1/chat/completions", data=body,
-                               headers={"X-Correlation-ID": "r-1", "Content-Type": "application/json"}) as resp:
+        async with client.post(
+            sc.proxy_url + "/v1/chat/completions",
+            data=body,
+            headers={"X-Correlation-ID": "r-1", "Content-Type": "application/json"},
+        ) as resp:
             status, payload = resp.status, orjson.loads(await resp.read())
         # An object body on the same deployment is still rewritten.
-        async with client.post(sc.proxy_url + "/v1/chat/completions", data=b'{"model":"m"}',
-                               headers={"X-Correlation-ID": "r-2"}) as resp:
+        async with client.post(
+            sc.proxy_url + "/v1/chat/completions", data=b'{"model":"m"}', headers={"X-Correlation-ID": "r-2"}
+        ) as resp:
             assert resp.status == 200
     assert status == 400
     assert payload["error"]["type"] == "invalid_json_body"
     assert "dynamo_nvext" in payload["error"]["message"]
     assert len(upstream.received) == 1
     assert upstream.received[0].json() == {
-        "model": "m", "nvext": {"session_control": {"session_id": "r-2", "action": "bind", "timeout": 300}}}
+        "model": "m",
+        "nvext": {"session_control": {"session_id": "r-2", "action": "bind", "timeout": 300}},
+    }
     reg = sc.metrics.registry
     assert reg.get_sample_value("sidecar_body_rewrites_total", {"mode": "dynamo_nvext", "outcome": "rejected"}) == 1
 
 
 @pytest.mark.parametrize("size", ["small", "large"])
 async def test_transform_body_modes_get_the_body_parsed_and_their_result_serialized(
-        plugin: Path, upstream, start_sidecar, size: str) -> None:
+    plugin: Path, upstream, start_sidecar, size: str
+) -> None:
     sc = await start_sidecar(upstream=upstream.url, mode="acme_body_tag")
     pad = "" if size == "small" else "x" * 2 * INLINE_BYTES
     body = b'{"model": "m", "pad": "' + pad.encode() + b'", "n": 1e2}'
@@ -372,5 +416,9 @@ async def test_transform_body_modes_get_the_body_parsed_and_their_result_seriali
     await drive(sc, plan([("t-2", None)], [0], turns=1), b'{"n": 1e400}')
     assert upstream.received[1].body == b'{"n": 1e400}'
     reg = sc.metrics.registry
-    assert reg.get_sample_value("sidecar_body_rewrites_total",
-                                {"mode": "acme_body_tag", "outcome": "passthrough_invalid_json"}) == 1
+    assert (
+        reg.get_sample_value(
+            "sidecar_body_rewrites_total", {"mode": "acme_body_tag", "outcome": "passthrough_invalid_json"}
+        )
+        == 1
+    )

@@ -45,5 +45,6 @@ async def test_finish_session_retried_on_failure_without_blocking_traffic(upstre
             assert resp.status == 200
     await wait_for(lambda: len(finishes(upstream)) == 3)
     assert finishes(upstream) == ["/finish_session?session_id=r1"] * 3
-    assert sc.metrics.registry.get_sample_value(
-        "sidecar_end_actions_total", {"mode": "vllm_router", "outcome": "ok"}) == 1
+    assert (
+        sc.metrics.registry.get_sample_value("sidecar_end_actions_total", {"mode": "vllm_router", "outcome": "ok"}) == 1
+    )

@@ -18,8 +18,19 @@ LONG_A = "conv-A/" + "a" * 293  # 300 bytes: fitted for SMG (128) and Dynamo (25
 assert len(LONG_A.encode()) == 300
 
 # Every header any built-in mode could emit in these tests: each request is checked for all of them.
-WATCHED = ("X-Dynamo-Session-ID", "X-Dynamo-Parent-Session-ID", "X-SMG-Routing-Key", "X-Session-ID",
-           "X-Route-Key", "X-S-One", "X-S-Two", "X-P-One", "X-P-Two", "X-R-One", "X-R-Two")
+WATCHED = (
+    "X-Dynamo-Session-ID",
+    "X-Dynamo-Parent-Session-ID",
+    "X-SMG-Routing-Key",
+    "X-Session-ID",
+    "X-Route-Key",
+    "X-S-One",
+    "X-S-Two",
+    "X-P-One",
+    "X-P-Two",
+    "X-R-One",
+    "X-R-Two",
+)
 
 
 def assert_headers(rec: Received, expected: dict[str, str], step: Step) -> None:
@@ -72,8 +83,9 @@ async def test_smg_routing_key_matrix(upstream, start_sidecar, scope: str) -> No
 
 @pytest.mark.parametrize("scope", ["session", "tree"])
 async def test_session_id_header_matrix(upstream, start_sidecar, scope: str) -> None:
-    sc = await start_sidecar(upstream=upstream.url, mode="session_id_header",
-                             mode_opt=["header_name=X-Route-Key", f"scope={scope}"])
+    sc = await start_sidecar(
+        upstream=upstream.url, mode="session_id_header", mode_opt=["header_name=X-Route-Key", f"scope={scope}"]
+    )
     sessions = [("route-A", None), ("route-B", "route-A")]
     steps = plan(sessions, ORDER)
     await drive(sc, steps, ODD_BODY, extra={"X-Route-Key": "spoof"})
@@ -89,8 +101,11 @@ async def test_session_id_header_does_not_fit_ids(upstream, start_sidecar) -> No
 
 
 async def test_identity_headers_matrix(upstream, start_sidecar) -> None:
-    sc = await start_sidecar(upstream=upstream.url, mode="identity_headers",
-                             mode_opt=["session=X-S-One, X-S-Two", "parent=X-P-One,X-P-Two", "root=X-R-One ,X-R-Two"])
+    sc = await start_sidecar(
+        upstream=upstream.url,
+        mode="identity_headers",
+        mode_opt=["session=X-S-One, X-S-Two", "parent=X-P-One,X-P-Two", "root=X-R-One ,X-R-Two"],
+    )
     # Root, child and grandchild: session, parent and root ids all differ for the grandchild.
     sessions = [("id-root", None), ("id-child", "id-root"), ("id-grand", "id-child")]
     steps = plan(sessions, [0, 1, 2, 0, 1, 2, 2, 1, 0])
@@ -106,8 +121,11 @@ async def test_identity_headers_matrix(upstream, start_sidecar) -> None:
 
 # -- dynamo_nvext -----------------------------------------------------------------------------
 
-CLIENT_BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-               "nvext": {"extra_fields": ["worker_id"], "session_control": {"timeout": 1, "trace": "t-1"}}}
+CLIENT_BODY = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "nvext": {"extra_fields": ["worker_id"], "session_control": {"timeout": 1, "trace": "t-1"}},
+}
 
 
 def nvext_expected(step: Step, control: dict[str, Any] | None) -> dict[str, Any]:
@@ -119,8 +137,9 @@ def nvext_expected(step: Step, control: dict[str, Any] | None) -> dict[str, Any]
     return {**CLIENT_BODY, "nvext": nvext}
 
 
-async def run_nvext(upstream, start_sidecar, opts: list[str], sessions: list[tuple[str, str | None]],
-                    order: list[int]) -> list[Step]:
+async def run_nvext(
+    upstream, start_sidecar, opts: list[str], sessions: list[tuple[str, str | None]], order: list[int]
+) -> list[Step]:
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", mode_opt=opts)
     steps = plan(sessions, order)
     await drive(sc, steps, orjson.dumps(CLIENT_BODY))
@@ -147,43 +166,61 @@ async def test_dynamo_nvext_bind_session_matrix(upstream, start_sidecar) -> None
     steps = await run_nvext(upstream, start_sidecar, ["timeout_seconds=123"], sessions, [0, 1, 0, 1, 0, 1])
     for rec, step in zip(upstream.received, steps, strict=True):
         sid = fit_id(step.session, 256)
-        control = ({"session_id": sid, "action": "close"} if step.final
-                   else {"session_id": sid, "action": "bind", "timeout": 123})
+        control = (
+            {"session_id": sid, "action": "close"}
+            if step.final
+            else {"session_id": sid, "action": "bind", "timeout": 123}
+        )
         assert rec.json() == nvext_expected(step, control), step
 
 
 async def test_dynamo_nvext_open_session_matrix(upstream, start_sidecar) -> None:
     sessions = [(LONG_A, None), ("conv-C", None)]
-    steps = await run_nvext(upstream, start_sidecar, ["timeout_seconds=123", "protocol=open"], sessions,
-                            [0, 1, 0, 1, 0, 1])
+    steps = await run_nvext(
+        upstream, start_sidecar, ["timeout_seconds=123", "protocol=open"], sessions, [0, 1, 0, 1, 0, 1]
+    )
     for rec, step in zip(upstream.received, steps, strict=True):
         sid = fit_id(step.session, 256)
-        control = {1: {"session_id": sid, "action": "open", "timeout": 123},
-                   2: {"session_id": sid},
-                   3: {"session_id": sid, "action": "close"}}[step.turn]
+        control = {
+            1: {"session_id": sid, "action": "open", "timeout": 123},
+            2: {"session_id": sid},
+            3: {"session_id": sid, "action": "close"},
+        }[step.turn]
         assert rec.json() == nvext_expected(step, control), step
 
 
 async def test_dynamo_nvext_open_tree_matrix(upstream, start_sidecar) -> None:
-    steps = await run_nvext(upstream, start_sidecar, ["timeout_seconds=123", "protocol=open", "scope=tree"],
-                            ROOT_AND_CHILD, ORDER)
+    steps = await run_nvext(
+        upstream, start_sidecar, ["timeout_seconds=123", "protocol=open", "scope=tree"], ROOT_AND_CHILD, ORDER
+    )
     root = fit_id(LONG_A, 256)
-    expected = [{"session_id": root, "action": "open", "timeout": 123}, {"session_id": root}, {"session_id": root},
-                {"session_id": root}, {"session_id": root}, {"session_id": root, "action": "close"}]
+    expected = [
+        {"session_id": root, "action": "open", "timeout": 123},
+        {"session_id": root},
+        {"session_id": root},
+        {"session_id": root},
+        {"session_id": root},
+        {"session_id": root, "action": "close"},
+    ]
     for rec, step, control in zip(upstream.received, steps, expected, strict=True):
         assert rec.json() == nvext_expected(step, control), step
 
 
 # -- trusted clients --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode,opts,sent", [
-    ("dynamo_headers", [], {"X-Dynamo-Session-ID": "client-own"}),
-    ("smg_routing_key", [], {"X-SMG-Routing-Key": "client-own"}),
-    ("session_id_header", ["header_name=X-Route-Key"], {"X-Route-Key": "client-own"}),
-    ("identity_headers", ["session=X-S-One", "root=X-R-One"], {"X-S-One": "client-own"}),
-])
-async def test_trusted_client_copies_are_kept(upstream, start_sidecar, mode: str, opts: list[str],
-                                              sent: dict[str, str]) -> None:
+
+@pytest.mark.parametrize(
+    "mode,opts,sent",
+    [
+        ("dynamo_headers", [], {"X-Dynamo-Session-ID": "client-own"}),
+        ("smg_routing_key", [], {"X-SMG-Routing-Key": "client-own"}),
+        ("session_id_header", ["header_name=X-Route-Key"], {"X-Route-Key": "client-own"}),
+        ("identity_headers", ["session=X-S-One", "root=X-R-One"], {"X-S-One": "client-own"}),
+    ],
+)
+async def test_trusted_client_copies_are_kept(
+    upstream, start_sidecar, mode: str, opts: list[str], sent: dict[str, str]
+) -> None:
     sc = await start_sidecar(upstream=upstream.url, mode=mode, mode_opt=opts, trust_client_headers=True)
     await drive(sc, plan([("trust-A", None)], [0, 0, 0]), ODD_BODY, extra=sent)
     for rec in upstream.received:

@@ -46,12 +46,17 @@ async def settled(sc: Sidecar, session: str) -> None:
     raise AssertionError(f"session {session!r} still has requests in flight")
 
 
-async def drive(sc: Sidecar, steps: list[Step], body: bytes, extra: dict[str, str] | None = None,
-                path: str = "/v1/chat/completions") -> None:
+async def drive(
+    sc: Sidecar, steps: list[Step], body: bytes, extra: dict[str, str] | None = None, path: str = "/v1/chat/completions"
+) -> None:
     async with aiohttp.ClientSession() as client:
         for n, step in enumerate(steps):
-            headers = {"X-Correlation-ID": step.session, "X-Request-ID": f"req-{n}",
-                       "Content-Type": "application/json", **(extra or {})}
+            headers = {
+                "X-Correlation-ID": step.session,
+                "X-Request-ID": f"req-{n}",
+                "Content-Type": "application/json",
+                **(extra or {}),
+            }
             if step.parent is not None:
                 headers["X-Parent-Session-ID"] = step.parent
             if step.final:

@@ -21,10 +21,16 @@ async def raw_request(url: str, data: bytes) -> bytes:
 async def test_correlation_id_becomes_dynamo_session_id(upstream, start_sidecar):
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"{sc.proxy_url}/v1/chat/completions", data=b'{"a": 1}',
-                          headers={"X-Correlation-ID": "sess-1", "X-Request-ID": "req-1",
-                                   "X-Parent-Session-ID": "parent-1",
-                                   "X-Dynamo-Session-ID": "spoofed"}) as resp:
+        async with s.post(
+            f"{sc.proxy_url}/v1/chat/completions",
+            data=b'{"a": 1}',
+            headers={
+                "X-Correlation-ID": "sess-1",
+                "X-Request-ID": "req-1",
+                "X-Parent-Session-ID": "parent-1",
+                "X-Dynamo-Session-ID": "spoofed",
+            },
+        ) as resp:
             assert resp.status == 200
     rec = upstream.received[0]
     assert rec.all("X-Dynamo-Session-ID") == ["sess-1"]
@@ -49,9 +55,11 @@ async def test_root_session_has_no_parent_header(upstream, start_sidecar):
 async def test_request_without_session_passes_untouched(upstream, start_sidecar):
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"{sc.proxy_url}/v1/completions", data=b"  raw  ",
-                          headers={"X-Request-ID": "only-request-id", "X-Dynamo-Session-ID": "client-own",
-                                   "X-Custom": "1"}) as resp:
+        async with s.post(
+            f"{sc.proxy_url}/v1/completions",
+            data=b"  raw  ",
+            headers={"X-Request-ID": "only-request-id", "X-Dynamo-Session-ID": "client-own", "X-Custom": "1"},
+        ) as resp:
             assert resp.status == 200
     rec = upstream.received[0]
     # X-Request-ID is never a session key; with no session signal nothing is added or removed.
@@ -62,9 +70,11 @@ async def test_request_without_session_passes_untouched(upstream, start_sidecar)
 
 async def test_hop_by_hop_request_headers_dropped(upstream, start_sidecar):
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
-    req = (b"GET /h HTTP/1.1\r\nHost: client.example\r\nConnection: keep-alive, X-Hop-Private\r\n"
-           b"X-Hop-Private: 1\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\nProxy-Authorization: Basic x\r\n"
-           b"X-Forwarded-For: 10.9.8.7\r\nX-End: yes\r\n\r\n")
+    req = (
+        b"GET /h HTTP/1.1\r\nHost: client.example\r\nConnection: keep-alive, X-Hop-Private\r\n"
+        b"X-Hop-Private: 1\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\nProxy-Authorization: Basic x\r\n"
+        b"X-Forwarded-For: 10.9.8.7\r\nX-End: yes\r\n\r\n"
+    )
     out = await raw_request(sc.proxy_url, req.replace(b"keep-alive, X-Hop", b"close, X-Hop"))
     assert out.startswith(b"HTTP/1.1 200")
     rec = upstream.received[0]

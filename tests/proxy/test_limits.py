@@ -64,8 +64,10 @@ async def test_a_kept_alive_connection_gets_a_fresh_head_timeout_per_request(ups
 async def test_a_stalled_body_of_a_body_mode_is_timed_out_and_releases_the_session(upstream, start_sidecar):
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", timeouts={"idle": 0.5}, **ONE_TURN)
     reader, writer = await asyncio.open_connection("127.0.0.1", sc.engine.port)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: stall-1\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": \"m\",")
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: stall-1\r\n"
+        b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"model": "m",'
+    )
     try:
         status, body, closed = await _response_or_close(reader)
     finally:
@@ -79,14 +81,17 @@ async def test_a_stalled_body_of_a_body_mode_is_timed_out_and_releases_the_sessi
 
 async def test_long_session_ids_are_kept_and_forwarded_fitted(raw_upstream, start_sidecar):
     upstream = await raw_upstream()
-    sc = await start_sidecar(upstream=upstream.url, mode="session_id_header", sessions={"max_id_bytes": 256},
-                             **ONE_TURN)
+    sc = await start_sidecar(
+        upstream=upstream.url, mode="session_id_header", sessions={"max_id_bytes": 256}, **ONE_TURN
+    )
     long_id = "agent/" + "x" * 30_000
     long_parent = "parent/" + "y" * 30_000
     reader, writer = await asyncio.open_connection("127.0.0.1", sc.engine.port)
     for _ in range(2):
-        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: %s\r\nX-Parent-Session-ID: %s\r\n\r\n"
-                     % (long_id.encode(), long_parent.encode()))
+        writer.write(
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: %s\r\nX-Parent-Session-ID: %s\r\n\r\n"
+            % (long_id.encode(), long_parent.encode())
+        )
         async with asyncio.timeout(5):
             assert (await read_response(reader)).status == 200
     writer.close()
@@ -100,12 +105,15 @@ async def test_long_session_ids_are_kept_and_forwarded_fitted(raw_upstream, star
 
 
 async def test_a_body_signal_id_with_a_line_break_is_forwarded_opaque_never_injected(upstream, start_sidecar):
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers",
-                             identity={"body": ["prompt_cache_key"]}, **ONE_TURN)
+    sc = await start_sidecar(
+        upstream=upstream.url, mode="dynamo_headers", identity={"body": ["prompt_cache_key"]}, **ONE_TURN
+    )
     body = orjson.dumps({"model": "m", "prompt_cache_key": "conv-1\r\nX-Injected: yes\r\n\r\nGET /evil HTTP/1.1"})
     reader, writer = await asyncio.open_connection("127.0.0.1", sc.engine.port)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     async with asyncio.timeout(5):
         assert (await read_response(reader)).status == 200
     writer.close()

@@ -14,8 +14,9 @@ from tests.upstream import GZIP_PAYLOAD
 async def test_sse_chunks_arrive_while_upstream_still_sending(upstream, start_sidecar):
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"{sc.proxy_url}/sse?chunks=3&gap=0.3", json={"stream": True},
-                          headers={"X-Correlation-ID": "sess-sse"}) as resp:
+        async with s.post(
+            f"{sc.proxy_url}/sse?chunks=3&gap=0.3", json={"stream": True}, headers={"X-Correlation-ID": "sess-sse"}
+        ) as resp:
             assert resp.status == 200
             assert resp.headers["Content-Type"] == "text/event-stream"
             first = await resp.content.readuntil(b"\n\n")
@@ -50,8 +51,7 @@ async def test_20mib_request_body_streams_with_bounded_memory(upstream, start_si
     tracemalloc.start()
     try:
         async with aiohttp.ClientSession() as s:
-            async with s.post(f"{sc.proxy_url}/big", data=body(),
-                              headers={"X-Correlation-ID": "big-1"}) as resp:
+            async with s.post(f"{sc.proxy_url}/big", data=body(), headers={"X-Correlation-ID": "big-1"}) as resp:
                 assert resp.status == 200
                 assert (await resp.json()) == {"bytes": total}
         _, peak = tracemalloc.get_traced_memory()

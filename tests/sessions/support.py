@@ -40,9 +40,15 @@ def write_yaml(data: Any) -> str:
 
 
 def tokens_file() -> str:
-    return write_yaml({"tokens": [{"token": TOKEN_A, "workspace": "ws-a"},
-                                  {"token": TOKEN_B, "workspace": "ws-b"},
-                                  {"token": TOKEN_ADMIN, "admin": True}]})
+    return write_yaml(
+        {
+            "tokens": [
+                {"token": TOKEN_A, "workspace": "ws-a"},
+                {"token": TOKEN_B, "workspace": "ws-b"},
+                {"token": TOKEN_ADMIN, "admin": True},
+            ]
+        }
+    )
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -89,8 +95,11 @@ class OpenAPI:
         return op["responses"][str(status)]["content"]["application/json"]["schema"]
 
     def check(self, path: str, method: str, status: int, body: Any) -> Any:
-        schema = {"$schema": "https://json-schema.org/draft/2020-12/schema",
-                  "components": self.doc["components"], **self.schema_for(path, method, status)}
+        schema = {
+            "$schema": "https://json-schema.org/draft/2020-12/schema",
+            "components": self.doc["components"],
+            **self.schema_for(path, method, status),
+        }
         jsonschema_rs.validator_for(schema, validate_formats=True).validate(body)
         return body
 
@@ -104,10 +113,19 @@ class Api:
         self.spec = spec
         self.headers = bearer(token) if token else {}
 
-    async def call(self, method: str, path: str, template: str, *, json: Any = None,
-                   params: dict[str, str] | None = None, data: bytes | None = None) -> tuple[int, Any]:
-        async with self.http.request(method, self.base + path, json=json, params=params, data=data,
-                                     headers=self.headers) as resp:
+    async def call(
+        self,
+        method: str,
+        path: str,
+        template: str,
+        *,
+        json: Any = None,
+        params: dict[str, str] | None = None,
+        data: bytes | None = None,
+    ) -> tuple[int, Any]:
+        async with self.http.request(
+            method, self.base + path, json=json, params=params, data=data, headers=self.headers
+        ) as resp:
             body = await resp.json()
             assert resp.content_type == "application/json"
             self.spec.check(template, method, resp.status, body)
@@ -140,4 +158,3 @@ async def fetch_spec(http: aiohttp.ClientSession, admin_url: str) -> OpenAPI:
 async def metrics_text(http: aiohttp.ClientSession, admin_url: str) -> str:
     async with http.get(admin_url + "/metrics") as resp:
         return await resp.text()
-

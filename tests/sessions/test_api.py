@@ -22,8 +22,13 @@ async def api_for(http, sc) -> Api:
 async def test_openapi_document_is_public_and_31(launch_api, http):
     sc = await launch_api(deployments=two_deployments(), readiness_check_upstream=False)
     spec = await fetch_spec(http, sc.admin_url)
-    assert set(spec.doc["paths"]) >= {"/v1/sessions", "/v1/sessions/{session_id}",
-                                      "/v1/sessions/{session_id}/close", "/v1/trees/{root}", "/healthz"}
+    assert set(spec.doc["paths"]) >= {
+        "/v1/sessions",
+        "/v1/sessions/{session_id}",
+        "/v1/sessions/{session_id}/close",
+        "/v1/trees/{root}",
+        "/healthz",
+    }
     session = spec.doc["components"]["schemas"]["Session"]["properties"]
     assert session["expires_at"]["type"] == ["string", "null"]
     assert session["last_active_at"]["type"] == ["string", "null"]
@@ -53,8 +58,9 @@ async def test_create_get_close_lifecycle(launch_api, http):
 
 
 async def test_create_with_id_parent_and_default_ttl(launch_api, http):
-    sc = await launch_api(deployments=two_deployments(), readiness_check_upstream=False,
-                          sessions={"api": {"default_ttl_seconds": None}})
+    sc = await launch_api(
+        deployments=two_deployments(), readiness_check_upstream=False, sessions={"api": {"default_ttl_seconds": None}}
+    )
     api = await api_for(http, sc)
     status, root = await api.create(deployment="agents", session_id="root-1")
     assert status == 201 and root["id"] == "root-1" and root["expires_at"] is None and root["ttl_seconds"] is None
@@ -63,8 +69,11 @@ async def test_create_with_id_parent_and_default_ttl(launch_api, http):
 
 
 async def test_create_errors(launch_api, http):
-    sc = await launch_api(deployments=two_deployments(), readiness_check_upstream=False,
-                          sessions={"api": {"max_sessions": 2, "max_ttl_seconds": 100, "default_ttl_seconds": 50}})
+    sc = await launch_api(
+        deployments=two_deployments(),
+        readiness_check_upstream=False,
+        sessions={"api": {"max_sessions": 2, "max_ttl_seconds": 100, "default_ttl_seconds": 50}},
+    )
     api = await api_for(http, sc)
     cases = [
         ({}, 400, "invalid_request"),
@@ -152,8 +161,12 @@ async def test_get_unknown_and_close_unknown_are_404(launch_api, http):
 
 async def test_expiry_sliding_ttl_and_bounded_tombstones(launch_api, http):
     clock = FakeClock()
-    sc = await launch_api(deployments=two_deployments(), readiness_check_upstream=False, clock=clock,
-                          sessions={"api": {"tombstone_max": 2, "tombstone_ttl_seconds": 100}})
+    sc = await launch_api(
+        deployments=two_deployments(),
+        readiness_check_upstream=False,
+        clock=clock,
+        sessions={"api": {"tombstone_max": 2, "tombstone_ttl_seconds": 100}},
+    )
     api = await api_for(http, sc)
     for sid in ("e1", "e2", "e3"):
         await api.create(deployment="agents", session_id=sid, ttl_seconds=10)

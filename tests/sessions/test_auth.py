@@ -17,11 +17,19 @@ UP = "http://127.0.0.1:9"
 
 
 async def two_workspaces(launch_api, http, upstream_url: str = UP):
-    sc = await launch_api(deployments=[deployment("agents", upstream_url, strict=True, mode="dynamo_headers")],
-                          readiness_check_upstream=False, admin_tokens_file=tokens_file())
+    sc = await launch_api(
+        deployments=[deployment("agents", upstream_url, strict=True, mode="dynamo_headers")],
+        readiness_check_upstream=False,
+        admin_tokens_file=tokens_file(),
+    )
     spec = await fetch_spec(http, sc.admin_url)
-    return sc, Api(http, sc.admin_url, spec, TOKEN_A), Api(http, sc.admin_url, spec, TOKEN_B), \
-        Api(http, sc.admin_url, spec, TOKEN_ADMIN), Api(http, sc.admin_url, spec)
+    return (
+        sc,
+        Api(http, sc.admin_url, spec, TOKEN_A),
+        Api(http, sc.admin_url, spec, TOKEN_B),
+        Api(http, sc.admin_url, spec, TOKEN_ADMIN),
+        Api(http, sc.admin_url, spec),
+    )
 
 
 async def test_missing_or_invalid_token_is_401(launch_api, http):
@@ -93,11 +101,15 @@ async def test_workspace_tokens_choose_ids_in_their_own_namespace(launch_api, ht
     assert status == 201 and ":" not in generated["id"]
 
 
-async def test_creating_a_session_reveals_nothing_about_other_workspaces(launch_api, http,
-                                                                        upstream: RecordingUpstream):
-    sc = await launch_api(deployments=[deployment("chat", upstream.url, mode="dynamo_headers"),
-                                       deployment("agents", upstream.url, strict=True)],
-                          readiness_check_upstream=False, admin_tokens_file=tokens_file())
+async def test_creating_a_session_reveals_nothing_about_other_workspaces(launch_api, http, upstream: RecordingUpstream):
+    sc = await launch_api(
+        deployments=[
+            deployment("chat", upstream.url, mode="dynamo_headers"),
+            deployment("agents", upstream.url, strict=True),
+        ],
+        readiness_check_upstream=False,
+        admin_tokens_file=tokens_file(),
+    )
     spec = await fetch_spec(http, sc.admin_url)
     a, b, admin = (Api(http, sc.admin_url, spec, token) for token in (TOKEN_A, TOKEN_B, TOKEN_ADMIN))
     assert (await a.create(deployment="agents", session_id="ws-a:secret"))[0] == 201
@@ -108,18 +120,21 @@ async def test_creating_a_session_reveals_nothing_about_other_workspaces(launch_
         assert resp.status == 200
     # existing ids (ws-a's, an admin's, learned from traffic) and unknown ones answer alike
     answers = []
-    for sid in ("ws-a:secret", "ws-a:unknown", "admin-made", "admin-unknown", "ws-a:learned", "learned",
-                "never-seen"):
-        async with http.post(sc.admin_url + "/v1/sessions", headers=b.headers,
-                             json={"deployment": "agents", "session_id": sid}) as resp:
+    for sid in ("ws-a:secret", "ws-a:unknown", "admin-made", "admin-unknown", "ws-a:learned", "learned", "never-seen"):
+        async with http.post(
+            sc.admin_url + "/v1/sessions", headers=b.headers, json={"deployment": "agents", "session_id": sid}
+        ) as resp:
             answers.append((resp.status, await resp.read()))
     assert answers[0][0] == 400 and answers.count(answers[0]) == len(answers), answers
     assert b"ws-a" not in answers[0][1] and b"secret" not in answers[0][1]
 
 
 async def test_traffic_sessions_visible_to_admin_only(launch_api, http, upstream: RecordingUpstream):
-    sc = await launch_api(deployments=[deployment("chat", upstream.url, mode="dynamo_headers")],
-                          readiness_check_upstream=False, admin_tokens_file=tokens_file())
+    sc = await launch_api(
+        deployments=[deployment("chat", upstream.url, mode="dynamo_headers")],
+        readiness_check_upstream=False,
+        admin_tokens_file=tokens_file(),
+    )
     spec = await fetch_spec(http, sc.admin_url)
     async with http.get(sc.proxy_url + "/x", headers={"X-Correlation-ID": "learned"}) as resp:
         assert resp.status == 200
@@ -144,20 +159,35 @@ def test_non_loopback_admin_without_tokens_refused():
         build_config(flags=flags, env={})
     assert build_config(flags=flags, env={"SIDECAR_ADMIN_INSECURE": "true"}).admin_insecure
     assert build_config(flags={**flags, "config": write_yaml({"admin_tokens_file": tokens_file()})}, env={})
-    result = subprocess.run([sys.executable, "-m", "sidecar", "run", "--upstream", UP, "--admin", "0.0.0.0:0",
-                             "--listen", "127.0.0.1:0"], capture_output=True, text=True, timeout=30, env={})
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar", "run", "--upstream", UP, "--admin", "0.0.0.0:0", "--listen", "127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={},
+    )
     assert result.returncode == 2 and "admin_insecure" in result.stderr
 
 
-@pytest.mark.parametrize(("content", "needle"), [
-    ({"tokens": []}, "at least one token"),
-    ({"tokens": [{"token": "short", "workspace": "ws"}]}, "tokens[0].token"),
-    ({"tokens": [{"token": "long-enough-token-1234"}]}, "needs a workspace or admin"),
-    ({"tokens": [{"token": "long-enough-token-1234", "workspace": "bad space"}]}, "tokens[0].workspace"),
-    ({"tokens": [{"token": "long-enough-token-1234", "admin": True},
-                 {"token": "long-enough-token-1234", "admin": True}]}, "duplicate"),
-    ({"keys": []}, "one key, `tokens`"),
-])
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ({"tokens": []}, "at least one token"),
+        ({"tokens": [{"token": "short", "workspace": "ws"}]}, "tokens[0].token"),
+        ({"tokens": [{"token": "long-enough-token-1234"}]}, "needs a workspace or admin"),
+        ({"tokens": [{"token": "long-enough-token-1234", "workspace": "bad space"}]}, "tokens[0].workspace"),
+        (
+            {
+                "tokens": [
+                    {"token": "long-enough-token-1234", "admin": True},
+                    {"token": "long-enough-token-1234", "admin": True},
+                ]
+            },
+            "duplicate",
+        ),
+        ({"keys": []}, "one key, `tokens`"),
+    ],
+)
 def test_bad_tokens_file_names_the_entry_never_the_token(content, needle):
     with pytest.raises(ConfigError) as info:
         build_config(flags={"upstream": UP, "config": write_yaml({"admin_tokens_file": write_yaml(content)})}, env={})

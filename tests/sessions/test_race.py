@@ -58,8 +58,11 @@ async def test_close_races_with_streaming_requests(launch, http):
             await asyncio.sleep(delay)
             rid = f"r{i}"
             sent = time.monotonic()
-            async with client.post(sc.proxy_url + "/v1/chat/completions", data=b"{}",
-                                   headers={"X-Correlation-ID": "raced", "X-Request-ID": rid}) as resp:
+            async with client.post(
+                sc.proxy_url + "/v1/chat/completions",
+                data=b"{}",
+                headers={"X-Correlation-ID": "raced", "X-Request-ID": rid},
+            ) as resp:
                 results[rid] = (sent, resp.status, await resp.read())
 
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client:

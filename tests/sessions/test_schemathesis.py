@@ -54,9 +54,14 @@ class ThreadedSidecar:
 
 @pytest.fixture(params=["open", "tokens"])
 def admin(request: pytest.FixtureRequest) -> Iterator[tuple[str, dict[str, str]]]:
-    keys: dict[str, object] = {"deployments": [deployment("chat", "http://127.0.0.1:9"),
-                                               deployment("agents", "http://127.0.0.1:9", strict=True)],
-                               "readiness_check_upstream": False, "drain_grace_seconds": 1}
+    keys: dict[str, object] = {
+        "deployments": [
+            deployment("chat", "http://127.0.0.1:9"),
+            deployment("agents", "http://127.0.0.1:9", strict=True),
+        ],
+        "readiness_check_upstream": False,
+        "drain_grace_seconds": 1,
+    }
     headers: dict[str, str] = {}
     if request.param == "tokens":
         keys["admin_tokens_file"] = tokens_file()
@@ -72,15 +77,19 @@ def test_admin_api_conforms_to_its_openapi_document(admin):
     base, headers = admin
     schema = schemathesis.openapi.from_url(base + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.label for op in operations} >= {"POST /v1/sessions", "GET /v1/sessions",
-                                               "GET /v1/sessions/{session_id}",
-                                               "POST /v1/sessions/{session_id}/close", "GET /v1/trees/{root}"}, \
-        [op.label for op in operations]
+    assert {op.label for op in operations} >= {
+        "POST /v1/sessions",
+        "GET /v1/sessions",
+        "GET /v1/sessions/{session_id}",
+        "POST /v1/sessions/{session_id}/close",
+        "GET /v1/trees/{root}",
+    }, [op.label for op in operations]
     for operation in operations:
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=12, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=12, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+        )
         def conforms(case: schemathesis.Case) -> None:
             case.call_and_validate(base_url=base, headers=headers)
 

@@ -46,15 +46,23 @@ async def test_strict_rejections_and_acceptance(launch, http, upstream: Recordin
 async def test_spoofed_session_headers_never_reach_upstream(launch, http, upstream: RecordingUpstream):
     sc, api = await strict_sidecar(launch, http, upstream.url)
     await api.create(deployment="agents", session_id="valid-1")
-    status, _ = await send(http, sc, {"X-Correlation-ID": "valid-1", "X-Session-ID": "spoofed",
-                                      "X-Dynamo-Session-ID": "spoofed", "X-Session-Affinity": "spoofed",
-                                      "X-Parent-Session-ID": "spoofed-parent", "X-Root-Session-ID": "spoofed-root"})
+    status, _ = await send(
+        http,
+        sc,
+        {
+            "X-Correlation-ID": "valid-1",
+            "X-Session-ID": "spoofed",
+            "X-Dynamo-Session-ID": "spoofed",
+            "X-Session-Affinity": "spoofed",
+            "X-Parent-Session-ID": "spoofed-parent",
+            "X-Root-Session-ID": "spoofed-root",
+        },
+    )
     assert status == 200
     [rec] = upstream.received
     assert rec.all("X-Dynamo-Session-ID") == ["valid-1"]
     assert rec.header("X-Dynamo-Parent-Session-ID") is None
-    for name in ("X-Correlation-ID", "X-Session-ID", "X-Session-Affinity", "X-Parent-Session-ID",
-                 "X-Root-Session-ID"):
+    for name in ("X-Correlation-ID", "X-Session-ID", "X-Session-Affinity", "X-Parent-Session-ID", "X-Root-Session-ID"):
         assert rec.header(name) is None, name
     assert not any("spoofed" in v for _, v in rec.headers)
 

@@ -23,8 +23,9 @@ FINAL = {"X-Session-Final": "true"}
 RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
 
-async def send(http: aiohttp.ClientSession, sc: Any, session: str, *, parent: str | None = None,
-               final: bool = False) -> None:
+async def send(
+    http: aiohttp.ClientSession, sc: Any, session: str, *, parent: str | None = None, final: bool = False
+) -> None:
     headers = {"X-Correlation-ID": session, **(FINAL if final else {})}
     if parent is not None:
         headers["X-Parent-Session-ID"] = parent
@@ -80,8 +81,7 @@ async def test_reused_root_id_keeps_its_live_child_reachable(upstream: Recording
     assert gauge(text, "sidecar_live_trees") == 0 and gauge(text, "sidecar_live_sessions") == 0
 
 
-async def test_deep_chain_renders_cut_with_markers_and_rfc3339_times(upstream: RecordingUpstream, start_sidecar,
-                                                                     http):
+async def test_deep_chain_renders_cut_with_markers_and_rfc3339_times(upstream: RecordingUpstream, start_sidecar, http):
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
     await send(http, sc, "d0")
     for i in range(1, 128):  # deeper than JSON encoders nest (two levels per tree level)
@@ -121,6 +121,7 @@ async def _get_counting_ticks(http: aiohttp.ClientSession, url: str, building: a
 
 def fill(tree: SessionTree, children: int, grandchildren: int) -> None:
     """One tree straight into the sidecar's lineage tree (as its requests would make it)."""
+
     def one(session: str, parent: str | None) -> None:
         turn, _ = tree.begin(session, parent=parent, root_hint=None, final=False, deployment="default")
         tree.finish(turn, TurnOutcome.COMPLETED)
@@ -132,8 +133,9 @@ def fill(tree: SessionTree, children: int, grandchildren: int) -> None:
         one(f"b{i}", f"a{i % children}")
 
 
-async def test_views_of_a_100k_session_tree_are_cut_and_let_the_proxy_run(upstream: RecordingUpstream,
-                                                                           start_sidecar, http, aiohttp_server):
+async def test_views_of_a_100k_session_tree_are_cut_and_let_the_proxy_run(
+    upstream: RecordingUpstream, start_sidecar, http, aiohttp_server
+):
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers", sessions={"max_live_sessions": 200_000})
     fill(sc.router.tree, 300, 99_699)
     # a second admin listener on the same router, to watch when its views are being built

@@ -47,9 +47,26 @@ class RedisServer:
         exe = shutil.which("redis-server")
         assert exe is not None
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-             "--appendfsync", "always", "--dir", str(self.dir), "--protected-mode", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--dir",
+                str(self.dir),
+                "--protected-mode",
+                "yes",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -71,8 +88,9 @@ class RedisServer:
     def cli(self, *args: str) -> str:
         exe = shutil.which("redis-cli")
         assert exe is not None
-        return subprocess.run([exe, "-p", str(self.port), *args], capture_output=True, text=True, timeout=10,
-                              check=True).stdout
+        return subprocess.run(
+            [exe, "-p", str(self.port), *args], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
 
 
 @pytest.fixture
@@ -103,8 +121,7 @@ async def replicas(engine: str, redis_server: RedisServer) -> AsyncIterator[Any]
 
     async def start_one(*, upstream: str, mode: str | None = None, **keys: Any) -> Sidecar:
         state = {"url": redis_server.url, "key_prefix": prefix, **keys.pop("state", {})}
-        flags = {"listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": upstream, "mode": mode,
-                 "engine": engine}
+        flags = {"listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": upstream, "mode": mode, "engine": engine}
         cfg = _with_file(flags, {"state": state, "readiness_check_upstream": False, **keys})
         sc = Sidecar(cfg, registry=CollectorRegistry())
         await sc.start()

@@ -16,9 +16,16 @@ from tests.modes.wire import settled
 from tests.waiting import eventually, wait_for
 
 
-async def post(http: aiohttp.ClientSession, sc: Any, session: str | None, *, parent: str | None = None,
-               final: bool = False, path: str = "/v1/chat/completions", extra: dict[str, str] | None = None
-               ) -> tuple[int, dict[str, Any]]:
+async def post(
+    http: aiohttp.ClientSession,
+    sc: Any,
+    session: str | None,
+    *,
+    parent: str | None = None,
+    final: bool = False,
+    path: str = "/v1/chat/completions",
+    extra: dict[str, str] | None = None,
+) -> tuple[int, dict[str, Any]]:
     headers = {**(extra or {})}
     if session is not None:
         headers["X-Correlation-ID"] = session
@@ -66,8 +73,9 @@ async def http() -> Any:
 
 async def test_an_api_session_created_on_one_replica_is_usable_and_closable_on_another(upstream, replicas, http):
     a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
-    status, created = await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default",
-                                                                          "session_id": "api-1"})
+    status, created = await api(
+        http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default", "session_id": "api-1"}
+    )
     assert status == 201
     status, seen = await api(http, "GET", b.admin_url + "/v1/sessions/api-1")
     assert status == 200 and seen["id"] == "api-1" and seen["status"] == "active" and seen["origin"] == "api"
@@ -102,8 +110,7 @@ def sweeps(sc: Any) -> float:
     return metric(sc, "sidecar_state_ops_total", {"op": "sweep", "outcome": "ok"})
 
 
-async def test_a_close_lets_requests_in_flight_elsewhere_finish_and_ends_once_after_the_last(
-        upstream, replicas, http):
+async def test_a_close_lets_requests_in_flight_elsewhere_finish_and_ends_once_after_the_last(upstream, replicas, http):
     a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
     status, _ = await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default", "session_id": "s1"})
     assert status == 201
@@ -124,13 +131,23 @@ async def test_a_close_lets_requests_in_flight_elsewhere_finish_and_ends_once_af
     await asyncio.sleep(0.6)
     (finish,) = _finishes(upstream, "s1")
     assert finish.at >= upstream.sse_sent_at[-1]  # after the last byte of the last request in flight
-    assert sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "api_closed"}) for sc in (a, b)) == 1
+    assert (
+        sum(
+            metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "api_closed"})
+            for sc in (a, b)
+        )
+        == 1
+    )
 
 
 async def test_a_child_on_another_replica_joins_the_parents_tree(replicas, http, start_upstreams):
     ups = await start_upstreams(3)
-    deployment = {"name": "chat", "upstreams": [u.url for u in ups], "mode": "smg_routing_key",
-                  "mode_options": {"scope": "tree"}}
+    deployment = {
+        "name": "chat",
+        "upstreams": [u.url for u in ups],
+        "mode": "smg_routing_key",
+        "mode_options": {"scope": "tree"},
+    }
     a, b = await replicas(2, upstream=None, deployments=[deployment])
     for _ in range(2):
         assert (await post(http, a, "P"))[0] == 200
@@ -141,8 +158,10 @@ async def test_a_child_on_another_replica_joins_the_parents_tree(replicas, http,
     assert len({i for _, i in got}) == 1  # and its tree's upstream
     for sc in (a, b):
         # Each replica writes its turns behind (within flush_interval_ms): wait for them, not longer.
-        await eventually(lambda sc=sc: api(http, "GET", sc.admin_url + "/v1/trees/C"),
-                          lambda got: got[0] == 200 and got[1]["turns"] == 3 and got[1]["children"])
+        await eventually(
+            lambda sc=sc: api(http, "GET", sc.admin_url + "/v1/trees/C"),
+            lambda got: got[0] == 200 and got[1]["turns"] == 3 and got[1]["children"],
+        )
         status, tree = await api(http, "GET", sc.admin_url + "/v1/trees/C")
         assert status == 200, tree
         assert (tree["session"], tree["turns"]) == ("P", 3)  # turns counted on both replicas
@@ -162,12 +181,19 @@ async def test_a_final_turn_on_one_replica_ends_the_session_once_for_the_fleet(u
     await wait_for(lambda: len(_finishes(upstream, "f1")) >= 1)
     await asyncio.sleep(0.6)
     assert len(_finishes(upstream, "f1")) == 1
-    assert sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "final_turn_completed"})
-               for sc in (a, b, c)) == 1
+    assert (
+        sum(
+            metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "final_turn_completed"})
+            for sc in (a, b, c)
+        )
+        == 1
+    )
     # a new request on the id starts a new session on any replica (turn 1 again)
     assert (await post(http, a, "f1"))[0] == 200
-    await eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/f1"),
-                      lambda got: got[0] == 200 and got[1]["status"] == "active" and got[1]["turns"] == 1)
+    await eventually(
+        lambda: api(http, "GET", b.admin_url + "/v1/sessions/f1"),
+        lambda got: got[0] == 200 and got[1]["status"] == "active" and got[1]["turns"] == 1,
+    )
 
 
 async def test_worker_history_is_one_history_across_replicas(upstream, replicas, http):
@@ -175,13 +201,17 @@ async def test_worker_history_is_one_history_across_replicas(upstream, replicas,
     for _ in range(2):
         assert (await post(http, a, "wh", path="/worker?w=wa"))[0] == 200
     # written behind within a second, then read on the other replica
-    await eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/wh"),
-                      lambda got: got[0] == 200 and got[1]["workers"] == [{"worker": "wa", "turns": 2}], timeout=3)
+    await eventually(
+        lambda: api(http, "GET", b.admin_url + "/v1/sessions/wh"),
+        lambda got: got[0] == 200 and got[1]["workers"] == [{"worker": "wa", "turns": 2}],
+        timeout=3,
+    )
     assert (await post(http, b, "wh", path="/worker?w=wb"))[0] == 200
     status, got = await eventually(
         lambda: api(http, "GET", a.admin_url + "/v1/sessions/wh"),
         lambda got: got[0] == 200 and got[1]["workers"] == [{"worker": "wa", "turns": 2}, {"worker": "wb", "turns": 1}],
-        timeout=3)
+        timeout=3,
+    )
     assert got["turns"] == 3 and got["affinity"]["moved"] == 1
 
 
@@ -192,7 +222,13 @@ async def test_idle_expiry_is_claimed_by_one_replica(upstream, replicas, http):
     await wait_for(lambda: len(_finishes(upstream, "idle-1")) >= 1, timeout=8)
     await asyncio.sleep(1.5)
     assert len(_finishes(upstream, "idle-1")) == 1
-    assert sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "idle_expired"}) for sc in (a, b)) == 1
+    assert (
+        sum(
+            metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "idle_expired"})
+            for sc in (a, b)
+        )
+        == 1
+    )
 
 
 async def test_the_live_session_cap_evicts_fleet_wide_once(upstream, replicas, http):
@@ -200,20 +236,32 @@ async def test_the_live_session_cap_evicts_fleet_wide_once(upstream, replicas, h
     assert (await post(http, a, "e1"))[0] == 200
     assert (await post(http, b, "e2"))[0] == 200
     assert (await post(http, a, "e3"))[0] == 200
-    await wait_for(lambda: sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "evicted"}) for sc in (a, b)) >= 1,
-                 timeout=8)
+    await wait_for(
+        lambda: (
+            sum(
+                metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "evicted"})
+                for sc in (a, b)
+            )
+            >= 1
+        ),
+        timeout=8,
+    )
     await asyncio.sleep(1.5)
-    assert sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "evicted"}) for sc in (a, b)) == 1
+    assert (
+        sum(metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "evicted"}) for sc in (a, b))
+        == 1
+    )
     assert len([r for r in upstream.received if r.path.startswith("/finish_session")]) == 1
 
 
-async def test_restarting_every_replica_keeps_sessions_bindings_and_tombstones(upstream, replicas, http,
-                                                                               redis_server):
+async def test_restarting_every_replica_keeps_sessions_bindings_and_tombstones(upstream, replicas, http, redis_server):
     a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
-    assert (await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default",
-                                                                  "session_id": "keep"}))[0] == 201
-    assert (await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default",
-                                                                  "session_id": "gone"}))[0] == 201
+    assert (await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default", "session_id": "keep"}))[
+        0
+    ] == 201
+    assert (await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default", "session_id": "gone"}))[
+        0
+    ] == 201
     assert (await api(http, "POST", b.admin_url + "/v1/sessions/gone/close"))[0] == 200
     assert (await post(http, a, "root-1"))[0] == 200
     assert (await post(http, b, "kid-1", parent="root-1"))[0] == 200
@@ -271,8 +319,9 @@ async def test_a_store_outage_under_load_fails_no_request(upstream, replicas, ht
     assert statuses == [200] * 40
     assert metric(a, "sidecar_state_store_up") == 0 and metric(b, "sidecar_state_store_up") == 0
     redis_server.start()
-    await wait_for(lambda: metric(a, "sidecar_state_store_up") == 1 and metric(b, "sidecar_state_store_up") == 1,
-                 timeout=40)
+    await wait_for(
+        lambda: metric(a, "sidecar_state_store_up") == 1 and metric(b, "sidecar_state_store_up") == 1, timeout=40
+    )
     # sessions first seen during the outage are republished: the other replica finds them
     await wait_for(lambda: "new-3" in redis_server.cli("--scan", "--pattern", replicas.prefix + "s:*"), timeout=5)
     status, node = await api(http, "GET", b.admin_url + "/v1/sessions/new-3")
@@ -309,8 +358,10 @@ async def test_writes_behind_are_one_round_trip_each(upstream, replicas, http, r
     # a store that lost its scripts (restart, SCRIPT FLUSH) gets them again; nothing is lost
     redis_server.cli("SCRIPT", "FLUSH")
     assert (await post(http, a, "rt-after-flush"))[0] == 200
-    await eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/rt-after-flush"),
-                      lambda got: got[0] == 200 and got[1]["turns"] == 1)
+    await eventually(
+        lambda: api(http, "GET", b.admin_url + "/v1/sessions/rt-after-flush"),
+        lambda got: got[0] == 200 and got[1]["turns"] == 1,
+    )
 
 
 async def test_every_key_has_a_ttl(upstream, replicas, http, redis_server):
@@ -327,8 +378,9 @@ async def test_every_key_has_a_ttl(upstream, replicas, http, redis_server):
 
 
 @pytest.mark.parametrize("engine", ["fast"])
-async def test_a_replica_killed_mid_session_loses_only_its_unflushed_writes(upstream, replicas, http, redis_server,
-                                                                           tmp_path):
+async def test_a_replica_killed_mid_session_loses_only_its_unflushed_writes(
+    upstream, replicas, http, redis_server, tmp_path
+):
     import subprocess
     import sys
 
@@ -338,12 +390,23 @@ async def test_a_replica_killed_mid_session_loses_only_its_unflushed_writes(upst
 
     port, admin = free_ports(2)
     config = tmp_path / "a.yaml"
-    config.write_text(yaml.safe_dump({
-        "listen": f"127.0.0.1:{port}", "admin": f"127.0.0.1:{admin}", "upstream": upstream.url,
-        "mode": "vllm_router", "readiness_check_upstream": False,
-        "state": {"url": redis_server.url, "key_prefix": replicas.prefix}}))
-    proc = subprocess.Popen([sys.executable, "-m", "sidecar", "run", "--config", str(config)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "listen": f"127.0.0.1:{port}",
+                "admin": f"127.0.0.1:{admin}",
+                "upstream": upstream.url,
+                "mode": "vllm_router",
+                "readiness_check_upstream": False,
+                "state": {"url": redis_server.url, "key_prefix": replicas.prefix},
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "run", "--config", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         b = await replicas.one(upstream=upstream.url, mode="vllm_router")
 
@@ -356,19 +419,26 @@ async def test_a_replica_killed_mid_session_loses_only_its_unflushed_writes(upst
                 return await api(http, "GET", A.admin_url + "/healthz")
             except aiohttp.ClientError:
                 return 0, None
+
         await eventually(ready, lambda got: got[0] == 200, timeout=30)
         for _ in range(3):
-            async with http.post(A.proxy_url + "/v1/chat/completions", headers={"X-Correlation-ID": "k1"},
-                                 data=b"{}") as resp:
+            async with http.post(
+                A.proxy_url + "/v1/chat/completions", headers={"X-Correlation-ID": "k1"}, data=b"{}"
+            ) as resp:
                 assert resp.status == 200
         # turn counts are written behind within a second (the documented bound)
-        await eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/k1"),
-                          lambda got: got[0] == 200 and got[1]["turns"] == 3, timeout=3)
+        await eventually(
+            lambda: api(http, "GET", b.admin_url + "/v1/sessions/k1"),
+            lambda got: got[0] == 200 and got[1]["turns"] == 3,
+            timeout=3,
+        )
         assert (await post(http, b, "b1"))[0] == 200
         stream = await http.get(A.proxy_url + "/sse?chunks=50&gap=0.2", headers={"X-Correlation-ID": "k2"})
         assert stream.status == 200
-        await eventually(lambda: api(http, "GET", b.admin_url + "/v1/sessions/k2"),
-                          lambda got: got[0] == 200 and got[1]["in_flight"] == 1)
+        await eventually(
+            lambda: api(http, "GET", b.admin_url + "/v1/sessions/k2"),
+            lambda got: got[0] == 200 and got[1]["in_flight"] == 1,
+        )
         proc.kill()  # SIGKILL: no drain, no last flush
         proc.wait(10)
         stream.close()
@@ -390,8 +460,9 @@ async def test_a_replica_killed_mid_session_loses_only_its_unflushed_writes(upst
             proc.wait(10)
 
 
-async def test_writes_behind_are_bounded_during_an_outage_and_drops_are_counted(upstream, replicas, http,
-                                                                              redis_server, monkeypatch):
+async def test_writes_behind_are_bounded_during_an_outage_and_drops_are_counted(
+    upstream, replicas, http, redis_server, monkeypatch
+):
     from sidecar.state import redis as store
 
     monkeypatch.setattr(store, "MAX_DIRTY", 5)

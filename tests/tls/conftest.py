@@ -47,8 +47,9 @@ class Pki:
     other_key_file: str  # a valid key that is not the client certificate's
     dir: Path
 
-    def server_context(self, *, cert: str = "server", client_cert: str = "none",
-                       max_version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
+    def server_context(
+        self, *, cert: str = "server", client_cert: str = "none", max_version: ssl.TLSVersion | None = None
+    ) -> ssl.SSLContext:
         """A server context; ``client_cert``: ``none``, ``optional`` or ``required`` (mutual TLS)."""
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         (self.named if cert == "named" else self.server).configure_cert(ctx)
@@ -70,9 +71,17 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     client.cert_chain_pems[0].write_to_path(str(d / "client.pem"))
     client.private_key_pem.write_to_path(str(d / "client.key"))
     ca.issue_cert("someone-else.test").private_key_pem.write_to_path(str(d / "other.key"))
-    return Pki(ca=ca, server=ca.issue_cert(SERVER_NAME, "127.0.0.1"), named=ca.issue_cert(SERVER_NAME),
-               ca_file=str(d / "ca.pem"), other_ca_file=str(d / "other-ca.pem"), cert_file=str(d / "client.pem"),
-               key_file=str(d / "client.key"), other_key_file=str(d / "other.key"), dir=d)
+    return Pki(
+        ca=ca,
+        server=ca.issue_cert(SERVER_NAME, "127.0.0.1"),
+        named=ca.issue_cert(SERVER_NAME),
+        ca_file=str(d / "ca.pem"),
+        other_ca_file=str(d / "other-ca.pem"),
+        cert_file=str(d / "client.pem"),
+        key_file=str(d / "client.key"),
+        other_key_file=str(d / "other.key"),
+        dir=d,
+    )
 
 
 class TlsRawUpstream(RawUpstream):
@@ -218,8 +227,10 @@ class ThreadedTlsUpstream:
                 target = head.split(b" ")[1].decode()
                 self.received.append((number, target))
                 body = b'{"target":"%s","conn":%d}' % (target.encode(), number)
-                tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                            % (len(body), body))
+                tls.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(body), body)
+                )
                 if self.close_notify:
                     self.close_now.wait(10)
                     tls.settimeout(1)

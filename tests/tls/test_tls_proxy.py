@@ -71,8 +71,12 @@ async def test_unverifiable_upstream_is_502_certificate_verify_failed(pki, tls_u
     resp = await get(sc)
     assert_tls_failure(resp, pki, "CERTIFICATE_VERIFY_FAILED")
     assert up.received == []
-    assert sc.metrics.registry.get_sample_value(
-        "sidecar_upstream_errors_total", {"deployment": "default", "kind": "connect"}) == 1
+    assert (
+        sc.metrics.registry.get_sample_value(
+            "sidecar_upstream_errors_total", {"deployment": "default", "kind": "connect"}
+        )
+        == 1
+    )
 
 
 async def test_verify_false_accepts_any_certificate(pki, tls_upstream, start_sidecar, caplog):
@@ -80,7 +84,8 @@ async def test_verify_false_accepts_any_certificate(pki, tls_upstream, start_sid
     with caplog.at_level("WARNING", logger="sidecar.deployments"):
         sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, tls={"verify": False})
     assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "sidecar.deployments"] == [
-        ("WARNING", "TLS verification is off: the upstreams' certificates are not checked")]
+        ("WARNING", "TLS verification is off: the upstreams' certificates are not checked")
+    ]
     assert (await get(sc)).status == 200
 
 
@@ -89,11 +94,13 @@ async def test_server_name_sets_sni_and_the_checked_name(pki, tls_upstream, star
     up = await tls_upstream(pki.server_context(cert="named"))
     plain = await start_sidecar(upstream=up.url, readiness_check_upstream=False, tls={"ca_file": pki.ca_file})
     assert_tls_failure(await get(plain), pki, "CERTIFICATE_VERIFY_FAILED")
-    wrong = await start_sidecar(upstream=up.url, readiness_check_upstream=False,
-                                tls={"ca_file": pki.ca_file, "server_name": "other.test"})
+    wrong = await start_sidecar(
+        upstream=up.url, readiness_check_upstream=False, tls={"ca_file": pki.ca_file, "server_name": "other.test"}
+    )
     assert_tls_failure(await get(wrong), pki, "CERTIFICATE_VERIFY_FAILED")
-    right = await start_sidecar(upstream=up.url, readiness_check_upstream=False,
-                                tls={"ca_file": pki.ca_file, "server_name": SERVER_NAME})
+    right = await start_sidecar(
+        upstream=up.url, readiness_check_upstream=False, tls={"ca_file": pki.ca_file, "server_name": SERVER_NAME}
+    )
     resp = await get(right)
     assert resp.status == 200
     # SNI: none for an IP address, then the configured names.
@@ -106,21 +113,26 @@ async def test_server_name_sets_sni_and_the_checked_name(pki, tls_upstream, star
 
 async def test_client_certificate_presented_for_mutual_tls(pki, tls_upstream, start_sidecar):
     up = await tls_upstream(pki.server_context(client_cert="required"))
-    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False,
-                             tls={"ca_file": pki.ca_file, "cert_file": pki.cert_file, "key_file": pki.key_file})
+    sc = await start_sidecar(
+        upstream=up.url,
+        readiness_check_upstream=False,
+        tls={"ca_file": pki.ca_file, "cert_file": pki.cert_file, "key_file": pki.key_file},
+    )
     assert (await get(sc)).status == 200
     subject = dict(item[0] for item in up.peer_certs[0]["subject"])
     assert subject == {"commonName": "sidecar.test"} or "sidecar.test" in str(up.peer_certs[0]["subjectAltName"])
 
 
-@pytest.mark.parametrize(("version", "reason"), [
-    # TLS 1.3: the server checks the client's certificate after the client finished its side of
-    # the handshake; the sidecar reads the refusal when the request is already written.
-    (ssl.TLSVersion.TLSv1_3, "TLSV13_ALERT_CERTIFICATE_REQUIRED"),
-    (ssl.TLSVersion.TLSv1_2, "SSLV3_ALERT_HANDSHAKE_FAILURE"),
-])
-async def test_mutual_tls_without_client_certificate_is_502(pki, threaded_tls_upstream, start_sidecar, version,
-                                                            reason):
+@pytest.mark.parametrize(
+    ("version", "reason"),
+    [
+        # TLS 1.3: the server checks the client's certificate after the client finished its side of
+        # the handshake; the sidecar reads the refusal when the request is already written.
+        (ssl.TLSVersion.TLSv1_3, "TLSV13_ALERT_CERTIFICATE_REQUIRED"),
+        (ssl.TLSVersion.TLSv1_2, "SSLV3_ALERT_HANDSHAKE_FAILURE"),
+    ],
+)
+async def test_mutual_tls_without_client_certificate_is_502(pki, threaded_tls_upstream, start_sidecar, version, reason):
     up = threaded_tls_upstream(pki.server_context(client_cert="required", max_version=version))
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, tls={"ca_file": pki.ca_file})
     assert_tls_failure(await get(sc), pki, reason)
@@ -131,15 +143,18 @@ async def test_mutual_tls_without_client_certificate_is_502(pki, threaded_tls_up
 
 
 @pytest.mark.parametrize("failure", ["verify", "client_certificate"])
-async def test_tls_failure_fails_the_tree_over_like_a_refused_connect(pki, tls_upstream, threaded_tls_upstream,
-                                                                       start_sidecar, failure):
+async def test_tls_failure_fails_the_tree_over_like_a_refused_connect(
+    pki, tls_upstream, threaded_tls_upstream, start_sidecar, failure
+):
     if failure == "verify":
         bad: Any = await tls_upstream(pki.server_context(cert="named"))  # not valid for 127.0.0.1
     else:
         bad = threaded_tls_upstream(pki.server_context(client_cert="required"))
     good = await tls_upstream(pki.server_context(), {"/r": echo()})
-    sc = await start_sidecar(readiness_check_upstream=False, deployments=[
-        {"name": "default", "upstreams": [bad.url, good.url], "tls": {"ca_file": pki.ca_file}}])
+    sc = await start_sidecar(
+        readiness_check_upstream=False,
+        deployments=[{"name": "default", "upstreams": [bad.url, good.url], "tls": {"ca_file": pki.ca_file}}],
+    )
     dep = sc.router.deployments[0]
     root = next(f"tree-{i}" for i in range(1000) if dep.pick_upstream(f"tree-{i}").index == 0)
     first = await get(sc, "/r", {"X-Correlation-ID": root})
@@ -166,11 +181,17 @@ async def test_sequential_requests_reuse_one_tls_connection(pki, tls_upstream, s
 async def test_deployments_with_other_tls_settings_never_share_a_connection(pki, tls_upstream, start_sidecar):
     """Same host:port, one deployment with a client certificate, one without."""
     up = await tls_upstream(pki.server_context(client_cert="optional"), {"/r": echo()})
-    sc = await start_sidecar(readiness_check_upstream=False, deployments=[
-        {"name": "anon", "upstreams": [up.url], "tls": {"ca_file": pki.ca_file}},
-        {"name": "mtls", "upstreams": [up.url],
-         "tls": {"ca_file": pki.ca_file, "cert_file": pki.cert_file, "key_file": pki.key_file}},
-    ])
+    sc = await start_sidecar(
+        readiness_check_upstream=False,
+        deployments=[
+            {"name": "anon", "upstreams": [up.url], "tls": {"ca_file": pki.ca_file}},
+            {
+                "name": "mtls",
+                "upstreams": [up.url],
+                "tls": {"ca_file": pki.ca_file, "cert_file": pki.cert_file, "key_file": pki.key_file},
+            },
+        ],
+    )
     for name in ["anon", "mtls"] * 4:
         assert (await get(sc, "/r", {"X-Sidecar-Deployment": name})).status == 200
     assert up.connections == 2
@@ -246,8 +267,7 @@ async def test_tcp_fin_in_the_socket_unprocessed_is_seen_before_reuse(pki, tls_u
 
 
 @FAST
-async def test_close_notify_in_the_socket_unprocessed_is_seen_before_reuse(pki, threaded_tls_upstream,
-                                                                          start_sidecar):
+async def test_close_notify_in_the_socket_unprocessed_is_seen_before_reuse(pki, threaded_tls_upstream, start_sidecar):
     """The same race with a TLS close_notify ahead of the FIN (sent from another thread while
     the loop is blocked)."""
     up = threaded_tls_upstream(pki.server_context(), close_notify=True)
@@ -280,8 +300,12 @@ async def test_handshake_bounded_by_the_connect_timeout(pki, start_sidecar):
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        sc = await start_sidecar(upstream=f"https://127.0.0.1:{port}", readiness_check_upstream=False,
-                                 tls={"ca_file": pki.ca_file}, timeouts={"connect": 0.3})
+        sc = await start_sidecar(
+            upstream=f"https://127.0.0.1:{port}",
+            readiness_check_upstream=False,
+            tls={"ca_file": pki.ca_file},
+            timeouts={"connect": 0.3},
+        )
         resp = await get(sc)
         assert resp.status == 504
         assert error_of(resp)["type"] == "upstream_timeout"
@@ -331,8 +355,9 @@ async def test_plain_http_server_behind_an_https_url_is_502_wrong_version(pki, s
     server = await asyncio.start_server(plain_http, "127.0.0.1", 0)
     try:
         port = server.sockets[0].getsockname()[1]
-        sc = await start_sidecar(upstream=f"https://127.0.0.1:{port}", readiness_check_upstream=False,
-                                 tls={"ca_file": pki.ca_file})
+        sc = await start_sidecar(
+            upstream=f"https://127.0.0.1:{port}", readiness_check_upstream=False, tls={"ca_file": pki.ca_file}
+        )
         assert_tls_failure(await get(sc), pki, "WRONG_VERSION_NUMBER")
     finally:
         server.close()

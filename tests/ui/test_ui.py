@@ -25,14 +25,22 @@ from sidecar.context import TurnOutcome
 from sidecar.lineage import VIEW_STEP, SessionTree
 
 ROOT_A = "agent-run-2f9c1e7a-77d4-4c1b-9a0e-planner"  # long: drawn truncated, full id on hover
-XSS = '<img src=x onerror="document.title=\'pwned\'">'  # ids are client-supplied
+XSS = "<img src=x onerror=\"document.title='pwned'\">"  # ids are client-supplied
 
 
 # -- workload ------------------------------------------------------------------------------------
 
 
-async def _send(s: aiohttp.ClientSession, proxy: str, session: str, *, parent: str | None = None,
-                root: str | None = None, final: bool = False, path: str = "/v1/chat/completions") -> None:
+async def _send(
+    s: aiohttp.ClientSession,
+    proxy: str,
+    session: str,
+    *,
+    parent: str | None = None,
+    root: str | None = None,
+    final: bool = False,
+    path: str = "/v1/chat/completions",
+) -> None:
     headers = {"X-Correlation-ID": session}
     if parent is not None:
         headers["X-Parent-Session-ID"] = parent
@@ -115,8 +123,21 @@ EXPECTED_TREES = [
     (XSS, [("b-child", []), ("b-hinted", [])]),
     ("c-ghost", [("c-child", [])]),
 ]
-NODE_KEYS = {"session", "parent", "root", "deployment", "created_at", "last_active_at", "turns", "in_flight",
-             "final_turn_seen", "ended", "end_reason", "placeholder", "children"}
+NODE_KEYS = {
+    "session",
+    "parent",
+    "root",
+    "deployment",
+    "created_at",
+    "last_active_at",
+    "turns",
+    "in_flight",
+    "final_turn_seen",
+    "ended",
+    "end_reason",
+    "placeholder",
+    "children",
+}
 
 
 # -- data.json through a real sidecar ------------------------------------------------------------
@@ -177,8 +198,9 @@ class Clock:
 
 def _one(tree: SessionTree, session: str, *, worker: str | None = None, **kw: Any) -> None:
     kw.setdefault("parent", None)
-    turn, _ = tree.begin(session, root_hint=kw.pop("root_hint", None), final=kw.pop("final", False),
-                         deployment="default", **kw)
+    turn, _ = tree.begin(
+        session, root_hint=kw.pop("root_hint", None), final=kw.pop("final", False), deployment="default", **kw
+    )
     if worker is not None:
         tree.record_worker(turn, worker)
     tree.finish(turn, TurnOutcome.COMPLETED)
@@ -354,11 +376,13 @@ async def test_page_and_limits(aiohttp_client):
     page, css, js = (files[n].decode() for n in ("ui.html", "ui.css", "ui.js"))
     # its only subresources are its own files, by relative URL (like ui/data.json: the page works
     # behind a path prefix), and nothing inline that the policy would block
-    assert re.findall(r'<(?:link|script)\b[^>]*\b(?:href|src)="([^"]*)"', page) == ["ui/static/ui.css",
-                                                                                   "ui/static/ui.js"]
+    assert re.findall(r'<(?:link|script)\b[^>]*\b(?:href|src)="([^"]*)"', page) == [
+        "ui/static/ui.css",
+        "ui/static/ui.js",
+    ]
     assert page.count("<script") == page.count("<script src=") == 1 and "</script>" in page
     assert "<style" not in page and not re.search(r"\s(?:style|on[a-z]+)=", page)
-    assert "fetch(\"ui/data.json\"" in js
+    assert 'fetch("ui/data.json"' in js
     # self-contained: no external resources, and ids only ever reach the DOM as text
     assert not re.search(r"https?://|//cdn|@import|url\(", page + css + js)
     assert "innerHTML" not in js and "outerHTML" not in js and "insertAdjacentHTML" not in js
@@ -389,11 +413,24 @@ def _chromium() -> str:
 
 async def _run_chromium(binary: str, profile: Path, *args: str) -> bytes:
     proc = await asyncio.create_subprocess_exec(
-        binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        "--disable-dev-shm-usage", "--hide-scrollbars", f"--user-data-dir={profile}",
-        "--window-size=1200,800", "--virtual-time-budget=5000", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        binary,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        f"--user-data-dir={profile}",
+        "--window-size=1200,800",
+        "--virtual-time-budget=5000",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), 40)
     except TimeoutError:
@@ -458,8 +495,16 @@ async def test_browser_draws_live_tree(upstream, start_sidecar, tmp_path):
     dom.feed(dom_html)
     # The JS ran: every session is drawn, nested exactly as the lineage.
     assert dom.parent_of == {
-        ROOT_A: None, "worker-a1": ROOT_A, "worker-a2": ROOT_A, "tool-a2-x": "worker-a2", "worker-a3": ROOT_A,
-        XSS: None, "b-child": XSS, "b-hinted": XSS, "c-ghost": None, "c-child": "c-ghost",
+        ROOT_A: None,
+        "worker-a1": ROOT_A,
+        "worker-a2": ROOT_A,
+        "tool-a2-x": "worker-a2",
+        "worker-a3": ROOT_A,
+        XSS: None,
+        "b-child": XSS,
+        "b-hinted": XSS,
+        "c-ghost": None,
+        "c-child": "c-ghost",
     }
     assert ROOT_A in dom.titles and ROOT_A not in "".join(dom.text)  # truncated, full id on hover
     assert "ended" in dom.classes["worker-a2"] and "inflight" in dom.classes["worker-a3"]
@@ -485,8 +530,8 @@ def read_png(data: bytes) -> tuple[int, int, list[bytes]]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
     pos, idat, header = 8, [], None
     while pos < len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        chunk = data[pos + 8:pos + 8 + length]
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        chunk = data[pos + 8 : pos + 8 + length]
         pos += 12 + length
         if kind == b"IHDR":
             header = struct.unpack(">IIBBBBB", chunk)
@@ -505,7 +550,7 @@ def read_png(data: bytes) -> tuple[int, int, list[bytes]]:
     for y in range(height):
         start = y * (stride + 1)
         ftype = raw[start]
-        line = bytearray(raw[start + 1:start + 1 + stride])
+        line = bytearray(raw[start + 1 : start + 1 + stride])
         if ftype == 1:
             for i in range(bpp, stride):
                 line[i] = (line[i] + line[i - bpp]) & 255
@@ -538,12 +583,12 @@ def _assert_drawn(width: int, height: int, rows: list[bytes]) -> bytes:
     first_ink: set[int] = set()
     for y in range(0, height, 2):
         row = rows[y]
-        dark_x = [x for x in range(0, width, 2) if sum(row[3 * x:3 * x + 3]) < 300]
+        dark_x = [x for x in range(0, width, 2) if sum(row[3 * x : 3 * x + 3]) < 300]
         if dark_x:
             text_lines += 1
             first_ink.add(dark_x[0] // 8)
         for x in range(0, width, 3):
-            px = row[3 * x:3 * x + 3]
+            px = row[3 * x : 3 * x + 3]
             colours[px] = colours.get(px, 0) + 1
     background, count = max(colours.items(), key=lambda kv: kv[1])
     assert sum(background) > 3 * 200, f"background not light: {background!r}"
@@ -592,7 +637,9 @@ async def test_live_view_data_needs_an_admin_token_when_tokens_are_configured(up
     import aiohttp as _aiohttp
 
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text("tokens:\n  - {token: ws-a-token-0123456789, workspace: ws-a}\n  - {token: admin-token-0123456789, admin: true}\n")
+    tokens.write_text(
+        "tokens:\n  - {token: ws-a-token-0123456789, workspace: ws-a}\n  - {token: admin-token-0123456789, admin: true}\n"
+    )
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers", admin_tokens_file=str(tokens))
     async with _aiohttp.ClientSession() as s:
         async with s.get(f"{sc.proxy_url}/x", headers={"X-Correlation-ID": "secret-session"}) as resp:
@@ -602,9 +649,13 @@ async def test_live_view_data_needs_an_admin_token_when_tokens_are_configured(up
         async with s.get(f"{sc.admin_url}/ui/data.json") as resp:
             assert resp.status == 401
             assert "secret-session" not in await resp.text()
-        async with s.get(f"{sc.admin_url}/ui/data.json", headers={"Authorization": "Bearer ws-a-token-0123456789"}) as resp:
+        async with s.get(
+            f"{sc.admin_url}/ui/data.json", headers={"Authorization": "Bearer ws-a-token-0123456789"}
+        ) as resp:
             assert resp.status == 403
             assert (await resp.json())["error"]["type"] == "forbidden"
-        async with s.get(f"{sc.admin_url}/ui/data.json", headers={"Authorization": "Bearer admin-token-0123456789"}) as resp:
+        async with s.get(
+            f"{sc.admin_url}/ui/data.json", headers={"Authorization": "Bearer admin-token-0123456789"}
+        ) as resp:
             assert resp.status == 200
             assert "secret-session" in await resp.text()
