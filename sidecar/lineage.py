@@ -383,9 +383,10 @@ class SessionTree:
         if runs is None:
             node.workers = [worker, 1]
             return "first", None
-        previous = str(runs[-2])  # runs alternate worker names and turn counts
+        # runs alternate worker names (str) and turn counts (int): no conversion on this path
+        previous: str = runs[-2]  # type: ignore[assignment]
         if previous == worker:
-            runs[-1] = int(runs[-1]) + 1
+            runs[-1] += 1  # type: ignore[operator]
             return "same_worker", previous
         if len(runs) >= 2 * WORKER_RUNS:
             del runs[0:2]
