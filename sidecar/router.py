@@ -276,13 +276,7 @@ class Router:
         request_id = headers.get(_REQUEST_ID)
         ident = self.identity.read(headers)
         session = ident.session
-        if (
-            self._shared
-            and session is not None
-            and not loaded
-            and not self.tree.joinable(session)
-            and session not in self._api_sessions
-        ):
+        if self._shared and not loaded and self._not_held(session):
             raise LoadNeeded(ident)
         selector = headers.get(self._selector)
         selected = None if selector is None else self._selected(selector)
@@ -344,6 +338,11 @@ class Router:
                 ident = self.identity.read_body(pending.headers, scanned)
         return scanned, ident, model_dep
 
+    def _not_held(self, session: str | None) -> bool:
+        """With a shared store: ``session`` names a session this replica holds neither in its tree
+        nor as an API session, so the store must be read first."""
+        return session is not None and not self.tree.joinable(session) and session not in self._api_sessions
+
     def _admit_body(
         self, decision: Decision, pending: _Pending, read: _Read, loaded: bool = False
     ) -> Decision | BodyWork:
@@ -352,13 +351,7 @@ class Router:
         :class:`~sidecar.state.LoadNeeded` whose ``resume`` continues here once loaded."""
         scanned, ident, model_dep = read
         session = ident.session
-        if (
-            self._shared
-            and session is not None
-            and not loaded
-            and not self.tree.joinable(session)
-            and session not in self._api_sessions
-        ):
+        if self._shared and not loaded and self._not_held(session):
             raise LoadNeeded(ident, partial(self._admit_body, decision, pending, read, True))
         body = scanned.data
         if scanned.status == TOO_DEEP:
