@@ -2,9 +2,10 @@
 
 The modules in ``COMPILED`` (those with a ``.pxd`` file) are plain Python that also compiles with
 Cython: the ``.pxd`` file beside each one declares its classes as extension types with typed
-fields, which makes the per-request attribute traffic C struct accesses. Two modules are
+fields, which makes the per-request attribute traffic C struct accesses. Three modules are
 compiled only: ``sidecar/engine/llhttp_parser.pyx``, the request parser over the vendored llhttp
-(``vendor/llhttp``), and ``sidecar/_jsonscan.pyx``, the JSON scanner in C. When Cython or a C
+(``vendor/llhttp``), ``sidecar/_jsonscan.pyx``, the JSON scanner in C, and
+``sidecar/engine/_direct.pyx``, the streamed bodies' direct socket I/O. When Cython or a C
 compiler is missing (or ``SIDECAR_PURE_PYTHON=1``), the same modules install and run as pure
 Python, requests are parsed with httptools (:mod:`sidecar.engine.parsers`) and JSON is scanned
 by :mod:`sidecar.jsonscan`.
@@ -20,7 +21,8 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 # A module is compiled exactly when it has a .pxd beside it (the declarations it needs).
-COMPILED = sorted(str(p.with_suffix(".py")) for p in Path("sidecar").rglob("*.pxd"))
+# (A .pxd without a .py beside it declares a compiled-only .pyx module, listed below.)
+COMPILED = sorted(str(p.with_suffix(".py")) for p in Path("sidecar").rglob("*.pxd") if p.with_suffix(".py").exists())
 LLHTTP_SOURCES = [f"vendor/llhttp/src/{name}.c" for name in ("api", "http", "llhttp")]
 
 
@@ -46,8 +48,9 @@ def extensions() -> list:
         include_dirs=["vendor/llhttp/include"],
     )
     jsonscan = Extension("sidecar._jsonscan", ["sidecar/_jsonscan.pyx"])
+    direct = Extension("sidecar.engine._direct", ["sidecar/engine/_direct.pyx"])
     exts = cythonize(
-        [*COMPILED, llhttp, jsonscan],
+        [*COMPILED, llhttp, jsonscan, direct],
         language_level=3,
         quiet=True,
         compiler_directives={"annotation_typing": False, "binding": False},

@@ -17,7 +17,7 @@ from types import ModuleType
 
 # Modules that exist only compiled: with sources preferred, they are absent (their importers
 # fall back to pure-Python equivalents).
-COMPILED_ONLY = frozenset({"sidecar.engine.llhttp_parser", "sidecar._jsonscan"})
+COMPILED_ONLY = frozenset({"sidecar.engine.llhttp_parser", "sidecar._jsonscan", "sidecar.engine._direct"})
 
 
 class _SourceFinder(MetaPathFinder):

@@ -42,6 +42,7 @@ from typing import Any
 from sidecar import headers as h
 from sidecar.compiled import is_compiled
 from sidecar.engine.base import Engine
+from sidecar.engine.direct import DirectReads
 from sidecar.engine.fast_connection import ClientConnection
 from sidecar.engine.fast_exchange import Shared
 from sidecar.engine.fast_upstream import UpstreamPool
@@ -65,6 +66,7 @@ class FastEngine(Engine):
         self.clients: set[ClientConnection] = set()
         self.shared = Shared(self, self.router, self.metrics.in_flight.labels(), self.health)
         self._pools: list[UpstreamPool] = []
+        self.direct: Any = None  # sidecar.engine.direct.DirectReads, once started (compiled build)
         self.body_pool = body_pool()  # the router's BodyWork (large bodies)
 
     async def start(self) -> None:
@@ -81,6 +83,8 @@ class FastEngine(Engine):
                     quota,
                 )
         self.shared.poller = poller = IdlePoller(loop, poll_us / 1e6)
+        # Long response bodies from plain-TCP upstreams are read here (compiled build only).
+        self.direct = direct = None if DirectReads is None else DirectReads(loop)
         self.metrics.watch_poller(poller)
         shared = self.shared
         # One pool per upstream address and TLS context (one per deployment: deployments with
@@ -101,7 +105,7 @@ class FastEngine(Engine):
                 key = (up.host, up.port, up.tls_context)
                 if key not in pools:
                     pools[key] = UpstreamPool(
-                        loop, up.host, up.port, *limits[key], poller, up.tls_context, up.server_hostname
+                        loop, up.host, up.port, *limits[key], poller, up.tls_context, up.server_hostname, direct
                     )
                 shared.upstreams[up.pool_key] = (
                     pools[key],
@@ -160,6 +164,8 @@ class FastEngine(Engine):
             client.abort_all()
         for pool in self._pools:
             pool.close()
+        if self.direct is not None:
+            self.direct.close()
         self.body_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.sleep(0)  # let the transports' connection_lost callbacks run
 

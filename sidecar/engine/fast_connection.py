@@ -26,6 +26,7 @@ from typing import Any, cast
 
 from sidecar import errors
 from sidecar.engine import wire
+from sidecar.engine.direct import DirectSocket
 from sidecar.engine.fast_exchange import ABORT, CLOSE, DONE, QUEUED, ClientSide, Exchange, Shared
 from sidecar.engine.flow import PIPELINED, STOPPED, ReadFlow
 from sidecar.engine.head import HOST_INVALID, HOST_REPEATED, HOST_SEEN, LISTED, name_table, scan_request
@@ -88,7 +89,7 @@ class ClientConnection(ClientSide):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.output = ClientOutput(transport)
+        self.output = ClientOutput(transport, None if DirectSocket is None else DirectSocket(transport))
         self.flow = ReadFlow(transport)
         peer = transport.get_extra_info("peername")
         self.peer = str(peer[0]).encode() if peer else b""

@@ -1,12 +1,14 @@
 # Compiled layout of fast_upstream.py (Cython "augmenting" declarations; see setup.py). Keep the
 # fields equal to each class's __slots__; C types only where every assignment has that type.
 cimport cython
+from sidecar.engine._direct cimport DirectSocket
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.head cimport locate
 from sidecar.engine.idle_poll cimport IdlePoller
 from sidecar.engine.relay cimport BodyRelay
 
 cdef bytes _HEAD_END
+cdef unsigned long _ENROLL_AFTER
 
 cdef class UpstreamConnection:
     cdef public UpstreamPool pool
@@ -17,6 +19,9 @@ cdef class UpstreamConnection:
     cdef public bint lost, counted, head_done, keep_alive, reusable, sent_all, write_paused, fresh
     cdef public double idle_since
     cdef public BodyRelay relay
+    cdef public int fd
+    cdef public unsigned long long direct
+    cdef public DirectSocket sock
     @cython.locals(relay=BodyRelay)
     cpdef data_received(self, bytes data)
     @cython.locals(used=Py_ssize_t)
@@ -28,9 +33,10 @@ cdef class UpstreamConnection:
     cpdef _head(self, bytes data)
     cpdef _complete(self, double now)
     cpdef _unbind(self)
+    cpdef direct_stop(self)
 
 cdef class UpstreamPool:
-    cdef public object loop, host, tls, server_hostname, idle, waiters, tasks
+    cdef public object loop, host, tls, server_hostname, idle, waiters, tasks, direct
     cdef public long port, limit, total
     cdef public Py_ssize_t max_head
     cdef public bint closed

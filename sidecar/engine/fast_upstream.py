@@ -43,14 +43,19 @@ import select
 import ssl
 from collections import deque
 from time import perf_counter
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from sidecar.engine.flow import CLIENT_FULL, ReadFlow
+from sidecar.engine.direct import ENROLL_AFTER
+from sidecar.engine.direct import DirectSocket as new_direct_socket  # (the compiled layout cimports the type)
+from sidecar.engine.flow import CLIENT_FULL, DIRECT, ReadFlow
 from sidecar.engine.head import locate
 from sidecar.engine.idle_poll import IdlePoller
 from sidecar.engine.parsers import ParseError, ResponseParser
 from sidecar.engine.relay import BodyRelay
 from sidecar.errors import failure_reason
+
+if TYPE_CHECKING:
+    from sidecar.engine.direct import Writer
 
 # A connection back from the pool sooner than this is not polled for a close first (saves a
 # syscall per request under load, where reuse is sub-millisecond to a few milliseconds).
@@ -62,6 +67,7 @@ from sidecar.errors import failure_reason
 STALE_CHECK_AFTER = 0.05
 
 _HEAD_END = b"\r\n\r\n"
+_ENROLL_AFTER = ENROLL_AFTER  # (a C constant in the compiled build: see fast_upstream.pxd)
 
 
 class Exchange(Protocol):
@@ -114,6 +120,9 @@ class UpstreamConnection:
         "write_paused",
         "idle_since",
         "fresh",
+        "fd",
+        "direct",
+        "sock",
     )
 
     def __init__(self, pool: UpstreamPool) -> None:
@@ -139,14 +148,21 @@ class UpstreamConnection:
         self.write_paused = False
         self.idle_since = 0.0
         self.fresh = True  # no response completed on it yet
+        self.fd = -1  # its socket, when bodies may be read by the pool's DirectReads (plain TCP)
+        self.direct = 0  # enrolled in the pool's DirectReads under this key (0: not)
+        self.sock: Writer | None = None  # writes the request (sidecar.engine.direct.DirectSocket), plain TCP
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.flow = ReadFlow(transport)
+        fd = transport.get_extra_info("socket").fileno()
         self._poll = select.poll()
-        self._poll.register(transport.get_extra_info("socket").fileno(), select.POLLIN)
+        self._poll.register(fd, select.POLLIN)
+        if self.pool.direct is not None and self.pool.tls is None:
+            self.fd = fd
+            self.sock = new_direct_socket(transport)
 
     def data_received(self, data: bytes) -> None:
         self.pool.poller.note()
@@ -165,6 +181,8 @@ class UpstreamConnection:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self.direct:
+            self.direct_stop()
         self.pool.discard(self)
         ex = self.ex
         if ex is None:
@@ -222,14 +240,28 @@ class UpstreamConnection:
     def send(self, data: bytes, last: bool) -> None:
         """Write request bytes (``last``: the request is complete with them)."""
         self.sent_all = last
-        self.transport.write(data)  # type: ignore[union-attr]
+        if self.sock is not None:
+            self.sock.write(data)
+        else:
+            self.transport.write(data)  # type: ignore[union-attr]
 
     def client_full(self, full: bool) -> None:
         """The client's write buffer went above (or back below) its high-water mark."""
         if full:
             self.flow.pause(CLIENT_FULL)
+            if self.direct:  # reads stop here too (and stay with the transport from now on)
+                self.direct_stop()
         else:
             self.flow.resume(CLIENT_FULL)
+
+    def direct_stop(self) -> None:
+        """Leave the pool's DirectReads: the transport reads the socket again (unless paused
+        for another reason)."""
+        key = self.direct
+        if key:
+            self.direct = 0
+            self.pool.direct.leave(key, self.fd)
+            self.flow.resume(DIRECT)
 
     def abort(self) -> None:
         """The exchange gave up on this connection (client gone, timeout, bad request body)."""
@@ -240,6 +272,8 @@ class UpstreamConnection:
         ex = self.ex
         self.ex = None
         self.relay = None
+        if self.direct:
+            self.direct_stop()
         if self.flow.reasons:
             self.flow.clear()
         if ex is not None and self.write_paused:
@@ -322,6 +356,12 @@ class UpstreamConnection:
             if used < len(data):
                 self.reusable = False  # bytes after a complete response
             self._complete(perf_counter())
+        elif self.fd >= 0 and relay.reads == _ENROLL_AFTER and self.sent_all and not self.flow.reasons:
+            # A long body (a token stream, most likely): read it without the transport.
+            key = self.pool.direct.enroll(self, self.fd)
+            if key:
+                self.direct = key
+                self.flow.pause(DIRECT)
 
     def _complete(self, now: float) -> None:
         """The response is complete: back to the pool (or closed), then the exchange ends."""
@@ -374,6 +414,7 @@ class UpstreamPool:
         "tasks",
         "closed",
         "poller",
+        "direct",
     )
 
     def __init__(
@@ -386,9 +427,12 @@ class UpstreamPool:
         poller: IdlePoller,
         tls: ssl.SSLContext | None = None,
         server_hostname: str | None = None,
+        direct: Any = None,
     ) -> None:
         self.loop = loop
         self.poller = poller  # told of every read (see sidecar.engine.idle_poll)
+        # Where long bodies are read (sidecar.engine.direct.DirectReads; None: the transports).
+        self.direct = direct
         self.host = host
         self.port = port
         # TLS (https:// upstreams): the handshake is part of connecting, within the connect

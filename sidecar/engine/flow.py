@@ -18,8 +18,9 @@ PIPELINED = 2  # a later request is parsed and waits for the current response
 WAITING = 4  # the request body is buffered while no upstream connection is attached yet
 STOPPED = 8  # the request stream is unusable (parse error, upgrade): read nothing more
 
-# Reason to stop reading an upstream connection.
+# Reasons to stop reading an upstream connection (through its transport).
 CLIENT_FULL = 1  # the client connection's write buffer is above its high-water mark
+DIRECT = 2  # its body is read by sidecar.engine.direct.DirectReads instead
 
 
 class ReadFlow:

@@ -1,6 +1,7 @@
 # Compiled layout of relay.py (Cython "augmenting" declarations; see setup.py). Keep the fields
 # equal to each class's __slots__; the framing scan reads the bytes as C chars.
 cimport cython
+from sidecar.engine._direct cimport DirectSocket
 
 # The modes and framing states as C constants (see relay.py: the public mode names stay Python ints).
 cdef long _LENGTH, _CHUNKED, _DECHUNK, _EOF_CHUNKED, _EOF_RAW
@@ -10,6 +11,7 @@ cdef bytes _LAST_CHUNK
 
 cdef class ClientOutput:
     cdef public object transport
+    cdef public DirectSocket sock
     cdef public list parts
     cdef public bint closed
     cpdef flush(self)

@@ -23,8 +23,12 @@ exchange then aborts the client connection. Bytes after the end of the body are 
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 from sidecar.engine.parse_errors import ParseError
+
+if TYPE_CHECKING:
+    from sidecar.engine.direct import Writer
 
 LENGTH, CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW = range(5)
 # The same modes for this module's own comparisons: the compiled build declares the private
@@ -44,12 +48,14 @@ _LAST_CHUNK = b"0\r\n\r\n"
 
 class ClientOutput:
     """The bytes a client connection has to write: gathered in ``parts`` while an event is
-    handled, written in one ``transport.write`` by :meth:`flush` (nothing once ``closed``)."""
+    handled, written in one write by :meth:`flush` (nothing once ``closed``): through ``sock``
+    (:class:`sidecar.engine.direct.DirectSocket`, the compiled build) or the transport."""
 
-    __slots__ = ("transport", "parts", "closed")
+    __slots__ = ("transport", "sock", "parts", "closed")
 
-    def __init__(self, transport: asyncio.Transport) -> None:
+    def __init__(self, transport: asyncio.Transport, sock: Writer | None = None) -> None:
         self.transport = transport
+        self.sock = sock
         self.parts: list[bytes] = []
         self.closed = False
 
@@ -59,7 +65,10 @@ class ClientOutput:
             data = parts[0] if len(parts) == 1 else b"".join(parts)
             parts.clear()
             if not self.closed:
-                self.transport.write(data)
+                if self.sock is not None:
+                    self.sock.write(data)
+                else:
+                    self.transport.write(data)
 
 
 class BodyRelay:

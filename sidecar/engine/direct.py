@@ -1,0 +1,42 @@
+"""Direct socket I/O for streamed response bodies: what an event costs beyond its two syscalls.
+
+A token stream is a long trickle of small reads; through the loop's transports each costs an
+allocation, a few Python calls and the transport's write machinery on both sides, several times
+what a proxy in C spends on it. The compiled build (:mod:`sidecar.engine._direct`) cuts that:
+
+- bytes for a client, and a request's bytes for a plain-TCP upstream, go out with one ``send``
+  whenever the transport has nothing buffered (:class:`DirectSocket`, used by
+  :class:`~sidecar.engine.relay.ClientOutput` and the upstream connections): the transport
+  takes the rest, or everything after an error, so backpressure and errors work as before;
+- an upstream connection whose response body is still going after :data:`ENROLL_AFTER` reads is
+  enrolled in :class:`DirectReads`: its transport stops reading, and an epoll set of the
+  engine's own, one reader of the loop, reads every enrolled socket (one loop callback per
+  wakeup however many streams are ready, one ``recv`` per read into a buffer of its own). Its
+  bytes go to the connection's ``data_received`` as before. The connection leaves at the end of
+  the response, on any failure, when the client's buffer fills (its reads then pause as always)
+  and when its socket has anything but bytes (a close or an error: the transport, reading again,
+  meets it and reports it as it always does).
+
+Plain-TCP sockets only: a TLS upstream's bytes are records its transport must decrypt. In the
+pure-Python build both names are None and everything goes through the transports.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Writer(Protocol):
+    """What the connections write through (a :class:`DirectSocket`)."""
+
+    def write(self, data: bytes) -> None: ...
+
+
+try:
+    from sidecar.engine._direct import DirectReads, DirectSocket
+except ImportError:  # the pure-Python build
+    DirectReads = DirectSocket = None
+
+# Reads of one response body through the transport before its connection is enrolled: a body
+# that ends sooner never pays the two epoll changes enrolling and leaving cost.
+ENROLL_AFTER = 3

@@ -1,0 +1,221 @@
+"""Long response bodies read and written without the transports (sidecar.engine.direct, compiled
+build): on the wire nothing differs. Every test checks the path was taken (the engine's
+DirectReads counts enrolments and reads) and then what the client and the upstream saw: exact
+bytes, the connection reused after a clean end, closes and resets carried through, backpressure
+holding with a client that does not read."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from sidecar.engine.direct import ENROLL_AFTER, DirectReads
+from tests.engine import Handler, RawMessage, closed_soon, echo, read_response
+
+pytestmark = [
+    pytest.mark.skipif(DirectReads is None, reason="direct socket I/O is compiled only"),
+    pytest.mark.parametrize("engine", ["fast"]),
+]
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+EVENTS = 3 * ENROLL_AFTER + 6  # well past enrolment
+
+
+def event(i: int) -> bytes:
+    data = b'data: {"i":%d,"delta":"tok"}\n\n' % i
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def paced(parts: list[bytes], pause: float = 0.01, *, close: bool = False) -> Handler:
+    """Each part in a write of its own, ``pause`` apart (one read each at the proxy); with
+    ``close``, the connection closes after the last part."""
+
+    async def handle(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        for part in parts:
+            writer.write(part)
+            await writer.drain()
+            await asyncio.sleep(pause)
+        return not close
+
+    return handle
+
+
+async def open_stream(sc: Any, target: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(sc.engine.port))
+    writer.write(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % target)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    return reader, writer, head
+
+
+async def read_all(reader: asyncio.StreamReader, timeout: float = 10) -> bytes:
+    """Everything until the peer closes (or resets)."""
+    got = bytearray()
+    try:
+        async with asyncio.timeout(timeout):
+            while chunk := await reader.read(65536):
+                got += chunk
+    except ConnectionResetError:
+        pass
+    return bytes(got)
+
+
+async def test_a_long_stream_is_read_directly_byte_exact_and_its_connection_is_reused(
+    raw_upstream: Any, start_sidecar: Any
+) -> None:
+    body = [event(i) for i in range(EVENTS)] + [b"0\r\n\r\n"]
+    up = await raw_upstream({"/s": paced([SSE_HEAD, *body]), "/after": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer, head = await open_stream(sc, b"/s")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    got = bytearray()
+    async with asyncio.timeout(10):
+        while not got.endswith(b"0\r\n\r\n"):
+            chunk = await reader.read(65536)
+            assert chunk, bytes(got)
+            got += chunk
+    assert bytes(got) == b"".join(body)  # passed through exactly as the upstream framed it
+    direct = sc.engine.direct
+    assert direct.enrolled == 1
+    # The reads after enrolment came through the epoll set (the last chunk's included; fewer
+    # reads when writes of the upstream arrived together).
+    reads = direct.reads
+    assert 1 <= reads <= len(body) - ENROLL_AFTER
+    # The connection went back to its transport: the next request reads its answer there.
+    writer.write(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+    after = await asyncio.wait_for(read_response(reader), 5)
+    writer.close()
+    assert after.status == 200
+    assert up.connections == 1 and [r.conn for r in up.received] == [1, 1]
+    assert direct.enrolled == 1 and direct.reads == reads  # the short answer was not enrolled
+
+
+async def test_a_body_delimited_by_the_upstreams_close_ends_cleanly_after_enrolment(
+    raw_upstream: Any, start_sidecar: Any
+) -> None:
+    """The close is met by the transport once the connection leaves the epoll set: the client
+    gets every byte and the last chunk, on a connection that stays open."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"  # no length, not chunked
+    parts = [b"data: %d\n\n" % i for i in range(EVENTS)]
+    up = await raw_upstream({"/s": paced([head, *parts], close=True), "/after": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer, got_head = await open_stream(sc, b"/s")
+    assert b"transfer-encoding: chunked" in got_head.lower()
+    got = bytearray()
+    async with asyncio.timeout(10):
+        while not got.endswith(b"0\r\n\r\n"):
+            chunk = await reader.read(65536)
+            assert chunk, bytes(got)
+            got += chunk
+    assert bytes(got) == b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+    assert sc.engine.direct.enrolled == 1 and 1 <= sc.engine.direct.reads <= len(parts) - ENROLL_AFTER
+    writer.write(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await asyncio.wait_for(read_response(reader), 5)).status == 200
+    writer.close()
+
+
+async def test_an_upstream_that_closes_mid_stream_after_enrolment_aborts_the_client(
+    raw_upstream: Any, start_sidecar: Any
+) -> None:
+    body = [event(i) for i in range(EVENTS)]  # no last chunk: the body is cut short
+    up = await raw_upstream({"/s": paced([SSE_HEAD, *body], close=True)})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer, _ = await open_stream(sc, b"/s")
+    got = await read_all(reader)
+    writer.close()
+    assert got == b"".join(body)  # every event, and no last chunk: the client can tell
+    assert sc.engine.direct.enrolled == 1
+    errors = sc.metrics.registry.get_sample_value(
+        "sidecar_upstream_errors_total", {"deployment": "default", "kind": "reset"}
+    )
+    assert errors == 1.0
+    assert sc.engine.stats()["upstream_connections"] == 0
+
+
+async def test_malformed_framing_after_enrolment_aborts_the_client_and_relays_nothing_of_it(
+    raw_upstream: Any, start_sidecar: Any
+) -> None:
+    body = [event(i) for i in range(EVENTS)]
+    up = await raw_upstream({"/s": paced([SSE_HEAD, *body, b"zz\r\nevil\r\n"])})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer, _ = await open_stream(sc, b"/s")
+    got = await read_all(reader)
+    writer.close()
+    assert got == b"".join(body)
+    assert sc.engine.direct.enrolled == 1
+    assert sc.engine.stats()["upstream_connections"] == 0
+
+
+async def test_a_client_that_leaves_mid_stream_closes_the_upstream_connection(
+    raw_upstream: Any, start_sidecar: Any
+) -> None:
+    """The upstream must learn at once that nobody reads its stream (it stops generating)."""
+    up_side: dict[str, asyncio.StreamReader] = {}
+
+    async def endless(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        up_side["reader"] = reader
+        writer.write(SSE_HEAD)
+        i = 0
+        try:
+            while True:
+                writer.write(event(i))
+                await writer.drain()
+                i += 1
+                await asyncio.sleep(0.01)
+        except (ConnectionResetError, BrokenPipeError):
+            return False
+
+    up = await raw_upstream({"/s": endless})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer, _ = await open_stream(sc, b"/s")
+    got = bytearray()
+    async with asyncio.timeout(10):
+        while got.count(b"data: ") < EVENTS:
+            got += await reader.read(65536)
+    assert sc.engine.direct.enrolled == 1 and sc.engine.direct.reads > 0
+    writer.transport.abort()
+    # The sidecar closes its upstream connection: the upstream reads EOF (or a reset).
+    assert await closed_soon(up_side["reader"], 5)
+    async with asyncio.timeout(5):
+        while sc.engine.stats()["upstream_connections"]:
+            await asyncio.sleep(0.01)
+
+
+async def test_a_client_that_does_not_read_gets_backpressure_then_every_byte(
+    raw_upstream: Any, start_sidecar: Any
+) -> None:
+    """A stream far larger than the socket buffers, to a client that stops reading after the
+    head: the sidecar buffers at most about its high-water mark (the epoll set stops reading
+    the upstream, its transport pauses), and the client then gets the stream byte-exact."""
+    blob = bytes(range(256)) * 256  # 64 KiB chunks
+    chunk = b"%x\r\n%s\r\n" % (len(blob), blob)
+    count = 160  # 10 MiB
+    done = asyncio.Event()
+
+    async def big(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(SSE_HEAD)
+        for _ in range(count):
+            writer.write(chunk)
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        done.set()
+        return True
+
+    up = await raw_upstream({"/s": big})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer, _ = await open_stream(sc, b"/s")
+    # The client reads nothing for a while: everything in flight stays in bounded buffers.
+    await asyncio.sleep(0.5)
+    assert not done.is_set()  # the upstream is held back: nothing reads it
+    assert sc.engine.stats()["client_write_buffer"] <= 1 << 20
+    assert sc.engine.direct.enrolled == 1
+    got = bytearray()
+    async with asyncio.timeout(30):
+        while not got.endswith(b"0\r\n\r\n") or len(got) < count * len(chunk):
+            data = await reader.read(1 << 20)
+            assert data
+            got += data
+    writer.close()
+    assert got == chunk * count + b"0\r\n\r\n"
