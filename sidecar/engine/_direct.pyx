@@ -58,7 +58,7 @@ cdef enum:
 
 
 cdef class DirectSocket:
-    """A client connection's socket, written directly while its transport has nothing buffered."""
+    """A connection's socket, written directly while its transport has nothing buffered."""
 
     def __init__(self, transport):
         self.transport = transport
@@ -128,8 +128,10 @@ cdef class DirectReads:
         return self.serial
 
     cpdef leave(self, unsigned long long key, int fd):
-        """Stop reading the connection enrolled under ``key`` (its socket ``fd``)."""
-        if self.conns.pop(key, None) is not None and self.epfd >= 0:
+        """Stop reading the connection enrolled under ``key``: its socket ``fd`` leaves the set
+        (-1: the socket is closed or about to be, which takes it out of the set; its descriptor
+        may already name another socket, which must stay in)."""
+        if self.conns.pop(key, None) is not None and self.epfd >= 0 and fd >= 0:
             epoll_ctl(self.epfd, EPOLL_CTL_DEL, fd, NULL)
 
     def _ready(self):

@@ -181,8 +181,9 @@ class UpstreamConnection:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        if self.direct:
-            self.direct_stop()
+        if self.direct:  # (never, unless a close bypassed _unbind: the socket leaves the set as it closes)
+            self.pool.direct.leave(self.direct, -1)
+            self.direct = 0
         self.pool.discard(self)
         ex = self.ex
         if ex is None:
