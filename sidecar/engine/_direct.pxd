@@ -1,7 +1,7 @@
 # Declarations of _direct.pyx (compiled build only), for the modules that call it at C level.
 
 cdef class DirectSocket:
-    cdef int fd
+    cdef readonly int fd
     cdef object transport
     cpdef write(self, bytes data)
 

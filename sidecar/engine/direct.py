@@ -27,7 +27,10 @@ from typing import Protocol
 
 
 class Writer(Protocol):
-    """What the connections write through (a :class:`DirectSocket`)."""
+    """What the connections write through (a :class:`DirectSocket`): ``fd`` is its socket."""
+
+    @property
+    def fd(self) -> int: ...
 
     def write(self, data: bytes) -> None: ...
 

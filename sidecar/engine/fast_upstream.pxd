@@ -19,7 +19,6 @@ cdef class UpstreamConnection:
     cdef public bint lost, counted, head_done, keep_alive, reusable, sent_all, write_paused, fresh
     cdef public double idle_since
     cdef public BodyRelay relay
-    cdef public int fd
     cdef public unsigned long long direct
     cdef public DirectSocket sock
     @cython.locals(relay=BodyRelay)

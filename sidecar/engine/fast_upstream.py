@@ -120,7 +120,6 @@ class UpstreamConnection:
         "write_paused",
         "idle_since",
         "fresh",
-        "fd",
         "direct",
         "sock",
     )
@@ -148,20 +147,19 @@ class UpstreamConnection:
         self.write_paused = False
         self.idle_since = 0.0
         self.fresh = True  # no response completed on it yet
-        self.fd = -1  # its socket, when bodies may be read by the pool's DirectReads (plain TCP)
         self.direct = 0  # enrolled in the pool's DirectReads under this key (0: not)
-        self.sock: Writer | None = None  # writes the request (sidecar.engine.direct.DirectSocket), plain TCP
+        # Its socket (sidecar.engine.direct.DirectSocket) where the pool has DirectReads and the
+        # upstream is plain TCP: requests are written through it and long bodies may be read directly.
+        self.sock: Writer | None = None
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.flow = ReadFlow(transport)
-        fd = transport.get_extra_info("socket").fileno()
         self._poll = select.poll()
-        self._poll.register(fd, select.POLLIN)
+        self._poll.register(transport.get_extra_info("socket").fileno(), select.POLLIN)
         if self.pool.direct is not None and self.pool.tls is None:
-            self.fd = fd
             self.sock = new_direct_socket(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -261,7 +259,7 @@ class UpstreamConnection:
         key = self.direct
         if key:
             self.direct = 0
-            self.pool.direct.leave(key, self.fd)
+            self.pool.direct.leave(key, self.sock.fd)  # type: ignore[union-attr]  # (enrolled: it has one)
             self.flow.resume(DIRECT)
 
     def abort(self) -> None:
@@ -357,9 +355,9 @@ class UpstreamConnection:
             if used < len(data):
                 self.reusable = False  # bytes after a complete response
             self._complete(perf_counter())
-        elif self.fd >= 0 and relay.reads == _ENROLL_AFTER and self.sent_all and not self.flow.reasons:
+        elif self.sock is not None and relay.reads == _ENROLL_AFTER and self.sent_all and not self.flow.reasons:
             # A long body (a token stream, most likely): read it without the transport.
-            key = self.pool.direct.enroll(self, self.fd)
+            key = self.pool.direct.enroll(self, self.sock.fd)
             if key:
                 self.direct = key
                 self.flow.pause(DIRECT)
