@@ -489,8 +489,9 @@ def check(target: Target, data: bytes) -> None:
         probe.close()
 
 
-def fuzz(seconds: float, *, examples_per_round: int = 50) -> dict[str, int]:
-    """Run the properties on generated inputs for about ``seconds``; return counts."""
+def fuzz(seconds: float, *, max_cases: int = 0, examples_per_round: int = 50) -> dict[str, int]:
+    """Run the properties on generated inputs for about ``seconds``, or until ``max_cases``
+    inputs were checked (0: no bound); return counts."""
     stats = {"cases": 0, "rounds": 0}
     with Target() as target:
         end = time.monotonic() + seconds  # after the set-up, which a loaded machine may slow down
@@ -505,12 +506,12 @@ def fuzz(seconds: float, *, examples_per_round: int = 50) -> dict[str, int]:
         )
         @given(stream())
         def prop(data: bytes) -> None:
-            if time.monotonic() > end:
-                return  # out of time: let the round finish without more work
+            if time.monotonic() > end or stats["cases"] == max_cases:
+                return  # out of time or done: let the round finish without more work
             stats["cases"] += 1
             check(target, data)
 
-        while time.monotonic() < end:
+        while time.monotonic() < end and stats["cases"] != max_cases:
             prop()
             stats["rounds"] += 1
     return stats
