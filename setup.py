@@ -5,7 +5,8 @@ Cython: the ``.pxd`` file beside each one declares its classes as extension type
 fields, which makes the per-request attribute traffic C struct accesses. Three modules are
 compiled only: ``sidecar/engine/llhttp_parser.pyx``, the request parser over the vendored llhttp
 (``vendor/llhttp``), ``sidecar/_jsonscan.pyx``, the JSON scanner in C, and
-``sidecar/engine/_direct.pyx``, the streamed bodies' direct socket I/O. When Cython or a C
+``sidecar/engine/_direct_socket.pyx`` and ``_direct_reads.pyx``, the streamed bodies' direct
+socket I/O. When Cython or a C
 compiler is missing (or ``SIDECAR_PURE_PYTHON=1``), the same modules install and run as pure
 Python, requests are parsed with httptools (:mod:`sidecar.engine.parsers`) and JSON is scanned
 by :mod:`sidecar.jsonscan`.
@@ -48,9 +49,11 @@ def extensions() -> list:
         include_dirs=["vendor/llhttp/include"],
     )
     jsonscan = Extension("sidecar._jsonscan", ["sidecar/_jsonscan.pyx"])
-    direct = Extension("sidecar.engine._direct", ["sidecar/engine/_direct.pyx"])
+    direct = [
+        Extension(f"sidecar.engine.{m}", [f"sidecar/engine/{m}.pyx"]) for m in ("_direct_socket", "_direct_reads")
+    ]
     exts = cythonize(
-        [*COMPILED, llhttp, jsonscan, direct],
+        [*COMPILED, llhttp, jsonscan, *direct],
         language_level=3,
         quiet=True,
         compiler_directives={"annotation_typing": False, "binding": False},

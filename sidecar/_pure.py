@@ -17,7 +17,14 @@ from types import ModuleType
 
 # Modules that exist only compiled: with sources preferred, they are absent (their importers
 # fall back to pure-Python equivalents).
-COMPILED_ONLY = frozenset({"sidecar.engine.llhttp_parser", "sidecar._jsonscan", "sidecar.engine._direct"})
+COMPILED_ONLY = frozenset(
+    {
+        "sidecar.engine.llhttp_parser",
+        "sidecar._jsonscan",
+        "sidecar.engine._direct_socket",
+        "sidecar.engine._direct_reads",
+    }
+)
 
 
 class _SourceFinder(MetaPathFinder):

@@ -2,17 +2,22 @@
 
 A token stream is a long trickle of small reads; through the loop's transports each costs an
 allocation, a few Python calls and the transport's write machinery on both sides, several times
-what a proxy in C spends on it. The compiled build (:mod:`sidecar.engine._direct`) cuts that:
+what a proxy in C spends on it. The compiled build (:mod:`sidecar.engine._direct_socket`,
+:mod:`sidecar.engine._direct_reads`) cuts that:
 
 - bytes for a client, and a request's bytes for a plain-TCP upstream, go out with one ``send``
   whenever the transport has nothing buffered (:class:`DirectSocket`, used by
-  :class:`~sidecar.engine.relay.ClientOutput` and the upstream connections): the transport
-  takes the rest, or everything after an error, so backpressure and errors work as before;
+  :class:`~sidecar.engine.relay.ClientOutput` and the upstream connections, each its
+  transport's only writer): the transport takes the rest, or everything after an error, so
+  backpressure and errors work as before;
 - an upstream connection whose response body is still going after :data:`ENROLL_AFTER` reads is
   enrolled in :class:`DirectReads`: its transport stops reading, and an epoll set of the
   engine's own, one reader of the loop, reads every enrolled socket (one loop callback per
   wakeup however many streams are ready, one ``recv`` per read into a buffer of its own). Its
-  bytes go to the connection's ``data_received`` as before. The connection leaves at the end of
+  bytes go to the response's :class:`~sidecar.engine.relay.BodyRelay` from that buffer: the
+  same framing checks, and a read that passes through whole (the usual token event) is sent to
+  the client from there, with no Python object or call for it. The connection is called at
+  the body's end and on invalid framing, as from its own reads. The connection leaves at the end of
   the response, on any failure, when the client's buffer fills (its reads then pause as always)
   and when its socket has anything but bytes (a close or an error: the transport, reading again,
   meets it and reports it as it always does).
@@ -34,9 +39,13 @@ class Writer(Protocol):
 
     def write(self, data: bytes) -> None: ...
 
+    def send_buffer(self, buf: bytes, n: int) -> None:
+        """``write(buf[:n])`` where ``buf`` is a C buffer (compiled build: C callers only)."""
+
 
 try:
-    from sidecar.engine._direct import DirectReads, DirectSocket
+    from sidecar.engine._direct_reads import DirectReads
+    from sidecar.engine._direct_socket import DirectSocket
 except ImportError:  # the pure-Python build
     DirectReads = DirectSocket = None
 

@@ -1,7 +1,7 @@
 # Compiled layout of fast_upstream.py (Cython "augmenting" declarations; see setup.py). Keep the
 # fields equal to each class's __slots__; C types only where every assignment has that type.
 cimport cython
-from sidecar.engine._direct cimport DirectSocket
+from sidecar.engine._direct_socket cimport DirectSocket
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.head cimport locate
 from sidecar.engine.idle_poll cimport IdlePoller
@@ -25,6 +25,8 @@ cdef class UpstreamConnection:
     cpdef data_received(self, bytes data)
     @cython.locals(used=Py_ssize_t)
     cpdef _body(self, BodyRelay relay, bytes data)
+    cpdef body_end(self, bint extra)
+    cpdef invalid_body(self, exc)
     cpdef bint usable(self, double now) except -1
     cpdef send(self, bytes data, bint last)
     @cython.locals(pieces=list, raw=bytes, max_head=Py_ssize_t, k=Py_ssize_t, stop=Py_ssize_t, start=Py_ssize_t,

@@ -349,18 +349,26 @@ class UpstreamConnection:
         try:
             used = relay.feed(data)
         except ParseError as exc:
-            self._fail(f"invalid response: {exc}")
+            self.invalid_body(exc)
             return
         if relay.done:
-            if used < len(data):
-                self.reusable = False  # bytes after a complete response
-            self._complete(perf_counter())
+            self.body_end(used < len(data))
         elif self.sock is not None and relay.reads == _ENROLL_AFTER and self.sent_all and not self.flow.reasons:
             # A long body (a token stream, most likely): read it without the transport.
-            key = self.pool.direct.enroll(self, self.sock.fd)
+            key = self.pool.direct.enroll(self, self.sock.fd, relay)
             if key:
                 self.direct = key
                 self.flow.pause(DIRECT)
+
+    def body_end(self, extra: bool) -> None:
+        """The relay reached the body's end (``extra``: bytes followed it in the same read)."""
+        if extra:
+            self.reusable = False  # bytes after a complete response
+        self._complete(perf_counter())
+
+    def invalid_body(self, exc: ParseError) -> None:
+        """The relay found the body's framing malformed (nothing of that read was relayed)."""
+        self._fail(f"invalid response: {exc}")
 
     def _complete(self, now: float) -> None:
         """The response is complete: back to the pool (or closed), then the exchange ends."""

@@ -1,7 +1,7 @@
 # Compiled layout of relay.py (Cython "augmenting" declarations; see setup.py). Keep the fields
 # equal to each class's __slots__; the framing scan reads the bytes as C chars.
 cimport cython
-from sidecar.engine._direct cimport DirectSocket
+from sidecar.engine._direct_socket cimport DirectSocket
 
 # The modes and framing states as C constants (see relay.py: the public mode names stay Python ints).
 cdef long _LENGTH, _CHUNKED, _DECHUNK, _EOF_CHUNKED, _EOF_RAW
@@ -15,6 +15,7 @@ cdef class ClientOutput:
     cdef public list parts
     cdef public bint closed
     cpdef flush(self)
+    cdef send_buffer(self, const unsigned char *buf, Py_ssize_t n)
 
 cdef class BodyRelay:
     cdef public ClientOutput output
@@ -23,9 +24,11 @@ cdef class BodyRelay:
     cdef public Py_ssize_t budget
     cdef public unsigned long reads
     cdef public bint done
-    @cython.locals(mode=long, n=Py_ssize_t, parts=list, left="unsigned long long")
     cpdef Py_ssize_t feed(self, bytes data) except -1
+    @cython.locals(mode=long, parts=list, left="unsigned long long")
+    cdef Py_ssize_t feed_from(self, const unsigned char *buf, Py_ssize_t n, object data) except -1
+    cdef _whole(self, const unsigned char *buf, Py_ssize_t n, object data)
     cpdef bint eof(self) except -1
-    @cython.locals(n=Py_ssize_t, state=long, left="unsigned long long", digits=long, through=bint,
+    @cython.locals(state=long, left="unsigned long long", digits=long, through=bint,
                    pos=Py_ssize_t, seg=Py_ssize_t, out=list, c="unsigned char", take=Py_ssize_t)
-    cdef Py_ssize_t _chunks(self, bytes data, list parts) except -1
+    cdef Py_ssize_t _chunks(self, const unsigned char *buf, Py_ssize_t n, object data, list parts) except -1

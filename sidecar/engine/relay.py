@@ -70,6 +70,16 @@ class ClientOutput:
                 else:
                     self.transport.write(data)
 
+    def send_buffer(self, buf: bytes, n: int) -> None:
+        """Write ``buf[:n]`` after what is gathered: at once when nothing is (through ``sock``,
+        which makes a bytes object only for what the socket does not take), else gathered for
+        the next flush. (Compiled build: ``buf`` is a C buffer, see
+        :class:`~sidecar.engine.direct.DirectReads`.)"""
+        if self.parts or self.sock is None:
+            self.parts.append(buf[:n])
+        elif not self.closed:
+            self.sock.send_buffer(buf, n)
+
 
 class BodyRelay:
     """One response body on its way to the client (see the module docstring).
@@ -94,29 +104,43 @@ class BodyRelay:
         """Relay the body's part of ``data`` (and flush the client's output); return how many
         bytes of ``data`` belong to the body: all of them unless it ends within ``data``
         (``done`` is then set). Raises ParseError on malformed chunked framing."""
+        return self.feed_from(data, len(data), data)
+
+    def feed_from(self, buf: bytes, n: int, data: bytes | None) -> int:
+        """:meth:`feed` for the ``n`` bytes at ``buf``; ``data`` is the bytes object they are
+        (from a transport's read), or None: then they are in a buffer that is reused after the
+        call (the compiled build's :class:`~sidecar.engine.direct.DirectReads`), and a read
+        that passes through whole is written to the client from there."""
         self.reads += 1
         mode = self.mode
-        n = len(data)
         parts = self.output.parts
         if mode == _LENGTH:
             left = self.left
             if n < left:
                 self.left = left - n
-                parts.append(data)
+                self._whole(buf, n, data)
             else:
-                parts.append(data if n == left else data[:left])
+                parts.append(data if n == left and data is not None else buf[:left])
                 self.left = 0
                 self.done = True
                 n = left
         elif mode == _CHUNKED or mode == _DECHUNK:
-            n = self._chunks(data, parts)
+            n = self._chunks(buf, n, data, parts)
         elif mode == _EOF_CHUNKED:
             if n:
-                parts += (b"%x\r\n" % n, data, b"\r\n")
+                parts += (b"%x\r\n" % n, buf[:n] if data is None else data, b"\r\n")
         else:
-            parts.append(data)
-        self.output.flush()
+            self._whole(buf, n, data)
+        if parts:
+            self.output.flush()
         return n
+
+    def _whole(self, buf: bytes, n: int, data: bytes | None) -> None:
+        """The whole read goes to the client as it came."""
+        if data is None:
+            self.output.send_buffer(buf, n)
+        else:
+            self.output.parts.append(data)
 
     def eof(self) -> bool:
         """The upstream closed: whether that ends the body (it does when the close delimits it);
@@ -129,10 +153,10 @@ class BodyRelay:
         self.output.flush()
         return True
 
-    def _chunks(self, data: bytes, parts: list[bytes]) -> int:
-        """Track chunked framing through ``data``, appending what goes to the client to ``parts``;
-        return where the body ended in ``data`` (``len(data)`` while it goes on)."""
-        n = len(data)
+    def _chunks(self, buf: bytes, n: int, data: bytes | None, parts: list[bytes]) -> int:
+        """Track chunked framing through the ``n`` bytes at ``buf`` (``data``: as for
+        :meth:`feed_from`), appending what goes to the client to ``parts``; return where the body
+        ended (``n`` while it goes on)."""
         state = self.state
         left = self.left
         digits = self.digits
@@ -140,26 +164,42 @@ class BodyRelay:
         pos = 0
         # Start of the run of bytes passed through as they are (-1: in a part that is dropped).
         seg = -1 if state == _EXT or state == _TRAILER or state == _TRAILER_LINE or state == _TRAILER_LF else 0
-        out: list[bytes] = []
+        out: list[bytes] | None = None  # pieces to pass on, other than the whole read (made when needed)
         while pos < n:
-            c = data[pos]
+            c = buf[pos]
             if state == _DATA:
                 take = n - pos
                 if take > left:
                     take = left
                 if not through:
-                    out.append(data[pos : pos + take])
+                    if out is None:
+                        out = []
+                    out.append(buf[pos : pos + take])
                 pos += take
                 left -= take
                 if left == 0:
-                    state = _DATA_CR
+                    if pos + 1 < n and buf[pos] == _CR and buf[pos + 1] == _LF:  # (the usual: both here)
+                        state = _SIZE
+                        digits = 0
+                        pos += 2
+                    else:
+                        state = _DATA_CR
             elif state == _SIZE:
-                if 48 <= c <= 57 or 65 <= c <= 70 or 97 <= c <= 102:  # HEXDIG
-                    if digits == _MAX_DIGITS:
-                        raise ParseError("chunk size too large")
-                    left = left * 16 + (c - 48 if c <= 57 else (c | 32) - 87)
-                    digits += 1
-                    pos += 1
+                if 48 <= c <= 57 or 65 <= c <= 70 or 97 <= c <= 102:  # HEXDIG: all of them that are here
+                    while True:
+                        if digits == _MAX_DIGITS:
+                            raise ParseError("chunk size too large")
+                        left = left * 16 + (c - 48 if c <= 57 else (c | 32) - 87)
+                        digits += 1
+                        pos += 1
+                        if pos == n:
+                            break
+                        c = buf[pos]
+                        if not (48 <= c <= 57 or 65 <= c <= 70 or 97 <= c <= 102):
+                            break
+                    if left and c == _CR and pos + 1 < n and buf[pos + 1] == _LF:  # (the usual: data follows)
+                        state = _DATA
+                        pos += 2
                 elif digits == 0:
                     raise ParseError("invalid character in chunk size")
                 elif c == _CR:
@@ -167,7 +207,9 @@ class BodyRelay:
                     pos += 1
                 elif c == 59 or c == 32 or c == _HTAB:  # ';' or whitespace: extensions, dropped
                     if through and pos > seg >= 0:
-                        out.append(data[seg:pos])
+                        if out is None:
+                            out = []
+                        out.append(buf[seg:pos])
                     seg = -1
                     state = _EXT
                     pos += 1
@@ -193,7 +235,9 @@ class BodyRelay:
                 else:  # the last chunk: its line goes through, trailer fields do not
                     state = _TRAILER
                     if through and seg >= 0:
-                        out.append(data[seg:pos])
+                        if out is None:
+                            out = []
+                        out.append(buf[seg:pos])
                     seg = -1
             elif state == _EXT:
                 if c == _CR:
@@ -234,11 +278,11 @@ class BodyRelay:
         self.digits = digits
         if state == _DONE:
             self.done = True
-        if through:
-            if seg == 0 and pos == n and not out:
-                parts.append(data)  # the usual read: whole events, passed through as they came
-                return n
-            if 0 <= seg < pos:
-                out.append(data[seg:pos])
-        parts += out
+        if through and seg == 0 and pos == n and out is None:
+            self._whole(buf, n, data)  # the usual read: whole events, passed through as they came
+            return n
+        if out is not None:
+            parts += out
+        if through and 0 <= seg < pos:
+            parts.append(buf[seg:pos])
         return pos

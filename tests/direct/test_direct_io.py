@@ -7,12 +7,13 @@ holding with a client that does not read."""
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import pytest
 
 from sidecar.engine.direct import ENROLL_AFTER, DirectReads
-from tests.engine import Handler, RawMessage, closed_soon, echo, read_response
+from tests.engine import CUT_DATA, CUT_STREAM, CUT_THROUGH, Handler, RawMessage, closed_soon, echo, read_response
 
 pytestmark = [
     pytest.mark.skipif(DirectReads is None, reason="direct socket I/O is compiled only"),
@@ -219,3 +220,55 @@ async def test_a_client_that_does_not_read_gets_backpressure_then_every_byte(
             got += data
     writer.close()
     assert got == chunk * count + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+async def test_chunked_framing_cut_anywhere_after_enrolment_is_relayed_exactly(
+    raw_upstream: Any, start_sidecar: Any, version: str, seed: int
+) -> None:
+    """The framing is tracked in the epoll set's own buffer: sizes, CRLFs, extensions and
+    trailers split across reads arrive as through the transport (passed through to an HTTP/1.1
+    client less extensions and trailers, dechunked for an HTTP/1.0 one)."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(CUT_STREAM)), 12)) if seed else list(range(1, len(CUT_STREAM)))
+    tail = [CUT_STREAM[a:b] for a, b in zip([0, *cuts], [*cuts, len(CUT_STREAM)])]
+    events = [event(i) for i in range(ENROLL_AFTER + 1)]
+    up = await raw_upstream({"/s": paced([SSE_HEAD, *events, *tail], pause=0.005)})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(sc.engine.port))
+    writer.write(b"GET /s HTTP/%s\r\nHost: x\r\n\r\n" % version.encode())
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/%s 200 OK\r\n" % version.encode())
+    got = bytearray()
+    async with asyncio.timeout(10):
+        if version == "1.1":
+            while not got.endswith(b"00\r\n\r\n"):
+                chunk = await reader.read(65536)
+                assert chunk, bytes(got)
+                got += chunk
+        else:  # close-delimited
+            while chunk := await reader.read(65536):
+                got += chunk
+    writer.close()
+    if version == "1.1":
+        assert bytes(got) == b"".join(events) + CUT_THROUGH
+    else:
+        assert bytes(got) == b"".join(e.split(b"\r\n", 1)[1][:-2] for e in events) + CUT_DATA
+    assert sc.engine.direct.enrolled == 1 and sc.engine.direct.reads >= 1
+
+
+async def test_a_long_content_length_body_is_read_directly_byte_exact(raw_upstream: Any, start_sidecar: Any) -> None:
+    parts = [bytes([i]) * (i * 37 % 500 + 1) for i in range(3 * ENROLL_AFTER)]
+    body = b"".join(parts)
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
+    up = await raw_upstream({"/s": paced([head, *parts], pause=0.005), "/after": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer, _ = await open_stream(sc, b"/s")
+    got = await asyncio.wait_for(reader.readexactly(len(body)), 10)
+    assert got == body
+    assert sc.engine.direct.enrolled == 1 and sc.engine.direct.reads >= 1
+    writer.write(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await asyncio.wait_for(read_response(reader), 5)).status == 200  # nothing after the body
+    writer.close()
+    assert up.connections == 1

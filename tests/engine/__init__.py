@@ -13,6 +13,20 @@ from dataclasses import dataclass, field
 
 import orjson
 
+# A chunked body with what a relay drops or must track across reads: sizes with leading zeros, an
+# extension, a last chunk with trailer fields; as passed through to an HTTP/1.1 client (less the
+# extension and the trailers) and as its data alone (for an HTTP/1.0 client).
+CUT_STREAM = (
+    b"4\r\nabcd\r\n"
+    + b'A;ext="q;\\""; e2\r\n'
+    + bytes(range(32, 42))
+    + b"\r\n"
+    + b"000b\r\nhello world\r\n"
+    + b"00;last\r\nTrailer-A: 1\r\nTrailer-B: 2\r\n\r\n"
+)
+CUT_THROUGH = b"4\r\nabcd\r\n" + b"A\r\n" + bytes(range(32, 42)) + b"\r\n" + b"000b\r\nhello world\r\n" + b"00\r\n\r\n"
+CUT_DATA = b"abcd" + bytes(range(32, 42)) + b"hello world"
+
 
 @dataclass
 class RawMessage:

@@ -16,7 +16,7 @@ import pytest
 
 from sidecar.engine.parse_errors import ParseError
 from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW, LENGTH, BodyRelay, ClientOutput
-from tests.engine import Handler, RawMessage, echo, read_response
+from tests.engine import CUT_DATA, CUT_STREAM, CUT_THROUGH, Handler, RawMessage, echo, read_response
 
 FAST = pytest.mark.parametrize("engine", ["fast"])
 
@@ -245,24 +245,14 @@ def feed_all(r: BodyRelay, reads: list[bytes]) -> int:
     return used
 
 
-STREAM = (
-    b"4\r\nabcd\r\n"
-    + b'A;ext="q;\\""; e2\r\n'
-    + bytes(range(32, 42))
-    + b"\r\n"
-    + b"000b\r\nhello world\r\n"
-    + b"00;last\r\nTrailer-A: 1\r\nTrailer-B: 2\r\n\r\n"
-)
-THROUGH = b"4\r\nabcd\r\n" + b"A\r\n" + bytes(range(32, 42)) + b"\r\n" + b"000b\r\nhello world\r\n" + b"00\r\n\r\n"
-DATA = b"abcd" + bytes(range(32, 42)) + b"hello world"
-
-
 @pytest.mark.parametrize("seed", range(40))
 def test_relay_output_is_the_same_however_the_stream_is_cut(seed: int) -> None:
     rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, len(STREAM)), rng.randint(0, 12))) if seed else list(range(1, len(STREAM)))
-    reads = [STREAM[a:b] for a, b in zip([0, *cuts], [*cuts, len(STREAM)])]
-    for mode, expected in ((CHUNKED, THROUGH), (DECHUNK, DATA)):
+    cuts = (
+        sorted(rng.sample(range(1, len(CUT_STREAM)), rng.randint(0, 12))) if seed else list(range(1, len(CUT_STREAM)))
+    )
+    reads = [CUT_STREAM[a:b] for a, b in zip([0, *cuts], [*cuts, len(CUT_STREAM)])]
+    for mode, expected in ((CHUNKED, CUT_THROUGH), (DECHUNK, CUT_DATA)):
         r, sink = relay(mode)
         used = feed_all(r, [*reads[:-1], reads[-1] + b"GARBAGE"])
         assert r.done and used == len(reads[-1])  # what follows the body is not the body

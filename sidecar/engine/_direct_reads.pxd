@@ -1,0 +1,23 @@
+# Declarations of _direct_reads.pyx (compiled build only), for the modules that call it at C level.
+from sidecar.engine.idle_poll cimport IdlePoller
+from sidecar.engine.relay cimport BodyRelay
+
+cdef class Enrolled:
+    cdef int fd
+    cdef object conn
+    cdef BodyRelay relay
+    cdef bint gone
+
+cdef class DirectReads:
+    cdef int epfd
+    cdef object loop
+    cdef IdlePoller poller
+    cdef dict conns
+    cdef list left
+    cdef bint busy
+    cdef unsigned long long serial
+    cdef unsigned char *buf
+    cdef public unsigned long long enrolled, reads
+    cpdef unsigned long long enroll(self, object conn, int fd, object relay) except? 0
+    cpdef leave(self, unsigned long long key, int fd)
+    cdef _read_ready(self)

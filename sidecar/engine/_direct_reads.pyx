@@ -1,0 +1,184 @@
+# cython: language_level=3
+"""Response bodies read without the event loop's transport machinery (compiled build only;
+:mod:`sidecar.engine.direct` says when it is used).
+
+:class:`DirectReads` reads the response bodies of enrolled upstream connections from an epoll
+set of its own, registered with the loop as one reader: one loop callback per wakeup, however
+many streams have bytes, and per read one ``recv`` into a buffer of its own, fed to the
+response's :class:`~sidecar.engine.relay.BodyRelay` from there (a read that passes through
+whole goes to the client's socket without becoming a Python object). The connection is called
+only when the body ends (``body_end``) or its framing is invalid (``invalid_body``), as its own
+reads would call them. Anything but bytes (the peer's close, an error) hands the connection
+back with ``direct_stop()``: its transport reads again and meets the close or error itself. An
+enrolled connection's transport has reading paused, so the two never read the same socket.
+"""
+
+from libc.errno cimport EAGAIN, EINTR, errno
+from libc.stdlib cimport free, malloc
+from posix.unistd cimport close
+
+from sidecar.engine.relay cimport BodyRelay
+
+from sidecar.engine.parse_errors import ParseError
+
+
+cdef extern from "<sys/epoll.h>" nogil:
+    ctypedef union epoll_data_t:
+        void *ptr
+        int fd
+        unsigned int u32
+        unsigned long long u64
+    struct epoll_event:
+        unsigned int events
+        epoll_data_t data
+    int epoll_create1(int flags)
+    int epoll_ctl(int epfd, int op, int fd, epoll_event *event)
+    int epoll_wait(int epfd, epoll_event *events, int maxevents, int timeout)
+    enum:
+        EPOLL_CTL_ADD
+        EPOLL_CTL_DEL
+        EPOLLIN
+        EPOLLRDHUP
+        EPOLL_CLOEXEC
+
+cdef extern from "<sys/socket.h>" nogil:
+    ssize_t recv(int fd, void *buf, size_t n, int flags)
+    enum:
+        MSG_DONTWAIT
+
+cdef enum:
+    # Bytes per read (the loop's own transports read up to 256 KiB).
+    READ_SIZE = 262144
+    # Events taken per wakeup (more stay ready: the epoll set is level-triggered, so the loop
+    # wakes again at once).
+    BATCH = 64
+
+
+cdef class Enrolled:
+    """One enrolled connection: what a read needs, found from the epoll event itself (``gone``:
+    it left, and events already taken for it are skipped)."""
+
+
+cdef class DirectReads:
+    """The epoll set of enrolled upstream connections (see the module docstring).
+
+    Each epoll event carries its :class:`Enrolled` entry's address; ``conns`` holds the entries
+    (by key, to leave with), and ``left`` those that left while a batch of events was being
+    handled, until it ends: an entry stays alive while an event may still name it."""
+
+    def __cinit__(self):
+        self.epfd = -1
+        self.buf = NULL
+
+    def __init__(self, loop, IdlePoller poller):
+        self.poller = poller  # told of every read, as the transports' reads tell it
+        self.conns = {}
+        self.left = []
+        self.busy = False
+        self.serial = 0
+        self.enrolled = 0
+        self.reads = 0
+        self.buf = <unsigned char *>malloc(READ_SIZE)
+        if self.buf == NULL:
+            raise MemoryError()
+        self.epfd = epoll_create1(EPOLL_CLOEXEC)
+        if self.epfd < 0:
+            raise OSError(errno, "epoll_create1 failed")
+        self.loop = loop
+        loop.add_reader(self.epfd, self._ready)
+
+    def __dealloc__(self):
+        if self.epfd >= 0:
+            close(self.epfd)
+        free(self.buf)
+
+    def close(self):
+        """Stop reading (the engine is closing; its connections are aborted)."""
+        cdef Enrolled entry
+        if self.epfd >= 0:
+            self.loop.remove_reader(self.epfd)
+            close(self.epfd)
+            self.epfd = -1
+        for entry in self.conns.values():
+            entry.gone = True
+        if self.busy:
+            self.left.extend(self.conns.values())
+        self.conns.clear()
+
+    cpdef unsigned long long enroll(self, object conn, int fd, object relay) except? 0:
+        """Read ``conn``'s socket ``fd`` here from now on, into its response's ``relay``: the
+        key to leave with, or 0 if it could not be added (the transport keeps reading it then)."""
+        cdef epoll_event ev
+        cdef Enrolled entry
+        if self.epfd < 0:
+            return 0
+        entry = Enrolled.__new__(Enrolled)
+        entry.fd = fd
+        entry.conn = conn
+        entry.relay = relay
+        ev.events = EPOLLIN | EPOLLRDHUP
+        ev.data.ptr = <void *>entry
+        if epoll_ctl(self.epfd, EPOLL_CTL_ADD, fd, &ev) < 0:
+            return 0
+        self.serial += 1
+        self.conns[self.serial] = entry
+        self.enrolled += 1
+        return self.serial
+
+    cpdef leave(self, unsigned long long key, int fd):
+        """Stop reading the connection enrolled under ``key``: its socket ``fd`` leaves the set
+        (-1: the socket is closed or about to be, which takes it out of the set; its descriptor
+        may already name another socket, which must stay in)."""
+        cdef Enrolled entry
+        found = self.conns.pop(key, None)
+        if found is None:
+            return
+        entry = found
+        entry.gone = True
+        if self.busy:
+            self.left.append(entry)
+        if self.epfd >= 0 and fd >= 0:
+            epoll_ctl(self.epfd, EPOLL_CTL_DEL, fd, NULL)
+
+    def _ready(self):
+        if self.epfd < 0:
+            return
+        self.busy = True
+        try:
+            self._read_ready()
+        finally:
+            self.busy = False
+            if self.left:
+                self.left.clear()
+
+    cdef _read_ready(self):
+        cdef epoll_event events[BATCH]
+        cdef int n, i
+        cdef Py_ssize_t got, used
+        cdef Enrolled entry
+        cdef BodyRelay relay
+        n = epoll_wait(self.epfd, events, BATCH, 0)
+        for i in range(n):
+            entry = <Enrolled>events[i].data.ptr
+            if entry.gone:  # left since the wait (an earlier connection's bytes ended it)
+                continue
+            got = recv(entry.fd, self.buf, READ_SIZE, MSG_DONTWAIT)
+            if got > 0:
+                self.reads += 1
+                self.poller.note()
+                relay = entry.relay
+                try:
+                    used = relay.feed_from(self.buf, got, None)
+                except ParseError as exc:
+                    entry.conn.invalid_body(exc)
+                    continue
+                except Exception as exc:  # a defect: it costs this response, as with a transport's read
+                    self.loop.call_exception_handler(
+                        {"message": "upstream data_received failed", "exception": exc, "protocol": entry.conn}
+                    )
+                    entry.conn._fail(f"response not relayed: {exc!r}")
+                    continue
+                if relay.done:
+                    entry.conn.body_end(used < got)
+            elif got == 0 or (errno != EAGAIN and errno != EINTR):  # (EWOULDBLOCK is EAGAIN on Linux)
+                entry.conn.direct_stop()  # the close or the error is the transport's to meet

@@ -1,0 +1,59 @@
+# cython: language_level=3
+"""A connection's socket written without the event loop's transport machinery (compiled build
+only; :mod:`sidecar.engine.direct` says when it is used).
+
+:class:`DirectSocket` writes with one ``send`` when its transport has nothing buffered: all of
+the bytes sent, done; the rest, or all of them after EAGAIN or an error, go to
+``transport.write``, which buffers them or meets the error itself and reports it as it always
+does. It never writes once the transport is closing: the descriptor is the transport's, and is
+only known to be this connection's while the transport is open. It is the transport's only
+writer, so it knows when the transport may hold bytes (after it handed it some) and asks the
+transport's buffer size only then.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+
+
+cdef extern from "<sys/socket.h>" nogil:
+    ssize_t send(int fd, const void *buf, size_t n, int flags)
+    enum:
+        MSG_DONTWAIT
+        MSG_NOSIGNAL
+
+
+cdef class DirectSocket:
+    """A connection's socket, written directly while its transport has nothing buffered (see the
+    module docstring: it must be the transport's only writer)."""
+
+    def __init__(self, transport):
+        self.transport = transport
+        self.is_closing = transport.is_closing  # (bound once: it is asked on every write)
+        self.fd = transport.get_extra_info("socket").fileno()
+        self.queued = False
+
+    cpdef write(self, bytes data):
+        """Write all of ``data``: now, as far as the socket takes it; the rest through the transport."""
+        self._send(<const unsigned char *>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), data)
+
+    cdef int send_buffer(self, const unsigned char *buf, Py_ssize_t n) except -1:
+        """Write ``buf[:n]`` as :meth:`write` does: a bytes object is made only for what the
+        socket does not take at once."""
+        return self._send(buf, n, None)
+
+    cdef int _send(self, const unsigned char *buf, Py_ssize_t n, object data) except -1:
+        cdef Py_ssize_t sent = 0
+        transport = self.transport
+        if self.queued:  # bytes went to the transport: they leave first
+            if transport.get_write_buffer_size():
+                transport.write(buf[:n] if data is None else data)
+                return 0
+            self.queued = False
+        if not self.is_closing():
+            sent = send(self.fd, buf, n, MSG_DONTWAIT | MSG_NOSIGNAL)
+            if sent == n:
+                return 0
+            if sent < 0:  # EAGAIN, or an error the transport will meet and report
+                sent = 0
+        self.queued = True
+        transport.write(data if sent == 0 and data is not None else buf[sent:n])
+        return 0
