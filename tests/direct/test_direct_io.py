@@ -234,7 +234,7 @@ async def test_chunked_framing_cut_anywhere_after_enrolment_is_relayed_exactly(
     cuts = sorted(rng.sample(range(1, len(CUT_STREAM)), 12)) if seed else list(range(1, len(CUT_STREAM)))
     tail = [CUT_STREAM[a:b] for a, b in zip([0, *cuts], [*cuts, len(CUT_STREAM)])]
     events = [event(i) for i in range(ENROLL_AFTER + 1)]
-    up = await raw_upstream({"/s": paced([SSE_HEAD, *events, *tail], pause=0.005)})
+    up = await raw_upstream({"/s": paced([SSE_HEAD, *events, *tail])})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
     reader, writer = await asyncio.open_connection("127.0.0.1", int(sc.engine.port))
     writer.write(b"GET /s HTTP/%s\r\nHost: x\r\n\r\n" % version.encode())
@@ -262,7 +262,7 @@ async def test_a_long_content_length_body_is_read_directly_byte_exact(raw_upstre
     parts = [bytes([i]) * (i * 37 % 500 + 1) for i in range(3 * ENROLL_AFTER)]
     body = b"".join(parts)
     head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
-    up = await raw_upstream({"/s": paced([head, *parts], pause=0.005), "/after": echo()})
+    up = await raw_upstream({"/s": paced([head, *parts]), "/after": echo()})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
     reader, writer, _ = await open_stream(sc, b"/s")
     got = await asyncio.wait_for(reader.readexactly(len(body)), 10)
