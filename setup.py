@@ -2,14 +2,14 @@
 
 The modules in ``COMPILED`` (those with a ``.pxd`` file) are plain Python that also compiles with
 Cython: the ``.pxd`` file beside each one declares its classes as extension types with typed
-fields, which makes the per-request attribute traffic C struct accesses. Three modules are
+fields, which makes the per-request attribute traffic C struct accesses. Four modules are
 compiled only: ``sidecar/engine/llhttp_parser.pyx``, the request parser over the vendored llhttp
 (``vendor/llhttp``), ``sidecar/_jsonscan.pyx``, the JSON scanner in C, and
 ``sidecar/engine/_direct_socket.pyx`` and ``_direct_reads.pyx``, the streamed bodies' direct
-socket I/O. When Cython or a C
-compiler is missing (or ``SIDECAR_PURE_PYTHON=1``), the same modules install and run as pure
-Python, requests are parsed with httptools (:mod:`sidecar.engine.parsers`) and JSON is scanned
-by :mod:`sidecar.jsonscan`.
+socket I/O. When Cython or a C compiler is missing (or ``SIDECAR_PURE_PYTHON=1``), the same
+modules install and run as pure Python, requests are parsed with httptools
+(:mod:`sidecar.engine.parsers`) and JSON is scanned by :mod:`sidecar.jsonscan` (and streamed
+bodies go through the transports).
 
 ``SIDECAR_REQUIRE_COMPILED=1`` (the container image sets it) turns that fallback into an error:
 a missing Cython or a failed compile fails the build instead of quietly installing the pure-Python
