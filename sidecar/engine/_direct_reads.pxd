@@ -12,12 +12,11 @@ cdef class DirectReads:
     cdef int epfd
     cdef object loop
     cdef IdlePoller poller
-    cdef dict conns
+    cdef set live
     cdef list left
     cdef bint busy
-    cdef unsigned long long serial
     cdef unsigned char *buf
     cdef public unsigned long long enrolled, reads
-    cpdef unsigned long long enroll(self, object conn, int fd, object relay) except? 0
-    cpdef leave(self, unsigned long long key, int fd)
+    cpdef Enrolled enroll(self, object conn, int fd, object relay)
+    cpdef leave(self, Enrolled entry, int fd)
     cdef _read_ready(self)

@@ -62,9 +62,9 @@ cdef class Enrolled:
 cdef class DirectReads:
     """The epoll set of enrolled upstream connections (see the module docstring).
 
-    Each epoll event carries its :class:`Enrolled` entry's address; ``conns`` holds the entries
-    (by key, to leave with), and ``left`` those that left while a batch of events was being
-    handled, until it ends: an entry stays alive while an event may still name it."""
+    Each epoll event carries its :class:`Enrolled` entry's address; ``live`` holds the entries
+    (the connection keeps its own, to leave with), and ``left`` those that left while a batch of
+    events was being handled, until it ends: an entry stays alive while an event may still name it."""
 
     def __cinit__(self):
         self.epfd = -1
@@ -72,10 +72,9 @@ cdef class DirectReads:
 
     def __init__(self, loop, IdlePoller poller):
         self.poller = poller  # told of every read, as the transports' reads tell it
-        self.conns = {}
+        self.live = set()
         self.left = []
         self.busy = False
-        self.serial = 0
         self.enrolled = 0
         self.reads = 0
         self.buf = <unsigned char *>malloc(READ_SIZE)
@@ -99,19 +98,19 @@ cdef class DirectReads:
             self.loop.remove_reader(self.epfd)
             close(self.epfd)
             self.epfd = -1
-        for entry in self.conns.values():
+        for entry in self.live:
             entry.gone = True
         if self.busy:
-            self.left.extend(self.conns.values())
-        self.conns.clear()
+            self.left.extend(self.live)
+        self.live.clear()
 
-    cpdef unsigned long long enroll(self, object conn, int fd, object relay) except? 0:
+    cpdef Enrolled enroll(self, object conn, int fd, object relay):
         """Read ``conn``'s socket ``fd`` here from now on, into its response's ``relay``: the
-        key to leave with, or 0 if it could not be added (the transport keeps reading it then)."""
+        entry to leave with, or None if it could not be added (the transport keeps reading it then)."""
         cdef epoll_event ev
         cdef Enrolled entry
         if self.epfd < 0:
-            return 0
+            return None
         entry = Enrolled.__new__(Enrolled)
         entry.fd = fd
         entry.conn = conn
@@ -119,22 +118,19 @@ cdef class DirectReads:
         ev.events = EPOLLIN | EPOLLRDHUP
         ev.data.ptr = <void *>entry
         if epoll_ctl(self.epfd, EPOLL_CTL_ADD, fd, &ev) < 0:
-            return 0
-        self.serial += 1
-        self.conns[self.serial] = entry
+            return None
+        self.live.add(entry)
         self.enrolled += 1
-        return self.serial
+        return entry
 
-    cpdef leave(self, unsigned long long key, int fd):
-        """Stop reading the connection enrolled under ``key``: its socket ``fd`` leaves the set
+    cpdef leave(self, Enrolled entry, int fd):
+        """Stop reading the connection enrolled as ``entry``: its socket ``fd`` leaves the set
         (-1: the socket is closed or about to be, which takes it out of the set; its descriptor
         may already name another socket, which must stay in)."""
-        cdef Enrolled entry
-        found = self.conns.pop(key, None)
-        if found is None:
+        if entry.gone:
             return
-        entry = found
         entry.gone = True
+        self.live.discard(entry)
         if self.busy:
             self.left.append(entry)
         if self.epfd >= 0 and fd >= 0:

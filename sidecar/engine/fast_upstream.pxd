@@ -19,7 +19,7 @@ cdef class UpstreamConnection:
     cdef public bint lost, counted, head_done, keep_alive, reusable, sent_all, write_paused, fresh
     cdef public double idle_since
     cdef public BodyRelay relay
-    cdef public unsigned long long direct
+    cdef public object direct
     cdef public DirectSocket sock
     @cython.locals(relay=BodyRelay)
     cpdef data_received(self, bytes data)

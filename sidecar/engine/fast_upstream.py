@@ -147,7 +147,7 @@ class UpstreamConnection:
         self.write_paused = False
         self.idle_since = 0.0
         self.fresh = True  # no response completed on it yet
-        self.direct = 0  # enrolled in the pool's DirectReads under this key (0: not)
+        self.direct: object = None  # its entry in the pool's DirectReads while enrolled
         # Its socket (sidecar.engine.direct.DirectSocket) where the pool has DirectReads and the
         # upstream is plain TCP: requests are written through it and long bodies may be read directly.
         self.sock: Writer | None = None
@@ -181,7 +181,7 @@ class UpstreamConnection:
         self.lost = True
         if self.direct:  # (never, unless a close bypassed _unbind: the socket leaves the set as it closes)
             self.pool.direct.leave(self.direct, -1)
-            self.direct = 0
+            self.direct = None
         self.pool.discard(self)
         ex = self.ex
         if ex is None:
@@ -256,10 +256,10 @@ class UpstreamConnection:
     def direct_stop(self) -> None:
         """Leave the pool's DirectReads: the transport reads the socket again (unless paused
         for another reason)."""
-        key = self.direct
-        if key:
-            self.direct = 0
-            self.pool.direct.leave(key, self.sock.fd)  # type: ignore[union-attr]  # (enrolled: it has one)
+        entry = self.direct
+        if entry is not None:
+            self.direct = None
+            self.pool.direct.leave(entry, self.sock.fd)  # type: ignore[union-attr]  # (enrolled: it has one)
             self.flow.resume(DIRECT)
 
     def abort(self) -> None:
@@ -355,9 +355,9 @@ class UpstreamConnection:
             self.body_end(used < len(data))
         elif self.sock is not None and relay.reads == _ENROLL_AFTER and self.sent_all and not self.flow.reasons:
             # A long body (a token stream, most likely): read it without the transport.
-            key = self.pool.direct.enroll(self, self.sock.fd, relay)
-            if key:
-                self.direct = key
+            entry = self.pool.direct.enroll(self, self.sock.fd, relay)
+            if entry is not None:
+                self.direct = entry
                 self.flow.pause(DIRECT)
 
     def body_end(self, extra: bool) -> None:

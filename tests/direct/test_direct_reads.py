@@ -34,7 +34,7 @@ class LeavingConnection:
         self.direct, self.fd = direct, fd
         self.sink = RecordingTransport()
         self.relay = BodyRelay(ClientOutput(self.sink), LENGTH, length, 0)
-        self.key = 0
+        self.key: Any = None  # its DirectReads entry
         self.other: LeavingConnection | None = None
         self.ended = 0
 
@@ -63,7 +63,7 @@ async def test_a_connection_that_leaves_while_its_event_waits_in_the_batch_is_no
             ours.setblocking(False)
             conn = LeavingConnection(direct, ours.fileno(), 5)
             conn.key = direct.enroll(conn, ours.fileno(), conn.relay)
-            assert conn.key
+            assert conn.key is not None
             conns.append(conn)
         conns[0].other, conns[1].other = conns[1], conns[0]
         for _, theirs in pairs:
