@@ -16,7 +16,7 @@ cdef class UpstreamConnection:
     cdef public ReadFlow flow
     cdef public list pieces
     cdef public Py_ssize_t raw_at, scan_at, fed
-    cdef public bint lost, counted, head_done, keep_alive, reusable, sent_all, write_paused, fresh
+    cdef public bint lost, counted, keep_alive, reusable, sent_all, write_paused, fresh
     cdef public double idle_since
     cdef public BodyRelay relay
     cdef public object direct

@@ -112,7 +112,6 @@ class UpstreamConnection:
         "raw_at",
         "scan_at",
         "fed",
-        "head_done",
         "relay",
         "keep_alive",
         "reusable",
@@ -127,7 +126,7 @@ class UpstreamConnection:
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
-        self.parser: ResponseParser | None = None  # the response head's parser (a new one per response)
+        self.parser = ResponseParser()  # the response heads' parser, for the connection's life
         self.ex: Exchange | None = None
         self.lost = False
         self.counted = True  # counts towards the pool's bound until lost or dropped
@@ -139,7 +138,6 @@ class UpstreamConnection:
         self.raw_at = 0
         self.scan_at = 0
         self.fed = 0
-        self.head_done = False  # the parser completed a head in the bytes just fed
         self.relay: BodyRelay | None = None  # while a response body is relayed
         self.keep_alive = True
         self.reusable = True
@@ -296,29 +294,23 @@ class UpstreamConnection:
                     pieces[:] = [raw]
                 return
             stop = k + 4
-            parser = self.parser
-            if parser is None:
-                self.parser = parser = ResponseParser(self)
-            self.head_done = False
             try:
-                parser.feed_data(raw[self.fed : stop] if self.fed or stop < len(raw) else raw)
+                status = self.parser.feed_head(raw[self.fed : stop] if self.fed or stop < len(raw) else raw)
             except ParseError as exc:
                 self._fail(f"invalid response: {exc}")
                 return
             self.fed = self.scan_at = stop
-            if not self.head_done:  # empty lines before the status line
+            if status == 0:  # empty lines before the status line
                 continue
             start, first, end = locate(raw, self.raw_at)
             if end + 2 - start > max_head:  # complete, but over the cap: never relayed
                 self._fail(f"response head larger than {max_head} bytes")
                 return
-            status = parser.get_status_code()
             if status < 200:  # 1xx interim responses are not relayed (we never send Expect upstream)
                 self.raw_at = stop
                 continue
             break
-        self.keep_alive = parser.should_keep_alive()
-        self.parser = None  # it would take the body for the next head: the next response gets a new one
+        self.keep_alive = self.parser.keep_alive
         pieces.clear()
         self.raw_at = self.scan_at = self.fed = 0
         ex = self.ex
@@ -388,20 +380,6 @@ class UpstreamConnection:
         self.pool.drop(self)
         if ex is not None:
             ex.upstream_failed(message)
-
-    # -- parser callbacks (sidecar.engine.parsers) -------------------------------------------
-
-    # The parser sees only heads: no callback per header (the head is read from its raw bytes,
-    # sidecar.engine.head), and no body.
-
-    def on_headers_complete(self) -> None:
-        self.head_done = True
-
-    def on_body(self, body: bytes) -> None:
-        pass
-
-    def on_message_complete(self) -> None:
-        pass
 
 
 class UpstreamPool:

@@ -7,8 +7,9 @@ For requests, the callbacks only note where things are: where the head in progre
 handed to the owner as the bytes it arrived in, with :func:`sidecar.engine.head.locate`'s
 offsets: no copy when it arrived in one read (the usual case; ``raw`` is then that read), one
 join of its reads otherwise. So a request costs the owner three Python calls (head, body, end)
-whatever its header count. Responses take the same three calls; their owner keeps the bytes.
-One llhttp serves both directions, so the engine runs one copy of its code.
+whatever its header count. Responses are parsed head by head, with no Python call back: the
+engine relays their bodies itself, so after each head llhttp is told there is no body and goes on
+to the next head. One llhttp serves both directions, so the engine runs one copy of its code.
 
 Request bodies with a Transfer-Encoding are decoded here, not by llhttp (:class:`_Chunked`): llhttp
 refuses the whitespace RFC 9112 7.1.1 allows around ``;`` and ``=`` in chunk extensions and around
@@ -101,19 +102,16 @@ cdef list _METHODS = [None] * 256
 
 
 cdef class _Llhttp:
-    """What both directions share: the parser, the body and end callbacks, error reporting."""
+    """What both directions share: the parser, error reporting."""
 
     cdef llhttp_t p
-    cdef object on_body, on_complete
     cdef object error  # what a callback raised, re-raised once llhttp returns
     cdef bytes data  # the read being parsed (during feed_data)
     cdef const char* buf  # its bytes
     cdef bint own_body  # the message's body is decoded by this module: pause llhttp at its end
     cdef Py_ssize_t paused_at  # where llhttp paused in the last _execute's data
 
-    cdef int _init(self, owner, llhttp_type_t kind, llhttp_settings_t* settings) except -1:
-        self.on_body = owner.on_body
-        self.on_complete = owner.on_message_complete
+    cdef int _init(self, llhttp_type_t kind, llhttp_settings_t* settings) except -1:
         llhttp_init(&self.p, kind, settings)
         self.p.data = <void*>self
         return 0
@@ -148,7 +146,7 @@ cdef class _Llhttp:
 cdef class LlhttpParser(_Llhttp):
     """Requests (see :mod:`sidecar.engine.parsers`)."""
 
-    cdef object on_head
+    cdef object on_head, on_body, on_complete
     cdef Py_ssize_t max_head
     cdef list pieces  # earlier reads holding the head in progress, from its first byte
     cdef Py_ssize_t held  # their size
@@ -159,8 +157,10 @@ cdef class LlhttpParser(_Llhttp):
     cdef _Chunked chunks  # the body being decoded here (own_body), else None
 
     def __init__(self, owner, Py_ssize_t max_head):
-        self._init(owner, HTTP_REQUEST, &_REQUEST_SETTINGS)
+        self._init(HTTP_REQUEST, &_REQUEST_SETTINGS)
         self.on_head = owner.on_head
+        self.on_body = owner.on_body
+        self.on_complete = owner.on_message_complete
         self.max_head = max_head
         self.pieces = []
         self.target = b""
@@ -344,27 +344,25 @@ cdef class _Chunked:
 
 
 cdef class LlhttpResponseParser(_Llhttp):
-    """Responses (see :mod:`sidecar.engine.parsers`)."""
+    """Response heads (see :mod:`sidecar.engine.parsers`)."""
 
-    cdef object on_headers
+    cdef int status  # of the head completed in the bytes being fed (0: none yet)
+    cdef readonly bint keep_alive
 
-    def __init__(self, owner):
-        self._init(owner, HTTP_RESPONSE, &_RESPONSE_SETTINGS)
-        self.on_headers = owner.on_headers_complete
+    def __init__(self):
+        self._init(HTTP_RESPONSE, &_RESPONSE_SETTINGS)
 
     cdef int head(self) except -1:
-        self.on_headers()
-        return 0
+        self.status = self.p.status_code
+        # Read now: once llhttp completes a message it clears the header flags this depends on.
+        self.keep_alive = llhttp_should_keep_alive(&self.p) != 0
+        return 1  # no body here: llhttp goes on to the next head
 
-    def feed_data(self, data):
+    def feed_head(self, data):
+        self.status = 0
         if self._execute(data) == HPE_PAUSED_UPGRADE:
             raise ParseError("the response switches protocols")
-
-    def get_status_code(self):
-        return self.p.status_code
-
-    def should_keep_alive(self):
-        return llhttp_should_keep_alive(&self.p) != 0
+        return self.status
 
 
 cdef inline _Llhttp _parser(llhttp_t* p):
@@ -420,7 +418,7 @@ cdef int _on_headers_complete(llhttp_t* p) noexcept:
 
 
 cdef int _on_body(llhttp_t* p, const char* at, size_t length) noexcept:
-    cdef _Llhttp self = _parser(p)
+    cdef LlhttpParser self = <LlhttpParser>p.data
     try:
         self.on_body(PyBytes_FromStringAndSize(at, length))
     except BaseException as exc:
@@ -429,7 +427,7 @@ cdef int _on_body(llhttp_t* p, const char* at, size_t length) noexcept:
 
 
 cdef int _on_message_complete(llhttp_t* p) noexcept:
-    cdef _Llhttp self = _parser(p)
+    cdef LlhttpParser self = <LlhttpParser>p.data
     if self.own_body:  # only the head is complete: pause while this module decodes the body
         return HPE_PAUSED
     try:
@@ -451,5 +449,3 @@ _REQUEST_SETTINGS.on_message_complete = _on_message_complete
 
 llhttp_settings_init(&_RESPONSE_SETTINGS)
 _RESPONSE_SETTINGS.on_headers_complete = _on_headers_complete
-_RESPONSE_SETTINGS.on_body = _on_body
-_RESPONSE_SETTINGS.on_message_complete = _on_message_complete

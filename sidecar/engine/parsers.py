@@ -29,12 +29,16 @@ upgrade or CONNECT request (nothing after it is parsed); :class:`ParseError` for
 refuses; :class:`CallbackError` when an owner callback raised (its exception is the cause).
 After any of them the parser is unusable.
 
-**Responses.** ``ResponseParser(owner)`` (compiled: ``LlhttpResponseParser``; pure Python:
-:class:`HttptoolsResponseParser`) calls the owner's ``on_headers_complete()``, ``on_body(data)``
-and ``on_message_complete()`` and answers ``get_status_code()`` and ``should_keep_alive()``
-(llhttp's verdicts for the current response); the owner reads the head from the bytes it fed
-(:func:`sidecar.engine.head.locate`). :meth:`feed_data` raises :class:`ParseError` (a protocol
-switch included: the engine never asks for one) or :class:`CallbackError`.
+**Responses.** ``ResponseParser()`` (compiled: ``LlhttpResponseParser``; pure Python:
+:class:`HttptoolsResponseParser`) reads response heads only: the engine finds each head's end
+(its empty line) and relays the bodies itself. ``feed_head(data)`` parses the next bytes of the
+response stream, never past a head's empty line, and returns the status code of the head they
+complete (0 when they complete none: a head in pieces, or empty lines before a status line); the
+next bytes are the next head, of a 1xx interim response's successor or of the next response on a
+kept-alive connection. ``keep_alive`` is llhttp's verdict on the last completed head (HTTP
+version, ``Connection``, and whether its body runs until the close). ``feed_head`` raises
+:class:`ParseError` for bytes llhttp refuses and for a protocol switch (the engine never asks for
+one); the parser is then unusable.
 """
 
 from __future__ import annotations
@@ -145,24 +149,33 @@ class HttptoolsParser:
 
 
 class HttptoolsResponseParser:
-    """The pure-Python build's response parser: httptools, without per-header callbacks."""
+    """The pure-Python build's response head parser: httptools, a new one after each head (its
+    callback cannot tell llhttp that no body follows)."""
 
-    __slots__ = ("parser", "get_status_code", "should_keep_alive")
+    __slots__ = ("parser", "status", "keep_alive")
 
-    def __init__(self, owner: Any) -> None:
-        self.parser = parser = httptools.HttpResponseParser(owner)
-        self.get_status_code = parser.get_status_code
-        self.should_keep_alive = parser.should_keep_alive
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.keep_alive = False
 
-    def feed_data(self, data: bytes) -> None:
+    def feed_head(self, data: bytes) -> int:
+        self.status = 0
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:
-            raise CallbackError(str(exc)) from exc.__context__
-        except httptools.HttpParserError as exc:
-            raise ParseError(str(exc)) from None
         except httptools.HttpParserUpgrade:
             raise ParseError("the response switches protocols") from None
+        except httptools.HttpParserError as exc:
+            raise ParseError(str(exc)) from None
+        if self.status:
+            self.parser = httptools.HttpResponseParser(self)
+        return self.status
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        self.status = parser.get_status_code()
+        # Read now: once llhttp completes a message it clears the header flags this depends on.
+        self.keep_alive = parser.should_keep_alive()
 
 
 RequestParser: Any = HttptoolsParser

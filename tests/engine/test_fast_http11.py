@@ -53,6 +53,21 @@ async def connect(sc: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return await asyncio.open_connection("127.0.0.1", port(sc))
 
 
+async def then_after(sc: Any, target: str) -> tuple[RawMessage, RawMessage]:
+    """``GET target``, then ``GET /after`` on the same client connection: both responses (the
+    upstream's ``/after`` echoes)."""
+    reader, writer = await connect(sc)
+    try:
+        writer.write(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % target.encode())
+        first = await asyncio.wait_for(read_response(reader), 5)
+        writer.write(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+        after = await asyncio.wait_for(read_response(reader), 5)
+    finally:
+        writer.close()
+    assert orjson.loads(after.body)["target"] == "/after"
+    return first, after
+
+
 # -- keep-alive and pipelining ----------------------------------------------------------------
 
 
@@ -501,14 +516,8 @@ async def test_a_second_response_to_one_request_retires_the_connection(raw_upstr
     twice = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nbad"
     up = await raw_upstream({"/twice": reply(twice), "/after": echo()})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
-    reader, writer = await connect(sc)
-    writer.write(b"GET /twice HTTP/1.1\r\nHost: x\r\n\r\n")
-    first = await asyncio.wait_for(read_response(reader), 5)
-    writer.write(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
-    after = await asyncio.wait_for(read_response(reader), 5)
-    writer.close()
+    first, _ = await then_after(sc, "/twice")
     assert (first.status, first.body) == (200, b"ok")
-    assert orjson.loads(after.body)["target"] == "/after"
     assert [(r.target, r.conn) for r in up.received] == [("/twice", 1), ("/after", 2)]
 
 
@@ -543,6 +552,32 @@ async def test_head_response_has_no_body_and_the_connection_stays_usable(raw_ups
     writer.close()
     assert (head.status, head.header("Content-Length"), head.body) == (200, "1234", b"")
     assert orjson.loads(after.body)["target"] == "/after"
+
+
+@pytest.mark.parametrize(
+    "status_line",
+    [b"204 No Content", b"304 Not Modified", b"200 OK\r\nContent-Length: 0"],
+    ids=["204", "304", "200-empty"],
+)
+async def test_connection_close_on_a_response_without_body_retires_the_upstream_connection(
+    status_line, raw_upstream, start_sidecar
+):
+    """RFC 9112 9.6: after a response with ``Connection: close`` no request goes on that connection,
+    body or not. (The upstream here keeps it open: only the header says it will close.)"""
+    bye = b"HTTP/1.1 " + status_line + b"\r\nConnection: close\r\n\r\n"
+    up = await raw_upstream({"/bye": reply(bye), "/after": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    first, _ = await then_after(sc, "/bye")
+    assert first.status == int(status_line[:3]) and first.body == b""
+    assert [(r.target, r.conn) for r in up.received] == [("/bye", 1), ("/after", 2)]
+
+
+async def test_an_empty_keep_alive_response_leaves_the_upstream_connection_reusable(raw_upstream, start_sidecar):
+    up = await raw_upstream({"/empty": reply(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"), "/after": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    first, _ = await then_after(sc, "/empty")
+    assert (first.status, first.body) == (200, b"")
+    assert [(r.target, r.conn) for r in up.received] == [("/empty", 1), ("/after", 1)]
 
 
 # -- the upstream pool ------------------------------------------------------------------------
