@@ -67,3 +67,6 @@ cdef class Router:
     cpdef on_response(self, Decision decision, long status, headers)
     @cython.locals(turn=Turn)
     cpdef finish(self, Decision decision, outcome)
+
+cpdef Decision _admitted(Deployment dep, upstream, RoutingContext ctx, Turn turn, rec, request_id)
+cpdef _check_added(tuple add)
