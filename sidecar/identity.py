@@ -27,8 +27,8 @@ from typing import Any
 
 import orjson
 
-from sidecar import headers as h
 from sidecar.config import IdentityConfig
+from sidecar.headers import is_field_value
 from sidecar.jsonbody import RepeatedKeys, ScannedBody, load_bounded, members, string_at
 from sidecar.jsonscan import elements
 from sidecar.modes.ids import fit_id, opaque_id
@@ -114,7 +114,7 @@ class IdentityReader:
         cannot travel in a header (control characters, from a body signal) made opaque."""
         if len(value) > self._fits:
             value = fit_id(value, self._max_id_bytes)
-        if not h.is_field_value(value):
+        if not is_field_value(value):
             value = opaque_id(value)
         return value
 

@@ -45,6 +45,7 @@ from sidecar import headers as h
 from sidecar.config import Config
 from sidecar.context import EndReason, RoutingContext, SessionEnd, TurnOutcome
 from sidecar.deployments import Deployment, Upstream
+from sidecar.headers import is_field_value
 from sidecar.identity import Identity, IdentityReader
 from sidecar.jsonbody import INVALID, TOO_DEEP, TOO_MANY, RepeatedKeys, ScannedBody, scan_body, splice
 from sidecar.jsonscan import INLINE_BYTES, join
@@ -804,7 +805,7 @@ def _check_added(add: tuple[tuple[str, str], ...]) -> None:
                 _ADDABLE[name] = ok
         if not ok:
             raise ValueError(f"header name {str(name)[:64]!r} cannot be added by a mode")
-        if type(value) is not str or not h.is_field_value(value):
+        if type(value) is not str or not is_field_value(value):
             raise ValueError(f"the value of header {name!r} is not a valid field value")
 
 

@@ -49,7 +49,6 @@ from typing import Any
 
 from sidecar import errors
 from sidecar.context import TurnOutcome
-from sidecar.engine import wire
 from sidecar.engine.fast_upstream import UpstreamConnection, UpstreamPool
 from sidecar.engine.flow import PEER_FULL, WAITING
 from sidecar.engine.head import (
@@ -72,6 +71,33 @@ from sidecar.engine.head import (
 )
 from sidecar.engine.idle_poll import IdlePoller
 from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW, LENGTH, BodyRelay
+from sidecar.engine.wire import (
+    CHUNKED_LINE,
+    CL_LINE,
+    CL_ZERO,
+    CLOSE_LINE,
+    CONNECTION_B,
+    CONTENT_LENGTH,
+    CONTINUE,
+    EXPECT_B,
+    HTTP10,
+    HTTP11,
+    KEEPALIVE_LINE,
+    LAST_CHUNK,
+    METHODS,
+    NO_EMPTY_LENGTH,
+    REQUEST_DROP,
+    STATUS_CODE,
+    TRANSFER_ENCODING_B,
+    UPGRADE_B,
+    XFF,
+    XFF_B,
+    XFF_LINE,
+    XFP,
+    XFP_B,
+    XFP_LINE,
+    error_response,
+)
 from sidecar.router import BodyWork, Decision, RequestHead, Router
 from sidecar.state import LoadNeeded
 
@@ -99,7 +125,7 @@ KEEP, CLOSE, ABORT = range(3)
 
 # Mode header name -> (lower-case key, b"Name: ", lower-case bytes); names come from the modes: a handful.
 _ADD_NAMES: dict[str, tuple[str, bytes, bytes]] = {}
-_CONTENT_LENGTH_B = wire.CONTENT_LENGTH.encode()
+_CONTENT_LENGTH_B = CONTENT_LENGTH.encode()
 # The outcomes of every response, as module constants: an Enum member read from its class goes
 # through EnumType.__getattr__ (hundreds of instructions per read).
 _COMPLETED = TurnOutcome.COMPLETED
@@ -161,7 +187,7 @@ class Shared:
         drops = self.drops
         if drop in drops:
             return drops[drop]
-        never = wire.REQUEST_DROP | {name.lower() for name in drop}
+        never = REQUEST_DROP | {name.lower() for name in drop}
         if len(drops) < 64:
             drops[drop] = never
         return never
@@ -312,10 +338,10 @@ class Exchange:
             )
             self.error = (errors.bad_request(problem), "bad_request")
             return
-        connection = header_values(raw, first, end, wire.CONNECTION_B, False)
+        connection = header_values(raw, first, end, CONNECTION_B, False)
         if connection:
             self.conn_tokens = token_set(connection)
-        te = header_values(raw, first, end, wire.TRANSFER_ENCODING_B, False)
+        te = header_values(raw, first, end, TRANSFER_ENCODING_B, False)
         if te:
             if self.http10 or len(te) > 1 or te[0].strip().lower() != b"chunked":
                 self.error = (
@@ -324,7 +350,7 @@ class Exchange:
                 )
                 return
             self.chunked = True
-        if "upgrade" in self.conn_tokens and has_header(raw, first, end, wire.UPGRADE_B):
+        if "upgrade" in self.conn_tokens and has_header(raw, first, end, UPGRADE_B):
             self.error = (errors.upgrade_not_supported(), "upgrade")
             return
         if self.method != b"CONNECT" and not self.target.startswith(b"/"):
@@ -337,7 +363,7 @@ class Exchange:
                 "bad_request",
             )
             return
-        expect = first_value(raw, first, end, wire.EXPECT_B)
+        expect = first_value(raw, first, end, EXPECT_B)
         self.expect = expect is not None and expect.lower() == b"100-continue"
 
     # -- request path -------------------------------------------------------------------------
@@ -363,7 +389,7 @@ class Exchange:
         try:
             decision = router.route(
                 RequestHead(
-                    wire.METHODS[method] if method in wire.METHODS else method.decode("latin-1"),
+                    METHODS[method] if method in METHODS else method.decode("latin-1"),
                     self.target.decode("utf-8", "surrogateescape"),
                     header_map(self.raw, self.first, self.end),
                 ),
@@ -386,7 +412,7 @@ class Exchange:
             self.respond_error(err, dep.name, dep.mode_name, "body_too_large", close=self.chunked or not self.complete)
             return
         if self.expect and not self.complete and not self.http10:
-            self.client.output.parts.append(wire.CONTINUE)
+            self.client.output.parts.append(CONTINUE)
         if decision.needs_body:
             if self.complete:
                 self._send_transformed()
@@ -474,14 +500,14 @@ class Exchange:
             )
         # The framing, from what the parser found (never from the client's header lines).
         if length >= 0:
-            parts += (wire.CL_LINE, b"%d" % length, b"\r\n\r\n")
+            parts += (CL_LINE, b"%d" % length, b"\r\n\r\n")
         elif self.chunked:
-            parts += (wire.CHUNKED_LINE, b"\r\n")
+            parts += (CHUNKED_LINE, b"\r\n")
             self.frame_chunked = True
         elif self.length >= 0:
-            parts += (wire.CL_LINE, b"%d" % self.length, b"\r\n\r\n")
-        elif self.method not in wire.NO_EMPTY_LENGTH:
-            parts += (wire.CL_ZERO, b"\r\n")
+            parts += (CL_LINE, b"%d" % self.length, b"\r\n\r\n")
+        elif self.method not in NO_EMPTY_LENGTH:
+            parts += (CL_ZERO, b"\r\n")
         else:
             parts.append(b"\r\n")
 
@@ -516,11 +542,11 @@ class Exchange:
         client = self.client
         raw, first, end = self.raw, self.first, self.end
         xff = b""
-        if wire.XFF not in self.conn_tokens and wire.XFF not in dropped:
-            xff = b", ".join(header_values(raw, first, end, wire.XFF_B, False))
-        parts += (wire.XFF_LINE, xff + b", " + client.peer if xff else client.peer, b"\r\n")
-        if wire.XFP in drop or not has_header(raw, first, end, wire.XFP_B):
-            parts.append(wire.XFP_LINE)
+        if XFF not in self.conn_tokens and XFF not in dropped:
+            xff = b", ".join(header_values(raw, first, end, XFF_B, False))
+        parts += (XFF_LINE, xff + b", " + client.peer if xff else client.peer, b"\r\n")
+        if XFP in drop or not has_header(raw, first, end, XFP_B):
+            parts.append(XFP_LINE)
 
     def pump(self) -> None:
         """Client bytes were parsed: forward, buffer or refuse them according to the state."""
@@ -540,7 +566,7 @@ class Exchange:
             complete = self.complete
             if complete:
                 if self.frame_chunked:
-                    out.append(wire.LAST_CHUNK)
+                    out.append(LAST_CHUNK)
                 self.state = SENT
             if out:
                 conn = self.conn
@@ -668,7 +694,7 @@ class Exchange:
         complete = self.complete
         if complete:
             if self.frame_chunked:
-                parts.append(wire.LAST_CHUNK)
+                parts.append(LAST_CHUNK)
             self.state = SENT
         else:
             self.state = SENDING
@@ -718,8 +744,8 @@ class Exchange:
         output = client.output
         out = output.parts
         out += (
-            wire.HTTP10 if http10 else wire.HTTP11,
-            wire.STATUS_CODE[status] if status in wire.STATUS_CODE else b"%d" % status,
+            HTTP10 if http10 else HTTP11,
+            STATUS_CODE[status] if status in STATUS_CODE else b"%d" % status,
             b" ",
             reason_phrase(raw, start, first),
             b"\r\n",
@@ -728,7 +754,7 @@ class Exchange:
         framing = relay_block(raw, first, end, out, None)  # the header lines minus hop-by-hop ones
         if framing & NAMES_HEADERS:  # not the usual single "keep-alive" or "close"
             del out[mark:]
-            relay_block(raw, first, end, out, token_set(header_values(raw, first, end, wire.CONNECTION_B, False)))
+            relay_block(raw, first, end, out, token_set(header_values(raw, first, end, CONNECTION_B, False)))
         length = 0
         if self.method == b"HEAD" or status == 204 or status == 304:
             mode = -1  # no body
@@ -737,7 +763,7 @@ class Exchange:
             length = int(first_value(raw, first, end, _CONTENT_LENGTH_B) or 0)  # (llhttp checked it)
         elif (
             framing & HAS_TRANSFER_ENCODING
-            and b",".join(header_values(raw, first, end, wire.TRANSFER_ENCODING_B, False))
+            and b",".join(header_values(raw, first, end, TRANSFER_ENCODING_B, False))
             .rsplit(b",", 1)[-1]
             .strip()
             .lower()
@@ -747,13 +773,13 @@ class Exchange:
         else:  # delimited by the upstream's close
             mode = EOF_RAW if http10 else EOF_CHUNKED
         if mode == CHUNKED or mode == EOF_CHUNKED:
-            out.append(wire.CHUNKED_LINE)
+            out.append(CHUNKED_LINE)
         if not (self.keep_alive and self.complete and mode != DECHUNK and mode != EOF_RAW and not self.shared.draining):
             if not http10:  # closing is HTTP/1.0's default
-                out.append(wire.CLOSE_LINE)
+                out.append(CLOSE_LINE)
             self.close_after = True
         elif http10:
-            out.append(wire.KEEPALIVE_LINE)
+            out.append(KEEPALIVE_LINE)
         out.append(b"\r\n")
         if mode < 0:
             return None
@@ -878,7 +904,7 @@ class Exchange:
         if reason:
             metrics.rejected.labels(reason).inc()
         keep = not close and self.keep_alive and self.complete and not self.shared.draining
-        self.client.output.parts.append(wire.error_response(exc, self.http10, keep, self.method == b"HEAD"))
+        self.client.output.parts.append(error_response(exc, self.http10, keep, self.method == b"HEAD"))
         self._end(KEEP if keep else CLOSE)
 
     def internal_error(self) -> None:
