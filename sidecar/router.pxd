@@ -65,8 +65,9 @@ cdef class Router:
     cpdef Decision _admit(self, Deployment dep, Identity ident, headers, rec, request_id)
     @cython.locals(turn=Turn, dep=Deployment)
     cpdef on_response(self, Decision decision, long status, headers)
-    @cython.locals(turn=Turn)
     cpdef finish(self, Decision decision, outcome)
+    @cython.locals(turn=Turn)
+    cpdef _release(self, _Admission held, outcome)
 
 cpdef Decision _admitted(Deployment dep, upstream, RoutingContext ctx, Turn turn, rec, request_id)
 cpdef _check_added(tuple add)

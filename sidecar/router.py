@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from logging import DEBUG
 from typing import Any
 
 import orjson
@@ -658,7 +659,7 @@ class Router:
                 "to_worker": interned,
                 "turn": turn.ctx.turn,
             }
-            if log.isEnabledFor(logging.DEBUG):  # session ids only at debug level
+            if log.isEnabledFor(DEBUG):  # session ids only at debug level
                 extra["session"] = turn.ctx.session
             log.info("session moved to another worker", extra=extra)
 
@@ -684,7 +685,7 @@ class Router:
         its API session. Engines call it exactly once per decision they hold."""
         held = decision._held
         decision._held = None
-        if log.isEnabledFor(logging.DEBUG):  # the access log: debug level (it names sessions)
+        if log.isEnabledFor(DEBUG):  # the access log: debug level (it names sessions)
             ctx = decision.ctx
             log.debug(
                 "request finished",
@@ -697,8 +698,11 @@ class Router:
                     "turn": ctx.turn if ctx else None,
                 },
             )
-        if type(held) is not _Admission:
-            return
+        if type(held) is _Admission:
+            self._release(held, outcome)
+
+    def _release(self, held: _Admission, outcome: TurnOutcome) -> None:
+        """Release what an admitted request held: its turn, and its API session if any."""
         if held.api_session is not None:
             self.store.finish(held.api_session)
         turn = held.turn

@@ -65,7 +65,7 @@ cdef class Exchange:
     @cython.locals(client=ClientSide, conn=UpstreamConnection, output=ClientOutput, out=list, mark=Py_ssize_t,
                    framing=long, mode=long, http10=bint)
     cpdef response_head(self, long status, bytes raw, Py_ssize_t start, Py_ssize_t first, Py_ssize_t end,
-                        double now)
+                        length, double now)
     @cython.locals(shared=Shared, stats=DeploymentStats, decision=Decision, headers=HeaderBlock)
     cpdef head_sent(self)
     @cython.locals(stats=DeploymentStats, decision=Decision)

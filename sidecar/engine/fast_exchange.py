@@ -77,7 +77,6 @@ from sidecar.engine.wire import (
     CL_ZERO,
     CLOSE_LINE,
     CONNECTION_B,
-    CONTENT_LENGTH,
     CONTINUE,
     EXPECT_B,
     HTTP10,
@@ -125,7 +124,6 @@ KEEP, CLOSE, ABORT = range(3)
 
 # Mode header name -> (lower-case key, b"Name: ", lower-case bytes); names come from the modes: a handful.
 _ADD_NAMES: dict[str, tuple[str, bytes, bytes]] = {}
-_CONTENT_LENGTH_B = CONTENT_LENGTH.encode()
 # The outcomes of every response, as module constants: an Enum member read from its class goes
 # through EnumType.__getattr__ (hundreds of instructions per read).
 _COMPLETED = TurnOutcome.COMPLETED
@@ -730,11 +728,13 @@ class Exchange:
         else:
             self.client.flow.resume(PEER_FULL)
 
-    def response_head(self, status: int, raw: bytes, start: int, first: int, end: int, now: float) -> BodyRelay | None:
+    def response_head(
+        self, status: int, raw: bytes, start: int, first: int, end: int, length: int, now: float
+    ) -> BodyRelay | None:
         """The upstream's final response head (status line at ``raw[start:first]``, header block
-        ``raw[first:end]``): put the client's head in its output and return the relay of the body
-        (None: no body). Flattened: once per request; the router hears of the head in
-        :meth:`head_sent`."""
+        ``raw[first:end]``, declared Content-Length ``length``, -1 without one): put the client's
+        head in its output and return the relay of the body (None: no body). Flattened: once per
+        request; the router hears of the head in :meth:`head_sent`."""
         client = self.client
         self.resp_status = status
         self.last_io = now
@@ -755,12 +755,10 @@ class Exchange:
         if framing & NAMES_HEADERS:  # not the usual single "keep-alive" or "close"
             del out[mark:]
             relay_block(raw, first, end, out, token_set(header_values(raw, first, end, CONNECTION_B, False)))
-        length = 0
         if self.method == b"HEAD" or status == 204 or status == 304:
             mode = -1  # no body
         elif framing & (HAS_CONTENT_LENGTH | HAS_TRANSFER_ENCODING) == HAS_CONTENT_LENGTH:
             mode = LENGTH
-            length = int(first_value(raw, first, end, _CONTENT_LENGTH_B) or 0)  # (llhttp checked it)
         elif (
             framing & HAS_TRANSFER_ENCODING
             and b",".join(header_values(raw, first, end, TRANSFER_ENCODING_B, False))
@@ -785,7 +783,7 @@ class Exchange:
             return None
         conn = self.conn
         assert conn is not None
-        return BodyRelay(output, mode, length, conn.pool.max_head)
+        return BodyRelay(output, mode, length if mode == LENGTH else 0, conn.pool.max_head)
 
     def head_sent(self) -> None:
         """The response head went to the client: tell the router and the metrics now (off the

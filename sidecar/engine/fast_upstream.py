@@ -85,8 +85,11 @@ class Exchange(Protocol):
         the TLS session on a connection that was already bound to the exchange)."""
 
     def peer_full(self, full: bool) -> None: ...
-    def response_head(self, status: int, raw: bytes, start: int, first: int, end: int, now: float) -> BodyRelay | None:
-        """The final response head; the relay its body goes through, or None when it has none."""
+    def response_head(
+        self, status: int, raw: bytes, start: int, first: int, end: int, length: int, now: float
+    ) -> BodyRelay | None:
+        """The final response head (``length``: its declared Content-Length, -1 without one); the
+        relay its body goes through, or None when it has none."""
 
     def head_sent(self) -> None:
         """The head went to the client (it may hear of it later, at the latest on its end)."""
@@ -317,7 +320,7 @@ class UpstreamConnection:
         assert ex is not None
         now = perf_counter()
         try:
-            relay = ex.response_head(status, raw, start, first, end, now)
+            relay = ex.response_head(status, raw, start, first, end, self.parser.length, now)
         except Exception as exc:  # a defect: it costs this response, not the connection's reads
             self._fail(f"response head not relayed: {exc!r}")
             return

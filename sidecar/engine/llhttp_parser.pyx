@@ -348,14 +348,17 @@ cdef class LlhttpResponseParser(_Llhttp):
 
     cdef int status  # of the head completed in the bytes being fed (0: none yet)
     cdef readonly bint keep_alive
+    cdef readonly object length  # a Python int: llhttp admits any uint64
 
     def __init__(self):
         self._init(HTTP_RESPONSE, &_RESPONSE_SETTINGS)
+        self.length = -1
 
     cdef int head(self) except -1:
         self.status = self.p.status_code
         # Read now: once llhttp completes a message it clears the header flags this depends on.
         self.keep_alive = llhttp_should_keep_alive(&self.p) != 0
+        self.length = self.p.content_length if self.p.flags & F_CONTENT_LENGTH else -1
         return 1  # no body here: llhttp goes on to the next head
 
     def feed_head(self, data):

@@ -36,7 +36,8 @@ response stream, never past a head's empty line, and returns the status code of 
 complete (0 when they complete none: a head in pieces, or empty lines before a status line); the
 next bytes are the next head, of a 1xx interim response's successor or of the next response on a
 kept-alive connection. ``keep_alive`` is llhttp's verdict on the last completed head (HTTP
-version, ``Connection``, and whether its body runs until the close). ``feed_head`` raises
+version, ``Connection``, and whether its body runs until the close), ``length`` its declared
+Content-Length (llhttp accepted exactly one, all digits), -1 without one. ``feed_head`` raises
 :class:`ParseError` for bytes llhttp refuses and for a protocol switch (the engine never asks for
 one); the parser is then unusable.
 """
@@ -152,12 +153,13 @@ class HttptoolsResponseParser:
     """The pure-Python build's response head parser: httptools, a new one after each head (its
     callback cannot tell llhttp that no body follows)."""
 
-    __slots__ = ("parser", "status", "keep_alive")
+    __slots__ = ("parser", "status", "keep_alive", "length")
 
     def __init__(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.keep_alive = False
+        self.length = -1
 
     def feed_head(self, data: bytes) -> int:
         self.status = 0
@@ -170,6 +172,13 @@ class HttptoolsResponseParser:
         if self.status:
             self.parser = httptools.HttpResponseParser(self)
         return self.status
+
+    def on_message_begin(self) -> None:
+        self.length = -1
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) == 14 and name.lower() == _CONTENT_LENGTH:
+            self.length = int(value)
 
     def on_headers_complete(self) -> None:
         parser = self.parser

@@ -239,11 +239,12 @@ def test_random_reads_of_a_pipelined_stream_give_the_same_requests(cuts: list[in
         assert (got.events, error) == (expected.events, None), parser_class.__name__
 
 
-def run_heads(parser_class: Any, data: bytes, split: bool = False) -> tuple[list[tuple[int, bool]], str | None]:
+def run_heads(parser_class: Any, data: bytes, split: bool = False) -> tuple[list[tuple[int, bool, int]], str | None]:
     """Feed a response stream as the engine does: up to each head's empty line (in one piece, or
-    byte by byte with ``split``); the (status, keep_alive) of each head completed, and the error."""
+    byte by byte with ``split``); the (status, keep_alive, length) of each head completed, and the
+    error."""
     parser = parser_class()
-    heads: list[tuple[int, bool]] = []
+    heads: list[tuple[int, bool, int]] = []
     at = 0
     while (k := data.find(b"\r\n\r\n", at)) >= 0:
         head, at = data[at : k + 4], k + 4
@@ -251,34 +252,38 @@ def run_heads(parser_class: Any, data: bytes, split: bool = False) -> tuple[list
             for piece in [head[i : i + 1] for i in range(len(head))] if split else [head]:
                 status = parser.feed_head(piece)
                 if status:
-                    heads.append((status, parser.keep_alive))
+                    heads.append((status, parser.keep_alive, parser.length))
         except ParseError as exc:
             return heads, type(exc).__name__
     return heads, None
 
 
 # Response streams as the engine feeds them (heads only) and what each must give.
-RESPONSES: dict[str, tuple[bytes, tuple[list[tuple[int, bool]], str | None]]] = {
-    "length": (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: 1\r\n\r\n", ([(200, True)], None)),
-    "chunked": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", ([(200, True)], None)),
-    "close": (b"HTTP/1.1 503 Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n", ([(503, False)], None)),
-    "empty_body": (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", ([(200, True)], None)),
+RESPONSES: dict[str, tuple[bytes, tuple[list[tuple[int, bool, int]], str | None]]] = {
+    "length": (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: 1\r\n\r\n", ([(200, True, 5)], None)),
+    "chunked": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", ([(200, True, -1)], None)),
+    "close": (b"HTTP/1.1 503 Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n", ([(503, False, 0)], None)),
+    "empty_body": (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", ([(200, True, 0)], None)),
     # Bodiless by status: Connection: close still holds (llhttp forgets it once the message completes).
-    "no_content_close": (b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n", ([(204, False)], None)),
-    "not_modified_close": (b"HTTP/1.1 304 Not Modified\r\nConnection: close\r\n\r\n", ([(304, False)], None)),
+    "no_content_close": (b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n", ([(204, False, -1)], None)),
+    "not_modified_close": (b"HTTP/1.1 304 Not Modified\r\nConnection: close\r\n\r\n", ([(304, False, -1)], None)),
     "interim_then_final": (
         b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n",
-        ([(100, True), (204, True)], None),
+        ([(100, True, -1), (204, True, -1)], None),
     ),
     "keep_alive_responses": (
         b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nHTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n",
-        ([(200, True), (404, True)], None),
+        ([(200, True, 9), (404, True, -1)], None),
     ),
-    "until_eof": (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n", ([(200, False)], None)),
-    "http10": (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n", ([(200, False)], None)),
+    "interim_then_length": (
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\n",
+        ([(103, True, -1), (200, True, 7)], None),
+    ),
+    "until_eof": (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n", ([(200, False, -1)], None)),
+    "http10": (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n", ([(200, False, 2)], None)),
     "http10_keep_alive": (
         b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\n",
-        ([(200, True)], None),
+        ([(200, True, 2)], None),
     ),
     "bad_status_line": (b"HTTP/1.1 2000 OK\r\n\r\n", ([], "ParseError")),
     "length_and_chunked": (
