@@ -22,3 +22,8 @@ cdef class Deployment:
     cdef public bint rewrites_body
     cdef public object only_upstream
     cdef public object max_body_bytes
+    cdef public object max_parsed_body_bytes
+    cdef public long max_json_depth
+    cdef public double connect_timeout
+    cdef public double first_byte_timeout
+    cdef public double idle_timeout

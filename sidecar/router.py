@@ -292,7 +292,7 @@ class Router:
             # The session is named by the body (configured body signals): admission waits for it
             # (and the session's binding may name any deployment).
             dep = selected or self.default
-            limit = self._selection_body_limit if selected is None else dep.limits.max_parsed_body_bytes
+            limit = self._selection_body_limit if selected is None else dep.max_parsed_body_bytes
             return _awaiting_body(dep, limit, _Pending(ident, headers, selected, selected), request_id)
         rec = self._api_sessions.get(session) if session is not None and self._api_sessions else None
         # One deployment: binding, selector and model can only name it (an unknown name was refused).
@@ -306,7 +306,7 @@ class Router:
             self._check_session(dep, session, rec)  # refuse early, before any body is read
         if dep.rewrites_body and session is not None and _declares_body(head):
             return _awaiting_body(
-                dep, dep.limits.max_parsed_body_bytes, _Pending(ident, headers, selected, decided), request_id
+                dep, dep.max_parsed_body_bytes, _Pending(ident, headers, selected, decided), request_id
             )
         return self._admit(dep, ident, headers, rec, request_id)
 
@@ -371,11 +371,10 @@ class Router:
             dep = self._choose(session, rec, pending.selected, model_dep) or self.default
         if len(body) > dep.max_body_bytes:
             raise errors.request_too_large(dep.name, dep.max_body_bytes)
-        limits = dep.limits
-        if len(body) > limits.max_parsed_body_bytes:
-            raise errors.request_too_large(dep.name, limits.max_parsed_body_bytes, True)
-        if scanned.status > limits.max_json_depth:
-            raise _too_deep(dep, limits.max_json_depth)
+        if len(body) > dep.max_parsed_body_bytes:
+            raise errors.request_too_large(dep.name, dep.max_parsed_body_bytes, True)
+        if scanned.status > dep.max_json_depth:
+            raise _too_deep(dep, dep.max_json_depth)
         self._check_session(dep, session, rec)
         admitted = self._admit(dep, ident, pending.headers, rec, decision.request_id)
         if admitted.ctx is None or not dep.rewrites_body:

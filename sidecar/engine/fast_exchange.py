@@ -453,9 +453,9 @@ class Exchange:
     def _await_body(self, decision: Decision) -> None:
         """The body a mode reads is still arriving: bound its arrival like a response's (the
         deployment's first-byte timeout for all of it, its idle timeout between reads)."""
-        t = decision.deployment.timeouts
-        self.first_byte_timeout = t.first_byte
-        self.idle_timeout = t.idle
+        dep = decision.deployment
+        self.first_byte_timeout = dep.first_byte_timeout
+        self.idle_timeout = dep.idle_timeout
         self.last_io = now = self.t0
         due = self.deadline(now)
         client = self.client
@@ -510,13 +510,12 @@ class Exchange:
             parts.append(b"\r\n")
 
         dep = decision.deployment
-        t = dep.timeouts
         now = perf_counter()
         self.state = CONNECTING
-        self.connect_timeout = t.connect
-        self.idle_timeout = idle = t.idle
+        self.connect_timeout = dep.connect_timeout
+        self.idle_timeout = idle = dep.idle_timeout
         # Like the aiohttp client's sock_read, silence before the head is bounded by `idle` too.
-        first_byte = t.first_byte
+        first_byte = dep.first_byte_timeout
         self.first_byte_timeout = first_byte = idle if idle < first_byte else first_byte
         due = self.t0 + first_byte
         if due < client.timer_due:
