@@ -34,16 +34,16 @@ class LeavingConnection:
         self.direct, self.fd = direct, fd
         self.sink = RecordingTransport()
         self.relay = BodyRelay(ClientOutput(self.sink), LENGTH, length, 0)
-        self.key: Any = None  # its DirectReads entry
+        self.entry: Any = None  # its DirectReads entry, to leave with
         self.other: LeavingConnection | None = None
         self.ended = 0
 
     def body_end(self, extra: bool) -> None:
         self.ended += 1
-        self.direct.leave(self.key, self.fd)
+        self.direct.leave(self.entry, self.fd)
         other = self.other
         assert other is not None
-        self.direct.leave(other.key, other.fd)
+        self.direct.leave(other.entry, other.fd)
 
     def direct_stop(self) -> None:
         raise AssertionError("no close or error happens here")
@@ -62,8 +62,8 @@ async def test_a_connection_that_leaves_while_its_event_waits_in_the_batch_is_no
         for ours, _ in pairs:
             ours.setblocking(False)
             conn = LeavingConnection(direct, ours.fileno(), 5)
-            conn.key = direct.enroll(conn, ours.fileno(), conn.relay)
-            assert conn.key is not None
+            conn.entry = direct.enroll(conn, ours.fileno(), conn.relay)
+            assert conn.entry is not None
             conns.append(conn)
         conns[0].other, conns[1].other = conns[1], conns[0]
         for _, theirs in pairs:
