@@ -170,7 +170,14 @@ class ClientConnection(ClientSide):
         # Without a Connection header (``special`` covers it), llhttp keeps a request alive only
         # for HTTP/1.1 (major and minor both > 0; it rejects versions other than 0.9, 1.0, 1.1
         # and 2.0): the common case (one valid Host, origin-form) needs no further check.
-        if not keep_alive or special or facts & _HOST_FACTS != HOST_SEEN or target[:1] != b"/" or method == b"CONNECT":
+        if (
+            not keep_alive
+            or special
+            or facts & _HOST_FACTS != HOST_SEEN
+            or not target
+            or target[0] != 47  # not "/..."
+            or method == b"CONNECT"
+        ):
             ex.check_head(version, facts)
         queue = self.queue
         waits = bool(queue)  # an earlier request is still in progress

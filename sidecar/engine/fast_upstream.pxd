@@ -3,7 +3,7 @@
 cimport cython
 from sidecar.engine._direct_socket cimport DirectSocket
 from sidecar.engine.flow cimport ReadFlow
-from sidecar.engine.head cimport locate
+from sidecar.engine.head cimport cut, locate
 from sidecar.engine.idle_poll cimport IdlePoller
 from sidecar.engine.relay cimport BodyRelay
 

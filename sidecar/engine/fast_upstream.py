@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from sidecar.engine.direct import ENROLL_AFTER
 from sidecar.engine.direct import DirectSocket as new_direct_socket  # (the compiled layout cimports the type)
 from sidecar.engine.flow import CLIENT_FULL, DIRECT, ReadFlow
-from sidecar.engine.head import locate
+from sidecar.engine.head import cut, locate
 from sidecar.engine.idle_poll import IdlePoller
 from sidecar.engine.parsers import ParseError, ResponseParser
 from sidecar.engine.relay import BodyRelay
@@ -298,7 +298,7 @@ class UpstreamConnection:
                 return
             stop = k + 4
             try:
-                status = self.parser.feed_head(raw[self.fed : stop] if self.fed or stop < len(raw) else raw)
+                status = self.parser.feed_head(raw, self.fed, stop)
             except ParseError as exc:
                 self._fail(f"invalid response: {exc}")
                 return
@@ -333,7 +333,7 @@ class UpstreamConnection:
             return
         self.relay = relay
         if stop < len(raw):
-            self._body(relay, raw[stop:])  # the body's first bytes leave with the head
+            self._body(relay, cut(raw, stop, len(raw)))  # the body's first bytes leave with the head
         else:
             relay.output.flush()  # the head alone
         if self.ex is ex:

@@ -27,6 +27,8 @@ cdef Py_ssize_t MAX_KEYS
 cdef long _CONNECTION_BIT, _NAMES_BIT, _DROPPED
 
 cdef (Py_ssize_t, Py_ssize_t) _clamp(bytes raw, Py_ssize_t first, Py_ssize_t end)
+@cython.locals(p="const char *")
+cpdef bytes cut(bytes raw, Py_ssize_t start, Py_ssize_t stop)
 
 cdef inline Py_ssize_t _find(bytes raw, long c, Py_ssize_t i, Py_ssize_t end)
 @cython.locals(colon=Py_ssize_t, eol=Py_ssize_t)

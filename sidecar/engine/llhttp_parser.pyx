@@ -122,12 +122,16 @@ cdef class _Llhttp:
 
     cdef llhttp_errno_t _execute(self, data) except? HPE_USER:
         """Run llhttp over ``data``; raise what failed (a protocol switch is left to the caller)."""
-        cdef llhttp_errno_t err
         if type(data) is not bytes:
             data = bytes(data)
+        return self._execute_at(data, 0, len(data))
+
+    cdef llhttp_errno_t _execute_at(self, bytes data, Py_ssize_t start, Py_ssize_t stop) except? HPE_USER:
+        """:meth:`_execute` over ``data[start:stop]`` (``0 <= start <= stop <= len(data)``)."""
+        cdef llhttp_errno_t err
         self.data = data
         self.buf = PyBytes_AS_STRING(data)
-        err = llhttp_execute(&self.p, self.buf, len(data))
+        err = llhttp_execute(&self.p, self.buf + start, stop - start)
         self.data = None
         if err == HPE_OK or (err == HPE_PAUSED_UPGRADE and self.p.upgrade):
             return err
@@ -361,9 +365,11 @@ cdef class LlhttpResponseParser(_Llhttp):
         self.length = self.p.content_length if self.p.flags & F_CONTENT_LENGTH else -1
         return 1  # no body here: llhttp goes on to the next head
 
-    def feed_head(self, data):
+    def feed_head(self, bytes data not None, Py_ssize_t start, Py_ssize_t stop):
+        if start < 0 or stop < start or stop > len(data):
+            raise ValueError("feed_head: the span is outside the data")
         self.status = 0
-        if self._execute(data) == HPE_PAUSED_UPGRADE:
+        if self._execute_at(data, start, stop) == HPE_PAUSED_UPGRADE:
             raise ParseError("the response switches protocols")
         return self.status
 

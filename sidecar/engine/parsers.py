@@ -31,9 +31,11 @@ After any of them the parser is unusable.
 
 **Responses.** ``ResponseParser()`` (compiled: ``LlhttpResponseParser``; pure Python:
 :class:`HttptoolsResponseParser`) reads response heads only: the engine finds each head's end
-(its empty line) and relays the bodies itself. ``feed_head(data)`` parses the next bytes of the
-response stream, never past a head's empty line, and returns the status code of the head they
-complete (0 when they complete none: a head in pieces, or empty lines before a status line); the
+(its empty line) and relays the bodies itself. ``feed_head(data, start, stop)`` parses
+``data[start:stop]`` (``0 <= start <= stop <= len(data)``, else ValueError; a span, so that the
+read holding a head and a body's first bytes is not copied), the next bytes of the response
+stream, never past a head's empty line, and returns the status code of the head they complete
+(0 when they complete none: a head in pieces, or empty lines before a status line); the
 next bytes are the next head, of a 1xx interim response's successor or of the next response on a
 kept-alive connection. ``keep_alive`` is llhttp's verdict on the last completed head (HTTP
 version, ``Connection``, and whether its body runs until the close), ``length`` its declared
@@ -161,10 +163,12 @@ class HttptoolsResponseParser:
         self.keep_alive = False
         self.length = -1
 
-    def feed_head(self, data: bytes) -> int:
+    def feed_head(self, data: bytes, start: int, stop: int) -> int:
+        if start < 0 or stop < start or stop > len(data):
+            raise ValueError("feed_head: the span is outside the data")
         self.status = 0
         try:
-            self.parser.feed_data(data)
+            self.parser.feed_data(data[start:stop] if start or stop < len(data) else data)
         except httptools.HttpParserUpgrade:
             raise ParseError("the response switches protocols") from None
         except httptools.HttpParserError as exc:

@@ -19,6 +19,7 @@ from sidecar.engine.head import (
     NAMES_HEADERS,
     HeaderBlock,
     copy_block,
+    cut,
     first_value,
     has_header,
     header_values,
@@ -159,6 +160,13 @@ def test_header_values_in_order() -> None:
     assert header_values(HEADERS, 0, len(HEADERS), b"x-worker", False) == [b"w1", b"w2"]
     assert header_values(HEADERS, 0, len(HEADERS), b"x-worker", True) == [b"w1"]
     assert header_values(HEADERS, 0, len(HEADERS), b"x-missing", False) == []
+
+
+def test_cut_is_a_slice_within_the_bytes() -> None:
+    raw = b"HTTP/1.1 200 OK\r\n"
+    spans = [(0, len(raw)), (9, 12), (4, 4), (12, 9), (len(raw), len(raw)), (0, 0)]
+    assert [cut(raw, start, stop) for start, stop in spans] == [raw[start:stop] for start, stop in spans]
+    assert cut(b"", 0, 0) == b"" and type(cut(raw, 0, 4)) is bytes
 
 
 @pytest.mark.parametrize(

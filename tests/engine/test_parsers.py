@@ -240,17 +240,18 @@ def test_random_reads_of_a_pipelined_stream_give_the_same_requests(cuts: list[in
 
 
 def run_heads(parser_class: Any, data: bytes, split: bool = False) -> tuple[list[tuple[int, bool, int]], str | None]:
-    """Feed a response stream as the engine does: up to each head's empty line (in one piece, or
-    byte by byte with ``split``); the (status, keep_alive, length) of each head completed, and the
-    error."""
+    """Feed a response stream as the engine does: spans of the bytes read, up to each head's
+    empty line (in one span, or byte by byte with ``split``); the (status, keep_alive, length) of
+    each head completed, and the error."""
     parser = parser_class()
     heads: list[tuple[int, bool, int]] = []
     at = 0
     while (k := data.find(b"\r\n\r\n", at)) >= 0:
-        head, at = data[at : k + 4], k + 4
+        spans = [(i, i + 1) for i in range(at, k + 4)] if split else [(at, k + 4)]
+        at = k + 4
         try:
-            for piece in [head[i : i + 1] for i in range(len(head))] if split else [head]:
-                status = parser.feed_head(piece)
+            for start, stop in spans:
+                status = parser.feed_head(data, start, stop)
                 if status:
                     heads.append((status, parser.keep_alive, parser.length))
         except ParseError as exc:
@@ -295,6 +296,15 @@ RESPONSES: dict[str, tuple[bytes, tuple[list[tuple[int, bool, int]], str | None]
         ([], "ParseError"),
     ),
 }
+
+
+@pytest.mark.parametrize("parser_class", RESPONSE_PARSERS, ids=lambda c: c.__name__)
+def test_response_parser_refuses_a_span_outside_the_data(parser_class: Any) -> None:
+    data = b"HTTP/1.1 200 OK\r\n\r\n"
+    for start, stop in [(-1, 4), (5, 4), (0, len(data) + 1)]:
+        with pytest.raises(ValueError, match="outside the data"):
+            parser_class().feed_head(data, start, stop)
+    assert parser_class().feed_head(data, 0, len(data)) == 200
 
 
 @pytest.mark.parametrize("parser_class", RESPONSE_PARSERS, ids=lambda c: c.__name__)
