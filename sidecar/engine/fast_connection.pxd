@@ -7,6 +7,7 @@ from sidecar.engine.head cimport scan_request
 from sidecar.engine.relay cimport ClientOutput
 
 cdef tuple _SPECIAL
+cdef long _HOST_FACTS, _LISTED, _HOST_SEEN, _QUEUED, _ABORT, _CLOSE, _PIPELINED
 
 cdef class ClientConnection(ClientSide):
     cdef public object clients, parser, transport, queue, timer

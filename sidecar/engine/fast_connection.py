@@ -43,6 +43,10 @@ LINGER_SECONDS = 2.0
 
 _INF = float("inf")
 _HOST_FACTS = HOST_SEEN | HOST_REPEATED | HOST_INVALID
+# The same constants for this module's per-request tests: the compiled build declares these
+# private names as C longs (fast_connection.pxd), so the tests compare machine integers instead of
+# looking up module globals and making ints.
+_LISTED, _HOST_SEEN, _QUEUED, _ABORT, _CLOSE, _PIPELINED = LISTED, HOST_SEEN, QUEUED, ABORT, CLOSE, PIPELINED
 # Request headers whose presence takes the head checks and the forwarding off the fast path.
 _SPECIAL = name_table(
     frozenset({wire.CONNECTION, wire.TRANSFER_ENCODING, wire.EXPECT, wire.UPGRADE, wire.XFF, wire.XFP})
@@ -166,14 +170,14 @@ class ClientConnection(ClientSide):
     ) -> None:
         ex = Exchange(self, raw, first, end, method, target, keep_alive, length)
         facts = scan_request(raw, first, end, _SPECIAL)
-        ex.special = special = facts & LISTED != 0
+        ex.special = special = facts & _LISTED != 0
         # Without a Connection header (``special`` covers it), llhttp keeps a request alive only
         # for HTTP/1.1 (major and minor both > 0; it rejects versions other than 0.9, 1.0, 1.1
         # and 2.0): the common case (one valid Host, origin-form) needs no further check.
         if (
             not keep_alive
             or special
-            or facts & _HOST_FACTS != HOST_SEEN
+            or facts & _HOST_FACTS != _HOST_SEEN
             or not target
             or target[0] != 47  # not "/..."
             or method == b"CONNECT"
@@ -186,7 +190,7 @@ class ClientConnection(ClientSide):
         if ex.error is not None:
             self._stop()  # answered, then closed: later bytes are never read as requests
         elif waits:
-            self.flow.pause(PIPELINED)
+            self.flow.pause(_PIPELINED)
 
     def on_body(self, body: bytes) -> None:
         ex = self.cur
@@ -211,7 +215,7 @@ class ClientConnection(ClientSide):
             try:
                 while queue:
                     ex = queue[0]
-                    if ex.state != QUEUED:
+                    if ex.state != _QUEUED:
                         ex.pump()
                         break
                     try:
@@ -223,8 +227,8 @@ class ClientConnection(ClientSide):
                         break  # started and in progress: it forwarded everything parsed so far
             finally:
                 self.advancing = False
-            if self.flow.reasons & PIPELINED and len(queue) <= 1:
-                self.flow.resume(PIPELINED)
+            if self.flow.reasons & _PIPELINED and len(queue) <= 1:
+                self.flow.resume(_PIPELINED)
         self.output.flush()
 
     def finish_exchange(self, ex: Exchange, close: int) -> None:
@@ -234,9 +238,9 @@ class ClientConnection(ClientSide):
         self.shared.request_done()
         if self.closing:  # gone or going: nothing more to serve
             return
-        if close == ABORT:
+        if close == _ABORT:
             self.abort()
-        elif close == CLOSE or self.shared.draining:
+        elif close == _CLOSE or self.shared.draining:
             self.close()  # (an unread rest of the request body is never read)
         else:
             if not queue:
@@ -302,7 +306,7 @@ class ClientConnection(ClientSide):
             ex = Exchange(self, b"", 0, 0, b"", b"", False, -1)
             ex.error = (exc, reason)
             self.queue.append(ex)
-        elif ex.state == QUEUED:
+        elif ex.state == _QUEUED:
             ex.error = (exc, reason)  # its head was fine, its body was not: never forward it
         else:
             ex.refused(exc, reason)

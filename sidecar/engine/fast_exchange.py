@@ -59,6 +59,7 @@ from sidecar.engine.head import (
     HOST_SEEN,
     NAMES_HEADERS,
     copy_block,
+    cut,
     first_value,
     has_header,
     header_map,
@@ -742,13 +743,18 @@ class Exchange:
         http10 = self.http10
         output = client.output
         out = output.parts
-        out += (
-            HTTP10 if http10 else HTTP11,
-            STATUS_CODE[status] if status in STATUS_CODE else b"%d" % status,
-            b" ",
-            reason_phrase(raw, start, first),
-            b"\r\n",
-        )
+        if not http10 and raw.startswith(HTTP11, start) and raw[start + 12] == 32:
+            # HTTP/1.1 both ways, and the SP before the reason is there (llhttp checked the
+            # rest of the line): the status line goes as it came, in one piece.
+            out.append(cut(raw, start, first))
+        else:
+            out += (
+                HTTP10 if http10 else HTTP11,
+                STATUS_CODE[status] if status in STATUS_CODE else b"%d" % status,
+                b" ",
+                reason_phrase(raw, start, first),
+                b"\r\n",
+            )
         mark = len(out)
         framing = relay_block(raw, first, end, out, None)  # the header lines minus hop-by-hop ones
         if framing & NAMES_HEADERS:  # not the usual single "keep-alive" or "close"

@@ -471,6 +471,30 @@ async def test_status_line_without_reason_is_relayed_in_full_form(raw_upstream, 
     assert head == b"HTTP/1.1 299 \r\nContent-Length: 2\r\n\r\n"
 
 
+@pytest.mark.parametrize(
+    ("status_line", "relayed"),
+    [
+        (b"HTTP/1.1 200 OK", b"HTTP/1.1 200 OK"),
+        (b"HTTP/1.1 203 Caf\xe9 \tok ", b"HTTP/1.1 203 Caf\xe9 \tok "),  # obs-text, HTAB: as sent
+        (b"HTTP/1.0 201 Created", b"HTTP/1.1 201 Created"),  # the sidecar's own version
+        (b"HTTP/1.1 299", b"HTTP/1.1 299 "),  # the SP before the (empty) reason is added
+    ],
+)
+async def test_status_line_reaches_an_http11_client_as_http11_with_its_reason(
+    status_line, relayed, raw_upstream, start_sidecar, engine
+):
+    if engine != "fast" and status_line != b"HTTP/1.1 200 OK":
+        pytest.skip("the aiohttp engine writes its own reason phrases")
+    up = await raw_upstream({"/r": reply(status_line + b"\r\nContent-Length: 2\r\n\r\nok")})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await connect(sc)
+    writer.write(b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    body = await asyncio.wait_for(reader.readexactly(2), 5)
+    writer.close()
+    assert head.split(b"\r\n", 1)[0] == relayed and body == b"ok"
+
+
 @pytest.mark.parametrize("shape", ["never_ends", "complete_over_the_cap", "many_headers_over_the_cap"])
 async def test_response_head_over_the_configured_cap_is_a_502_never_relayed(shape, raw_upstream, start_sidecar, engine):
     if shape == "never_ends":
