@@ -1,5 +1,8 @@
 # Compiled layout of identity.py (Cython "augmenting" declarations; see setup.py). Keep
 # Identity's fields in its dataclass order and IdentityReader's equal to its __slots__.
+from sidecar.engine.head cimport lookup
+from sidecar.headers cimport is_field_value
+
 cdef class Identity:
     cdef public object session
     cdef public object parent

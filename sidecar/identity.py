@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 
 from sidecar.config import IdentityConfig
+from sidecar.engine.head import lookup
 from sidecar.headers import is_field_value
 from sidecar.jsonbody import RepeatedKeys, ScannedBody, load_bounded, members, string_at
 from sidecar.jsonscan import elements
@@ -100,9 +101,8 @@ class IdentityReader:
         self.header_names = frozenset(self._session + self._parent + self._root + self._final)
 
     def _first(self, headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:
-        get = headers.get
         for name in names:
-            value = get(name)
+            value = lookup(headers, name)
             if value:
                 value = value.strip()
                 if value:
@@ -120,10 +120,9 @@ class IdentityReader:
 
     def read(self, headers: Mapping[str, str]) -> Identity:
         """``headers`` maps lower-case names to values (first occurrence)."""
-        # Flattened: this runs once per request (the common miss costs one dict.get per name).
-        get = headers.get
+        # Flattened: this runs once per request (the common miss costs one lookup per name).
         for name in self._session:
-            value = get(name)
+            value = lookup(headers, name)
             if value:
                 value = value.strip()
                 if value:
@@ -150,9 +149,8 @@ class IdentityReader:
         # Flattened: most requests carry no lineage header, and one scan settles that without a
         # call per signal (Identity is built positionally: cheaper than by keyword).
         session = self._bounded(session)
-        get = headers.get
         for name in self._lineage:
-            if get(name):
+            if lookup(headers, name):
                 break
         else:
             return Identity(session, None, None, False)

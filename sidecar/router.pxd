@@ -6,6 +6,8 @@ from sidecar.deployments cimport Deployment
 from sidecar.identity cimport Identity, IdentityReader
 from sidecar.lineage cimport SessionTree, Turn
 from sidecar.context cimport RoutingContext
+from sidecar.engine.head cimport lookup
+from sidecar.headers cimport is_field_value
 
 cdef class RequestHead:
     cdef public object method

@@ -46,6 +46,7 @@ from sidecar import headers as h
 from sidecar.config import Config
 from sidecar.context import EndReason, RoutingContext, SessionEnd, TurnOutcome
 from sidecar.deployments import Deployment, Upstream
+from sidecar.engine.head import lookup
 from sidecar.headers import is_field_value
 from sidecar.identity import Identity, IdentityReader
 from sidecar.jsonbody import INVALID, TOO_DEEP, TOO_MANY, RepeatedKeys, ScannedBody, scan_body, splice
@@ -275,12 +276,12 @@ class Router:
         # Flattened: this runs once per request. Hot-path decisions are built positionally (a
         # class called with keywords costs a dict per call); the request id is read once.
         headers = head.headers
-        request_id = headers.get(_REQUEST_ID)
+        request_id = lookup(headers, _REQUEST_ID)
         ident = self.identity.read(headers)
         session = ident.session
         if self._shared and not loaded and self._not_held(session):
             raise LoadNeeded(ident)
-        selector = headers.get(self._selector)
+        selector = lookup(headers, self._selector)
         selected = None if selector is None else self._selected(selector)
         body_identity = session is None and self._body_identity
         if session is None and selected is None and not self._route_by_model and not body_identity:
@@ -635,7 +636,7 @@ class Router:
                 if self._shared:
                     self.state.touched(turn, mode_state=True)
         for name in self._worker_headers:
-            worker = headers.get(name)
+            worker = lookup(headers, name)
             if worker:
                 self._record_worker(decision, turn, worker.strip())
                 return

@@ -60,6 +60,7 @@ from sidecar.engine.head import (
     NAMES_HEADERS,
     copy_block,
     cut,
+    decimal,
     first_value,
     has_header,
     header_map,
@@ -499,12 +500,12 @@ class Exchange:
             )
         # The framing, from what the parser found (never from the client's header lines).
         if length >= 0:
-            parts += (CL_LINE, b"%d" % length, b"\r\n\r\n")
+            parts += (CL_LINE, decimal(length), b"\r\n\r\n")
         elif self.chunked:
             parts += (CHUNKED_LINE, b"\r\n")
             self.frame_chunked = True
         elif self.length >= 0:
-            parts += (CL_LINE, b"%d" % self.length, b"\r\n\r\n")
+            parts += (CL_LINE, decimal(self.length), b"\r\n\r\n")
         elif self.method not in NO_EMPTY_LENGTH:
             parts += (CL_ZERO, b"\r\n")
         else:

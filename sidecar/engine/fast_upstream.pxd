@@ -3,11 +3,10 @@
 cimport cython
 from sidecar.engine._direct_socket cimport DirectSocket
 from sidecar.engine.flow cimport ReadFlow
-from sidecar.engine.head cimport cut, locate
+from sidecar.engine.head cimport cut, head_end, locate
 from sidecar.engine.idle_poll cimport IdlePoller
 from sidecar.engine.relay cimport BodyRelay
 
-cdef bytes _HEAD_END
 cdef unsigned long _ENROLL_AFTER
 
 cdef class UpstreamConnection:
@@ -27,6 +26,7 @@ cdef class UpstreamConnection:
     cpdef _body(self, BodyRelay relay, bytes data)
     cpdef body_end(self, bint extra)
     cpdef invalid_body(self, exc)
+    cpdef bind(self, ex, bint client_paused)
     cpdef bint usable(self, double now) except -1
     cpdef send(self, bytes data, bint last)
     @cython.locals(pieces=list, raw=bytes, max_head=Py_ssize_t, k=Py_ssize_t, stop=Py_ssize_t, start=Py_ssize_t,

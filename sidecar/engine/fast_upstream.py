@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from sidecar.engine.direct import ENROLL_AFTER
 from sidecar.engine.direct import DirectSocket as new_direct_socket  # (the compiled layout cimports the type)
 from sidecar.engine.flow import CLIENT_FULL, DIRECT, ReadFlow
-from sidecar.engine.head import cut, locate
+from sidecar.engine.head import cut, head_end, locate
 from sidecar.engine.idle_poll import IdlePoller
 from sidecar.engine.parsers import ParseError, ResponseParser
 from sidecar.engine.relay import BodyRelay
@@ -66,7 +66,6 @@ if TYPE_CHECKING:
 # TLS transport reports it only at connection_lost, one iteration later.)
 STALE_CHECK_AFTER = 0.05
 
-_HEAD_END = b"\r\n\r\n"
 _ENROLL_AFTER = ENROLL_AFTER  # (a C constant in the compiled build: see fast_upstream.pxd)
 
 
@@ -287,7 +286,7 @@ class UpstreamConnection:
         raw = data if len(pieces) == 1 else b"".join(pieces)
         max_head = self.pool.max_head
         while True:
-            k = raw.find(_HEAD_END, self.scan_at)
+            k = head_end(raw, self.scan_at)
             if k < 0:
                 if len(raw) - self.raw_at > max_head:
                     self._fail(f"response head larger than {max_head} bytes")

@@ -10,6 +10,9 @@ cdef class HeaderBlock:
     @cython.locals(lower=bytes, value=bytes, mask="unsigned long long", one="unsigned long long")
     cpdef get(self, key, default=*)
 
+@cython.locals(block=HeaderBlock)
+cpdef lookup(headers, name)
+
 cdef inline long _name_bit(bytes raw, Py_ssize_t at, Py_ssize_t n)
 @cython.locals(one="unsigned long long", mask="unsigned long long", i=Py_ssize_t, at=Py_ssize_t,
                colon=Py_ssize_t, eol=Py_ssize_t)
@@ -29,6 +32,9 @@ cdef long _CONNECTION_BIT, _NAMES_BIT, _DROPPED
 cdef (Py_ssize_t, Py_ssize_t) _clamp(bytes raw, Py_ssize_t first, Py_ssize_t end)
 @cython.locals(p="const char *")
 cpdef bytes cut(bytes raw, Py_ssize_t start, Py_ssize_t stop)
+@cython.locals(n=Py_ssize_t, i=Py_ssize_t, c=long)
+cpdef Py_ssize_t head_end(bytes raw, Py_ssize_t at) except? -2
+cpdef bytes decimal(unsigned long long n)
 
 cdef inline Py_ssize_t _find(bytes raw, long c, Py_ssize_t i, Py_ssize_t end)
 @cython.locals(colon=Py_ssize_t, eol=Py_ssize_t)

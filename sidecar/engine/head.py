@@ -105,6 +105,33 @@ def cut(raw: bytes, start: int, stop: int) -> bytes:
     return p[start:stop]
 
 
+def head_end(raw: bytes, at: int) -> int:
+    """Where the first CRLF CRLF at or after ``at`` (``>= 0``) starts in ``raw``, -1 without one:
+    ``raw.find(b"\\r\\n\\r\\n", at)``. Compiled, a C loop that steps four bytes past any byte
+    that is neither CR nor LF (no match can hold it), instead of the method call's argument
+    parsing."""
+    n = len(raw)
+    i = at + 3
+    while i < n:
+        c = raw[i]
+        if c == 10:
+            if raw[i - 1] == 13 and raw[i - 2] == 10 and raw[i - 3] == 13:
+                return i - 3
+            i += 2  # this LF can only be a match's second byte
+        elif c == 13:
+            i += 1  # this CR can be a match's first or third byte
+        else:
+            i += 4
+    return -1
+
+
+def decimal(n: int) -> bytes:
+    """``b"%d" % n`` for ``0 <= n < 2**64``. Compiled, C formatting (head.pxd types ``n``, and
+    the f-string formats a C integer without an int object): the bytes ``%`` operator costs
+    several hundred instructions per call."""
+    return f"{n}".encode("ascii")
+
+
 def _find(raw: bytes, c: int, i: int, end: int) -> int:
     """Index of the first byte ``c`` in ``raw[i:end]``, ``end`` if there is none."""
     while i < end and raw[i] != c:
@@ -386,6 +413,10 @@ def has_header(raw: bytes, first: int, end: int, lower: bytes) -> bool:
 # the scans at import time in the interpreted build (see the end of the module).
 
 
+def _head_end_py(raw: bytes, at: int) -> int:
+    return raw.find(b"\r\n\r\n", at)
+
+
 def _locate_py(raw: bytes, at: int) -> tuple[int, int, int]:
     n = len(raw)
     start = 0 if at < 0 else at
@@ -603,10 +634,22 @@ class HeaderBlock:
 
 Mapping.register(HeaderBlock)
 
+
+def lookup(headers: Mapping[str, str], name: str) -> str | None:
+    """``headers.get(name)``. Compiled, a C call when ``headers`` is a :class:`HeaderBlock` (the
+    fast engine's): the router and the identity reader look up several names per request, most
+    of them absent, and a Python-level method call costs more than an absent name's lookup."""
+    if type(headers) is HeaderBlock:
+        block = headers
+        return block.get(name)
+    return headers.get(name)
+
+
 # The implementations, chosen once: compiled, the scans above run as C loops; interpreted, their
 # bytes-method versions run instead.
 _COMPILED = is_compiled(sys.modules[__name__])
 if not _COMPILED:
+    head_end = _head_end_py
     locate = _locate_py
     relay_block = _relay_block_py
     copy_block = _copy_block_py

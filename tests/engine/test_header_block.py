@@ -6,6 +6,8 @@ relays with."""
 from collections.abc import Mapping
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sidecar.engine.head import (
     HAS_CONNECTION,
@@ -20,10 +22,13 @@ from sidecar.engine.head import (
     HeaderBlock,
     copy_block,
     cut,
+    decimal,
     first_value,
     has_header,
+    head_end,
     header_values,
     locate,
+    lookup,
     name_table,
     origin_form,
     reason_phrase,
@@ -53,6 +58,17 @@ def test_reads_like_the_first_value_dict() -> None:
     assert view["x-raw"].encode("utf-8", "surrogateescape") == b"caf\xc3\xa9 \xff "  # nothing lost
     assert "X-Worker" not in view and view.get("x~under^") is None and "x-worke" not in view
     assert view["x_under^"] == "u"
+
+
+@pytest.mark.parametrize("headers", [HeaderBlock(HEADERS), EXPECTED], ids=["block", "dict"])
+def test_lookup_is_get_on_a_block_or_any_mapping(headers: Mapping[str, str]) -> None:
+    assert [lookup(headers, name) for name in ("x-worker", "x-raw", "x-missing", "X-Worker")] == [
+        "w1",
+        "caf\u00e9 \udcff ",
+        None,
+        None,
+    ]
+    assert lookup(headers, None) is None  # type: ignore[arg-type]  # (an unset header name)
 
 
 def test_is_read_only_and_unhashable() -> None:
@@ -167,6 +183,36 @@ def test_cut_is_a_slice_within_the_bytes() -> None:
     spans = [(0, len(raw)), (9, 12), (4, 4), (12, 9), (len(raw), len(raw)), (0, 0)]
     assert [cut(raw, start, stop) for start, stop in spans] == [raw[start:stop] for start, stop in spans]
     assert cut(b"", 0, 0) == b"" and type(cut(raw, 0, 4)) is bytes
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"HTTP/1.1 200 OK\r\nA: 1\r\n\r\nbody\r\n\r\n",
+        b"\r\n\r\n",
+        b"\r\r\n\r\r\n\r\n\r\n",
+        b"\n\r\n\r\n\n",
+        b"A: 1\r\nB: 2\r\n\r",
+        b"xxxxxxx\r\n\r\n",
+        b"",
+        b"\r\n\r",
+    ],
+)
+def test_head_end_finds_the_first_blank_line_from_any_start(raw: bytes) -> None:
+    for at in range(len(raw) + 2):
+        assert head_end(raw, at) == raw.find(b"\r\n\r\n", at), at
+
+
+@given(st.lists(st.sampled_from([b"a", b"\r", b"\n", b"\r\n"]), max_size=24))
+def test_head_end_agrees_with_find_on_any_mix_of_cr_and_lf(pieces: list[bytes]) -> None:
+    raw = b"".join(pieces)
+    for at in range(len(raw) + 1):
+        assert head_end(raw, at) == raw.find(b"\r\n\r\n", at)
+
+
+def test_decimal_is_the_digits_of_a_length() -> None:
+    for n in (0, 7, 1024, 10**12, 2**63 - 1, 2**64 - 1):
+        assert decimal(n) == b"%d" % n
 
 
 @pytest.mark.parametrize(
