@@ -9,5 +9,6 @@ cdef class ScannedBody:
     cdef public list hits
 
 @cython.locals(start=Py_ssize_t, end=Py_ssize_t, last=Py_ssize_t, depth=Py_ssize_t, i=Py_ssize_t, index=Py_ssize_t,
-               data=bytes, insert=bytes, member=bytes, hits=list, found=list, edits=list)
+               data=bytes, insert=bytes, member=bytes, hits=list, found=list, edits=list, paths=tuple)
 cpdef bytes splice(ScannedBody body, tuple path, dict values, tuple owned=*)
+cdef dict _PATHS

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from sidecar import jsonscan
-from sidecar.jsonscan import INVALID, TOO_DEEP, TOO_MANY
+from sidecar.jsonscan import INVALID, TOO_DEEP, TOO_MANY, assemble, scan
 
 __all__ = [
     "INVALID",
@@ -88,7 +88,7 @@ class ScannedBody:
 def scan_body(data: bytes, max_depth: int, names: tuple[bytes, ...]) -> ScannedBody:
     """Validate ``data`` as one JSON document nested at most ``max_depth`` deep and locate its
     top-level members named in ``names`` (bytes; at most :data:`~sidecar.jsonscan.MAX_NAMES`)."""
-    status, start, end, last, hits = jsonscan.scan(data, 0, len(data), max_depth, names)
+    status, start, end, last, hits = scan(data, 0, len(data), max_depth, names)
     return ScannedBody(data, status, start, end, last, names, hits)
 
 
@@ -108,7 +108,7 @@ def members(data: bytes, start: int, end: int, names: tuple[bytes, ...]) -> list
     """``(name index, key start, key end, value start, value end)`` of each member named in
     ``names`` of the object at ``data[start:end]`` (a span of a scanned body), in document order.
     Raises :class:`RepeatedKeys` past :data:`~sidecar.jsonscan.MAX_HITS` of them."""
-    status, _, _, _, hits = jsonscan.scan(data, start, end, _ANY_DEPTH, names)
+    status, _, _, _, hits = scan(data, start, end, _ANY_DEPTH, names)
     if status == TOO_MANY:
         raise RepeatedKeys(
             f"an object repeats the keys {[n.decode() for n in names]} more than {jsonscan.MAX_HITS} times"
@@ -146,7 +146,9 @@ def splice(body: ScannedBody, path: tuple[str, ...], values: dict[str, Any], own
     reports) and ``TypeError`` (a key that is not a string, a value orjson cannot serialize, more
     keys to remove than a scan looks for).
     """
-    paths = _path_bytes(path)
+    paths = _PATHS.get(path)
+    if paths is None:
+        paths = _path_bytes(path)
     keys: tuple[bytes, ...] = paths[0]
     opens: tuple[bytes, ...] = paths[1]
     insert = orjson.dumps(values)[1:-1]  # the members to append
@@ -180,7 +182,7 @@ def splice(body: ScannedBody, path: tuple[str, ...], values: dict[str, Any], own
         _edit_object(data, start, last, [(ks, ve) for ks, _, ve in found], insert, edits)
         break
     edits.sort()
-    return jsonscan.assemble(data, edits)
+    return assemble(data, edits)
 
 
 def _located(data: bytes, start: int, end: int, names: tuple[bytes, ...]) -> tuple[int, list[tuple[int, int, int]]]:
@@ -188,7 +190,7 @@ def _located(data: bytes, start: int, end: int, names: tuple[bytes, ...]) -> tup
     start and value end of its members named in ``names``."""
     if len(names) > jsonscan.MAX_NAMES:
         raise TypeError(f"a body patch removes at most {jsonscan.MAX_NAMES} keys")
-    status, _, _, last, hits = jsonscan.scan(data, start, end, _ANY_DEPTH, names)
+    status, _, _, last, hits = scan(data, start, end, _ANY_DEPTH, names)
     if status == TOO_MANY:
         raise RepeatedKeys(
             f"an object repeats the keys {[n.decode() for n in names]} more than {jsonscan.MAX_HITS} times"
@@ -207,10 +209,8 @@ def _owned_names(owned: tuple[str, ...], values: dict[str, Any]) -> tuple[bytes,
 
 def _path_bytes(path: tuple[str, ...]) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
     """A patch path's keys as bytes, and for each depth the opening of the objects from there
-    down: ``'"b":{"c":{'`` for depth 1 of ``("a", "b", "c")`` (modes use a path or two: cached)."""
-    cached = _PATHS.get(path)
-    if cached is not None:
-        return cached
+    down: ``'"b":{"c":{'`` for depth 1 of ``("a", "b", "c")``. Cached in ``_PATHS`` (modes use a
+    path or two), which :func:`splice` reads first."""
     if not path or not all(type(k) is str for k in path):
         raise TypeError(f"a body patch's path is a non-empty tuple of string keys (got {path!r:.100})")
     opens = [b""]

@@ -8,6 +8,7 @@ from sidecar.lineage cimport SessionTree, Turn
 from sidecar.context cimport RoutingContext
 from sidecar.engine.head cimport lookup
 from sidecar.headers cimport is_field_value
+from sidecar.jsonbody cimport splice
 
 cdef class RequestHead:
     cdef public object method
@@ -60,6 +61,8 @@ cdef class Router:
     cpdef _admit_body(self, Decision decision, _Pending pending, tuple read, bint loaded=*)
     @cython.locals(dep=Deployment)
     cpdef _rewrite(self, Decision decision, scanned)
+    cpdef _completed(self, Decision admitted, result)
+    cpdef bytes _spliced(self, Decision decision, tuple outcome)
     cpdef _check_session(self, Deployment dep, session, rec)
     cpdef _choose(self, session, rec, selected, model_dep)
     cpdef binding(self, session, rec=*)

@@ -381,16 +381,17 @@ class Router:
         if admitted.ctx is None or not dep.rewrites_body:
             admitted.body = body
             return admitted
-        return self._completed(admitted, partial(self._rewrite, admitted, scanned))
-
-    def _completed(self, admitted: Decision, step: Callable[[], bytes | _Steps]) -> Decision | BodyWork:
-        """Run one step of an admitted decision's body rewrite: its body, or body work to run off
-        the loop. A step that raises releases the admission first (the engine never held it)."""
         try:
-            result = step()
+            result = self._rewrite(admitted, scanned)
         except BaseException:
-            self.finish(admitted, TurnOutcome.UPSTREAM_FAILED)
+            self.finish(admitted, TurnOutcome.UPSTREAM_FAILED)  # never handed out: released here
             raise
+        return self._completed(admitted, result)
+
+    def _completed(self, admitted: Decision, result: bytes | _Steps) -> Decision | BodyWork:
+        """An admitted decision given one step of its body rewrite: its body, or body work to
+        run off the loop. (The caller releases the admission when a step raises: the engine
+        never held it.)"""
         if isinstance(result, bytes):
             admitted.body = result
             return admitted
@@ -398,7 +399,12 @@ class Router:
         return BodyWork(run, partial(self._resume, admitted, resume), partial(self.finish, admitted))
 
     def _resume(self, admitted: Decision, resume: Callable[[Any], bytes], outcome: Any) -> Decision | BodyWork:
-        return self._completed(admitted, partial(resume, outcome))
+        try:
+            result = resume(outcome)
+        except BaseException:
+            self.finish(admitted, TurnOutcome.UPSTREAM_FAILED)
+            raise
+        return self._completed(admitted, result)
 
     def _selected(self, name: str) -> Deployment:
         """The deployment the selector header names (raises for an unknown name)."""
@@ -561,7 +567,11 @@ class Router:
                 partial(_attempt, splice, scanned, patch.path, patch.values, patch.owned),
                 partial(self._spliced, decision),
             )
-        return self._spliced(decision, _attempt(splice, scanned, patch.path, patch.values, patch.owned))
+        try:  # (_attempt, inline: no Python-level call on the usual, small-body path)
+            outcome: tuple[Any, Exception | None] = splice(scanned, patch.path, patch.values, patch.owned), None
+        except Exception as exc:
+            outcome = None, exc
+        return self._spliced(decision, outcome)
 
     def _spliced(self, decision: Decision, outcome: tuple[Any, Exception | None]) -> bytes:
         new, exc = outcome

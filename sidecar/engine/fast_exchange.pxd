@@ -61,6 +61,7 @@ cdef class Exchange:
     @cython.locals(complete=bint)
     cpdef _send(self, UpstreamConnection conn, list parts)
     cpdef _send_transformed(self)
+    cpdef _body_ready(self, result)
     cpdef pump(self)
     @cython.locals(client=ClientSide, conn=UpstreamConnection, output=ClientOutput, out=list, mark=Py_ssize_t,
                    framing=long, mode=long, http10=bint)
