@@ -5,5 +5,6 @@ cdef class DirectSocket:
     cdef object transport, is_closing
     cdef bint queued
     cpdef write(self, bytes data)
+    cpdef writev(self, list parts)
     cdef int send_buffer(self, const unsigned char *buf, Py_ssize_t n) except -1
     cdef int _send(self, const unsigned char *buf, Py_ssize_t n, object data) except -1

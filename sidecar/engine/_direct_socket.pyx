@@ -2,23 +2,32 @@
 """A connection's socket written without the event loop's transport machinery (compiled build
 only; :mod:`sidecar.engine.direct` says when it is used).
 
-:class:`DirectSocket` writes with one ``send`` when its transport has nothing buffered: all of
-the bytes sent, done; the rest, or all of them after EAGAIN or an error, go to
-``transport.write``, which buffers them or meets the error itself and reports it as it always
-does. It never writes once the transport is closing: the descriptor is the transport's, and is
-only known to be this connection's while the transport is open. It is the transport's only
-writer, so it knows when the transport may hold bytes (after it handed it some) and asks the
-transport's buffer size only then.
+:class:`DirectSocket` writes with one ``send`` (one gathering ``sendmsg`` for pieces) when its
+transport has nothing buffered: all of the bytes sent, done; the rest, or all of them after
+EAGAIN or an error, go to ``transport.write``, which buffers them or meets the error itself and
+reports it as it always does. It never writes once the transport is closing: the descriptor is
+the transport's, and is only known to be this connection's while the transport is open. It is
+the transport's only writer, so it knows when the transport may hold bytes (after it handed it
+some) and asks the transport's buffer size only then.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from libc.string cimport memset
+from posix.uio cimport iovec
 
 
 cdef extern from "<sys/socket.h>" nogil:
     ssize_t send(int fd, const void *buf, size_t n, int flags)
+    struct msghdr:
+        iovec *msg_iov
+        size_t msg_iovlen
+    ssize_t sendmsg(int fd, const msghdr *msg, int flags)
     enum:
         MSG_DONTWAIT
         MSG_NOSIGNAL
+
+cdef enum:
+    _MAX_PARTS = 64  # pieces one sendmsg gathers (a request or response head has a dozen or so)
 
 
 cdef class DirectSocket:
@@ -34,6 +43,43 @@ cdef class DirectSocket:
     cpdef write(self, bytes data):
         """Write all of ``data``: now, as far as the socket takes it; the rest through the transport."""
         self._send(<const unsigned char *>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), data)
+
+    cpdef writev(self, list parts):
+        """Write the bytes objects ``parts``, in order, as :meth:`write` writes their join: when
+        nothing is queued, one ``sendmsg`` gathers them from where they are (no joined copy, no
+        allocation); what the socket does not take goes to the transport, joined."""
+        cdef iovec iov[_MAX_PARTS]
+        cdef msghdr msg
+        cdef Py_ssize_t n = len(parts), i, total = 0, sent = 0
+        if n > _MAX_PARTS:
+            self.write(b"".join(parts))
+            return
+        for i in range(n):
+            part = parts[i]
+            if type(part) is not bytes:
+                self.write(b"".join(parts))
+                return
+            iov[i].iov_base = PyBytes_AS_STRING(part)
+            iov[i].iov_len = PyBytes_GET_SIZE(part)
+            total += PyBytes_GET_SIZE(part)
+        transport = self.transport
+        if self.queued:  # bytes went to the transport: they leave first
+            if transport.get_write_buffer_size():
+                transport.write(b"".join(parts))
+                return
+            self.queued = False
+        if not self.is_closing():
+            memset(&msg, 0, sizeof(msg))
+            msg.msg_iov = iov
+            msg.msg_iovlen = n
+            sent = sendmsg(self.fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL)
+            if sent == total:
+                return
+            if sent < 0:  # EAGAIN, or an error the transport will meet and report
+                sent = 0
+        self.queued = True
+        rest = b"".join(parts)
+        transport.write(rest if sent == 0 else rest[sent:])
 
     cdef int send_buffer(self, const unsigned char *buf, Py_ssize_t n) except -1:
         """Write ``buf[:n]`` as :meth:`write` does: a bytes object is made only for what the

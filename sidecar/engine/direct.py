@@ -39,6 +39,9 @@ class Writer(Protocol):
 
     def write(self, data: bytes) -> None: ...
 
+    def writev(self, parts: list[bytes]) -> None:
+        """``write(b"".join(parts))``, gathered by one ``sendmsg`` instead of joined."""
+
     def send_buffer(self, buf: bytes, n: int) -> None:
         """``write(buf[:n])`` where ``buf`` is a C buffer (compiled build: C callers only)."""
 

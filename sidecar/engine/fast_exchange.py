@@ -570,7 +570,7 @@ class Exchange:
             if out:
                 conn = self.conn
                 assert conn is not None
-                conn.send(b"".join(out), complete)
+                conn.send(out, complete)
         elif state == BUFFERING:
             if self.complete:
                 self._send_transformed()
@@ -698,10 +698,10 @@ class Exchange:
         else:
             self.state = SENDING
         if large is None:
-            conn.send(b"".join(parts), complete)
+            conn.send(parts, complete)
         else:
-            conn.send(b"".join(parts), False)
-            conn.send(large, complete)
+            conn.send(parts, False)
+            conn.send([large], complete)
 
     def connect_failed(self, kind: str, exc: BaseException) -> None:
         if self.state != CONNECTING:

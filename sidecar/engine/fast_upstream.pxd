@@ -28,7 +28,7 @@ cdef class UpstreamConnection:
     cpdef invalid_body(self, exc)
     cpdef bind(self, ex, bint client_paused)
     cpdef bint usable(self, double now) except -1
-    cpdef send(self, bytes data, bint last)
+    cpdef send(self, list parts, bint last)
     @cython.locals(pieces=list, raw=bytes, max_head=Py_ssize_t, k=Py_ssize_t, stop=Py_ssize_t, start=Py_ssize_t,
                    first=Py_ssize_t, end=Py_ssize_t, status=long, now=double, relay=BodyRelay)
     cpdef _head(self, bytes data)

@@ -236,13 +236,17 @@ class UpstreamConnection:
             and (now - self.idle_since < STALE_CHECK_AFTER or not self._poll.poll(0))
         )
 
-    def send(self, data: bytes, last: bool) -> None:
-        """Write request bytes (``last``: the request is complete with them)."""
+    def send(self, parts: list[bytes], last: bool) -> None:
+        """Write request bytes, ``parts`` in order in one write (``last``: the request is complete
+        with them)."""
         self.sent_all = last
         if self.sock is not None:
-            self.sock.write(data)
+            if len(parts) == 1:
+                self.sock.write(parts[0])
+            else:
+                self.sock.writev(parts)
         else:
-            self.transport.write(data)  # type: ignore[union-attr]
+            self.transport.write(parts[0] if len(parts) == 1 else b"".join(parts))  # type: ignore[union-attr]
 
     def client_full(self, full: bool) -> None:
         """The client's write buffer went above (or back below) its high-water mark."""

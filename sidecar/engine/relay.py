@@ -49,7 +49,8 @@ _LAST_CHUNK = b"0\r\n\r\n"
 class ClientOutput:
     """The bytes a client connection has to write: gathered in ``parts`` while an event is
     handled, written in one write by :meth:`flush` (nothing once ``closed``): through ``sock``
-    (:class:`sidecar.engine.direct.DirectSocket`, the compiled build) or the transport."""
+    (:class:`sidecar.engine.direct.DirectSocket`, the compiled build; several parts in one
+    gathering write) or the transport (joined)."""
 
     __slots__ = ("transport", "sock", "parts", "closed")
 
@@ -61,14 +62,25 @@ class ClientOutput:
 
     def flush(self) -> None:
         parts = self.parts
-        if parts:
-            data = parts[0] if len(parts) == 1 else b"".join(parts)
+        if not parts:
+            return
+        if self.closed:
             parts.clear()
-            if not self.closed:
-                if self.sock is not None:
-                    self.sock.write(data)
-                else:
-                    self.transport.write(data)
+        elif len(parts) == 1:  # (the usual streamed event)
+            data = parts[0]
+            parts.clear()
+            if self.sock is not None:
+                self.sock.write(data)
+            else:
+                self.transport.write(data)
+        elif self.sock is not None:  # a head and what follows it: gathered, not joined
+            pieces = parts.copy()  # (emptied before the write, as a write may call back here)
+            parts.clear()
+            self.sock.writev(pieces)
+        else:
+            data = b"".join(parts)
+            parts.clear()
+            self.transport.write(data)
 
     def send_buffer(self, buf: bytes, n: int) -> None:
         """Write ``buf[:n]`` after what is gathered: at once when nothing is (through ``sock``,
