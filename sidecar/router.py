@@ -560,15 +560,13 @@ class Router:
         if patch is None:
             dep.stats.rewritten().inc()  # type: ignore[union-attr]
             return body
-        if patch.path[0] not in self._patch_roots:
-            self._locate_root(patch.path[0])
+        path, values, owned = patch.path, patch.values, patch.owned
+        if path[0] not in self._patch_roots:
+            self._locate_root(path[0])
         if len(body) > INLINE_BYTES:
-            return (
-                partial(_attempt, splice, scanned, patch.path, patch.values, patch.owned),
-                partial(self._spliced, decision),
-            )
+            return partial(_attempt, splice, scanned, path, values, owned), partial(self._spliced, decision)
         try:  # (_attempt, inline: no Python-level call on the usual, small-body path)
-            outcome: tuple[Any, Exception | None] = splice(scanned, patch.path, patch.values, patch.owned), None
+            outcome: tuple[Any, Exception | None] = splice(scanned, path, values, owned), None
         except Exception as exc:
             outcome = None, exc
         return self._spliced(decision, outcome)

@@ -1,7 +1,7 @@
 # Compiled layout of fast_connection.py (Cython "augmenting" declarations; see setup.py). Keep
 # the fields equal to ClientConnection.__slots__ (its base's are in fast_exchange.pxd).
 cimport cython
-from sidecar.engine.fast_exchange cimport ClientSide, Exchange, Shared
+from sidecar.engine.fast_exchange cimport ClientSide, Exchange, Shared, new_exchange
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.head cimport scan_request
 from sidecar.engine.relay cimport ClientOutput

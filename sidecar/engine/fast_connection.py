@@ -27,7 +27,7 @@ from typing import Any, cast
 from sidecar import errors
 from sidecar.engine import wire
 from sidecar.engine.direct import DirectSocket
-from sidecar.engine.fast_exchange import ABORT, CLOSE, DONE, QUEUED, ClientSide, Exchange, Shared
+from sidecar.engine.fast_exchange import ABORT, CLOSE, DONE, QUEUED, ClientSide, Exchange, Shared, new_exchange
 from sidecar.engine.flow import PIPELINED, STOPPED, ReadFlow
 from sidecar.engine.head import HOST_INVALID, HOST_REPEATED, HOST_SEEN, LISTED, name_table, scan_request
 from sidecar.engine.parsers import CallbackError, HeadTooLarge, ParseError, RequestParser, UpgradeRequest
@@ -168,7 +168,7 @@ class ClientConnection(ClientSide):
         keep_alive: bool,
         length: int,
     ) -> None:
-        ex = Exchange(self, raw, first, end, method, target, keep_alive, length)
+        ex = new_exchange(self, raw, first, end, method, target, keep_alive, length)
         facts = scan_request(raw, first, end, _SPECIAL)
         ex.special = special = facts & _LISTED != 0
         # Without a Connection header (``special`` covers it), llhttp keeps a request alive only
@@ -303,7 +303,7 @@ class ClientConnection(ClientSide):
         ex = self.cur
         self.cur = None
         if ex is None:
-            ex = Exchange(self, b"", 0, 0, b"", b"", False, -1)
+            ex = new_exchange(self, b"", 0, 0, b"", b"", False, -1)
             ex.error = (exc, reason)
             self.queue.append(ex)
         elif ex.state == _QUEUED:

@@ -3,7 +3,7 @@
 # (lengths and limits stay Python ints: a client may declare any Content-Length).
 cimport cython
 from sidecar.engine.flow cimport ReadFlow
-from sidecar.engine.fast_upstream cimport UpstreamConnection, UpstreamPool
+from sidecar.engine.fast_upstream cimport UpstreamConnection, UpstreamPool, UpstreamRequest
 from sidecar.engine.idle_poll cimport IdlePoller
 from sidecar.engine.relay cimport BodyRelay, ClientOutput
 from sidecar.engine.head cimport (HeaderBlock, copy_block, cut, decimal, first_value, has_header, header_map, header_values,
@@ -12,7 +12,7 @@ from sidecar.metrics cimport DeploymentStats, _Value
 from sidecar.deployments cimport Deployment
 from sidecar.router cimport Decision, Router
 
-cdef class Exchange
+cdef class Exchange(UpstreamRequest)
 
 cdef class Shared:
     cdef public object engine, health, drained
@@ -36,7 +36,7 @@ cdef class ClientSide:
     cpdef watch(self, double due, double now)
     cpdef flush(self)
 
-cdef class Exchange:
+cdef class Exchange(UpstreamRequest):
     cdef public ClientSide client
     cdef public Shared shared
     cdef public bytes method, target, raw
@@ -51,6 +51,8 @@ cdef class Exchange:
     cdef public double t0, connect_timeout, first_byte_timeout, idle_timeout, last_io, head_at
     cdef public HeaderBlock resp_head
     cdef public UpstreamConnection conn
+    cpdef setup(self, ClientSide client, bytes raw, Py_ssize_t first, Py_ssize_t end, bytes method, bytes target,
+                bint keep_alive, length)
     @cython.locals(shared=Shared)
     cpdef start(self)
     @cython.locals(router=Router, decision=Decision, dep=Deployment)
@@ -76,3 +78,7 @@ cdef class Exchange:
     cpdef _finish_turn(self, outcome)
     @cython.locals(conn=UpstreamConnection)
     cpdef _end(self, long close)
+
+@cython.locals(ex=Exchange)
+cpdef Exchange new_exchange(ClientSide client, bytes raw, Py_ssize_t first, Py_ssize_t end, bytes method,
+                            bytes target, bint keep_alive, length)

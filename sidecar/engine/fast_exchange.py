@@ -49,7 +49,7 @@ from typing import Any
 
 from sidecar import errors
 from sidecar.context import TurnOutcome
-from sidecar.engine.fast_upstream import UpstreamConnection, UpstreamPool
+from sidecar.engine.fast_upstream import UpstreamConnection, UpstreamPool, UpstreamRequest
 from sidecar.engine.flow import PEER_FULL, WAITING
 from sidecar.engine.head import (
     HAS_CONTENT_LENGTH,
@@ -226,8 +226,9 @@ class ClientSide:
         raise NotImplementedError
 
 
-class Exchange:
-    """One request/response: routed, forwarded, relayed, ended exactly once (module docstring)."""
+class Exchange(UpstreamRequest):
+    """One request/response: routed, forwarded, relayed, ended exactly once (module docstring).
+    Made by :func:`new_exchange`."""
 
     __slots__ = (
         "client",
@@ -266,7 +267,7 @@ class Exchange:
         "close_after",
     )
 
-    def __init__(
+    def setup(
         self,
         client: ClientSide,
         raw: bytes,
@@ -277,6 +278,8 @@ class Exchange:
         keep_alive: bool,
         length: int,
     ) -> None:
+        """Its fields, for the request whose head is ``raw[first:end]`` (``client``'s; called once,
+        by :func:`new_exchange`, which makes every exchange)."""
         self.client = client
         self.shared = client.shared
         self.method = method
@@ -977,3 +980,21 @@ class Exchange:
             self.conn = None
             conn.abort()
         self.client.finish_exchange(self, close)
+
+
+def new_exchange(
+    client: ClientSide,
+    raw: bytes,
+    first: int,
+    end: int,
+    method: bytes,
+    target: bytes,
+    keep_alive: bool,
+    length: int,
+) -> Exchange:
+    """``Exchange(...)`` as the engine makes one per request: compiled, an allocation and a C call
+    (calling the class packs the arguments into a tuple and parses them: an extension type that
+    derives from another is constructed without vectorcall)."""
+    ex = Exchange.__new__(Exchange)
+    ex.setup(client, raw, first, end, method, target, keep_alive, length)
+    return ex

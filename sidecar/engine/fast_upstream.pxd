@@ -9,9 +9,16 @@ from sidecar.engine.relay cimport BodyRelay
 
 cdef unsigned long _ENROLL_AFTER
 
+cdef class UpstreamRequest:
+    cpdef response_head(self, long status, bytes raw, Py_ssize_t start, Py_ssize_t first, Py_ssize_t end, length,
+                        double now)
+    cpdef head_sent(self)
+    cpdef response_end(self, double now)
+
 cdef class UpstreamConnection:
     cdef public UpstreamPool pool
-    cdef public object transport, parser, ex, _poll
+    cdef public UpstreamRequest ex
+    cdef public object transport, parser, _poll
     cdef public ReadFlow flow
     cdef public list pieces
     cdef public Py_ssize_t raw_at, scan_at, fed

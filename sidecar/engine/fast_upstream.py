@@ -1,7 +1,7 @@
 """Upstream side of the protocol-level engine: keep-alive connections, pooled per upstream.
 
 An :class:`UpstreamConnection` carries one request at a time (no upstream pipelining) for the
-:class:`Exchange` bound to it. The exchange writes its request through :meth:`~UpstreamConnection.send`;
+:class:`UpstreamRequest` (the fast engine's exchange) bound to it. The exchange writes its request through :meth:`~UpstreamConnection.send`;
 the connection hands it the response head and the response's end, exactly once each:
 
 - llhttp (:mod:`sidecar.engine.parsers`) parses and checks each response head, fed exactly the
@@ -69,32 +69,52 @@ STALE_CHECK_AFTER = 0.05
 _ENROLL_AFTER = ENROLL_AFTER  # (a C constant in the compiled build: see fast_upstream.pxd)
 
 
-class Exchange(Protocol):
-    """What a connection needs from the request it carries (:mod:`sidecar.engine.fast_exchange`).
-    Once bound, a connection calls exactly one of ``response_end`` / ``upstream_failed`` /
-    ``connect_failed`` (after at most one ``response_head``), unless the exchange releases it first."""
+if TYPE_CHECKING:
 
-    connect_timeout: float
+    class _Timed(Protocol):
+        connect_timeout: float  # an UpstreamRequest's (set by the subclass): bounds the opening
+
+
+class UpstreamRequest:
+    """What a connection needs from the request it carries: the base of
+    :class:`sidecar.engine.fast_exchange.Exchange` (compiled, an extension type whose hot methods
+    the connection calls in C). Once bound, a connection calls exactly one of ``response_end`` /
+    ``upstream_failed`` / ``connect_failed`` (after at most one ``response_head``), unless the
+    exchange releases it first."""
+
+    __slots__ = ()
 
     @property
-    def wants_connection(self) -> bool: ...
-    def attach(self, conn: UpstreamConnection) -> None: ...
+    def wants_connection(self) -> bool:
+        raise NotImplementedError
+
+    def attach(self, conn: UpstreamConnection) -> None:
+        raise NotImplementedError
+
     def connect_failed(self, kind: str, exc: BaseException) -> None:
         """No connection: ``kind`` is ``timeout``, ``connect``, or ``tls`` (the upstream refused
         the TLS session on a connection that was already bound to the exchange)."""
+        raise NotImplementedError
 
-    def peer_full(self, full: bool) -> None: ...
+    def peer_full(self, full: bool) -> None:
+        raise NotImplementedError
+
     def response_head(
         self, status: int, raw: bytes, start: int, first: int, end: int, length: int, now: float
     ) -> BodyRelay | None:
         """The final response head (``length``: its declared Content-Length, -1 without one); the
         relay its body goes through, or None when it has none."""
+        raise NotImplementedError
 
     def head_sent(self) -> None:
         """The head went to the client (it may hear of it later, at the latest on its end)."""
+        raise NotImplementedError
 
-    def response_end(self, now: float) -> None: ...
-    def upstream_failed(self, message: str) -> None: ...
+    def response_end(self, now: float) -> None:
+        raise NotImplementedError
+
+    def upstream_failed(self, message: str) -> None:
+        raise NotImplementedError
 
 
 class UpstreamConnection:
@@ -129,7 +149,7 @@ class UpstreamConnection:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser = ResponseParser()  # the response heads' parser, for the connection's life
-        self.ex: Exchange | None = None
+        self.ex: UpstreamRequest | None = None
         self.lost = False
         self.counted = True  # counts towards the pool's bound until lost or dropped
         # The reads since the response began, until its final head is complete (joined once
@@ -216,7 +236,7 @@ class UpstreamConnection:
 
     # -- used by the pool and the exchange ------------------------------------------------
 
-    def bind(self, ex: Exchange, client_paused: bool) -> None:
+    def bind(self, ex: UpstreamRequest, client_paused: bool) -> None:
         """Carry ``ex``'s request (``client_paused``: its client cannot take more right now)."""
         self.ex = ex
         self.sent_all = False
@@ -434,7 +454,7 @@ class UpstreamPool:
         # A response head larger than this is a protocol error (502), never relayed.
         self.max_head = max_head
         self.idle: deque[UpstreamConnection] = deque()
-        self.waiters: deque[Exchange] = deque()
+        self.waiters: deque[UpstreamRequest] = deque()
         self.total = 0  # connecting + open
         self.tasks: set[asyncio.Task[None]] = set()
         self.closed = False
@@ -449,7 +469,7 @@ class UpstreamPool:
             self.drop(conn)  # closed by the upstream while pooled: never written to
         return None
 
-    def acquire(self, ex: Exchange) -> None:
+    def acquire(self, ex: UpstreamRequest) -> None:
         """No idle connection (``take`` gave none): open one for ``ex`` or queue it; it gets
         ``ex.attach`` or ``ex.connect_failed`` later."""
         if self.total < self.limit:
@@ -506,15 +526,15 @@ class UpstreamPool:
             if ex.wants_connection:
                 self._open(ex)
 
-    def _open(self, ex: Exchange) -> None:
+    def _open(self, ex: UpstreamRequest) -> None:
         self.total += 1
         task = self.loop.create_task(self._connect(ex))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _connect(self, ex: Exchange) -> None:
+    async def _connect(self, ex: UpstreamRequest) -> None:
         try:
-            async with asyncio.timeout(ex.connect_timeout):
+            async with asyncio.timeout(cast("_Timed", ex).connect_timeout):
                 if self.tls is None:
                     # (a protocol by its methods: compiled, it cannot subclass asyncio.Protocol)
                     _, conn = await self.loop.create_connection(  # type: ignore[type-var]
