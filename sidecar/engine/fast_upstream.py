@@ -1,8 +1,9 @@
 """Upstream side of the protocol-level engine: keep-alive connections, pooled per upstream.
 
 An :class:`UpstreamConnection` carries one request at a time (no upstream pipelining) for the
-:class:`UpstreamRequest` (the fast engine's exchange) bound to it. The exchange writes its request through :meth:`~UpstreamConnection.send`;
-the connection hands it the response head and the response's end, exactly once each:
+:class:`UpstreamRequest` (the fast engine's exchange) bound to it. The exchange writes its
+request through :meth:`~UpstreamConnection.send`; the connection hands it the response head and
+the response's end, exactly once each:
 
 - llhttp (:mod:`sidecar.engine.parsers`) parses and checks each response head, fed exactly the
   head's bytes (up to its empty line; 1xx interim heads are skipped); the exchange gets the head
