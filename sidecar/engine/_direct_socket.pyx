@@ -51,6 +51,9 @@ cdef class DirectSocket:
         cdef iovec iov[_MAX_PARTS]
         cdef msghdr msg
         cdef Py_ssize_t n = len(parts), i, total = 0, sent = 0
+        if n == 1 and type(parts[0]) is bytes:  # nothing to gather
+            self.write(parts[0])
+            return
         if n > _MAX_PARTS:
             self.write(b"".join(parts))
             return

@@ -262,10 +262,7 @@ class UpstreamConnection:
         with them)."""
         self.sent_all = last
         if self.sock is not None:
-            if len(parts) == 1:
-                self.sock.write(parts[0])
-            else:
-                self.sock.writev(parts)
+            self.sock.writev(parts)
         else:
             self.transport.write(parts[0] if len(parts) == 1 else b"".join(parts))  # type: ignore[union-attr]
 

@@ -63,8 +63,9 @@ async def test_what_the_socket_does_not_take_follows_through_the_transport_in_or
         sock.writev(big)
         assert transport.get_write_buffer_size() > 0  # the rest went to the transport
         sock.writev([b"tail-", b"end"])  # queued behind it, not sent ahead of it
-        sock.write(b"!")
-        expected = b"".join(big) + b"tail-end!"
+        sock.writev([b"!"])
+        sock.write(b"?")
+        expected = b"".join(big) + b"tail-end!?"
         assert await read(reader, len(expected)) == expected
 
 
