@@ -9,14 +9,19 @@ cdef class Enrolled:
     cdef bint gone
 
 cdef class DirectReads:
-    cdef int epfd
+    cdef int epfd, gate, tfd
+    cdef long long batch_ns, last_wake
+    cdef readonly bint batching
     cdef object loop
     cdef IdlePoller poller
     cdef set live
     cdef list left
     cdef bint busy
     cdef unsigned char *buf
-    cdef public unsigned long long enrolled, reads
+    cdef public unsigned long long enrolled, reads, batched
     cpdef Enrolled enroll(self, object conn, int fd, object relay)
     cpdef leave(self, Enrolled entry, int fd)
-    cdef _read_ready(self)
+    cdef int _read_ready(self)
+    cdef int _gate_ctl(self, int op, int fd) noexcept
+    cdef int _arm(self, long long ns) noexcept
+    cdef void _pace(self, int n) noexcept

@@ -11,6 +11,11 @@ only when the body ends (``body_end``) or its framing is invalid (``invalid_body
 reads would call them. Anything but bytes (the peer's close, an error) hands the connection
 back with ``direct_stop()``: its transport reads again and meets the close or error itself. An
 enrolled connection's transport has reading paused, so the two never read the same socket.
+
+Batching (``batch_us`` > 0, the ``stream_batch_us`` setting): a wakeup costs more than the
+reads it serves, so while the set wakes the loop more often than every ``batch_us`` it is taken
+out of the loop's sight and read by a timer once per ``batch_us`` instead (see ``_pace``). The
+loop then watches ``gate``, an epoll set holding the timer and, when not batching, the set.
 """
 
 from libc.errno cimport EAGAIN, EINTR, errno
@@ -41,6 +46,24 @@ cdef extern from "<sys/epoll.h>" nogil:
         EPOLLRDHUP
         EPOLL_CLOEXEC
 
+cdef extern from "<sys/timerfd.h>" nogil:
+    struct timespec:
+        long tv_sec
+        long tv_nsec
+    struct itimerspec:
+        timespec it_interval
+        timespec it_value
+    int timerfd_create(int clockid, int flags)
+    int timerfd_settime(int fd, int flags, const itimerspec *new_value, itimerspec *old_value)
+    enum:
+        TFD_NONBLOCK
+        TFD_CLOEXEC
+
+cdef extern from "<time.h>" nogil:
+    int clock_gettime(int clk, timespec *tp)
+    enum:
+        CLOCK_MONOTONIC
+
 cdef extern from "<sys/socket.h>" nogil:
     ssize_t recv(int fd, void *buf, size_t n, int flags)
     enum:
@@ -68,15 +91,21 @@ cdef class DirectReads:
 
     def __cinit__(self):
         self.epfd = -1
+        self.gate = -1
+        self.tfd = -1
         self.buf = NULL
 
-    def __init__(self, loop, IdlePoller poller):
+    def __init__(self, loop, IdlePoller poller, long batch_us=0):
         self.poller = poller  # told of every read, as the transports' reads tell it
         self.live = set()
         self.left = []
         self.busy = False
         self.enrolled = 0
         self.reads = 0
+        self.batched = 0
+        self.batching = False
+        self.batch_ns = batch_us * 1000
+        self.last_wake = 0
         self.buf = <unsigned char *>malloc(READ_SIZE)
         if self.buf == NULL:
             raise MemoryError()
@@ -84,20 +113,36 @@ cdef class DirectReads:
         if self.epfd < 0:
             raise OSError(errno, "epoll_create1 failed")
         self.loop = loop
-        loop.add_reader(self.epfd, self._ready)
+        if batch_us <= 0:
+            loop.add_reader(self.epfd, self._ready)
+            return
+        # Batching: the loop watches ``gate``, which holds the timer and, while not batching,
+        # the set itself (the timer is disarmed then, so only the set's bytes wake the loop).
+        self.gate = epoll_create1(EPOLL_CLOEXEC)
+        if self.gate < 0:
+            raise OSError(errno, "epoll_create1 failed")
+        self.tfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)
+        if self.tfd < 0:
+            raise OSError(errno, "timerfd_create failed")
+        if self._gate_ctl(EPOLL_CTL_ADD, self.tfd) < 0 or self._gate_ctl(EPOLL_CTL_ADD, self.epfd) < 0:
+            raise OSError(errno, "epoll_ctl failed")
+        loop.add_reader(self.gate, self._ready)
 
     def __dealloc__(self):
-        if self.epfd >= 0:
-            close(self.epfd)
+        for fd in (self.epfd, self.gate, self.tfd):
+            if fd >= 0:
+                close(fd)
         free(self.buf)
 
     def close(self):
         """Stop reading (the engine is closing; its connections are aborted)."""
         cdef Enrolled entry
         if self.epfd >= 0:
-            self.loop.remove_reader(self.epfd)
-            close(self.epfd)
-            self.epfd = -1
+            self.loop.remove_reader(self.epfd if self.gate < 0 else self.gate)
+            for fd in (self.epfd, self.gate, self.tfd):
+                if fd >= 0:
+                    close(fd)
+            self.epfd = self.gate = self.tfd = -1
         for entry in self.live:
             entry.gone = True
         if self.busy:
@@ -137,17 +182,66 @@ cdef class DirectReads:
             epoll_ctl(self.epfd, EPOLL_CTL_DEL, fd, NULL)
 
     def _ready(self):
+        cdef int n
         if self.epfd < 0:
             return
         self.busy = True
         try:
-            self._read_ready()
+            n = self._read_ready()
+            if self.gate >= 0:
+                self._pace(n)
         finally:
             self.busy = False
             if self.left:
                 self.left.clear()
 
-    cdef _read_ready(self):
+    cdef int _gate_ctl(self, int op, int fd) noexcept:
+        cdef epoll_event ev
+        ev.events = EPOLLIN
+        ev.data.fd = fd
+        return epoll_ctl(self.gate, op, fd, &ev)
+
+    cdef int _arm(self, long long ns) noexcept:
+        """Set the timer to expire once, ``ns`` from now (0: disarm). Either clears an expiry
+        not yet read, so the timer wakes the loop once per arming."""
+        cdef itimerspec spec
+        spec.it_interval.tv_sec = 0
+        spec.it_interval.tv_nsec = 0
+        spec.it_value.tv_sec = ns // 1000000000
+        spec.it_value.tv_nsec = ns % 1000000000
+        return timerfd_settime(self.tfd, 0, &spec, NULL)
+
+    cdef void _pace(self, int n) noexcept:
+        """After a wakeup that found ``n`` reads: start batching when wakeups with bytes come
+        closer together than the interval (a timer wakeup per interval is then never more than
+        the set's own wakeups would be); go on while the timer finds bytes; stop at the first
+        interval without any, when the set wakes the loop itself again. A wakeup that left
+        events unread (a full batch) is followed at once."""
+        cdef timespec ts
+        cdef long long now  # ns; last_wake: the last wakeup that found reads
+        clock_gettime(CLOCK_MONOTONIC, &ts)
+        now = ts.tv_sec * 1000000000LL + ts.tv_nsec
+        if self.batching:
+            self.batched += 1
+            if n == 0:
+                self._arm(0)
+                if self._gate_ctl(EPOLL_CTL_ADD, self.epfd) == 0:
+                    self.batching = False
+                else:  # the set could not be watched again: read it by the timer still
+                    self._arm(self.batch_ns)
+            elif self._arm(1000 if n >= BATCH else self.batch_ns) < 0:
+                self._gate_ctl(EPOLL_CTL_ADD, self.epfd)  # no timer: the set wakes the loop
+                self.batching = False
+        elif n > 0 and now - self.last_wake < self.batch_ns:
+            if self._arm(self.batch_ns) == 0:
+                if self._gate_ctl(EPOLL_CTL_DEL, self.epfd) == 0:
+                    self.batching = True
+                else:
+                    self._arm(0)
+        if n > 0:
+            self.last_wake = now
+
+    cdef int _read_ready(self):
         cdef epoll_event events[BATCH]
         cdef int n, i
         cdef Py_ssize_t got, used
@@ -178,3 +272,4 @@ cdef class DirectReads:
                     entry.conn.body_end(used < got)
             elif got == 0 or (errno != EAGAIN and errno != EINTR):  # (EWOULDBLOCK is EAGAIN on Linux)
                 entry.conn.direct_stop()  # the close or the error is the transport's to meet
+        return n

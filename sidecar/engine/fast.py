@@ -84,7 +84,7 @@ class FastEngine(Engine):
                 )
         self.shared.poller = poller = IdlePoller(loop, poll_us / 1e6)
         # Long response bodies from plain-TCP upstreams are read here (compiled build only).
-        self.direct = direct = None if DirectReads is None else DirectReads(loop, poller)
+        self.direct = direct = None if DirectReads is None else DirectReads(loop, poller, self.config.stream_batch_us)
         self.metrics.watch_poller(poller)
         shared = self.shared
         # One pool per upstream address and TLS context (one per deployment: deployments with

@@ -50,6 +50,17 @@ async def open_stream(sc: Any, target: bytes) -> tuple[asyncio.StreamReader, asy
     return reader, writer, head
 
 
+async def read_chunked(reader: asyncio.StreamReader) -> bytes:
+    """A chunked body up to its last chunk (the connection stays open)."""
+    got = bytearray()
+    async with asyncio.timeout(10):
+        while not got.endswith(b"0\r\n\r\n"):
+            chunk = await reader.read(65536)
+            assert chunk, bytes(got)
+            got += chunk
+    return bytes(got)
+
+
 async def read_all(reader: asyncio.StreamReader, timeout: float = 10) -> bytes:
     """Everything until the peer closes (or resets)."""
     got = bytearray()
@@ -70,13 +81,8 @@ async def test_a_long_stream_is_read_directly_byte_exact_and_its_connection_is_r
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
     reader, writer, head = await open_stream(sc, b"/s")
     assert head.startswith(b"HTTP/1.1 200 OK\r\n")
-    got = bytearray()
-    async with asyncio.timeout(10):
-        while not got.endswith(b"0\r\n\r\n"):
-            chunk = await reader.read(65536)
-            assert chunk, bytes(got)
-            got += chunk
-    assert bytes(got) == b"".join(body)  # passed through exactly as the upstream framed it
+    got = await read_chunked(reader)
+    assert got == b"".join(body)  # passed through exactly as the upstream framed it
     direct = sc.engine.direct
     assert direct.enrolled == 1
     # The reads after enrolment came through the epoll set (the last chunk's included; fewer
@@ -92,6 +98,26 @@ async def test_a_long_stream_is_read_directly_byte_exact_and_its_connection_is_r
     assert direct.enrolled == 1 and direct.reads == reads  # the short answer was not enrolled
 
 
+async def test_a_fast_stream_is_batched_byte_exact_and_its_connection_is_reused(
+    raw_upstream: Any, start_sidecar: Any
+) -> None:
+    """Events 1 ms apart with a 10 ms batching interval: after enrolment they are read by the
+    batching timer (several events a read), and the client gets exactly the upstream's bytes."""
+    body = [event(i) for i in range(4 * EVENTS)] + [b"0\r\n\r\n"]
+    up = await raw_upstream({"/s": paced([SSE_HEAD, *body], 0.001), "/after": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, stream_batch_us=10_000)
+    reader, writer, head = await open_stream(sc, b"/s")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert await read_chunked(reader) == b"".join(body)
+    direct = sc.engine.direct
+    assert direct.enrolled == 1 and direct.batched >= 1
+    assert direct.reads < len(body) - ENROLL_AFTER  # timer reads took several events each
+    writer.write(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+    after = await asyncio.wait_for(read_response(reader), 5)
+    writer.close()
+    assert after.status == 200 and up.connections == 1
+
+
 async def test_a_body_delimited_by_the_upstreams_close_ends_cleanly_after_enrolment(
     raw_upstream: Any, start_sidecar: Any
 ) -> None:
@@ -103,13 +129,8 @@ async def test_a_body_delimited_by_the_upstreams_close_ends_cleanly_after_enrolm
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
     reader, writer, got_head = await open_stream(sc, b"/s")
     assert b"transfer-encoding: chunked" in got_head.lower()
-    got = bytearray()
-    async with asyncio.timeout(10):
-        while not got.endswith(b"0\r\n\r\n"):
-            chunk = await reader.read(65536)
-            assert chunk, bytes(got)
-            got += chunk
-    assert bytes(got) == b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+    got = await read_chunked(reader)
+    assert got == b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
     assert sc.engine.direct.enrolled == 1 and 1 <= sc.engine.direct.reads <= len(parts) - ENROLL_AFTER
     writer.write(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
     assert (await asyncio.wait_for(read_response(reader), 5)).status == 200
