@@ -96,7 +96,7 @@ cdef class DirectReads:
         self.buf = NULL
 
     def __init__(self, loop, IdlePoller poller, long batch_us=0):
-        self.poller = poller  # told of every read, as the transports' reads tell it
+        self.poller = poller  # told of every read but the timer's, as the transports' reads tell it
         self.live = set()
         self.left = []
         self.busy = False
@@ -255,7 +255,8 @@ cdef class DirectReads:
             got = recv(entry.fd, self.buf, READ_SIZE, MSG_DONTWAIT)
             if got > 0:
                 self.reads += 1
-                self.poller.note()
+                if not self.batching:  # the timer's reads are not events worth polling for
+                    self.poller.note()
                 relay = entry.relay
                 try:
                     used = relay.feed_from(self.buf, got, None)

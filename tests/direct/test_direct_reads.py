@@ -98,6 +98,17 @@ class OpenConnection:
     body_end = invalid_body = _fail = direct_stop
 
 
+class CountingPoller(IdlePoller):
+    """An idle poller that never polls and counts the events it is told of."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop, 0)
+        self.notes = 0
+
+    def note(self) -> None:
+        self.notes += 1
+
+
 async def delivered(conn: OpenConnection, want: bytes, timeout: float = 5) -> None:
     async with asyncio.timeout(timeout):
         while conn.got() != want:
@@ -108,9 +119,11 @@ async def delivered(conn: OpenConnection, want: bytes, timeout: float = 5) -> No
 async def test_reads_close_together_are_batched_until_an_interval_finds_nothing() -> None:
     """Two wakeups with bytes closer together than the interval start batching: the set is then
     read by its timer, once per interval, and every byte still arrives, in order. The first
-    interval that finds nothing ends it, and bytes wake the loop through the set again."""
+    interval that finds nothing ends it, and bytes wake the loop through the set again. The
+    timer's reads are not told to the idle poller: polling for them would spin between intervals."""
     loop = asyncio.get_running_loop()
-    direct = DirectReads(loop, IdlePoller(loop, 0), 50_000)  # 50 ms: wakeups 1 ms apart batch
+    poller = CountingPoller(loop)
+    direct = DirectReads(loop, poller, 50_000)  # 50 ms: wakeups 1 ms apart batch
     ours, theirs = socket.socketpair()
     try:
         ours.setblocking(False)
@@ -126,6 +139,7 @@ async def test_reads_close_together_are_batched_until_an_interval_finds_nothing(
             theirs.sendall(part)
         await delivered(conn, b"abcde")
         assert direct.batched >= 1 and direct.reads == 3  # read by the timer, together
+        assert poller.notes == 2  # a and b
         async with asyncio.timeout(5):
             while direct.batching:  # an interval with nothing read ends it
                 await asyncio.sleep(0.01)
@@ -135,6 +149,7 @@ async def test_reads_close_together_are_batched_until_an_interval_finds_nothing(
         theirs.sendall(b"f")
         await delivered(conn, b"abcdef")  # the set wakes the loop again
         assert not direct.batching and direct.batched == timed and direct.reads == 4
+        assert poller.notes == 3
     finally:
         direct.close()
         ours.close()
