@@ -3,7 +3,8 @@
 those of :mod:`sidecar.jsonscan`, which uses this module when it is built.
 
 One pass over the bytes in C, a byte per container on a stack array, no Python object until
-the hits are handed back. Inputs above ``NOGIL_BYTES`` are scanned with the GIL released, so a
+the hits are handed back. String content, most of a prompt's bytes, is skipped 16 bytes at a
+time (SSE2) or 8 (elsewhere) up to the next byte that needs a look. Inputs above ``NOGIL_BYTES`` are scanned with the GIL released, so a
 large body scanned on a worker thread leaves the event loop's thread running meanwhile.
 """
 
@@ -265,6 +266,33 @@ cdef uint64_t ONES = 0x0101010101010101ULL
 cdef uint64_t HIGHS = 0x8080808080808080ULL
 
 
+# Sixteen bytes at a time where SSE2 is there (every x86-64): the same test, one compare per
+# kind. A signed compare below 0x20 takes both the control bytes and the non-ASCII ones.
+cdef extern from *:
+    """
+    #if defined(__SSE2__)
+    #include <emmintrin.h>
+    static inline Py_ssize_t sidecar_plain16(const unsigned char* p, Py_ssize_t i, Py_ssize_t end) {
+        const __m128i quote = _mm_set1_epi8(34), backslash = _mm_set1_epi8(92), space = _mm_set1_epi8(32);
+        while (i + 16 <= end) {
+            __m128i x = _mm_loadu_si128((const __m128i*)(p + i));
+            int mask = _mm_movemask_epi8(_mm_or_si128(
+                _mm_or_si128(_mm_cmpeq_epi8(x, quote), _mm_cmpeq_epi8(x, backslash)), _mm_cmplt_epi8(x, space)));
+            if (mask)
+                return i + __builtin_ctz((unsigned int)mask);
+            i += 16;
+        }
+        return i;
+    }
+    #else
+    static inline Py_ssize_t sidecar_plain16(const unsigned char* p, Py_ssize_t i, Py_ssize_t end) { return i; }
+    #endif
+    """
+    # The index of the first quote, backslash, control or non-ASCII byte from p[i], or of the
+    # first byte of the last (under 16) bytes before end; i itself without SSE2.
+    Py_ssize_t _plain16 "sidecar_plain16" (const unsigned char* p, Py_ssize_t i, Py_ssize_t end) noexcept nogil
+
+
 cdef inline uint64_t _special8(uint64_t x) noexcept nogil:
     cdef uint64_t q = x ^ (ONES * 34), b = x ^ (ONES * 92)
     return (((x - ONES * 32) & ~x) | ((q - ONES) & ~q) | ((b - ONES) & ~b) | x) & HIGHS
@@ -277,6 +305,7 @@ cdef Py_ssize_t _string(const unsigned char* p, Py_ssize_t i, Py_ssize_t end, bi
     cdef uint64_t word
     i += 1
     while i < end:
+        i = _plain16(p, i, end)
         while i + 8 <= end:
             memcpy(&word, p + i, 8)
             if _special8(word):

@@ -176,6 +176,42 @@ def test_corpus_invalid(impl: Any) -> None:
         assert not reference_valid(doc), doc
 
 
+# One byte or sequence that is not plain string content: escapes, the closing quote, control
+# bytes, UTF-8 (valid and not), DEL (plain) and an invalid escape.
+STRING_SPECIALS = [
+    b'"',
+    b"\\n",
+    b"\\u00e9",
+    b"\\x",
+    b"\x01",
+    b"\x1f",
+    b"\x7f",
+    "\u00e9".encode(),
+    "\u20ac".encode(),
+    "\U0001f600".encode(),
+    b"\xff",
+    b"\xc3",
+    b"\xed\xa0\x80",
+]
+
+
+def test_a_special_byte_at_every_offset_of_a_string(impl: Any) -> None:
+    """The C scanner skips plain string content 16 and 8 bytes at a time: each special byte at
+    each offset of a string, followed by more content or not, scans as the reference reads it
+    and, in spans, as the pure-Python scanner does."""
+    scan, _ = impl
+    names = (b"model", b"a")
+    for n in range(49):
+        for special in STRING_SPECIALS:
+            for tail in (b"", b"y" * 23):
+                doc = b'{"model":"' + b"x" * n + special + tail + b'","a":1}'
+                got = scan(doc, 0, len(doc), 64, names)
+                assert (got[0] >= 0) == reference_valid(doc), doc
+                assert got == jsonscan.scan_py(doc, 0, len(doc), 64, names), doc
+                cut = doc[: 10 + n + len(special)]  # the input ends inside the string
+                assert scan(cut, 0, len(cut), 64, names)[0] == INVALID, cut
+
+
 def test_valid_json_orjson_refuses_is_accepted(impl: Any) -> None:
     """The grammar, not a double: out-of-range numbers and unpaired surrogate escapes."""
     scan, _ = impl
