@@ -368,9 +368,10 @@ class Config(_Strict):
     # events arrive closer together than this (sidecar.engine.idle_poll). 0 (default): never
     # poll; polling trades CPU for a tenth of a millisecond of latency at low concurrency.
     idle_poll_us: int = Field(0, ge=0, le=10_000)
-    # Fast engine, compiled build: while streamed bodies wake the loop more often than this,
-    # read them once per this interval instead (sidecar.engine._direct_reads): each wakeup
-    # costs more than the reads it serves, and an event waits at most this long. 0: never.
+    # Fast engine, compiled build: while streamed bodies wake the loop more often than this and
+    # each stream is ten intervals apart or more, read them once per this interval instead
+    # (sidecar.engine._direct_reads): a wakeup costs more than the reads it serves; an event
+    # waits at most this long. 0: never.
     stream_batch_us: int = Field(1000, ge=0, le=10_000)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     drain_grace_seconds: float = Field(25.0, ge=0)

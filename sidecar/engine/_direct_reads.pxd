@@ -10,7 +10,7 @@ cdef class Enrolled:
 
 cdef class DirectReads:
     cdef int epfd, gate, tfd
-    cdef long long batch_ns, last_wake
+    cdef long long batch_ns, last_wake, carried
     cdef readonly bint batching
     cdef object loop
     cdef IdlePoller poller
@@ -24,4 +24,6 @@ cdef class DirectReads:
     cdef int _read_ready(self)
     cdef int _gate_ctl(self, int op, int fd) noexcept
     cdef int _arm(self, long long ns) noexcept
+    cdef bint _slow(self, int n, long long dt) noexcept
+    cdef void _stop(self) noexcept
     cdef void _pace(self, int n) noexcept

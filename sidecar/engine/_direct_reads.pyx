@@ -13,9 +13,10 @@ back with ``direct_stop()``: its transport reads again and meets the close or er
 enrolled connection's transport has reading paused, so the two never read the same socket.
 
 Batching (``batch_us`` > 0, the ``stream_batch_us`` setting): a wakeup costs more than the
-reads it serves, so while the set wakes the loop more often than every ``batch_us`` it is taken
-out of the loop's sight and read by a timer once per ``batch_us`` instead (see ``_pace``). The
-loop then watches ``gate``, an epoll set holding the timer and, when not batching, the set.
+reads it serves, so while the set wakes the loop more often than every ``batch_us`` and its
+streams are slow against it (:data:`SLOW`), it is taken out of the loop's sight and read by a
+timer once per ``batch_us`` instead (see ``_pace``). The loop then watches ``gate``, an epoll set
+holding the timer and, when not batching, the set.
 """
 
 from libc.errno cimport EAGAIN, EINTR, errno
@@ -75,6 +76,10 @@ cdef enum:
     # Events taken per wakeup (more stay ready: the epoll set is level-triggered, so the loop
     # wakes again at once).
     BATCH = 64
+    # Batching starts and goes on only while the streams are slow against its interval: on
+    # average this many intervals or more between two reads of one stream, so the wait it adds
+    # stays within a tenth of a stream's own gaps (a fast stream, alone, is never batched).
+    SLOW = 10
 
 
 cdef class Enrolled:
@@ -103,6 +108,7 @@ cdef class DirectReads:
         self.enrolled = 0
         self.reads = 0
         self.batched = 0
+        self.carried = 0
         self.batching = False
         self.batch_ns = batch_us * 1000
         self.last_wake = 0
@@ -211,28 +217,45 @@ cdef class DirectReads:
         spec.it_value.tv_nsec = ns % 1000000000
         return timerfd_settime(self.tfd, 0, &spec, NULL)
 
+    cdef bint _slow(self, int n, long long dt) noexcept:
+        """``n`` reads in ``dt`` ns, over the enrolled streams, leave each stream :data:`SLOW`
+        intervals or more apart on average."""
+        return len(self.live) * dt >= SLOW * self.batch_ns * n
+
+    cdef void _stop(self) noexcept:
+        """Stop batching: the set wakes the loop again (if it cannot be watched again, the timer
+        goes on reading it)."""
+        if self._gate_ctl(EPOLL_CTL_ADD, self.epfd) == 0:
+            self._arm(0)
+            self.batching = False
+        else:
+            self._arm(self.batch_ns)
+
     cdef void _pace(self, int n) noexcept:
-        """After a wakeup that found ``n`` reads: start batching when wakeups with bytes come
+        """After a wakeup that found ``n`` reads: start batching when two wakeups with bytes come
         closer together than the interval (a timer wakeup per interval is then never more than
-        the set's own wakeups would be); go on while the timer finds bytes; stop at the first
-        interval without any, when the set wakes the loop itself again. A wakeup that left
-        events unread (a full batch) is followed at once."""
+        the set's own wakeups would be) while the streams are slow (:data:`SLOW`); go on while
+        each interval finds bytes of slow streams; stop otherwise, and the set wakes the loop
+        itself again. A wakeup that left events unread (a full batch) is followed at once."""
         cdef timespec ts
-        cdef long long now  # ns; last_wake: the last wakeup that found reads
+        cdef long long now, dt, got
         clock_gettime(CLOCK_MONOTONIC, &ts)
         now = ts.tv_sec * 1000000000LL + ts.tv_nsec
+        dt = now - self.last_wake  # last_wake: the last wakeup that found reads
         if self.batching:
             self.batched += 1
-            if n == 0:
-                self._arm(0)
-                if self._gate_ctl(EPOLL_CTL_ADD, self.epfd) == 0:
-                    self.batching = False
-                else:  # the set could not be watched again: read it by the timer still
-                    self._arm(self.batch_ns)
-            elif self._arm(1000 if n >= BATCH else self.batch_ns) < 0:
-                self._gate_ctl(EPOLL_CTL_ADD, self.epfd)  # no timer: the set wakes the loop
-                self.batching = False
-        elif n > 0 and now - self.last_wake < self.batch_ns:
+            got = n + self.carried  # this interval's reads (a full batch's follow-up adds to them)
+            self.carried = 0
+            if got == 0 or not self._slow(got, dt):
+                self._stop()
+            elif n >= BATCH:  # more are ready: read them at once, as part of this interval
+                if self._arm(1000) == 0:
+                    self.carried = got
+                    return
+                self._stop()
+            elif self._arm(self.batch_ns) < 0:
+                self._stop()
+        elif n > 0 and dt < self.batch_ns and self._slow(n, dt):
             if self._arm(self.batch_ns) == 0:
                 if self._gate_ctl(EPOLL_CTL_DEL, self.epfd) == 0:
                     self.batching = True

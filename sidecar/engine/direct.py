@@ -21,8 +21,9 @@ what a proxy in C spends on it. The compiled build (:mod:`sidecar.engine._direct
   the response, on any failure, when the client's buffer fills (its reads then pause as always)
   and when its socket has anything but bytes (a close or an error: the transport, reading again,
   meets it and reports it as it always does). While the set wakes the loop more often than
-  every ``stream_batch_us``, it is read by a timer once per interval instead (fewer wakeups,
-  each serving more events; an event waits at most the interval).
+  every ``stream_batch_us`` and its streams are slow against that, it is read by a timer once
+  per interval instead (fewer wakeups, each serving more events; an event waits at most the
+  interval).
 
 Plain-TCP sockets only: a TLS upstream's bytes are records its transport must decrypt. In the
 pure-Python build both names are None and everything goes through the transports.

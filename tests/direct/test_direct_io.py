@@ -98,24 +98,43 @@ async def test_a_long_stream_is_read_directly_byte_exact_and_its_connection_is_r
     assert direct.enrolled == 1 and direct.reads == reads  # the short answer was not enrolled
 
 
-async def test_a_fast_stream_is_batched_byte_exact_and_its_connection_is_reused(
-    raw_upstream: Any, start_sidecar: Any
-) -> None:
-    """Events 1 ms apart with a 10 ms batching interval: after enrolment they are read by the
-    batching timer (several events a read), and the client gets exactly the upstream's bytes."""
+async def test_a_fast_stream_alone_is_relayed_as_it_arrives_not_batched(raw_upstream: Any, start_sidecar: Any) -> None:
+    """Events 1 ms apart with a 10 ms batching interval: wakeups come closer together than the
+    interval, but one stream that fast is not slow against it, so each read is relayed as it
+    arrives (batching would hold its events up to 10 ms, ten of its own gaps)."""
     body = [event(i) for i in range(4 * EVENTS)] + [b"0\r\n\r\n"]
-    up = await raw_upstream({"/s": paced([SSE_HEAD, *body], 0.001), "/after": echo()})
+    up = await raw_upstream({"/s": paced([SSE_HEAD, *body], 0.001)})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, stream_batch_us=10_000)
-    reader, writer, head = await open_stream(sc, b"/s")
-    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    reader, writer, _ = await open_stream(sc, b"/s")
     assert await read_chunked(reader) == b"".join(body)
-    direct = sc.engine.direct
-    assert direct.enrolled == 1 and direct.batched >= 1
-    assert direct.reads < len(body) - ENROLL_AFTER  # timer reads took several events each
-    writer.write(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
-    after = await asyncio.wait_for(read_response(reader), 5)
     writer.close()
-    assert after.status == 200 and up.connections == 1
+    assert sc.engine.direct.enrolled == 1 and sc.engine.direct.reads > 0
+    assert sc.engine.direct.batched == 0
+
+
+async def test_many_slow_streams_are_batched_byte_exact(raw_upstream: Any, start_sidecar: Any) -> None:
+    """40 concurrent streams of an event every 40 ms, a 2 ms interval: about one read a
+    millisecond over all of them, each stream twenty intervals apart, so the set is read by the
+    batching timer. Every client gets exactly its upstream's bytes, and the connections go back
+    to the pool."""
+    count = 40
+    body = [event(i) for i in range(EVENTS)] + [b"0\r\n\r\n"]
+    up = await raw_upstream({"/s": paced([SSE_HEAD, *body], 0.04), "/after": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, stream_batch_us=2000)
+    opened = []
+    for _ in range(count):
+        opened.append(await open_stream(sc, b"/s"))
+        await asyncio.sleep(0.001)  # spread over the gap, as streams that started apart
+    bodies = await asyncio.gather(*(read_chunked(reader) for reader, _, _ in opened))
+    assert bodies == [b"".join(body)] * count
+    direct = sc.engine.direct
+    assert direct.enrolled == count and direct.batched >= 1
+    reader, writer, _ = opened[0]
+    writer.write(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await asyncio.wait_for(read_response(reader), 5)).status == 200
+    for _, writer, _ in opened:
+        writer.close()
+    assert up.connections == count
 
 
 async def test_a_body_delimited_by_the_upstreams_close_ends_cleanly_after_enrolment(

@@ -116,117 +116,143 @@ async def delivered(conn: OpenConnection, want: bytes, timeout: float = 5) -> No
             await asyncio.sleep(0.001)
 
 
-async def test_reads_close_together_are_batched_until_an_interval_finds_nothing() -> None:
-    """Two wakeups with bytes closer together than the interval start batching: the set is then
-    read by its timer, once per interval, and every byte still arrives, in order. The first
-    interval that finds nothing ends it, and bytes wake the loop through the set again. The
-    timer's reads are not told to the idle poller: polling for them would spin between intervals."""
-    loop = asyncio.get_running_loop()
-    poller = CountingPoller(loop)
-    direct = DirectReads(loop, poller, 50_000)  # 50 ms: wakeups 1 ms apart batch
-    ours, theirs = socket.socketpair()
-    try:
-        ours.setblocking(False)
-        conn = OpenConnection()
-        assert direct.enroll(conn, ours.fileno(), conn.relay) is not None
-        theirs.sendall(b"a")
-        await delivered(conn, b"a")
-        assert not direct.batching  # the first wakeup: nothing to compare it with
-        theirs.sendall(b"b")
-        await delivered(conn, b"ab")
-        assert direct.batching and direct.batched == 0  # the second came well within 50 ms
-        for part in (b"c", b"d", b"e"):  # three writes before the loop runs again
-            theirs.sendall(part)
-        await delivered(conn, b"abcde")
-        assert direct.batched >= 1 and direct.reads == 3  # read by the timer, together
-        assert poller.notes == 2  # a and b
-        async with asyncio.timeout(5):
-            while direct.batching:  # an interval with nothing read ends it
-                await asyncio.sleep(0.01)
-        timed = direct.batched
-        await asyncio.sleep(0.2)
-        assert direct.batched == timed  # the timer is off once batching ends
-        theirs.sendall(b"f")
-        await delivered(conn, b"abcdef")  # the set wakes the loop again
-        assert not direct.batching and direct.batched == timed and direct.reads == 4
-        assert poller.notes == 3
-    finally:
-        direct.close()
-        ours.close()
-        theirs.close()
+class Streams:
+    """``count`` enrolled connections on socket pairs: ``send(i, data)`` writes to the i-th
+    connection's peer."""
 
-
-async def test_wakeups_further_apart_than_the_interval_never_batch() -> None:
-    loop = asyncio.get_running_loop()
-    direct = DirectReads(loop, IdlePoller(loop, 0), 1000)  # the default 1 ms
-    ours, theirs = socket.socketpair()
-    try:
-        ours.setblocking(False)
-        conn = OpenConnection()
-        assert direct.enroll(conn, ours.fileno(), conn.relay) is not None
-        want = b""
-        for part in (b"a", b"b", b"c", b"d"):
-            theirs.sendall(part)
-            want += part
-            await delivered(conn, want)
-            assert not direct.batching
-            await asyncio.sleep(0.05)
-        assert direct.batched == 0 and direct.reads == 4
-    finally:
-        direct.close()
-        ours.close()
-        theirs.close()
-
-
-async def test_batching_serves_many_connections_and_a_full_batch_is_followed_at_once() -> None:
-    """More connections with bytes than one wakeup takes (64): in each interval every one is
-    read, the rest of a full batch at once rather than an interval later."""
-    loop = asyncio.get_running_loop()
-    direct = DirectReads(loop, IdlePoller(loop, 0), 200_000)  # 200 ms: only a full batch is read sooner
-    pairs = [socket.socketpair() for _ in range(150)]
-    conns = [OpenConnection() for _ in pairs]
-    try:
-        for (ours, _), conn in zip(pairs, conns, strict=True):
+    def __init__(self, direct: Any, count: int) -> None:
+        self.pairs = [socket.socketpair() for _ in range(count)]
+        self.conns = [OpenConnection() for _ in range(count)]
+        for (ours, _), conn in zip(self.pairs, self.conns, strict=True):
             ours.setblocking(False)
             assert direct.enroll(conn, ours.fileno(), conn.relay) is not None
-        pairs[0][1].sendall(b"x")
-        await delivered(conns[0], b"x")
-        pairs[0][1].sendall(b"y")
-        await delivered(conns[0], b"xy")
-        assert direct.batching
-        timed = direct.batched
-        for i, (_, theirs) in enumerate(pairs):
-            theirs.sendall(b"%d;" % i)
-        for i, conn in enumerate(conns):
-            await delivered(conn, (b"xy" if i == 0 else b"") + b"%d;" % i)
-        # One timer wakeup took 64, the full batches' follow-ups the other 86: three, not one per
-        # interval (a later interval, 200 ms on, would have needed over 0.4 s for the same).
-        assert direct.batched - timed <= 4
-    finally:
-        direct.close()
-        for a, b in pairs:
+
+    def send(self, i: int, data: bytes) -> None:
+        self.pairs[i][1].sendall(data)
+
+    def close(self) -> None:
+        for a, b in self.pairs:
             a.close()
             b.close()
 
 
+async def start_batching(direct: Any, streams: Streams) -> None:
+    """Two reads of the first stream 30 ms apart: within the interval (over 30 ms), and slow over
+    the streams enrolled if the interval is at most 3 ms per stream (SLOW: 10 intervals)."""
+    conn = streams.conns[0]
+    streams.send(0, b"x")
+    await delivered(conn, b"x")
+    assert not direct.batching  # the first wakeup: nothing to compare it with
+    await asyncio.sleep(0.03)
+    streams.send(0, b"y")
+    await delivered(conn, b"xy")
+    assert direct.batching and direct.batched == 0
+
+
+async def test_reads_close_together_are_batched_until_an_interval_finds_nothing() -> None:
+    """Two wakeups with bytes closer together than the interval, while the streams are slow,
+    start batching: the set is then read by its timer, once per interval, and every byte still
+    arrives, in order. The first interval that finds nothing ends it, and bytes wake the loop
+    through the set again. The timer's reads are not told to the idle poller: polling for them
+    would spin between intervals."""
+    loop = asyncio.get_running_loop()
+    poller = CountingPoller(loop)
+    direct = DirectReads(loop, poller, 100_000)  # 100 ms
+    streams = Streams(direct, 100)
+    conn = streams.conns[0]
+    try:
+        await start_batching(direct, streams)
+        for part in (b"c", b"d", b"e"):  # three writes before the loop runs again
+            streams.send(0, part)
+        await delivered(conn, b"xycde")
+        assert direct.batched >= 1 and direct.reads == 3  # read by the timer, together
+        assert poller.notes == 2  # x and y
+        async with asyncio.timeout(5):
+            while direct.batching:  # an interval with nothing read ends it
+                await asyncio.sleep(0.01)
+        timed = direct.batched
+        await asyncio.sleep(0.3)
+        assert direct.batched == timed  # the timer is off once batching ends
+        streams.send(0, b"f")
+        await delivered(conn, b"xycdef")  # the set wakes the loop again
+        assert not direct.batching and direct.batched == timed and direct.reads == 4
+        assert poller.notes == 3
+    finally:
+        direct.close()
+        streams.close()
+
+
+@pytest.mark.parametrize(
+    ("batch_us", "count", "pause"),
+    [
+        pytest.param(1000, 100, 0.05, id="wakeups-further-apart-than-the-interval"),
+        # Reads closer together than the interval, of too few streams to be slow against it:
+        # one stream, an event every millisecond, a 50 ms interval.
+        pytest.param(50_000, 3, 0.001, id="a-fast-stream"),
+    ],
+)
+async def test_reads_that_are_not_batched_are_read_as_they_arrive(batch_us: int, count: int, pause: float) -> None:
+    loop = asyncio.get_running_loop()
+    direct = DirectReads(loop, IdlePoller(loop, 0), batch_us)
+    streams = Streams(direct, count)
+    try:
+        want = b""
+        for i in range(12):
+            part = b"%d;" % i
+            streams.send(0, part)
+            want += part
+            await delivered(streams.conns[0], want)
+            assert not direct.batching
+            await asyncio.sleep(pause)
+        assert direct.batched == 0 and direct.reads == 12
+    finally:
+        direct.close()
+        streams.close()
+
+
+@pytest.mark.parametrize(
+    ("count", "senders", "batching", "timer_wakeups"),
+    [
+        # All 200 streams have bytes: the timer's wakeup takes a full batch (64), the streams are
+        # no longer slow, and the set's own wakeups read the rest at once.
+        pytest.param(200, 200, False, 1, id="a-burst-ends-batching"),
+        # 70 of 1000 streams: the timer's wakeup takes 64, the next, armed at once rather than
+        # an interval on, the other 6; the 70 reads count as one interval's, so the streams are
+        # still slow and batching goes on (its next wakeup is 500 ms away).
+        pytest.param(1000, 70, True, 2, id="a-full-batch-is-followed-at-once"),
+    ],
+)
+async def test_more_reads_than_a_batch_takes_while_batching(
+    count: int, senders: int, batching: bool, timer_wakeups: int
+) -> None:
+    loop = asyncio.get_running_loop()
+    direct = DirectReads(loop, IdlePoller(loop, 0), 500_000)  # 500 ms
+    streams = Streams(direct, count)
+    try:
+        await start_batching(direct, streams)
+        timed = direct.batched
+        for i in range(senders):
+            streams.send(i, b"%d;" % i)
+        for i, conn in enumerate(streams.conns[:senders]):
+            await delivered(conn, (b"xy" if i == 0 else b"") + b"%d;" % i)
+        assert direct.batching == batching and direct.batched == timed + timer_wakeups
+    finally:
+        direct.close()
+        streams.close()
+
+
 async def test_closing_while_batching_stops_the_timer_and_reads_nothing_more() -> None:
     loop = asyncio.get_running_loop()
-    direct = DirectReads(loop, IdlePoller(loop, 0), 20_000)
-    ours, theirs = socket.socketpair()
+    direct = DirectReads(loop, IdlePoller(loop, 0), 100_000)
+    streams = Streams(direct, 100)
+    conn = streams.conns[0]
     try:
-        ours.setblocking(False)
-        conn = OpenConnection()
-        assert direct.enroll(conn, ours.fileno(), conn.relay) is not None
-        for want in (b"a", b"ab"):
-            theirs.sendall(want[-1:])
-            await delivered(conn, want)
-        assert direct.batching
-        theirs.sendall(b"c")
+        await start_batching(direct, streams)
+        streams.send(0, b"c")
         direct.close()
-        await asyncio.sleep(0.1)  # past the interval: nothing is read, nothing fails
-        assert conn.got() == b"ab" and ours.recv(16) == b"c"
-        assert direct.enroll(conn, ours.fileno(), conn.relay) is None
+        await asyncio.sleep(0.2)  # past the interval: nothing is read, nothing fails
+        assert conn.got() == b"xy" and streams.pairs[0][0].recv(16) == b"c"
+        assert direct.enroll(conn, streams.pairs[0][0].fileno(), conn.relay) is None
     finally:
         direct.close()  # a second close does nothing
-        ours.close()
-        theirs.close()
+        streams.close()
