@@ -22,6 +22,7 @@ cdef class DirectReads:
     cpdef Enrolled enroll(self, object conn, int fd, object relay)
     cpdef leave(self, Enrolled entry, int fd)
     cdef int _read_ready(self)
+    cdef void _close_fds(self) noexcept
     cdef int _gate_ctl(self, int op, int fd) noexcept
     cdef int _arm(self, long long ns) noexcept
     cdef bint _slow(self, int n, long long dt) noexcept

@@ -135,20 +135,24 @@ cdef class DirectReads:
         loop.add_reader(self.gate, self._ready)
 
     def __dealloc__(self):
-        for fd in (self.epfd, self.gate, self.tfd):
-            if fd >= 0:
-                close(fd)
+        self._close_fds()
         free(self.buf)
+
+    cdef void _close_fds(self) noexcept:
+        if self.epfd >= 0:
+            close(self.epfd)
+        if self.gate >= 0:
+            close(self.gate)
+        if self.tfd >= 0:
+            close(self.tfd)
+        self.epfd = self.gate = self.tfd = -1
 
     def close(self):
         """Stop reading (the engine is closing; its connections are aborted)."""
         cdef Enrolled entry
         if self.epfd >= 0:
             self.loop.remove_reader(self.epfd if self.gate < 0 else self.gate)
-            for fd in (self.epfd, self.gate, self.tfd):
-                if fd >= 0:
-                    close(fd)
-            self.epfd = self.gate = self.tfd = -1
+            self._close_fds()
         for entry in self.live:
             entry.gone = True
         if self.busy:
@@ -251,7 +255,7 @@ cdef class DirectReads:
             elif n >= BATCH:  # more are ready: read them at once, as part of this interval
                 if self._arm(1000) == 0:
                     self.carried = got
-                    return
+                    return  # (last_wake stays: the follow-up's reads are this interval's)
                 self._stop()
             elif self._arm(self.batch_ns) < 0:
                 self._stop()
