@@ -339,6 +339,11 @@ class Metrics:
         """Expose the fast engine's idle polling time (``sidecar.engine.idle_poll``), read at scrape time."""
         self.registry.register(_PollerCollector(poller))
 
+    def watch_stream_reads(self, direct: Any) -> None:
+        """Expose the fast engine's direct stream reads and their batching
+        (``sidecar.engine.direct.DirectReads``, compiled build), read at scrape time."""
+        self.registry.register(_StreamReadsCollector(direct))
+
     def watch_deployments(self, deployments: Any, store: Any) -> None:
         """Expose upstream health, failovers and the API session store, read at scrape time."""
         self.registry.register(_DeploymentCollector(deployments, store))
@@ -382,6 +387,33 @@ class _PollerCollector(Collector):
             "sidecar_idle_poll_seconds",
             "Time the fast engine's event loop polled for I/O instead of sleeping (work done meanwhile included).",
             value=self.poller.polled_seconds(),
+        )
+
+
+class _StreamReadsCollector(Collector):
+    def __init__(self, direct: Any) -> None:
+        self.direct = direct
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        d = self.direct
+        yield CounterMetricFamily(
+            "sidecar_streams_read_directly",
+            "Long response bodies (token streams, large bodies) the fast engine read from its own epoll set.",
+            value=d.enrolled,
+        )
+        yield CounterMetricFamily(
+            "sidecar_stream_reads", "Reads of those bodies (each one recv: one or more events).", value=d.reads
+        )
+        yield CounterMetricFamily(
+            "sidecar_stream_batched_wakeups",
+            "Timer wakeups that read those bodies together while stream read batching was on (stream_batch_us).",
+            value=d.batched,
+        )
+        yield GaugeMetricFamily(
+            "sidecar_stream_batching", "1 while stream read batching is on (stream_batch_us).", value=int(d.batching)
         )
 
 

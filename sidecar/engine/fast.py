@@ -86,6 +86,8 @@ class FastEngine(Engine):
         # Long response bodies from plain-TCP upstreams are read here (compiled build only).
         self.direct = direct = None if DirectReads is None else DirectReads(loop, poller, self.config.stream_batch_us)
         self.metrics.watch_poller(poller)
+        if direct is not None:
+            self.metrics.watch_stream_reads(direct)
         shared = self.shared
         # One pool per upstream address and TLS context (one per deployment: deployments with
         # other TLS settings never share a connection), bounded by the largest limits of the

@@ -10,6 +10,7 @@ import asyncio
 import random
 from typing import Any
 
+import aiohttp
 import pytest
 
 from sidecar.engine.direct import ENROLL_AFTER, DirectReads
@@ -61,6 +62,19 @@ async def read_chunked(reader: asyncio.StreamReader) -> bytes:
     return bytes(got)
 
 
+async def stream_metrics(sc: Any) -> dict[str, float]:
+    """The stream-read samples of the sidecar's ``/metrics`` (name -> value)."""
+    async with aiohttp.ClientSession() as s, s.get(f"{sc.admin_url}/metrics") as r:
+        assert r.status == 200
+        text = await r.text()
+    got = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith(("sidecar_stream_", "sidecar_streams_")):
+            got[name] = float(value)
+    return got
+
+
 async def read_all(reader: asyncio.StreamReader, timeout: float = 10) -> bytes:
     """Everything until the peer closes (or resets)."""
     got = bytearray()
@@ -108,8 +122,16 @@ async def test_a_fast_stream_alone_is_relayed_as_it_arrives_not_batched(raw_upst
     reader, writer, _ = await open_stream(sc, b"/s")
     assert await read_chunked(reader) == b"".join(body)
     writer.close()
-    assert sc.engine.direct.enrolled == 1 and sc.engine.direct.reads > 0
-    assert sc.engine.direct.batched == 0
+    direct = sc.engine.direct
+    assert direct.enrolled == 1 and direct.reads > 0
+    assert direct.batched == 0
+    # What an operator sees: the stream was read directly, never by the batching timer.
+    assert await stream_metrics(sc) == {
+        "sidecar_streams_read_directly_total": 1,
+        "sidecar_stream_reads_total": direct.reads,
+        "sidecar_stream_batched_wakeups_total": 0,
+        "sidecar_stream_batching": 0,
+    }
 
 
 async def test_many_slow_streams_are_batched_byte_exact(raw_upstream: Any, start_sidecar: Any) -> None:
@@ -129,6 +151,17 @@ async def test_many_slow_streams_are_batched_byte_exact(raw_upstream: Any, start
     assert bodies == [b"".join(body)] * count
     direct = sc.engine.direct
     assert direct.enrolled == count and direct.batched >= 1
+    # What an operator sees: the timer's wakeups, each reading several streams.
+    async with asyncio.timeout(5):
+        while direct.batching:  # an interval with nothing read ends it
+            await asyncio.sleep(0.01)
+    assert await stream_metrics(sc) == {
+        "sidecar_streams_read_directly_total": count,
+        "sidecar_stream_reads_total": direct.reads,
+        "sidecar_stream_batched_wakeups_total": direct.batched,
+        "sidecar_stream_batching": 0,
+    }
+    assert direct.reads > direct.batched >= 1  # several streams read per timer wakeup
     reader, writer, _ = opened[0]
     writer.write(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
     assert (await asyncio.wait_for(read_response(reader), 5)).status == 200

@@ -12,6 +12,7 @@ import pytest
 from sidecar.engine.direct import DirectReads
 from sidecar.engine.idle_poll import IdlePoller
 from sidecar.engine.relay import LENGTH, BodyRelay, ClientOutput
+from sidecar.metrics import Metrics
 
 pytestmark = pytest.mark.skipif(DirectReads is None, reason="direct socket I/O is compiled only")
 
@@ -158,10 +159,14 @@ async def test_reads_close_together_are_batched_until_an_interval_finds_nothing(
     loop = asyncio.get_running_loop()
     poller = CountingPoller(loop)
     direct = DirectReads(loop, poller, 100_000)  # 100 ms
+    metrics = Metrics()
+    metrics.watch_stream_reads(direct)
+    scrape = metrics.registry.get_sample_value
     streams = Streams(direct, 100)
     conn = streams.conns[0]
     try:
         await start_batching(direct, streams)
+        assert scrape("sidecar_stream_batching") == 1
         for part in (b"c", b"d", b"e"):  # three writes before the loop runs again
             streams.send(0, part)
         await delivered(conn, b"xycde")
@@ -170,6 +175,7 @@ async def test_reads_close_together_are_batched_until_an_interval_finds_nothing(
         async with asyncio.timeout(5):
             while direct.batching:  # an interval with nothing read ends it
                 await asyncio.sleep(0.01)
+        assert scrape("sidecar_stream_batching") == 0
         timed = direct.batched
         await asyncio.sleep(0.3)
         assert direct.batched == timed  # the timer is off once batching ends
@@ -177,6 +183,10 @@ async def test_reads_close_together_are_batched_until_an_interval_finds_nothing(
         await delivered(conn, b"xycdef")  # the set wakes the loop again
         assert not direct.batching and direct.batched == timed and direct.reads == 4
         assert poller.notes == 3
+        # The counters an operator reads, as the set counted them.
+        assert scrape("sidecar_stream_batched_wakeups_total") == timed
+        assert scrape("sidecar_stream_reads_total") == 4
+        assert scrape("sidecar_streams_read_directly_total") == direct.enrolled == 100
     finally:
         direct.close()
         streams.close()
