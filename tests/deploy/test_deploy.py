@@ -97,6 +97,11 @@ METRICS: dict[str, frozenset[str]] = {
     "sidecar_state_store_up": frozenset(),
     "sidecar_state_ops_total": frozenset({"op", "outcome"}),
     "sidecar_state_dropped_writes_total": frozenset(),
+    # Stream reads (fast engine, compiled build).
+    "sidecar_streams_read_directly_total": frozenset(),
+    "sidecar_stream_reads_total": frozenset(),
+    "sidecar_stream_batched_wakeups_total": frozenset(),
+    "sidecar_stream_batching": frozenset(),
 }
 HISTOGRAMS = {
     "sidecar_request_duration_seconds",
@@ -1409,7 +1414,8 @@ def test_grafana_dashboard_scopes_every_query(helper) -> None:
 
 
 def test_grafana_dashboard_panels(helper) -> None:
-    """Panels for upstream health, failovers, end actions, in-flight requests and the shared store."""
+    """Panels for upstream health, failovers, end actions, in-flight requests, the shared store
+    and stream reads."""
     dashboard = json.loads(DASHBOARD.read_text())
     panels = {}
 
@@ -1427,12 +1433,22 @@ def test_grafana_dashboard_panels(helper) -> None:
         "Store up": ("sidecar_state_store_up", ["instance"]),
         "Store operations by outcome": ("sidecar_state_ops_total", ["outcome"]),
         "Dropped store writes": ("sidecar_state_dropped_writes_total", ["instance"]),
+        "Stream read batching on": ("sidecar_stream_batching", ["instance"]),
     }
     for title, (metric, grouping) in wanted.items():
         (expr,) = panels[title]
         (result,) = helper("promql", exprs=[expr.replace("$__rate_interval", "5m")])["parsed"]
         assert [s["name"] for s in result["selectors"]] == [metric], (title, result)
         assert result["groupings"] == [grouping], (title, result)
+    # Reads beside the batching timer's wakeups (reads per wakeup) and the streams read directly.
+    exprs = [e.replace("$__rate_interval", "5m") for e in panels["Stream reads and batched wakeups"]]
+    parsed = helper("promql", exprs=exprs)["parsed"]
+    assert [[s["name"] for s in r["selectors"]] for r in parsed] == [
+        ["sidecar_stream_reads_total"],
+        ["sidecar_stream_batched_wakeups_total"],
+        ["sidecar_streams_read_directly_total"],
+    ]
+    assert all(r["groupings"] == [["instance"]] for r in parsed), parsed
 
 
 def test_grafana_dashboard_is_importable() -> None:
