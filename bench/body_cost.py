@@ -86,7 +86,7 @@ def per_call(fn: Callable[[], Any], seconds: float) -> float:
 def router_path() -> Callable[[bytes], Any]:
     cfg = build_config(flags={"upstream": "http://127.0.0.1:9", "mode": "dynamo_nvext"}, env={})
     router = Router(cfg, Metrics(CollectorRegistry()))
-    head = RequestHead("POST", "/v1/chat/completions", {"x-correlation-id": "bench-session", "content-length": "1024"})
+    head = RequestHead("POST", {"x-correlation-id": "bench-session", "content-length": "1024"})
 
     def run(body: bytes) -> Any:
         decision = router.transform_body(router.route(head), body, len(body))

@@ -12,7 +12,6 @@ from sidecar.jsonbody cimport splice
 
 cdef class RequestHead:
     cdef public object method
-    cdef public object target
     cdef public object headers
 
 cdef class _Pending:
@@ -74,5 +73,7 @@ cdef class Router:
     @cython.locals(turn=Turn)
     cpdef _release(self, _Admission held, outcome)
 
+cdef dict _LOG_CACHE
+cdef bint _debug_on() except -1
 cpdef Decision _admitted(Deployment dep, upstream, RoutingContext ctx, Turn turn, rec, request_id)
 cpdef _check_added(tuple add)

@@ -59,6 +59,19 @@ from sidecar.state import LoadNeeded, MemoryState, SessionState
 from sidecar.validation import TOKEN_RE
 
 log = logging.getLogger("sidecar.router")
+# The logger's per-level answers: filled by isEnabledFor, cleared in place by the logging module
+# whenever a level changes (empty if a Python lacks it: every check then asks isEnabledFor).
+_LOG_CACHE: dict[int, bool] = getattr(log, "_cache", {})
+
+
+def _debug_on() -> bool:
+    """``log.isEnabledFor(DEBUG)``, from the logger's cache when it holds the answer: once per
+    request, a dict lookup costs far less than a call into the logging module."""
+    if log.disabled:
+        return False
+    on = _LOG_CACHE.get(DEBUG)
+    return log.isEnabledFor(DEBUG) if on is None else on
+
 
 EndActionSink = Callable[[Deployment, EndAction, str], None]
 
@@ -80,7 +93,6 @@ class RequestHead:
     """What an engine hands the router: the parts of a request head routing may depend on."""
 
     method: str
-    target: str
     headers: Mapping[str, str]  # lower-case name -> first value
 
 
@@ -667,7 +679,7 @@ class Router:
                 "to_worker": interned,
                 "turn": turn.ctx.turn,
             }
-            if log.isEnabledFor(DEBUG):  # session ids only at debug level
+            if _debug_on():  # session ids only at debug level
                 extra["session"] = turn.ctx.session
             log.info("session moved to another worker", extra=extra)
 
@@ -693,7 +705,7 @@ class Router:
         its API session. Engines call it exactly once per decision they hold."""
         held = decision._held
         decision._held = None
-        if log.isEnabledFor(DEBUG):  # the access log: debug level (it names sessions)
+        if _debug_on():  # the access log: debug level (it names sessions)
             ctx = decision.ctx
             log.debug(
                 "request finished",

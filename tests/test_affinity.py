@@ -45,10 +45,20 @@ async def test_turn_outcomes_history_and_moved_log(upstream, start_sidecar, capl
 
 async def test_moved_log_names_the_session_at_debug_level(upstream, start_sidecar, caplog):
     sc = await start_sidecar(upstream=upstream.url, mode="smg_routing_key")
+    caplog.set_level(logging.INFO, logger="sidecar.router")
+    await turns(sc, "sess-i", ["a", "b"])
+    # The level changes while the sidecar runs: the router's debug check follows it.
     caplog.set_level(logging.DEBUG, logger="sidecar.router")
     await turns(sc, "sess-d", ["a", "b"])
-    [moved] = [r for r in caplog.records if getattr(r, "event", None) == "moved"]
+    first, moved = [r for r in caplog.records if getattr(r, "event", None) == "moved"]
+    assert not hasattr(first, "session")
     assert (moved.session, moved.from_worker, moved.to_worker) == ("sess-d", "a", "b")
+    assert any(getattr(r, "event", None) == "request" and r.session == "sess-d" for r in caplog.records)
+    caplog.set_level(logging.INFO, logger="sidecar.router")
+    caplog.clear()
+    await turns(sc, "sess-j", ["a", "b"])
+    [again] = [r for r in caplog.records if getattr(r, "event", None) == "moved"]
+    assert not hasattr(again, "session") and not any(getattr(r, "event", None) == "request" for r in caplog.records)
 
 
 async def test_worker_header_is_configurable(upstream, start_sidecar):

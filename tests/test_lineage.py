@@ -7,13 +7,14 @@ import logging
 
 import pytest
 
-from sidecar import lineage
 from sidecar.context import EndReason, RoutingContext, SessionEnd, TurnOutcome
 from sidecar.lineage import VIEW_STEP, SessionTree, Turn, exhaust
 
 COMPLETED = TurnOutcome.COMPLETED
 FAILED = TurnOutcome.UPSTREAM_FAILED
 ABORTED = TurnOutcome.CLIENT_ABORTED
+# lineage's _ENDED flag bit (compiled, a C constant the module does not export).
+_ENDED_FLAG = 8
 
 
 class Clock:
@@ -567,13 +568,13 @@ def check_counters(tree: SessionTree) -> None:
             while sibling is not None and sibling is not node:
                 sibling = sibling.next_sibling
             assert sibling is node, f"{node.session} is not among its parent's children"
-        if node.flags & lineage._ENDED:
+        if node.flags & _ENDED_FLAG:
             assert node.first_child is not None and node.in_flight == 0
             held += 1
         else:
             members.append(node)
     for node in members:
-        assert not node.flags & lineage._ENDED
+        assert not node.flags & _ENDED_FLAG
         live += 1
         counts = per_root.setdefault(id(top(node)), [0, 0])
         counts[0] += 1

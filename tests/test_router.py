@@ -32,7 +32,7 @@ def head(size: int, session: str | None = SESSION, method: str = "POST") -> Requ
     headers = {"content-length": str(size)}
     if session is not None:
         headers["x-correlation-id"] = session
-    return RequestHead(method, "/v1/chat/completions", headers)
+    return RequestHead(method, headers)
 
 
 def in_flight(router: Router, session: str = SESSION) -> int | None:

@@ -298,7 +298,7 @@ class AiohttpEngine(Engine):
                 errors.bad_request("request target must be origin-form (/path) or absolute-form (http://host/path)"),
                 "bad_request",
             )
-        head = RequestHead(request.method, target, in_headers)
+        head = RequestHead(request.method, in_headers)
         try:
             try:
                 decision = router.route(head)

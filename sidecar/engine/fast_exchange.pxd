@@ -14,6 +14,9 @@ from sidecar.router cimport Decision, Router
 
 cdef class Exchange(UpstreamRequest)
 
+cdef long _NAMES_HEADERS, _FRAMING, _HAS_CONTENT_LENGTH, _HAS_TRANSFER_ENCODING, _LENGTH, _CHUNKED, _DECHUNK
+cdef long _EOF_RAW, _EOF_CHUNKED
+
 cdef class Shared:
     cdef public object engine, health, drained
     cdef public Router router

@@ -1,19 +1,23 @@
 # Compiled layout of head.py (Cython "augmenting" declarations; see setup.py): the scans index the
 # bytes as C chars. Keep the fields equal to HeaderBlock.__slots__.
 cimport cython
+from sidecar.engine._memscan cimport find_byte
 
 cdef class HeaderBlock:
     cdef public bytes _raw
     cdef public Py_ssize_t _first, _end
     cdef public unsigned long long _mask
     cdef public dict _decoded
-    @cython.locals(lower=bytes, value=bytes, mask="unsigned long long", one="unsigned long long")
+    @cython.locals(lower=bytes, value=bytes, mask="unsigned long long", one="unsigned long long", text=str,
+                   n=Py_ssize_t)
     cpdef get(self, key, default=*)
 
 @cython.locals(block=HeaderBlock)
 cpdef lookup(headers, name)
 
+cdef inline long _bit(Py_ssize_t n, long last)
 cdef inline long _name_bit(bytes raw, Py_ssize_t at, Py_ssize_t n)
+cdef bytes _key_bytes(key)
 @cython.locals(one="unsigned long long", mask="unsigned long long", i=Py_ssize_t, at=Py_ssize_t,
                colon=Py_ssize_t, eol=Py_ssize_t)
 cdef unsigned long long _name_mask(bytes raw, Py_ssize_t first, Py_ssize_t end)
@@ -27,7 +31,7 @@ cdef Py_ssize_t MAX_TABLES
 cdef bint _COMPILED
 cdef dict _KEY_BYTES
 cdef Py_ssize_t MAX_KEYS
-cdef long _CONNECTION_BIT, _NAMES_BIT, _DROPPED
+cdef long _CONNECTION_BIT, _NAMES_BIT, _DROPPED, _LISTED, _HOST_SEEN, _HOST_REPEATED, _HOST_INVALID
 
 cdef (Py_ssize_t, Py_ssize_t) _clamp(bytes raw, Py_ssize_t first, Py_ssize_t end)
 @cython.locals(p="const char *")

@@ -133,7 +133,10 @@ def decimal(n: int) -> bytes:
 
 
 def _find(raw: bytes, c: int, i: int, end: int) -> int:
-    """Index of the first byte ``c`` in ``raw[i:end]``, ``end`` if there is none."""
+    """Index of the first byte ``c`` in ``raw[i:end]``, ``end`` if there is none. (Compiled,
+    memchr: every scan of a head finds its lines with this.)"""
+    if _COMPILED:
+        return find_byte(raw, c, i, end)  # type: ignore[name-defined]  # noqa: F821  # cimported (head.pxd)
     while i < end and raw[i] != c:
         i += 1
     return i
@@ -325,6 +328,9 @@ LISTED = 1  # a header whose name is in the table
 HOST_SEEN = 2  # a Host line
 HOST_REPEATED = 4  # more than one Host line
 HOST_INVALID = 8  # a Host value that is not ``uri-host [":" port]``
+# Typed copies for scan_request (compiled, the names above are Python objects: looked up and
+# combined as Python ints on every line otherwise).
+_LISTED, _HOST_SEEN, _HOST_REPEATED, _HOST_INVALID = LISTED, HOST_SEEN, HOST_REPEATED, HOST_INVALID
 
 
 def scan_request(raw: bytes, first: int, end: int, table: tuple[tuple[bytes, ...], ...]) -> int:
@@ -340,11 +346,11 @@ def scan_request(raw: bytes, first: int, end: int, table: tuple[tuple[bytes, ...
         i = eol + 1
         n = colon - at
         if n == 4 and _same(raw, at, _HOST):
-            bits |= HOST_REPEATED if bits & HOST_SEEN else HOST_SEEN
+            bits |= _HOST_REPEATED if bits & _HOST_SEEN else _HOST_SEEN
             if not valid_host(raw, _value_at(raw, colon, eol), eol - 1):
-                bits |= HOST_INVALID
-        elif not bits & LISTED and _listed(raw, at, n, table):
-            bits |= LISTED
+                bits |= _HOST_INVALID
+        elif not bits & _LISTED and _listed(raw, at, n, table):
+            bits |= _LISTED
     return bits
 
 
@@ -537,10 +543,15 @@ def header_map(raw: bytes, first: int, end: int) -> Mapping[str, str]:
     return HeaderBlock(raw, first, end)  # type: ignore[return-value]  # reads as a Mapping: get, in, []
 
 
+def _bit(n: int, last: int) -> int:
+    """The bit of :meth:`HeaderBlock.get`'s filter for a name of ``n`` bytes (``n > 0``) whose
+    last byte is ``last``, case folded: bits 0-62."""
+    return (n * 7 + (last | 32)) % 63
+
+
 def _name_bit(raw: bytes, at: int, n: int) -> int:
-    """The bit of :meth:`HeaderBlock.get`'s filter for the name ``raw[at:at + n]`` (``n > 0``),
-    from its length and last letter (case folded): bits 0-62."""
-    return (n * 7 + (raw[at + n - 1] | 32)) % 63
+    """:func:`_bit` of the name ``raw[at:at + n]``."""
+    return _bit(n, raw[at + n - 1])
 
 
 def _name_mask(raw: bytes, first: int, end: int) -> int:
@@ -555,6 +566,20 @@ def _name_mask(raw: bytes, first: int, end: int) -> int:
         if colon > at:
             mask |= one << _name_bit(raw, at, colon - at)
     return mask
+
+
+def _key_bytes(key: Any) -> bytes | None:
+    """A name looked up, as the bytes the scans compare (kept for the next lookup of a str);
+    None when no header can have it (not a str, empty, or not latin-1)."""
+    try:
+        lower = key.encode("latin-1")
+    except (AttributeError, UnicodeEncodeError):
+        return None
+    if not lower:
+        return None
+    if type(key) is str and len(_KEY_BYTES) < MAX_KEYS:
+        _KEY_BYTES[key] = lower
+    return lower
 
 
 class HeaderBlock:
@@ -574,22 +599,26 @@ class HeaderBlock:
         self._decoded: dict[str, str] | None = None  # _dict() once built
 
     def get(self, key: str, default: Any = None) -> Any:
-        lower = _KEY_BYTES.get(key) if type(key) is str else None
-        if lower is None:
-            try:
-                lower = key.encode("latin-1")
-            except (AttributeError, UnicodeEncodeError):
-                return default  # not a str, or not a name any header can have
-            if len(_KEY_BYTES) < MAX_KEYS:
-                _KEY_BYTES[key] = lower
-        if not lower:
-            return default
         mask = self._mask
         if mask == 0:
             self._mask = mask = _name_mask(self._raw, self._first, self._end)
         one = 1
-        if not mask & (one << _name_bit(lower, 0, len(lower))):
-            return default  # no name of this length and last letter
+        if type(key) is str:
+            # The filter's bit from the name as given (a name any header can have is latin-1: a
+            # byte per character): most names looked up are absent, and then need no bytes.
+            text = key
+            n = len(text)
+            if n == 0 or not mask & (one << _bit(n, ord(text[n - 1]))):
+                return default  # no name of this length and last letter
+            lower = _KEY_BYTES.get(text)
+            if lower is None:
+                lower = _key_bytes(text)
+        else:
+            lower = _key_bytes(key)
+            if lower is not None and not mask & (one << _name_bit(lower, 0, len(lower))):
+                return default
+        if lower is None:
+            return default
         value = first_value(self._raw, self._first, self._end, lower)
         return default if value is None else value.decode("utf-8", "surrogateescape")
 

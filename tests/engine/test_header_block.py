@@ -104,6 +104,26 @@ def test_lookups_agree_with_a_dict_however_many_names_share_a_filter_bit() -> No
     assert first_value(block, 0, len(block), b"x-c") is None
 
 
+class _Name(str):
+    """A str subclass (a key the filter's fast path does not take)."""
+
+
+def test_keys_of_any_type_and_spelling_read_like_a_dict() -> None:
+    block = HEADERS + b"X-Caf\xe9: latin\r\n"
+    view = HeaderBlock(block)
+    assert view.get(_Name("x-worker")) == "w1" and _Name("x-missing") not in view
+    assert view.get("x-caf\u00e9") == "latin"  # a last character beyond ASCII, as its latin-1 byte
+    assert view.get("x-w\u0151rker") is None and view.get("x-caf\u0151") is None  # not latin-1
+    assert view.get(b"x-worker") is None and view.get(3) is None and view.get(None, "d") == "d"  # type: ignore[call-overload]
+    for _ in range(2):  # the second lookup of each name reads its bytes from the cache
+        assert [view.get(k) for k in ("x-worker", "x-raw", "x_under^", "content-type")] == [
+            "w1",
+            EXPECTED["x-raw"],
+            "u",
+            "application/json",
+        ]
+
+
 REQUEST_BLOCK = (
     b"Host: h\r\nX-Keep: 1\r\nconnection: close\r\nX-Strip-Me: s\r\nX-KEEP: 2\r\n"
     b"Expect: 100-continue\r\nAccept:  */* \r\n"
