@@ -8,7 +8,7 @@ from sidecar.lineage cimport SessionTree, Turn
 from sidecar.context cimport RoutingContext
 from sidecar.engine.head cimport lookup
 from sidecar.headers cimport is_field_value
-from sidecar.jsonbody cimport splice
+from sidecar.jsonbody cimport ScannedBody, splice
 
 cdef class RequestHead:
     cdef public object method
@@ -56,10 +56,10 @@ cdef class Router:
     cpdef transform_body(self, Decision decision, body, size)
     @cython.locals(ident=Identity)
     cpdef tuple _read_body(self, _Pending pending, body)
-    @cython.locals(ident=Identity, dep=Deployment, admitted=Decision)
+    @cython.locals(ident=Identity, dep=Deployment, admitted=Decision, scanned=ScannedBody)
     cpdef _admit_body(self, Decision decision, _Pending pending, tuple read, bint loaded=*)
     @cython.locals(dep=Deployment)
-    cpdef _rewrite(self, Decision decision, scanned)
+    cpdef _rewrite(self, Decision decision, ScannedBody scanned)
     cpdef _completed(self, Decision admitted, result)
     cpdef bytes _spliced(self, Decision decision, tuple outcome)
     cpdef _check_session(self, Deployment dep, session, rec)

@@ -100,6 +100,30 @@ PLUGIN_SOURCE = textwrap.dedent('''
             return {"path": ("acme",)}
 
 
+    class PatchEmptyPath(Mode):
+        name = "acme_patch_empty_path"
+        mutates_body = True
+
+        def body_patch(self, ctx):
+            return BodyPatch((), {"v": 1})
+
+
+    class PatchListPath(Mode):
+        name = "acme_patch_list_path"
+        mutates_body = True
+
+        def body_patch(self, ctx):
+            return BodyPatch(["acme"], {"v": 1})
+
+
+    class PatchIntKey(Mode):
+        name = "acme_patch_int_key"
+        mutates_body = True
+
+        def body_patch(self, ctx):
+            return BodyPatch((1,), {"v": 1})
+
+
     class UndeclaredPatch(Mode):
         name = "acme_undeclared_patch"
 
@@ -164,6 +188,9 @@ ENTRY_POINTS = textwrap.dedent(f"""
     acme_deep_result = {PLUGIN_MODULE}:DeepResult
     acme_patch_bad = {PLUGIN_MODULE}:PatchBad
     acme_patch_wrong_type = {PLUGIN_MODULE}:PatchWrongType
+    acme_patch_empty_path = {PLUGIN_MODULE}:PatchEmptyPath
+    acme_patch_list_path = {PLUGIN_MODULE}:PatchListPath
+    acme_patch_int_key = {PLUGIN_MODULE}:PatchIntKey
     acme_undeclared_patch = {PLUGIN_MODULE}:UndeclaredPatch
     acme_both_body_hooks = {PLUGIN_MODULE}:BothBodyHooks
     acme_end_boom = {PLUGIN_MODULE}:EndBoom
@@ -306,6 +333,9 @@ def test_check_contract_directly() -> None:
         ("acme_deep_result", "transform_body"),
         ("acme_patch_bad", "body_patch"),
         ("acme_patch_wrong_type", "body_patch"),
+        ("acme_patch_empty_path", "body_patch"),
+        ("acme_patch_list_path", "body_patch"),
+        ("acme_patch_int_key", "body_patch"),
     ],
 )
 @pytest.mark.parametrize("size", ["small", "large"])
