@@ -59,7 +59,7 @@ from sidecar.state import LoadNeeded, MemoryState, SessionState
 from sidecar.validation import TOKEN_RE
 
 log = logging.getLogger("sidecar.router")
-_NOT_A_PATCH = BodyPatch((), {})  # what _rewrite reads from a body_patch result of another type (refused)
+_NOT_A_PATCH = BodyPatch((), {})  # what _rewrite reads from a body_patch result of another type
 # The logger's per-level answers: filled by isEnabledFor, cleared in place by the logging module
 # whenever a level changes (empty if a Python lacks it: every check then asks isEnabledFor).
 _LOG_CACHE: dict[int, bool] = getattr(log, "_cache", {})
@@ -559,18 +559,18 @@ class Router:
             return self._transformed(decision, body, _attempt(_transform, mode, ctx, body))
         try:
             patch = mode.body_patch(ctx)
-            if patch is None:
-                dep.stats.rewritten().inc()  # type: ignore[union-attr]
-                return body
             # A BodyPatch is a tuple: its fields by index, not by attribute (once per request).
             fields = patch if type(patch) is BodyPatch else _NOT_A_PATCH
             path, values, owned = fields[0], fields[1], fields[2]
-            if type(path) is not tuple or not path or type(path[0]) is not str:
+            if patch is not None and (type(path) is not tuple or not path or type(path[0]) is not str):
                 raise TypeError(
                     f"body_patch must return a BodyPatch with a non-empty tuple of keys, or None (got {patch!r:.200})"
                 )
         except Exception as exc:
             raise self._mode_failed(decision, "body_patch", exc) from exc
+        if patch is None:
+            dep.stats.rewritten().inc()  # type: ignore[union-attr]
+            return body
         if path[0] not in self._patch_roots:
             self._locate_root(path[0])
         if len(body) > INLINE_BYTES:
