@@ -349,15 +349,19 @@ class Metrics:
         self.registry.register(_DeploymentCollector(deployments, store))
 
 
-class _TreeCollector(Collector):
-    def __init__(self, tree: Any) -> None:
-        self.tree = tree
+class _SourceCollector(Collector):
+    """Metrics read from one object at scrape time (``source``): nothing on the hot path."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
 
     def describe(self) -> list[Any]:
         return []
 
+
+class _TreeCollector(_SourceCollector):
     def collect(self) -> Iterator[Any]:
-        t = self.tree
+        t = self.source
         yield GaugeMetricFamily("sidecar_live_sessions", "Sessions in the lineage tree.", value=t.live_sessions)
         yield GaugeMetricFamily("sidecar_live_trees", "Session trees (roots) in the lineage tree.", value=t.live_trees)
         yield CounterMetricFamily(
@@ -375,30 +379,18 @@ class _TreeCollector(Collector):
         )
 
 
-class _PollerCollector(Collector):
-    def __init__(self, poller: Any) -> None:
-        self.poller = poller
-
-    def describe(self) -> list[Any]:
-        return []
-
+class _PollerCollector(_SourceCollector):
     def collect(self) -> Iterator[Any]:
         yield CounterMetricFamily(
             "sidecar_idle_poll_seconds",
             "Time the fast engine's event loop polled for I/O instead of sleeping (work done meanwhile included).",
-            value=self.poller.polled_seconds(),
+            value=self.source.polled_seconds(),
         )
 
 
-class _StreamReadsCollector(Collector):
-    def __init__(self, direct: Any) -> None:
-        self.direct = direct
-
-    def describe(self) -> list[Any]:
-        return []
-
+class _StreamReadsCollector(_SourceCollector):
     def collect(self) -> Iterator[Any]:
-        d = self.direct
+        d = self.source
         yield CounterMetricFamily(
             "sidecar_streams_read_directly",
             "Long response bodies (token streams, large bodies) the fast engine read from its own epoll set.",
