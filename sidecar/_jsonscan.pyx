@@ -9,7 +9,9 @@ large body scanned on a worker thread leaves the event loop's thread running mea
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.dict cimport PyDict_Next
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
 from libc.string cimport memcmp, memcpy
 
@@ -24,6 +26,17 @@ cdef enum:
     KEY_BUFFER = 256
     NOGIL_BYTES = 64 * 1024
     FEW_EDITS = 16
+    # members_json writes up to this many bytes itself (a body patch's few members); more go
+    # to orjson.
+    MEMBERS_BUFFER = 1024
+
+cdef extern from "Python.h":
+    bint _is_ascii "PyUnicode_IS_ASCII" (object s)
+    Py_ssize_t _str_length "PyUnicode_GET_LENGTH" (object s)
+    const unsigned char* _ascii_data "PyUnicode_1BYTE_DATA" (object s)
+    long long _long_value "PyLong_AsLongLongAndOverflow" (object n, int* overflow)
+
+import orjson
 
 # Token kinds and parser states, as in sidecar.jsonscan.
 cdef enum:
@@ -557,3 +570,100 @@ cdef int _walk(const unsigned char* p, Py_ssize_t start, Py_ssize_t end, int max
     if state != S_AFTER or depth:
         return INVALID
     return deepest
+
+
+def members_json(values):
+    """See :func:`sidecar.jsonscan.members_json`. Written here when every key is a str and every
+    value a str, int, bool or None, the strings ASCII with nothing to escape (a session id, an
+    action word); anything else is serialized by orjson, so the bytes and errors are orjson's."""
+    cdef char buf[MEMBERS_BUFFER]
+    cdef Py_ssize_t at = 0, pos = 0
+    cdef PyObject* key
+    cdef PyObject* value
+    if type(values) is not dict:
+        return _members_orjson(values)
+    while PyDict_Next(values, &pos, &key, &value):
+        if at:
+            at = _put(buf, at, b",", 1)
+        at = _put_str(buf, at, <object>key)
+        at = _put(buf, at, b":", 1)
+        at = _put_value(buf, at, <object>value)
+        if at < 0:
+            return _members_orjson(values)
+    return PyBytes_FromStringAndSize(buf, at)
+
+
+def _members_orjson(values):
+    serialized = orjson.dumps(values)
+    return serialized[1:len(serialized) - 1]
+
+
+cdef Py_ssize_t _put(char* buf, Py_ssize_t at, const char* text, Py_ssize_t n) noexcept:
+    """Append ``n`` bytes at ``at``: the new end, or -1 (also when ``at`` is -1) past the buffer."""
+    if at < 0 or at + n > MEMBERS_BUFFER:
+        return -1
+    memcpy(buf + at, text, n)
+    return at + n
+
+
+cdef Py_ssize_t _put_str(char* buf, Py_ssize_t at, object s) noexcept:
+    """Append ``s`` as a JSON string when it is an ASCII str with no byte to escape; else -1."""
+    cdef Py_ssize_t n, i
+    cdef const unsigned char* p
+    cdef unsigned char c
+    cdef uint64_t word
+    if at < 0 or type(s) is not str or not _is_ascii(s):
+        return -1
+    n = _str_length(s)
+    if at + n + 2 > MEMBERS_BUFFER:
+        return -1
+    p = _ascii_data(s)
+    # What orjson escapes: control bytes, quote, backslash (the scanner's tests, a block at a time).
+    i = _plain16(p, 0, n)
+    while i + 8 <= n:
+        memcpy(&word, p + i, 8)
+        if _special8(word):
+            return -1
+        i += 8
+    while i < n:
+        c = p[i]
+        if c < 0x20 or c == 0x22 or c == 0x5C:
+            return -1
+        i += 1
+    buf[at] = 0x22
+    memcpy(buf + at + 1, p, n)
+    buf[at + n + 1] = 0x22
+    return at + n + 2
+
+
+cdef Py_ssize_t _put_value(char* buf, Py_ssize_t at, object value) noexcept:
+    """Append a str, an int within 64 signed bits, a bool or None; else -1."""
+    cdef int overflow = 0
+    cdef long long n
+    cdef unsigned long long u
+    cdef char digits[24]
+    cdef int i = 24
+    if type(value) is str:
+        return _put_str(buf, at, value)
+    if value is None:
+        return _put(buf, at, b"null", 4)
+    if value is True:
+        return _put(buf, at, b"true", 4)
+    if value is False:
+        return _put(buf, at, b"false", 5)
+    if type(value) is not int:
+        return -1
+    n = _long_value(value, &overflow)
+    if overflow:
+        return -1
+    u = <unsigned long long> n if n >= 0 else (<unsigned long long> -(n + 1)) + 1
+    while True:
+        i -= 1
+        digits[i] = <char> (0x30 + u % 10)
+        u //= 10
+        if not u:
+            break
+    if n < 0:
+        i -= 1
+        digits[i] = 0x2D  # -
+    return _put(buf, at, digits + i, 24 - i)

@@ -16,11 +16,9 @@ import re
 from typing import Any
 
 import orjson
-from orjson import dumps
 
 from sidecar import jsonscan
-from sidecar.engine.head import cut
-from sidecar.jsonscan import INVALID, TOO_DEEP, TOO_MANY, assemble, scan
+from sidecar.jsonscan import INVALID, TOO_DEEP, TOO_MANY, assemble, members_json, scan
 
 __all__ = [
     "INVALID",
@@ -153,8 +151,7 @@ def splice(body: ScannedBody, path: tuple[str, ...], values: dict[str, Any], own
         paths = _path_bytes(path)
     keys: tuple[bytes, ...] = paths[0]
     opens: tuple[bytes, ...] = paths[1]
-    serialized = dumps(values)
-    insert = cut(serialized, 1, len(serialized) - 1)  # the members to append
+    insert = members_json(values)  # the members to append
     data = body.data
     start, last = body.start, body.last
     if keys[0] in body.names:

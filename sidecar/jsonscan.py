@@ -24,6 +24,7 @@ match per token). ``SIDECAR_PURE_PYTHON=1`` selects this one.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import orjson
 
@@ -98,6 +99,14 @@ def assemble(data: bytes, edits: list[tuple[int, int, bytes]]) -> bytes:
 def join(chunks: list[bytes]) -> bytes:
     """The concatenation of ``chunks``."""
     return b"".join(chunks)
+
+
+def members_json(values: dict[str, Any]) -> bytes:
+    """The members of the JSON object ``values`` serializes to, without its braces: exactly
+    ``orjson.dumps(values)[1:-1]``, with its errors (``TypeError`` for a key that is not a string
+    or a value it cannot serialize)."""
+    serialized = orjson.dumps(values)
+    return serialized[1:-1]
 
 
 def _walk(
@@ -253,9 +262,10 @@ scan_py = scan
 elements_py = elements
 assemble_py = assemble
 join_py = join
+members_json_py = members_json
 
 try:  # the compiled build's C scanner
-    from sidecar._jsonscan import assemble, elements, join, scan  # type: ignore[no-redef]  # noqa: F811
+    from sidecar._jsonscan import assemble, elements, join, members_json, scan  # type: ignore[no-redef]  # noqa: F811
 
     COMPILED = True
 except ImportError:

@@ -455,3 +455,66 @@ def test_join_concatenates(join: Callable[..., bytes]) -> None:
     chunks = [b"a", b"", b"bc", b"x" * 200_000, b"d"]
     assert join(chunks) == b"".join(chunks)
     assert join([]) == b""
+
+
+SERIALIZERS = [pytest.param(jsonscan.members_json_py, id="python")]
+if _compiled is not None:
+    SERIALIZERS.append(pytest.param(_compiled.members_json, id="c"))
+
+# What body patches carry (ids, action words, timeouts) and what the C writer hands to orjson.
+MEMBER_VALUES = st.one_of(
+    st.text(max_size=40),
+    st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127), max_size=300),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.booleans(),
+    st.none(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
+
+
+def _orjson_members(values: Any) -> bytes | str:
+    try:
+        return orjson.dumps(values)[1:-1]
+    except TypeError as exc:  # orjson.JSONEncodeError is a TypeError
+        return f"error: {exc}"
+
+
+def _members(serialize: Callable[[Any], bytes], values: Any) -> bytes | str:
+    try:
+        return serialize(values)
+    except TypeError as exc:
+        return f"error: {exc}"
+
+
+@pytest.mark.parametrize("serialize", SERIALIZERS)
+def test_members_json_writes_what_orjson_writes(serialize: Callable[[Any], bytes]) -> None:
+    cases: list[Any] = [
+        {},
+        {"session_id": "00000000-bench-4000-8000-000000000001", "action": "bind", "timeout": 300},
+        {"session_id": "s", "action": "close"},
+        {"a": -(2**63), "b": 2**63 - 1, "c": 2**63, "d": 2**64 - 1, "e": 0, "f": -1},
+        {"t": True, "f": False, "n": None, "x": 1.5},
+        {"q": 'say "hi"', "b": "back\\slash", "c": "tab\there", "n": "nl\n", "z": "\x00\x1f\x7f"},
+        {"u": "é", "e": "🙂", "k": "a" * 2000, "é": 1},
+        {"list": [1, "a"], "obj": {"x": {"y": None}}},
+        {"s" * 600: "v" * 600},  # past the C writer's buffer: orjson's
+    ]
+    for values in cases:
+        assert _members(serialize, values) == _orjson_members(values), values
+
+
+@pytest.mark.parametrize("serialize", SERIALIZERS)
+def test_members_json_keeps_orjsons_errors(serialize: Callable[[Any], bytes]) -> None:
+    for values in ({1: "int key"}, {"k": {1, 2}}, {"k": 2**64}, {"k": "\ud800"}, {"k": object()}):
+        with pytest.raises(TypeError):
+            serialize(values)
+        assert _members(serialize, values) == _orjson_members(values)
+
+
+@pytest.mark.parametrize("serialize", SERIALIZERS)
+@settings(max_examples=300, deadline=None)
+@given(values=st.dictionaries(st.text(max_size=12), MEMBER_VALUES, max_size=6))
+def test_generated_members_match_orjson(serialize: Callable[[Any], bytes], values: dict[str, Any]) -> None:
+    assert _members(serialize, values) == _orjson_members(values)
