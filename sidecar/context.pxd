@@ -10,3 +10,8 @@ cdef class RoutingContext:
     cdef public long turn
     cdef public object deployment
     cdef public object mode_state
+
+cdef class BodyPatch:
+    cdef public object path
+    cdef public object values
+    cdef public object owned

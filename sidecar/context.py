@@ -1,5 +1,6 @@
 """The records a request's session and a session's end are described by: what the lineage tree
-computes, the router hands to modes, and the shared store persists. A leaf: imports nothing of
+computes, the router hands to modes, and the shared store persists; and the body patch a mode
+hands back. A leaf: imports nothing of
 the sidecar, so modes (and third-party modes, through :mod:`sidecar.modes.base`) depend on it
 alone.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 
 class EndReason(StrEnum):
@@ -68,3 +70,31 @@ class SessionEnd:
     deployment: str
     reason: EndReason
     turns: int
+
+
+# Not frozen, no slots=True: as RoutingContext (compiled, context.pxd, an extension type with
+# fixed fields, built once per rewritten request and read as struct fields by the router).
+@dataclass
+class BodyPatch:
+    """A change to a JSON object request body, applied to the client's bytes. Read-only once
+    returned.
+
+    The object at ``path`` (keys from the top level down) is made to contain ``values``:
+
+    - objects missing on the path are created; a value on the path that is not an object is
+      replaced by one;
+    - a key the client repeats on the path: its last occurrence is the one followed (the one
+      JSON parsers keep), the earlier ones are removed, so the upstream sees the key once;
+    - in the object at ``path``, the client's members named in ``owned`` or in ``values`` are
+      removed, every occurrence, and ``values`` are appended after the members left, serialized
+      compactly as orjson does;
+    - every other byte of the body (numbers, key order, duplicate keys, whitespace, string
+      escapes) reaches the upstream exactly as the client sent it.
+
+    ``path`` is a non-empty tuple of string keys, ``values`` a dict with string keys; ``owned``
+    and ``values`` name at most 16 keys together.
+    """
+
+    path: tuple[str, ...]
+    values: dict[str, Any]
+    owned: tuple[str, ...] = ()

@@ -5,7 +5,7 @@ cimport cython
 from sidecar.deployments cimport Deployment
 from sidecar.identity cimport Identity, IdentityReader
 from sidecar.lineage cimport SessionTree, Turn
-from sidecar.context cimport RoutingContext
+from sidecar.context cimport BodyPatch, RoutingContext
 from sidecar.engine.head cimport lookup
 from sidecar.headers cimport is_field_value
 from sidecar.jsonbody cimport ScannedBody, splice
@@ -58,7 +58,7 @@ cdef class Router:
     cpdef tuple _read_body(self, _Pending pending, body)
     @cython.locals(ident=Identity, dep=Deployment, admitted=Decision, scanned=ScannedBody)
     cpdef _admit_body(self, Decision decision, _Pending pending, tuple read, bint loaded=*)
-    @cython.locals(dep=Deployment)
+    @cython.locals(dep=Deployment, fields=BodyPatch)
     cpdef _rewrite(self, Decision decision, ScannedBody scanned)
     cpdef _completed(self, Decision admitted, result)
     cpdef bytes _spliced(self, Decision decision, tuple outcome)
@@ -75,5 +75,6 @@ cdef class Router:
 
 cdef dict _LOG_CACHE
 cdef bint _debug_on() except -1
+cpdef Decision _awaiting_body(Deployment dep, limit, _Pending pending, request_id)
 cpdef Decision _admitted(Deployment dep, upstream, RoutingContext ctx, Turn turn, rec, request_id)
 cpdef _check_added(tuple add)

@@ -44,7 +44,7 @@ import orjson
 from sidecar import errors
 from sidecar import headers as h
 from sidecar.config import Config
-from sidecar.context import EndReason, RoutingContext, SessionEnd, TurnOutcome
+from sidecar.context import BodyPatch, EndReason, RoutingContext, SessionEnd, TurnOutcome
 from sidecar.deployments import Deployment, Upstream
 from sidecar.engine.head import lookup
 from sidecar.headers import is_field_value
@@ -53,7 +53,7 @@ from sidecar.jsonbody import INVALID, TOO_DEEP, TOO_MANY, RepeatedKeys, ScannedB
 from sidecar.jsonscan import INLINE_BYTES, join
 from sidecar.lineage import SessionTree, Turn
 from sidecar.metrics import Metrics
-from sidecar.modes.base import BodyPatch, EndAction, Mode
+from sidecar.modes.base import EndAction, Mode
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
 from sidecar.state import LoadNeeded, MemoryState, SessionState
 from sidecar.validation import TOKEN_RE
@@ -559,9 +559,8 @@ class Router:
             return self._transformed(decision, body, _attempt(_transform, mode, ctx, body))
         try:
             patch = mode.body_patch(ctx)
-            # A BodyPatch is a tuple: its fields by index, not by attribute (once per request).
-            fields = patch if type(patch) is BodyPatch else _NOT_A_PATCH
-            path, values, owned = fields[0], fields[1], fields[2]
+            fields = patch if type(patch) is BodyPatch else _NOT_A_PATCH  # compiled: struct reads
+            path, values, owned = fields.path, fields.values, fields.owned
             if patch is not None and (type(path) is not tuple or not path or type(path[0]) is not str):
                 raise TypeError(
                     f"body_patch must return a BodyPatch with a non-empty tuple of keys, or None (got {patch!r:.200})"

@@ -16,37 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from sidecar.context import EndReason as EndReason  # the contract: what modes receive
+from sidecar.context import BodyPatch as BodyPatch  # the contract: what modes receive and return
+from sidecar.context import EndReason as EndReason
 from sidecar.context import RoutingContext as RoutingContext
 from sidecar.context import SessionEnd as SessionEnd
-
-
-class BodyPatch(NamedTuple):
-    """A change to a JSON object request body, applied to the client's bytes (a tuple: built
-    once per request, cheaply).
-
-    The object at ``path`` (keys from the top level down) is made to contain ``values``:
-
-    - objects missing on the path are created; a value on the path that is not an object is
-      replaced by one;
-    - a key the client repeats on the path: its last occurrence is the one followed (the one
-      JSON parsers keep), the earlier ones are removed, so the upstream sees the key once;
-    - in the object at ``path``, the client's members named in ``owned`` or in ``values`` are
-      removed, every occurrence, and ``values`` are appended after the members left, serialized
-      compactly by orjson;
-    - every other byte of the body (numbers, key order, duplicate keys, whitespace, string
-      escapes) reaches the upstream exactly as the client sent it.
-
-    Keys are strings; ``owned`` and ``values`` name at most 16 keys together.
-    """
-
-    path: tuple[str, ...]
-    values: dict[str, Any]
-    owned: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,8 +34,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field
 
 from sidecar import headers as h
-from sidecar.context import RoutingContext
-from sidecar.modes.base import BodyPatch, Mode
+from sidecar.context import BodyPatch, RoutingContext
+from sidecar.modes.base import Mode
 from sidecar.modes.ids import DYNAMO_ALWAYS_FITS, DYNAMO_MAX_ID_BYTES, fit_id
 from sidecar.modes.options import Scoped, Seconds, canonical_word
 
@@ -115,5 +115,4 @@ class DynamoNvext(Mode):
 
     def body_patch(self, ctx: RoutingContext) -> BodyPatch | None:
         control = session_control(self._tree, self._bind, self._timeout, ctx)
-        # tuple.__new__: a NamedTuple built without its Python-level __new__ (once per request).
-        return None if control is None else tuple.__new__(BodyPatch, (_PATH, control, _OWNED_KEYS))
+        return None if control is None else BodyPatch(_PATH, control, _OWNED_KEYS)
