@@ -91,6 +91,21 @@ MERGES = [
 ]
 
 
+@pytest.mark.parametrize(
+    "session",
+    ['quote"d', "back\\slash", "tab\tinside", "plain-0123456789abcdef", "x" * 200],
+)
+async def test_session_ids_are_escaped_in_the_spliced_field(upstream, start_sidecar, session: str) -> None:
+    """The members the sidecar writes itself (plain ASCII ids) and those it leaves to orjson (ids
+    with bytes JSON escapes) reach the upstream as the same valid JSON."""
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext")
+    assert (await post(sc, b'{"model":"m"}', session=session))[0] == 200
+    body = upstream.received[0].body
+    control = {"session_id": session, "action": "bind", "timeout": 300}
+    assert body == b'{"model":"m","nvext":{"session_control":' + orjson.dumps(control) + b"}}"
+    assert orjson.loads(body)["nvext"]["session_control"]["session_id"] == session
+
+
 @pytest.mark.parametrize(("body", "want"), MERGES)
 async def test_nvext_merges_on_the_wire(upstream, start_sidecar, body: bytes, want: bytes) -> None:
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext")
