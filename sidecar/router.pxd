@@ -73,7 +73,8 @@ cdef class Router:
     @cython.locals(turn=Turn)
     cpdef _release(self, _Admission held, outcome)
 
-cdef dict _LOG_CACHE
+cdef dict _LOG_CACHE, _ADDABLE
+cdef Py_ssize_t MAX_ADDABLE
 cdef bint _debug_on() except -1
 cpdef Decision _awaiting_body(Deployment dep, limit, _Pending pending, request_id)
 cpdef Decision _admitted(Deployment dep, upstream, RoutingContext ctx, Turn turn, rec, request_id)

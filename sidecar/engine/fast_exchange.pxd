@@ -16,6 +16,7 @@ cdef class Exchange(UpstreamRequest)
 
 cdef long _NAMES_HEADERS, _FRAMING, _HAS_CONTENT_LENGTH, _HAS_TRANSFER_ENCODING, _LENGTH, _CHUNKED, _DECHUNK
 cdef long _EOF_RAW, _EOF_CHUNKED
+cdef dict _ADD_NAMES
 
 cdef class Shared:
     cdef public object engine, health, drained

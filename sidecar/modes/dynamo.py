@@ -44,6 +44,10 @@ SESSION_CONTROL = "session_control"
 _PATH = (NVEXT, SESSION_CONTROL)
 # The session_control keys the mode owns: set or removed on every request; any other key stays.
 _OWNED_KEYS = ("session_id", "action", "timeout")
+# The header names as module constants: compiled, a read of one is a cached global lookup,
+# not an attribute read on the headers module (once per request).
+_SESSION_HEADER = h.X_DYNAMO_SESSION_ID
+_PARENT_HEADER = h.X_DYNAMO_PARENT_SESSION_ID
 
 
 def session_control(tree: bool, bind: bool, timeout: int, ctx: RoutingContext) -> dict[str, Any] | None:
@@ -70,7 +74,7 @@ class DynamoHeaders(Mode):
     """Dynamo 1.3.0+: X-Dynamo-Session-ID (+ X-Dynamo-Parent-Session-ID for children)."""
 
     name = "dynamo_headers"
-    _EMITS = (h.X_DYNAMO_SESSION_ID, h.X_DYNAMO_PARENT_SESSION_ID)
+    _EMITS = (_SESSION_HEADER, _PARENT_HEADER)
 
     def emitted_headers(self) -> Sequence[str]:
         return self._EMITS
@@ -80,10 +84,10 @@ class DynamoHeaders(Mode):
         if len(session) > DYNAMO_ALWAYS_FITS:  # runs once per request: no call for an id that fits
             session = fit_id(session, DYNAMO_MAX_ID_BYTES)
         if ctx.parent is None:
-            return ((h.X_DYNAMO_SESSION_ID, session),)
+            return ((_SESSION_HEADER, session),)
         return (
-            (h.X_DYNAMO_SESSION_ID, session),
-            (h.X_DYNAMO_PARENT_SESSION_ID, fit_id(ctx.parent, DYNAMO_MAX_ID_BYTES)),
+            (_SESSION_HEADER, session),
+            (_PARENT_HEADER, fit_id(ctx.parent, DYNAMO_MAX_ID_BYTES)),
         )
 
 
