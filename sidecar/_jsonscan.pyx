@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The compiled build's JSON scanner and body copies: the contracts, statuses and limits are
-those of :mod:`sidecar.jsonscan`, which uses this module when it is built.
+"""The compiled build's JSON scanner, body copies and body-patch members: the contracts,
+statuses and limits are those of :mod:`sidecar.jsonscan`, which uses this module when it is built.
 
 One pass over the bytes in C, a byte per container on a stack array, no Python object until
 the hits are handed back. String content, most of a prompt's bytes, is skipped 16 bytes at a

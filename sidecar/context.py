@@ -1,8 +1,7 @@
 """The records a request's session and a session's end are described by: what the lineage tree
 computes, the router hands to modes, and the shared store persists; and the body patch a mode
-hands back. A leaf: imports nothing of
-the sidecar, so modes (and third-party modes, through :mod:`sidecar.modes.base`) depend on it
-alone.
+hands back. A leaf: imports nothing of the sidecar, so modes (and third-party modes, through
+:mod:`sidecar.modes.base`) depend on it alone.
 """
 
 from __future__ import annotations
