@@ -33,8 +33,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from sidecar import headers as h
 from sidecar.context import BodyPatch, RoutingContext
+from sidecar.headers import X_DYNAMO_PARENT_SESSION_ID, X_DYNAMO_SESSION_ID
 from sidecar.modes.base import Mode
 from sidecar.modes.ids import DYNAMO_ALWAYS_FITS, DYNAMO_MAX_ID_BYTES, fit_id
 from sidecar.modes.options import Scoped, Seconds, canonical_word
@@ -44,10 +44,6 @@ SESSION_CONTROL = "session_control"
 _PATH = (NVEXT, SESSION_CONTROL)
 # The session_control keys the mode owns: set or removed on every request; any other key stays.
 _OWNED_KEYS = ("session_id", "action", "timeout")
-# The header names as module constants: compiled, a read of one is a cached global lookup,
-# not an attribute read on the headers module (once per request).
-_SESSION_HEADER = h.X_DYNAMO_SESSION_ID
-_PARENT_HEADER = h.X_DYNAMO_PARENT_SESSION_ID
 
 
 def session_control(tree: bool, bind: bool, timeout: int, ctx: RoutingContext) -> dict[str, Any] | None:
@@ -74,7 +70,7 @@ class DynamoHeaders(Mode):
     """Dynamo 1.3.0+: X-Dynamo-Session-ID (+ X-Dynamo-Parent-Session-ID for children)."""
 
     name = "dynamo_headers"
-    _EMITS = (_SESSION_HEADER, _PARENT_HEADER)
+    _EMITS = (X_DYNAMO_SESSION_ID, X_DYNAMO_PARENT_SESSION_ID)
 
     def emitted_headers(self) -> Sequence[str]:
         return self._EMITS
@@ -84,10 +80,10 @@ class DynamoHeaders(Mode):
         if len(session) > DYNAMO_ALWAYS_FITS:  # runs once per request: no call for an id that fits
             session = fit_id(session, DYNAMO_MAX_ID_BYTES)
         if ctx.parent is None:
-            return ((_SESSION_HEADER, session),)
+            return ((X_DYNAMO_SESSION_ID, session),)
         return (
-            (_SESSION_HEADER, session),
-            (_PARENT_HEADER, fit_id(ctx.parent, DYNAMO_MAX_ID_BYTES)),
+            (X_DYNAMO_SESSION_ID, session),
+            (X_DYNAMO_PARENT_SESSION_ID, fit_id(ctx.parent, DYNAMO_MAX_ID_BYTES)),
         )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from sidecar import headers as h
+from sidecar.headers import X_SESSION_TOKEN, X_SESSION_TOKEN_L
 from sidecar.modes.base import Mode, RoutingContext
 
 # The picker's tokens are short opaque strings; anything longer is not a token we should echo.
@@ -22,7 +22,7 @@ class LlmdSessionToken(Mode):
     """llm-d endpoint picker: echoes the x-session-token it answered with."""
 
     name = "llmd_session_token"
-    _EMITS = (h.X_SESSION_TOKEN,)
+    _EMITS = (X_SESSION_TOKEN,)
 
     def emitted_headers(self) -> Sequence[str]:
         return self._EMITS
@@ -30,10 +30,10 @@ class LlmdSessionToken(Mode):
     def request_headers(self, ctx: RoutingContext) -> Sequence[tuple[str, str]]:
         if ctx.mode_state is None:
             return ()
-        return ((h.X_SESSION_TOKEN, ctx.mode_state),)
+        return ((X_SESSION_TOKEN, ctx.mode_state),)
 
     def on_response(self, ctx: RoutingContext, headers: Mapping[str, str]) -> str | None:
-        token = headers.get(h.X_SESSION_TOKEN_L)
+        token = headers.get(X_SESSION_TOKEN_L)
         if token is None:
             return None
         token = token.strip()

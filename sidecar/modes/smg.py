@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sidecar import headers as h
+from sidecar.headers import X_SMG_ROUTING_KEY
 from sidecar.modes.base import Mode, RoutingContext
 from sidecar.modes.ids import SMG_MAX_KEY_BYTES, fit_id
 from sidecar.modes.options import Scoped
@@ -23,11 +23,11 @@ class SmgRoutingKey(Mode):
     name = "smg_routing_key"
     Options = Scoped
     options: Scoped
-    _EMITS = (h.X_SMG_ROUTING_KEY,)
+    _EMITS = (X_SMG_ROUTING_KEY,)
 
     def emitted_headers(self) -> Sequence[str]:
         return self._EMITS
 
     def request_headers(self, ctx: RoutingContext) -> Sequence[tuple[str, str]]:
         key = ctx.root if self.options.scope == "tree" else ctx.session
-        return ((h.X_SMG_ROUTING_KEY, fit_id(key, SMG_MAX_KEY_BYTES)),)
+        return ((X_SMG_ROUTING_KEY, fit_id(key, SMG_MAX_KEY_BYTES)),)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sidecar import headers as h
+from sidecar.headers import X_SESSION_ID
 from sidecar.modes.base import EndAction, Mode, RoutingContext, SessionEnd
 
 FINISH_SESSION_PATH = "/finish_session"
@@ -22,13 +22,13 @@ class VllmRouter(Mode):
     """vllm-router (consistent_hash / sticky_least_loaded): x-session-id + /finish_session."""
 
     name = "vllm_router"
-    _EMITS = (h.X_SESSION_ID,)
+    _EMITS = (X_SESSION_ID,)
 
     def emitted_headers(self) -> Sequence[str]:
         return self._EMITS
 
     def request_headers(self, ctx: RoutingContext) -> Sequence[tuple[str, str]]:
-        return ((h.X_SESSION_ID, ctx.session),)
+        return ((X_SESSION_ID, ctx.session),)
 
     def on_session_end(self, end: SessionEnd) -> Sequence[EndAction]:
         return (EndAction("POST", FINISH_SESSION_PATH, {"session_id": end.session}),)
