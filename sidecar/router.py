@@ -59,7 +59,6 @@ from sidecar.state import LoadNeeded, MemoryState, SessionState
 from sidecar.validation import TOKEN_RE
 
 log = logging.getLogger("sidecar.router")
-_NOT_A_PATCH = BodyPatch((), {})  # what _rewrite reads from a body_patch result of another type
 # The logger's per-level answers: filled by isEnabledFor, cleared in place by the logging module
 # whenever a level changes (empty if a Python lacks it: every check then asks isEnabledFor).
 _LOG_CACHE: dict[int, bool] = getattr(log, "_cache", {})
@@ -559,17 +558,19 @@ class Router:
             return self._transformed(decision, body, _attempt(_transform, mode, ctx, body))
         try:
             patch = mode.body_patch(ctx)
-            fields = patch if type(patch) is BodyPatch else _NOT_A_PATCH  # compiled: struct reads
-            path, values, owned = fields.path, fields.values, fields.owned
-            if patch is not None and (type(path) is not tuple or not path or type(path[0]) is not str):
+            fields = patch if type(patch) is BodyPatch else None  # compiled: its fields are struct reads
+            if patch is not None and (
+                fields is None or type(fields.path) is not tuple or not fields.path or type(fields.path[0]) is not str
+            ):
                 raise TypeError(
                     f"body_patch must return a BodyPatch with a non-empty tuple of keys, or None (got {patch!r:.200})"
                 )
         except Exception as exc:
             raise self._mode_failed(decision, "body_patch", exc) from exc
-        if patch is None:
+        if fields is None:
             dep.stats.rewritten().inc()  # type: ignore[union-attr]
             return body
+        path, values, owned = fields.path, fields.values, fields.owned
         if path[0] not in self._patch_roots:
             self._locate_root(path[0])
         if len(body) > INLINE_BYTES:
