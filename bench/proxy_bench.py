@@ -1,6 +1,6 @@
 """Proxy benchmark: the sidecar against nginx and Envoy doing the same header injection.
 
-    python bench/proxy_bench.py [--cases a,b,c,d,e,f,g,h,i] [--engines fast,aiohttp] [--rounds 5]
+    python bench/proxy_bench.py [--cases a,b,c,d,e,f,g,h,i,j] [--engines fast,aiohttp] [--rounds 5]
                                 [--duration 5] [--warmup 1] [--prefill 1000000] [--store-prefill 100000]
                                 [--stream-n 200] [--stream-n-large 1000] [--stream-events 100]
                                 [--stream-gap-ms 20] [--stream-bytes 110]
@@ -34,6 +34,9 @@ Cases:
                    at 1, every session known: throughput, latency, store round trips and commands
                    per request (the sidecar's counters, Redis's commandstats); then bytes per
                    session in Redis (--store-prefill new sessions between two memory readings)
+  j  churn         header mode, 64 connections, every request a new session, the sidecar's tree
+                   prefilled to its cap (--prefill) so that each new session evicts one: latency
+                   (p99 against nginx's) while the tree turns over, garbage collection included
 
 Every run writes bench/results/<date>-proxy_bench-<commit>.md (the tables, the targets and their
 verdicts, the machine facts) and a .json of the same name with every round's numbers
@@ -140,7 +143,7 @@ class Tools:
     redis_server: str = ""  # "" when the run has no store case (i)
 
 
-ENVOY_CASES = "abdfgh"  # cases with an Envoy contender
+ENVOY_CASES = "abdfghj"  # cases with an Envoy contender
 STORE_CASES = "i"  # cases that run a Redis server
 
 
@@ -728,7 +731,9 @@ def sidecar_config(spec: Spec, case: Case, args: argparse.Namespace) -> dict[str
     """The sidecar's config file for one contender."""
     # No shutdown delay: there is no load balancer to leave when a case ends.
     config: dict[str, Any] = {"drain_grace_seconds": 1, "shutdown_delay_seconds": 0}
-    if case.key in "ei":  # nothing may expire or be evicted during the case (nor in the store)
+    if case.churn:  # the prefill fills the tree to its cap: then every new session evicts one
+        config["sessions"] = {"max_live_sessions": args.prefill, "idle_ttl_seconds": 36000}
+    elif case.key in "ei":  # nothing may expire or be evicted during the case (nor in the store)
         prefilled = args.prefill if case.key == "e" else args.store_prefill
         config["sessions"] = {"max_live_sessions": max(2_000_000, 2 * prefilled), "idle_ttl_seconds": 36000}
     if case.streams:
@@ -830,7 +835,10 @@ def measure(
     store counters (admin /metrics) and the Redis server's CPU time, read just before and just
     after the run."""
     assert contender.proc is not None
-    argv = wrk_argv(tools, contender.url, "post.lua", connections, duration, script_args)
+    script = "post.lua"
+    if case == "j":  # new sessions only: ids of this run's own (prefill.lua, never complete)
+        script, script_args = "prefill.lua", (str(10**12), CHAT_PATH, f"j{round_:03d}")
+    argv = wrk_argv(tools, contender.url, script, connections, duration, script_args)
     before = sidecar_counters(contender) if store is not None else {}
     calls0 = store_calls(store) if store is not None else {}
     store_cpu0 = group_cpu_seconds(store.proc.pid) if store is not None else 0.0
@@ -1035,6 +1043,7 @@ class Case:
     tls: bool = False  # contenders to the upstream's https:// port, each against itself to the plain one
     loads: tuple[int, ...] = ()  # wrk connections of each run in a round; () : (connections,)
     store: bool = False  # a Redis server runs for the case (i), its counters and memory are read
+    churn: bool = False  # every request a new session, the sidecar's tree full (prefilled to its cap)
 
     @property
     def connection_counts(self) -> tuple[int, ...]:
@@ -1072,6 +1081,7 @@ CASE_NAMES = {
     "g": "stream-large",
     "h": "tls",
     "i": "store",
+    "j": "churn",
 }
 
 
@@ -1110,6 +1120,14 @@ def make_cases(args: argparse.Namespace | None) -> dict[str, Case]:
             loads=STORE_LOADS,
             store=True,
         ),
+        "j": Case(
+            "j",
+            "churn",
+            "header mode, every request a new session, the sidecar's session tree full (prefilled to its "
+            "cap: each new session evicts the least recently active), 64 connections",
+            64,
+            churn=True,
+        ),
     }
 
 
@@ -1138,6 +1156,11 @@ def specs_for(case: Case, engines: Sequence[str], prefill_n: int) -> list[Spec]:
             )
         ]
     peers = [Spec("nginx", "nginx"), Spec("envoy", "envoy")]
+    if case.churn:
+        return [
+            *(Spec(f"{sidecar(e)} {human(prefill_n)} full", "sidecar", e, prefill=prefill_n) for e in engines),
+            *peers,
+        ]
     if case.tls:
         # Every contender twice: to the https:// port (the subject, named as in the other cases, so
         # that x Envoy / x nginx compare TLS with TLS) and to the plain port (its own baseline).
@@ -1483,6 +1506,8 @@ def summarize(result: CaseResult) -> list[Row]:
             row.cpu_vs_nginx = round_ratio(runs, spec.label, "nginx", "requests_per_cpu_second")
             if result.case.key == "b":
                 row.case_ratio = round_ratio(runs, spec.label, "nginx", "p50_ms")
+            elif result.case.churn:
+                row.case_ratio = round_ratio(runs, spec.label, "nginx", "p99_ms")
         if spec.subject_of:
             row.reference = next(s.label for s in result.specs if s.baseline_of == spec.subject_of)
             row.case_ratio = round_ratio(runs, spec.label, row.reference)
@@ -1963,7 +1988,8 @@ def request_table(rows: Sequence[Row], args: argparse.Namespace) -> list[str]:
     lines += [
         "",
         "Ratios are medians of per-round ratios. case ratio: (b) p50 / nginx p50; (c) req/s / the same "
-        "engine in header mode; (e) req/s / the same engine at 1k sessions; (h) req/s to the https:// "
+        "engine in header mode; (e) req/s / the same engine at 1k sessions; (j) p99 / nginx p99 (the "
+        "tree's churn, garbage collection included, against a proxy that keeps no sessions); (h) req/s to the https:// "
         f"upstream / the same contender's `{PLAIN}` req/s (in h, x Envoy and x nginx compare TLS "
         "origination with TLS origination). proxy CPU: CPU time the "
         "contender's processes used over the run's wall time (near 100%: the proxy was the limit; well "
