@@ -5,11 +5,18 @@
 cimport cython
 from sidecar.context cimport RoutingContext
 
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(object op)
+
+cdef bint _COMPILED
+
 cdef class _Node:
     cdef public object session, deployment, end_reason, mode_state, workers
     cdef public _Node parent, root, first_child, next_sibling, prev_sibling, lru_prev, lru_next
     cdef public double created_at, last_active_at
     cdef public long turns, in_flight, flags, tree_live, tree_in_flight, worker_turns, moves
+
+cdef _Node _RELEASED
 
 cdef class Turn:
     cdef public RoutingContext ctx

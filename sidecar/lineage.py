@@ -55,6 +55,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from sidecar.compiled import is_compiled
 from sidecar.context import EndReason, RoutingContext, SessionEnd, TurnOutcome
 
 __all__ = [
@@ -114,6 +115,9 @@ _SHOW, _CUT = 0, 1  # how a view builder's walk treats a node: shown, or only co
 # Runs of consecutive turns on one worker kept per session for the affinity history (most recent
 # last). A session whose affinity holds has one run, so the common case costs one short list.
 WORKER_RUNS = 8
+
+# Compiled, nodes are not tracked by the cyclic garbage collector (see _Node.__init__).
+_COMPILED = is_compiled(sys.modules[__name__])
 
 # _Node.flags bits
 _PLACEHOLDER = 1  # named by a child or a root hint, never sent a request itself
@@ -189,6 +193,25 @@ class _Node:
         self.workers: list[str | int] | None = None
         self.worker_turns = 0
         self.moves = 0
+        if _COMPILED:
+            # Kept out of the cyclic garbage collector: a full collection would otherwise walk
+            # every held node (about 0.2 s at a million sessions, all streams stalled meanwhile).
+            # Nothing needs it: a node leaving the tree is unlinked from every other node
+            # (SessionTree._release), so reference counting frees it.
+            PyObject_GC_UnTrack(self)  # type: ignore[name-defined]  # noqa: F821  # cimported (lineage.pxd)
+
+
+def _atoms_only(runs: list[str | int]) -> list[str | int]:
+    """``runs`` (a node's worker runs), compiled: out of the cyclic garbage collector's reach
+    like the node that holds it. Safe because it only ever holds strings and ints: it can be in
+    no reference cycle (and a list, unlike a dict, is never tracked again by what it is given)."""
+    if _COMPILED:
+        PyObject_GC_UnTrack(runs)  # type: ignore[name-defined]  # noqa: F821  # cimported (lineage.pxd)
+    return runs
+
+
+# What a released root's ``root`` points to instead of itself (see SessionTree._release).
+_RELEASED = _Node("", "", 0.0, 0)
 
 
 def _lru_append(lru: _Node, node: _Node) -> None:
@@ -251,6 +274,8 @@ class SessionTree:
         # ended with live descendants)
         self._nodes: dict[str, _Node] = {}
         # sentinel of the circular LRU list of idle live sessions, least recently active first
+        # (compiled, one node no collector frees either: it lives as long as its tree, in a
+        # sidecar as long as the process)
         self._lru = _Node("", "", 0.0, 0)
         self._lru.lru_prev = self._lru.lru_next = self._lru
         # ended id -> clock value when it was tombstoned, oldest first
@@ -381,7 +406,7 @@ class SessionTree:
         runs = node.workers  # [worker, turns, worker, turns, ...]
         node.worker_turns += 1
         if runs is None:
-            node.workers = [worker, 1]
+            node.workers = _atoms_only([worker, 1])
             return "first", None
         # runs alternate worker names (str) and turn counts (int): no conversion on this path
         previous: str = runs[-2]  # type: ignore[assignment]
@@ -452,12 +477,20 @@ class SessionTree:
         return ended, False
 
     def shutdown(self) -> list[SessionEnd]:
-        """End every live session with SHUTDOWN, in-flight ones included."""
+        """End every live session with SHUTDOWN, in-flight ones included; afterwards the tree
+        holds no node."""
         now = self._clock()
         ended = [self._end(node, EndReason.SHUTDOWN, now) for node in list(self._detached)]
         for node in list(self._nodes.values()):
             if not node.flags & _DONE:
                 ended.append(self._end(node, EndReason.SHUTDOWN, now))
+        # What is left are placeholders with nothing below them (a shared store's seeds): dropped
+        # silently, as always, so that the tree holds nothing (its nodes are freed as it is).
+        for node in list(self._nodes.values()):
+            if node.first_child is None and self._nodes.get(node.session) is node:
+                self._live -= 1
+                self._root_of(node).tree_live -= 1
+                self._release(node)
         return ended
 
     # -- views -----------------------------------------------------------------------------------
@@ -697,7 +730,7 @@ class SessionTree:
         node.created_at = created
         node.last_active_at = last_active
         node.mode_state = mode_state
-        node.workers = workers
+        node.workers = None if workers is None else _atoms_only(workers)
         node.worker_turns = worker_turns
         node.moves = moves
         _lru_append(self._lru, node)
@@ -887,6 +920,9 @@ class SessionTree:
                 del nodes[node.session]
             parent = node.parent
             if parent is None:
+                # A root points to itself: that loop would keep it alive once it leaves the tree
+                # (compiled, nothing else would ever free it; see _Node.__init__).
+                node.root = _RELEASED
                 self._trees -= 1
                 return
             prev, nxt = node.prev_sibling, node.next_sibling
