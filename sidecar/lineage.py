@@ -203,8 +203,9 @@ class _Node:
 
 def _atoms_only(runs: list[str | int]) -> list[str | int]:
     """``runs`` (a node's worker runs), compiled: out of the cyclic garbage collector's reach
-    like the node that holds it. Safe because it only ever holds strings and ints: it can be in
-    no reference cycle (and a list, unlike a dict, is never tracked again by what it is given)."""
+    like the node that holds it. Safe because nothing in it can refer back to it: it holds
+    strings and ints (a shared store's copy is freshly decoded JSON), so it is in no reference
+    cycle; and a list, unlike a dict, is never tracked again by what is put in it."""
     if _COMPILED:
         PyObject_GC_UnTrack(runs)  # type: ignore[name-defined]  # noqa: F821  # cimported (lineage.pxd)
     return runs
