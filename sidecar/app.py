@@ -22,7 +22,7 @@ from sidecar.engine.base import Engine
 from sidecar.engine.fast import FastEngine
 from sidecar.health import UpstreamHealth, run_health_checks
 from sidecar.lineage import SessionTree
-from sidecar.metrics import Metrics
+from sidecar.metrics import GcPauses, Metrics
 from sidecar.router import Router
 from sidecar.sessions import Clock, SessionStore
 from sidecar.state import MemoryState, SessionState
@@ -73,6 +73,7 @@ class Sidecar:
         self.health = UpstreamHealth(required=config.readiness_check_upstream, deployments=self.router.deployments)
         self.engine = ENGINES[config.engine](config, self.router, self.metrics, self.health)
         self.metrics.set_build_info(__version__, config.engine, self.engine.compiled)
+        self._gc_pauses = GcPauses(self.metrics)
         self._admin_runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.proxy_url = ""
@@ -111,6 +112,7 @@ class Sidecar:
             )
         if self.health.required:
             self._tasks.append(loop.create_task(self.health.probe(), name="sidecar-upstream-probe"))
+        self._gc_pauses.start()
         log.info(
             "sidecar started",
             extra={
@@ -151,21 +153,24 @@ class Sidecar:
         if self._stopped:
             return
         self._stopped = True
-        self.health.draining = True
-        log.info("draining", extra={"grace_seconds": self.config.drain_grace_seconds})
-        await self.engine.drain(self.config.drain_grace_seconds)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await self.engine.close()
-        self.engine.failures.close()
-        self.router.shutdown()  # with a shared store: only forgets (the sessions live on in the store)
-        await self.state.stop()
-        await self.effects.stop()
-        if self._admin_runner is not None:
-            await self._admin_runner.cleanup()
+        try:
+            self.health.draining = True
+            log.info("draining", extra={"grace_seconds": self.config.drain_grace_seconds})
+            await self.engine.drain(self.config.drain_grace_seconds)
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await self.engine.close()
+            self.engine.failures.close()
+            self.router.shutdown()  # with a shared store: only forgets (the sessions live on in the store)
+            await self.state.stop()
+            await self.effects.stop()
+            if self._admin_runner is not None:
+                await self._admin_runner.cleanup()
+        finally:
+            self._gc_pauses.stop()
         log.info("sidecar stopped")
 
 

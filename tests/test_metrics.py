@@ -98,3 +98,39 @@ async def test_metrics_after_a_known_workload(upstream, start_sidecar):
     # m-1 ended with its final turn; m-3 was refused before admission (its body was too large).
     assert got[("sidecar_live_sessions", ())] == 1
     assert got[("sidecar_in_flight_requests", ())] == 0
+
+
+async def test_gc_pauses_are_timed_per_generation_while_the_app_runs(upstream, start_sidecar):
+    import gc
+
+    import aiohttp
+
+    sc = await start_sidecar(upstream=upstream.url)
+    watcher = sc._gc_pauses
+    assert watcher in gc.callbacks
+
+    async def pauses() -> dict[str, tuple[float, float]]:
+        async with aiohttp.ClientSession() as s, s.get(f"{sc.admin_url}/metrics") as r:
+            text = await r.text()
+        got = {
+            (s.name, s.labels.get("generation")): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name.startswith("sidecar_gc_pause_seconds")
+        }
+        return {
+            g: (got[("sidecar_gc_pause_seconds_count", g)], got[("sidecar_gc_pause_seconds_sum", g)]) for g in "012"
+        }
+
+    before = await pauses()
+    gc.collect(2)
+    gc.collect(0)
+    after = await pauses()
+    assert after["2"][0] == before["2"][0] + 1 and after["2"][1] > before["2"][1]
+    assert after["0"][0] >= before["0"][0] + 1
+    await sc.stop()
+    assert watcher not in gc.callbacks  # a stopped app no longer times the process's collections
+    full = sc.metrics.gc_pauses.labels("2")
+    counted = sum(full.counts)
+    gc.collect(2)
+    assert sum(full.counts) == counted
