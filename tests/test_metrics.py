@@ -126,7 +126,8 @@ async def test_gc_pauses_are_timed_per_generation_while_the_app_runs(upstream, s
     gc.collect(2)
     gc.collect(0)
     after = await pauses()
-    assert after["2"][0] == before["2"][0] + 1 and after["2"][1] > before["2"][1]
+    # (at least: the process may also have collected by itself meanwhile)
+    assert after["2"][0] >= before["2"][0] + 1 and after["2"][1] > before["2"][1]
     assert after["0"][0] >= before["0"][0] + 1
     await sc.stop()
     assert watcher not in gc.callbacks  # a stopped app no longer times the process's collections
