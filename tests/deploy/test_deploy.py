@@ -102,11 +102,13 @@ METRICS: dict[str, frozenset[str]] = {
     "sidecar_stream_reads_total": frozenset(),
     "sidecar_stream_batched_wakeups_total": frozenset(),
     "sidecar_stream_batching": frozenset(),
+    "sidecar_gc_pause_seconds": frozenset({"generation"}),
 }
 HISTOGRAMS = {
     "sidecar_request_duration_seconds",
     "sidecar_time_to_first_byte_seconds",
     "sidecar_added_latency_seconds",
+    "sidecar_gc_pause_seconds",
 }
 # Labels Prometheus attaches at scrape time; histogram_quantile needs le.
 SCRAPE_LABELS = frozenset({"job", "instance", "namespace", "pod", "container", "service", "le"})
@@ -1434,6 +1436,8 @@ def test_grafana_dashboard_panels(helper) -> None:
         "Store operations by outcome": ("sidecar_state_ops_total", ["outcome"]),
         "Dropped store writes": ("sidecar_state_dropped_writes_total", ["instance"]),
         "Stream read batching on": ("sidecar_stream_batching", ["instance"]),
+        "Garbage collector pauses p99 by generation": ("sidecar_gc_pause_seconds_bucket", ["le", "instance", "generation"]),
+        "Time paused by the garbage collector": ("sidecar_gc_pause_seconds_sum", ["instance"]),
     }
     for title, (metric, grouping) in wanted.items():
         (expr,) = panels[title]
