@@ -823,22 +823,19 @@ def run_wrk(argv: list[str], timeout: float) -> dict[str, Any]:
 
 def measure(
     tools: Tools,
-    case: str,
+    case: Case,
     contender: Contender,
     round_: int,
     connections: int,
     duration: float,
-    script_args: Sequence[str],
     store: Store | None = None,
 ) -> Run:
     """One wrk run against the contender. With ``store`` (case i), also the sidecar's request and
     store counters (admin /metrics) and the Redis server's CPU time, read just before and just
     after the run."""
     assert contender.proc is not None
-    script = "post.lua"
-    if case == "j":  # new sessions only: ids of this run's own (prefill.lua, never complete)
-        script, script_args = "prefill.lua", (str(10**12), CHAT_PATH, f"j{round_:03d}")
-    argv = wrk_argv(tools, contender.url, script, connections, duration, script_args)
+    script_args = [arg.format(round=round_) for arg in case.script_args]
+    argv = wrk_argv(tools, contender.url, case.script, connections, duration, script_args)
     before = sidecar_counters(contender) if store is not None else {}
     calls0 = store_calls(store) if store is not None else {}
     store_cpu0 = group_cpu_seconds(store.proc.pid) if store is not None else 0.0
@@ -859,7 +856,7 @@ def measure(
             counted.update(store_probe.delta(calls1, calls0))
         counted["store_cpu_s"] = round(store_cpu, 3)
     return Run(
-        case=case,
+        case=case.key,
         contender=contender.spec.label,
         round=round_,
         rps=requests / seconds,
@@ -1037,7 +1034,8 @@ class Case:
     name: str
     title: str
     connections: int = 0  # wrk connections (cases a to e)
-    script_args: tuple[str, ...] = ()
+    script_args: tuple[str, ...] = ()  # "{round}" in one is the run's round (0: warm-up)
+    script: str = "post.lua"  # the wrk script (bench/wrk/)
     sse: bool = False
     streams: int = 0  # concurrent paced streams (cases f, g); 0: a wrk case
     tls: bool = False  # contenders to the upstream's https:// port, each against itself to the plain one
@@ -1126,6 +1124,9 @@ def make_cases(args: argparse.Namespace | None) -> dict[str, Case]:
             "header mode, every request a new session, the sidecar's session tree full (prefilled to its "
             "cap: each new session evicts the least recently active), 64 connections",
             64,
+            # New sessions only, ids of each run's own; a total the run never reaches.
+            (str(10**12), CHAT_PATH, "j{round:03d}"),
+            script="prefill.lua",
             churn=True,
         ),
     }
@@ -1257,7 +1258,7 @@ def run_case(lab: Lab, case: Case, args: argparse.Namespace) -> CaseResult:
             elif case.store:
                 warm_up_sessions(lab, case, contender, args, result)
             else:
-                measure(lab.tools, case.key, contender, 0, case.connections, args.warmup, case.script_args)
+                measure(lab.tools, case, contender, 0, case.connections, args.warmup)
         for round_ in range(1, args.rounds + 1):
             shift = (round_ - 1) % max(1, len(running))
             for connections in case.connection_counts:
@@ -1272,9 +1273,7 @@ def run_case(lab: Lab, case: Case, args: argparse.Namespace) -> CaseResult:
                         result.stream_runs.append(stream_run)
                         log_stream_run(stream_run)
                         continue
-                    run = measure(
-                        lab.tools, case.key, contender, round_, connections, args.duration, case.script_args, store
-                    )
+                    run = measure(lab.tools, case, contender, round_, connections, args.duration, store)
                     result.runs.append(run)
                     log(
                         f"{case.key} round {round_}: {run.contender}"
@@ -1322,7 +1321,7 @@ def warm_up_sessions(lab: Lab, case: Case, contender: Contender, args: argparse.
     store)."""
     for attempt in range(1, STORE_WARMUPS + 1):
         for connections in case.connection_counts:
-            measure(lab.tools, case.key, contender, 0, connections, args.warmup, case.script_args)
+            measure(lab.tools, case, contender, 0, connections, args.warmup)
         live = lab.live_sessions(contender) or 0
         if live >= MEASURED_IDS:
             result.info.setdefault(contender.spec.label, {})["warmups"] = attempt
