@@ -16,7 +16,7 @@ from typing import Any
 
 from sidecar import lineage
 from sidecar.compiled import is_compiled
-from sidecar.context import EndReason, TurnOutcome
+from sidecar.context import TurnOutcome
 from sidecar.lineage import SessionTree
 
 COMPLETED = TurnOutcome.COMPLETED
@@ -151,5 +151,3 @@ def test_compiled_nodes_are_not_tracked_by_the_collector() -> None:
     # Compiled: out of the collector's reach (full collections do not walk the tree); from source,
     # tracked like any object.
     assert gc.is_tracked(node) is not is_compiled(lineage)
-    tree.finish(turn, COMPLETED)
-    assert tree.close("a")[0].reason is EndReason.API_CLOSED
