@@ -962,21 +962,23 @@ class StreamRun:
     detail: dict[str, Any] = field(default_factory=dict)  # everything the driver reported
 
 
-def stream_spec(contender: Contender, streams: int, args: argparse.Namespace) -> dict[str, Any]:
+def stream_spec(contender: Contender, streams: int, waves: int, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "port": contender.port,
         "streams": streams,
         "events": args.stream_events,
         "gap_us": round(args.stream_gap_ms * 1000),
         "bytes": args.stream_bytes,
+        "waves": waves,
         "cpu_pids": group_pids(contender.proc.pid) if contender.proc else [],
         "timeout": args.stream_timeout,
     }
 
 
 def measure_stream(lab: Lab, case: Case, contender: Contender, round_: int, args: argparse.Namespace) -> StreamRun:
-    spec = stream_spec(contender, case.streams, args)
-    nominal = args.stream_events * args.stream_gap_ms / 1000
+    waves = args.stream_waves if round_ else 1  # round 0 is the unrecorded warm-up run
+    spec = stream_spec(contender, case.streams, waves, args)
+    nominal = waves * args.stream_events * args.stream_gap_ms / 1000
     result = lab.stream.call(spec, timeout=2 * args.stream_timeout + 3 * nominal + 60)
     if "fatal" in result:
         result = {
@@ -999,7 +1001,7 @@ def measure_stream(lab: Lab, case: Case, contender: Contender, round_: int, args
         contender=contender.spec.label,
         round=round_,
         streams=case.streams,
-        events_expected=case.streams * args.stream_events,
+        events_expected=case.streams * args.stream_events * waves,
         events=events,
         errors=result["errors"],
         seconds=seconds,
@@ -2003,10 +2005,11 @@ def request_table(rows: Sequence[Row], args: argparse.Namespace) -> list[str]:
 def stream_table(rows: Sequence[StreamRow], args: argparse.Namespace) -> list[str]:
     lines = [
         f"Stream cases: {args.rounds} interleaved rounds per contender (plus one warm-up run); each run opens "
-        f"N keep-alive connections, runs a warm-up stream on each, then one measured stream per connection "
-        f"({args.stream_events} events of {args.stream_bytes} B, {args.stream_gap_ms:g} ms apart; the requests "
-        f"spread over one gap). Proxy on core {PROXY_CPU}; paced upstream + stream driver (one process) on "
-        f"core {LOAD_CPU}.",
+        f"N keep-alive connections, runs a warm-up stream on each, then {args.stream_waves} measured streams per "
+        f"connection back to back ({args.stream_events} events of {args.stream_bytes} B, "
+        f"{args.stream_gap_ms:g} ms apart; the first requests spread evenly over one gap, each later one sent "
+        f"as its connection's last stream ends, while the other streams flow). Proxy on core {PROXY_CPU}; paced "
+        f"upstream + stream driver (one process) on core {LOAD_CPU}.",
         "",
         "| case | contender | events | errors | proxy CPU | CPU us/event | x nginx | x Envoy | TTFT p50 ms "
         "| TTFT p99 ms | TTFT p99 x nginx | gap p99 ms | added jitter p99 ms | load core (upstream) |",
@@ -2292,6 +2295,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-n", type=int, default=200, help="concurrent streams in case f (default 200)")
     p.add_argument("--stream-n-large", type=int, default=1000, help="concurrent streams in case g (default 1000)")
     p.add_argument("--stream-events", type=int, default=100, help="events per stream (default 100)")
+    p.add_argument(
+        "--stream-waves",
+        type=int,
+        default=3,
+        help="measured streams per connection in a run, each started as the last ends (default 3)",
+    )
     p.add_argument("--stream-gap-ms", type=float, default=20, help="pacing of each stream's events (default 20)")
     p.add_argument("--stream-bytes", type=int, default=110, help="bytes per event, at least 89 (default 110)")
     p.add_argument(
@@ -2321,13 +2330,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.rounds < 1 or args.duration < 1 or args.warmup < 1 or args.prefill < 1 or args.store_prefill < 1:
         p.error("--rounds, --duration, --warmup, --prefill and --store-prefill must be >= 1")
     if (
-        min(args.stream_n, args.stream_n_large, args.stream_events) < 1
+        min(args.stream_n, args.stream_n_large, args.stream_events, args.stream_waves) < 1
         or args.stream_gap_ms <= 0
         or args.stream_bytes < 89
         or args.stream_timeout <= 0
     ):
         p.error(
-            "--stream-n, --stream-n-large and --stream-events must be >= 1, --stream-gap-ms and "
+            "--stream-n, --stream-n-large, --stream-events and --stream-waves must be >= 1, --stream-gap-ms and "
             "--stream-timeout > 0, --stream-bytes >= 89"
         )
     return args

@@ -8,12 +8,15 @@ per line naming a run and answers one JSON line with its results. Upstream and d
 event loop on purpose: as two processes on one core, each would wait for the scheduler to switch
 to it (milliseconds under load), which would show up as pacing jitter and time to first event.
 
-A run (keys: ``port``, ``streams``, ``events``, ``gap_us``, ``bytes``, ``cpu_pids``,
+A run (keys: ``port``, ``streams``, ``events``, ``gap_us``, ``bytes``, ``waves``, ``cpu_pids``,
 ``timeout``) opens ``streams`` connections to 127.0.0.1:``port`` (a proxy, or the upstream
 itself) and on each runs one warm-up stream of 2 short events, so that every connection, and
 the proxy's connection to the upstream behind it, is warm before anything is measured. Then
 each connection sends one ``GET /v1/stream?...`` with its own ``X-Correlation-ID``, the requests
-spread evenly over one pacing gap, as streams that began at different times would be. Every
+spread evenly over one pacing gap, as streams that began at different times would be; and as
+soon as a stream ends its connection starts the next, ``waves`` streams in all (default 1). So
+the first wave's requests arrive while the streams are starting, and every later one while the
+other streams are in full flow, as new requests do in steady traffic. Every
 received byte chunk is timestamped on arrival (time.perf_counter_ns, before parsing), and each
 event completed by a chunk gets the chunk's time:
 
@@ -48,13 +51,14 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sse_upstream import HOST, Server  # noqa: E402
+from sse_upstream import HOST, Server, TimerFd  # noqa: E402
 
 PATH = "/v1/stream"
 SESSION_HEADER = b"X-Correlation-ID"
 CONNECT_BATCH = 64  # connections opened at once: keeps a 1000-stream start within listen backlogs
 WARMUP_EVENTS = 2
 WARMUP_GAP_US = 1000
+NOT_STARTED = "not started: an earlier stream on its connection failed"
 
 
 def sched_ns(pids: list[int]) -> tuple[int, int]:
@@ -107,6 +111,7 @@ class StreamClient(asyncio.Protocol):
         self.sent_at = 0
         self.now = 0
         self.first_body = True
+        self.started = 0  # measured streams started on this connection
         self.events = 0
         self.last_event = 0
         self.nl_tail = False
@@ -121,6 +126,7 @@ class StreamClient(asyncio.Protocol):
 
     def request(self, query: bytes, measuring: bool) -> asyncio.Future[None]:
         self.done = asyncio.get_running_loop().create_future()
+        self.started += measuring
         self.measuring = measuring
         self.first_body = True
         self.events = 0
@@ -156,6 +162,8 @@ class StreamClient(asyncio.Protocol):
             self.first_body = False
             if self.measuring:
                 self.driver.ttft.append(now - self.sent_at)
+                if self.started > 1:
+                    self.driver.ttft_later.append(now - self.sent_at)
         # An event ends with a blank line; "\n\n" never occurs inside one, but may be split
         # between two chunks.
         completed = body.count(b"\n\n")
@@ -185,7 +193,7 @@ class StreamClient(asyncio.Protocol):
 
 
 class Driver:
-    """One run: ``streams`` warm connections, one measured stream each."""
+    """One run: ``streams`` warm connections, ``waves`` measured streams each, back to back."""
 
     def __init__(self, upstream: Server, spec: dict[str, Any]) -> None:
         self.upstream = upstream
@@ -195,8 +203,11 @@ class Driver:
         self.gap_us = int(spec["gap_us"])
         self.bytes = int(spec["bytes"])
         self.cpu_pids = [int(p) for p in spec.get("cpu_pids", [])]
+        self.waves = int(spec.get("waves", 1))
         self.timeout = float(spec.get("timeout", 30))
         self.ttft: list[int] = []
+        self.ttft_later: list[int] = []  # of the waves after the first
+        self.start_lateness: list[int] = []  # of the first wave's requests, against their moments
         self.gaps: list[int] = []
         self.delivered = 0
 
@@ -223,6 +234,53 @@ class Driver:
                 if c.transport:
                     c.transport.close()
 
+    async def _streams(self, c: StreamClient, query: bytes, errors: dict[str, int]) -> None:
+        """``waves`` measured streams on ``c``, each sent as soon as the last ended; the first that
+        fails ends them, and those not started count as errors too (a timeout is counted by the
+        caller)."""
+        for wave in range(self.waves):
+            await c.request(query, True)
+            reason = c.error or ("" if c.events == self.events else f"{c.events} of {self.events} events")
+            if reason:
+                errors[reason] = errors.get(reason, 0) + 1
+                if left := self.waves - wave - 1:
+                    errors[NOT_STARTED] = errors.get(NOT_STARTED, 0) + left
+                return
+
+    async def _start_spread(
+        self, clients: list[StreamClient], query: bytes, errors: dict[str, int]
+    ) -> list[asyncio.Task[None]]:
+        """Start each connection's streams (:meth:`_streams`) at a moment of its own, spread evenly
+        over one pacing gap, timed by a timerfd: the loop's own timers round to milliseconds and
+        would send the requests in clumps (at 200 streams, 10 at once every millisecond), so that
+        each clump's last request waited for the proxy to handle the others first."""
+        loop = asyncio.get_running_loop()
+        timer = TimerFd()
+        tasks: list[asyncio.Task[None]] = []
+        started = loop.create_future()
+        step = self.gap_us * 1000 // len(clients)
+        start = time.monotonic_ns()
+
+        def fire() -> None:
+            timer.clear()
+            now = time.monotonic_ns()
+            while len(tasks) < len(clients) and start + len(tasks) * step <= now:
+                self.start_lateness.append(now - start - len(tasks) * step)
+                tasks.append(loop.create_task(self._streams(clients[len(tasks)], query, errors)))
+            if len(tasks) < len(clients):
+                timer.arm(start + len(tasks) * step)
+            elif not started.done():
+                started.set_result(None)
+
+        loop.add_reader(timer.fd, fire)
+        try:
+            timer.arm(start)
+            await started
+        finally:
+            loop.remove_reader(timer.fd)
+            os.close(timer.fd)
+        return tasks
+
     async def _measure(self, clients: list[StreamClient]) -> dict[str, Any]:
         warm = f"events={WARMUP_EVENTS}&gap_us={WARMUP_GAP_US}&bytes={self.bytes}".encode()
         await asyncio.wait_for(asyncio.gather(*(c.request(warm, False) for c in clients)), self.timeout)
@@ -230,40 +288,34 @@ class Driver:
         query = f"events={self.events}&gap_us={self.gap_us}&bytes={self.bytes}".encode()
         self.upstream.pacer.take_stats()  # lateness counts from here
 
-        loop = asyncio.get_running_loop()
         pids, me = self.cpu_pids, [os.getpid()]
         proxy0, proxy_wait0 = sched_ns(pids)
         proxy_stat0 = sum(stat_cpu_ns(p) for p in pids)
         self0, self_wait0 = sched_ns(me)
         t0 = time.perf_counter_ns()
-        spread = self.gap_us * 1e-6 / len(clients)
-        futures: list[asyncio.Future[None]] = []
-        start = loop.time()
-        for i, c in enumerate(clients):
-            delay = start + i * spread - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            futures.append(c.request(query, True))
-        nominal = self.events * self.gap_us * 1e-6
-        _, pending = await asyncio.wait(futures, timeout=self.timeout + 2 * nominal)
+        errors: dict[str, int] = {}
+        tasks = await self._start_spread(clients, query, errors)
+        nominal = self.waves * self.events * self.gap_us * 1e-6
+        _, pending = await asyncio.wait(tasks, timeout=self.timeout + 2 * nominal)
+        for task in pending:
+            task.cancel()
         t1 = time.perf_counter_ns()
         proxy1, proxy_wait1 = sched_ns(pids)
         proxy_stat1 = sum(stat_cpu_ns(p) for p in pids)
         self1, self_wait1 = sched_ns(me)
         pacing = self.upstream.pacer.take_stats()
 
-        errors: dict[str, int] = {}
-        for c in clients:
-            reason = "timeout" if c.done is None or not c.done.done() else c.error
-            if not reason and c.events != self.events:
-                reason = f"{c.events} of {self.events} events"
-            if reason:
-                errors[reason] = errors.get(reason, 0) + 1
+        for c, task in zip(clients, tasks, strict=True):
+            if task in pending:  # its stream in flight timed out; the waves after it never started
+                errors["timeout"] = errors.get("timeout", 0) + 1
+                if left := self.waves - c.started:
+                    errors[NOT_STARTED] = errors.get(NOT_STARTED, 0) + left
         seconds = (t1 - t0) / 1e9
-        ttft, gaps = sorted(self.ttft), sorted(self.gaps)
+        ttft, later, gaps = sorted(self.ttft), sorted(self.ttft_later), sorted(self.gaps)
         return {
             "streams": len(clients),
-            "events_expected": len(clients) * self.events,
+            "waves": self.waves,
+            "events_expected": len(clients) * self.events * self.waves,
             "events": self.delivered,
             "errors": sum(errors.values()),
             "error_reasons": errors,
@@ -274,6 +326,9 @@ class Driver:
             "ttft_p99_ms": percentile(ttft, 0.99),
             "ttft_max_ms": percentile(ttft, 1.0),
             "ttft_samples": len(ttft),
+            "ttft_later_p50_ms": percentile(later, 0.5),
+            "ttft_later_p99_ms": percentile(later, 0.99),
+            "start_late_max_ms": max(self.start_lateness, default=0) / 1e6,
             "gap_p50_ms": percentile(gaps, 0.5),
             "gap_p99_ms": percentile(gaps, 0.99),
             "gap_p999_ms": percentile(gaps, 0.999),
