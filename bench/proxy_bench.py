@@ -3,7 +3,7 @@
     python bench/proxy_bench.py [--cases a,b,c,d,e,f,g,h,i,j] [--engines fast,aiohttp] [--rounds 5]
                                 [--duration 5] [--warmup 1] [--prefill 1000000] [--store-prefill 100000]
                                 [--stream-n 200] [--stream-n-large 1000] [--stream-events 100]
-                                [--stream-gap-ms 20] [--stream-bytes 110]
+                                [--stream-waves 3] [--stream-gap-ms 20] [--stream-bytes 110]
 
 Run it with the project's interpreter (.venv/bin/python); scripts/install_bench_tools.sh
 installs nginx, wrk and Envoy, scripts/install_redis.sh the Redis server of case i. Everything
@@ -2054,8 +2054,9 @@ def stream_table(rows: Sequence[StreamRow], args: argparse.Namespace) -> list[st
         "CPU us/event: that CPU time per delivered event, from the scheduler's per-thread run time of the "
         "contender's processes (/proc/<pid>/task/*/schedstat, the counter behind /proc/<pid>/stat utime + "
         "stime, in ns). TTFT: from the request's last byte written to the first event byte received, on a "
-        "warm keep-alive connection; in flow: of the streams after each connection's first, each started as its "
-        "connection's last stream ended, while the other streams flowed. gap: time between consecutive events of one stream as received; added "
+        "warm keep-alive connection; in flow: of the streams after each connection's first, each started as "
+        "its connection's last stream ended, while the other streams flowed. gap: time between consecutive "
+        "events of one stream as received; added "
         f"jitter = gap p99 - the upstream's {args.stream_gap_ms:g} ms pacing. x nginx / x Envoy and TTFT p99 "
         "x nginx: medians of per-round ratios. load core: CPU time of the load process (upstream + driver) "
         "over the interval, and in brackets the upstream's part of it. limit: in most rounds that process was "
