@@ -37,6 +37,8 @@ cdef class SessionTree:
     cpdef begin(self, session, parent, root_hint, final, deployment)
     @cython.locals(node=_Node, root=_Node, in_flight=long)
     cpdef finish(self, Turn turn, outcome)
+    @cython.locals(nodes=dict)
+    cdef _index(self, session, _Node node)
 
 @cython.locals(tail=_Node)
 cdef void _lru_append(_Node lru, _Node node)

@@ -766,7 +766,7 @@ class SessionTree:
         if reused:
             self.tombstone_reuses += 1
         node = _Node(session, deployment, now, 0)
-        self._nodes[session] = node
+        self._index(session, node)
         self._live += 1
         if parent is not None and parent != session:
             above = self._known_or_placeholder(parent, deployment, now)
@@ -838,7 +838,7 @@ class SessionTree:
         Costs one step per child of the old node (a rare path: a close, then the id reused
         while the closed session's requests are still in flight)."""
         node = _Node(old.session, deployment, now, old.flags & _HINTED)
-        self._nodes[old.session] = node
+        self._index(old.session, node)
         self._detached.add(old)
         self._live += 1
         parent = old.parent
@@ -871,10 +871,22 @@ class SessionTree:
         old.flags |= _DETACHED
         return node
 
+    def _index(self, session: str, node: _Node) -> None:
+        """Index ``node`` under ``session``. Compiled, the index is kept out of the cyclic garbage
+        collector like the nodes themselves: it holds only strings and untracked nodes, so no
+        cycle the collector could find runs through it; but any insert of a node tracks a dict
+        again, and a full collection would then walk all of it (13-25 ms at a million sessions,
+        every stream stalled meanwhile)."""
+        nodes = self._nodes
+        nodes[session] = node
+        if _COMPILED:
+            PyObject_GC_UnTrack(nodes)  # type: ignore[name-defined]  # noqa: F821  # cimported (lineage.pxd)
+
     def _known_or_placeholder(self, session: str, deployment: str, now: float) -> _Node:
         node = self._nodes.get(session)
         if node is None:
-            node = self._nodes[session] = _Node(session, deployment, now, _PLACEHOLDER)
+            node = _Node(session, deployment, now, _PLACEHOLDER)
+            self._index(session, node)
             self._live += 1
             self._trees += 1
         return node

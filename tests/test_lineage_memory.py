@@ -151,3 +151,21 @@ def test_compiled_nodes_are_not_tracked_by_the_collector() -> None:
     # Compiled: out of the collector's reach (full collections do not walk the tree); from source,
     # tracked like any object.
     assert gc.is_tracked(node) is not is_compiled(lineage)
+
+
+def test_compiled_session_index_is_not_tracked_by_the_collector() -> None:
+    # The index of a million sessions would otherwise be walked by every full collection: each
+    # way a node enters it (a new session, a placeholder parent, a take-over) leaves it untracked.
+    clock = Clock()
+    tree = SessionTree(clock=clock)
+    expected = not is_compiled(lineage)
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("new session", lambda: tree.begin("root", None, None, False, "d")),
+        ("placeholder parent", lambda: tree.begin("child", "unknown-parent", None, False, "d")),
+        ("in flight, closed", lambda: tree.close("root")),
+        ("take-over of the draining id", lambda: tree.begin("root", None, None, False, "d")),
+    ]
+    for step, run in steps:
+        run()
+        assert gc.is_tracked(tree._nodes) is expected, step
+    assert len(tree._detached) == 1  # the take-over ran: the closed node drains detached
