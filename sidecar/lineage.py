@@ -875,7 +875,7 @@ class SessionTree:
         """Index ``node`` under ``session``. Compiled, the index is kept out of the cyclic garbage
         collector like the nodes themselves: it holds only strings and untracked nodes, so no
         cycle the collector could find runs through it; but any insert of a node tracks a dict
-        again, and a full collection would then walk all of it (13-25 ms at a million sessions,
+        again, and a full collection would then walk all of it (11-28 ms at a million sessions,
         every stream stalled meanwhile)."""
         nodes = self._nodes
         nodes[session] = node
