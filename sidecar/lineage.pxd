@@ -43,6 +43,8 @@ cdef class SessionTree:
 @cython.locals(tail=_Node)
 cdef void _lru_append(_Node lru, _Node node)
 
+cdef object _uncollected(object obj)
+
 # _Node.flags bits as C constants (compiled, every test of a flag would otherwise combine Python
 # ints); internal to this module.
 cdef long _PLACEHOLDER, _FINAL_SEEN, _CLOSED, _ENDED, _HINTED, _CONFLICT, _DETACHED, _NOT_JOINABLE, _DONE

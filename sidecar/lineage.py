@@ -193,22 +193,22 @@ class _Node:
         self.workers: list[str | int] | None = None
         self.worker_turns = 0
         self.moves = 0
-        if _COMPILED:
-            # Kept out of the cyclic garbage collector: a full collection would otherwise walk
-            # every held node (about 0.2 s at a million sessions, all streams stalled meanwhile).
-            # Nothing needs it: a node leaving the tree is unlinked from every other node
-            # (SessionTree._release), so reference counting frees it.
-            PyObject_GC_UnTrack(self)  # type: ignore[name-defined]  # noqa: F821  # cimported (lineage.pxd)
+        # Out of the cyclic garbage collector: a full collection would otherwise walk every held
+        # node (about 0.2 s at a million sessions, all streams stalled meanwhile). Nothing needs
+        # it: a node leaving the tree is unlinked from every other node (SessionTree._release),
+        # so reference counting frees it.
+        _uncollected(self)
 
 
-def _atoms_only(runs: list[str | int]) -> list[str | int]:
-    """``runs`` (a node's worker runs), compiled: out of the cyclic garbage collector's reach
-    like the node that holds it. Safe because nothing in it can refer back to it: it holds
-    strings and ints (a shared store's copy is freshly decoded JSON), so it is in no reference
-    cycle; and a list, unlike a dict, is never tracked again by what is put in it."""
+def _uncollected(obj: T) -> T:
+    """``obj``, compiled: no longer tracked by the cyclic garbage collector, which full
+    collections then do not walk (source build: unchanged). Only for what the tree holds and
+    no reference cycle can run through: its nodes, their worker runs (strings and ints, a
+    shared store's copy freshly decoded JSON) and its index (strings and nodes). A list stays
+    untracked whatever is put in it; a dict is tracked again by inserting a node."""
     if _COMPILED:
-        PyObject_GC_UnTrack(runs)  # type: ignore[name-defined]  # noqa: F821  # cimported (lineage.pxd)
-    return runs
+        PyObject_GC_UnTrack(obj)  # type: ignore[name-defined]  # noqa: F821  # cimported (lineage.pxd)
+    return obj
 
 
 # What a released root's ``root`` points to instead of itself (see SessionTree._release).
@@ -407,7 +407,8 @@ class SessionTree:
         runs = node.workers  # [worker, turns, worker, turns, ...]
         node.worker_turns += 1
         if runs is None:
-            node.workers = _atoms_only([worker, 1])
+            first: list[str | int] = [worker, 1]
+            node.workers = _uncollected(first)
             return "first", None
         # runs alternate worker names (str) and turn counts (int): no conversion on this path
         previous: str = runs[-2]  # type: ignore[assignment]
@@ -731,7 +732,7 @@ class SessionTree:
         node.created_at = created
         node.last_active_at = last_active
         node.mode_state = mode_state
-        node.workers = None if workers is None else _atoms_only(workers)
+        node.workers = None if workers is None else _uncollected(workers)
         node.worker_turns = worker_turns
         node.moves = moves
         _lru_append(self._lru, node)
@@ -872,15 +873,12 @@ class SessionTree:
         return node
 
     def _index(self, session: str, node: _Node) -> None:
-        """Index ``node`` under ``session``. Compiled, the index is kept out of the cyclic garbage
-        collector like the nodes themselves: it holds only strings and untracked nodes, so no
-        cycle the collector could find runs through it; but any insert of a node tracks a dict
-        again, and a full collection would then walk all of it (11-28 ms at a million sessions,
-        every stream stalled meanwhile)."""
+        """Index ``node`` under ``session``, keeping the index out of the cyclic garbage
+        collector (:func:`_uncollected`): the insert tracks it again, and a full collection
+        would then walk all of it (11-28 ms at a million sessions, every stream stalled)."""
         nodes = self._nodes
         nodes[session] = node
-        if _COMPILED:
-            PyObject_GC_UnTrack(nodes)  # type: ignore[name-defined]  # noqa: F821  # cimported (lineage.pxd)
+        _uncollected(nodes)
 
     def _known_or_placeholder(self, session: str, deployment: str, now: float) -> _Node:
         node = self._nodes.get(session)
