@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+
+import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -101,10 +104,6 @@ async def test_metrics_after_a_known_workload(upstream, start_sidecar):
 
 
 async def test_gc_pauses_are_timed_per_generation_while_the_app_runs(upstream, start_sidecar):
-    import gc
-
-    import aiohttp
-
     sc = await start_sidecar(upstream=upstream.url)
     watcher = sc._gc_pauses
     assert watcher in gc.callbacks
