@@ -822,7 +822,9 @@ class RedisState(SessionState):
         self._events += 1
         kind, _, rest = data.partition(" ")
         if kind == "c":
-            sid, _, reason = rest.partition(" ")
+            # "c <id> <reason>": the reason (an EndReason value) is one word and comes last; the
+            # id may hold spaces, so it is everything before the last one.
+            sid, _, reason = rest.rpartition(" ")
             if sid in self._urgent and not self._kicked:
                 self._kick()  # a holder of it is not written yet: the end waits for it
             if self.on_closing is not None:

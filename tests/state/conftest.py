@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -134,3 +135,29 @@ async def replicas(engine: str, redis_server: RedisServer) -> AsyncIterator[Any]
     for sc in started:
         await sc.stop()
     await asyncio.sleep(0)
+
+
+@pytest.fixture
+async def start_upstreams() -> Any:
+    """``await start_upstreams(n)``: n recording upstreams on loopback."""
+    from tests.upstream import RecordingUpstream, start_upstream
+
+    runners = []
+
+    async def start(n: int) -> list[RecordingUpstream]:
+        ups = []
+        for _ in range(n):
+            up = RecordingUpstream()
+            runners.append(await start_upstream(up))
+            ups.append(up)
+        return ups
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session

@@ -9,66 +9,10 @@ import time
 from typing import Any
 
 import aiohttp
-import orjson
 import pytest
 
-from tests.modes.wire import settled
+from tests.state.fleet import api, finishes, metric, post
 from tests.waiting import eventually, wait_for
-
-
-async def post(
-    http: aiohttp.ClientSession,
-    sc: Any,
-    session: str | None,
-    *,
-    parent: str | None = None,
-    final: bool = False,
-    path: str = "/v1/chat/completions",
-    extra: dict[str, str] | None = None,
-) -> tuple[int, dict[str, Any]]:
-    headers = {**(extra or {})}
-    if session is not None:
-        headers["X-Correlation-ID"] = session
-    if parent is not None:
-        headers["X-Parent-Session-ID"] = parent
-    if final:
-        headers["X-Session-Final"] = "true"
-    async with http.post(sc.proxy_url + path, headers=headers, data=b'{"model":"m"}') as resp:
-        body = await resp.read()
-        status = resp.status
-    if session is not None:
-        await settled(sc, session)
-    return status, orjson.loads(body) if body else {}
-
-
-async def api(http: aiohttp.ClientSession, method: str, url: str, body: Any = None) -> tuple[int, Any]:
-    async with http.request(method, url, json=body) as resp:
-        return resp.status, await resp.json()
-
-
-@pytest.fixture
-async def start_upstreams() -> Any:
-    from tests.upstream import RecordingUpstream, start_upstream
-
-    runners = []
-
-    async def start(n: int) -> list[RecordingUpstream]:
-        ups = []
-        for _ in range(n):
-            up = RecordingUpstream()
-            runners.append(await start_upstream(up))
-            ups.append(up)
-        return ups
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
-
-
-@pytest.fixture
-async def http() -> Any:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def test_an_api_session_created_on_one_replica_is_usable_and_closable_on_another(upstream, replicas, http):
@@ -92,17 +36,9 @@ async def test_an_api_session_created_on_one_replica_is_usable_and_closable_on_a
         await asyncio.sleep(0.01)
     assert body["error"]["type"] == "session_closed"
     # the end-of-session action ran once, for the fleet
-    await wait_for(lambda: len(_finishes(upstream, "api-1")) >= 1)
+    await wait_for(lambda: len(finishes(upstream, "api-1")) >= 1)
     await asyncio.sleep(0.5)
-    assert len(_finishes(upstream, "api-1")) == 1
-
-
-def _finishes(upstream: Any, session: str) -> list[Any]:
-    return [r for r in upstream.received if r.path.startswith("/finish_session") and session in r.path]
-
-
-def metric(sc: Any, name: str, labels: dict[str, str] | None = None) -> float:
-    return sc.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+    assert len(finishes(upstream, "api-1")) == 1
 
 
 def sweeps(sc: Any) -> float:
@@ -127,9 +63,9 @@ async def test_a_close_lets_requests_in_flight_elsewhere_finish_and_ends_once_af
     body = await task
     assert body.count(b"data: ") == 9  # 8 events and [DONE]: the stream in flight finished whole
     assert (await post(http, b, "s1"))[0] == 410
-    await wait_for(lambda: len(_finishes(upstream, "s1")) >= 1)
+    await wait_for(lambda: len(finishes(upstream, "s1")) >= 1)
     await asyncio.sleep(0.6)
-    (finish,) = _finishes(upstream, "s1")
+    (finish,) = finishes(upstream, "s1")
     assert finish.at >= upstream.sse_sent_at[-1]  # after the last byte of the last request in flight
     assert (
         sum(
@@ -178,9 +114,9 @@ async def test_a_final_turn_on_one_replica_ends_the_session_once_for_the_fleet(u
     assert (await post(http, a, "f1"))[0] == 200
     assert (await post(http, b, "f1"))[0] == 200
     assert (await post(http, c, "f1", final=True))[0] == 200
-    await wait_for(lambda: len(_finishes(upstream, "f1")) >= 1)
+    await wait_for(lambda: len(finishes(upstream, "f1")) >= 1)
     await asyncio.sleep(0.6)
-    assert len(_finishes(upstream, "f1")) == 1
+    assert len(finishes(upstream, "f1")) == 1
     assert (
         sum(
             metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "final_turn_completed"})
@@ -219,9 +155,9 @@ async def test_idle_expiry_is_claimed_by_one_replica(upstream, replicas, http):
     a, b = await replicas(2, upstream=upstream.url, mode="vllm_router", sessions={"idle_ttl_seconds": 1})
     assert (await post(http, a, "idle-1"))[0] == 200
     assert (await post(http, b, "idle-1"))[0] == 200
-    await wait_for(lambda: len(_finishes(upstream, "idle-1")) >= 1, timeout=8)
+    await wait_for(lambda: len(finishes(upstream, "idle-1")) >= 1, timeout=8)
     await asyncio.sleep(1.5)
-    assert len(_finishes(upstream, "idle-1")) == 1
+    assert len(finishes(upstream, "idle-1")) == 1
     assert (
         sum(
             metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "idle_expired"})
@@ -265,10 +201,10 @@ async def test_restarting_every_replica_keeps_sessions_bindings_and_tombstones(u
     assert (await api(http, "POST", b.admin_url + "/v1/sessions/gone/close"))[0] == 200
     assert (await post(http, a, "root-1"))[0] == 200
     assert (await post(http, b, "kid-1", parent="root-1"))[0] == 200
-    await wait_for(lambda: len(_finishes(upstream, "gone")) == 1)
+    await wait_for(lambda: len(finishes(upstream, "gone")) == 1)
     for sc in (a, b):
         await sc.stop()
-    finishes = len([r for r in upstream.received if r.path.startswith("/finish_session")])
+    finished = len([r for r in upstream.received if r.path.startswith("/finish_session")])
     for restart_redis in (False, True):
         if restart_redis:  # and the store itself, from its append-only file
             redis_server.kill(signal.SIGTERM)
@@ -284,7 +220,7 @@ async def test_restarting_every_replica_keeps_sessions_bindings_and_tombstones(u
         for sc in (c, d):
             await sc.stop()
         # no end action was repeated, and stopping replicas ends nothing
-        assert len([r for r in upstream.received if r.path.startswith("/finish_session")]) == finishes
+        assert len([r for r in upstream.received if r.path.startswith("/finish_session")]) == finished
 
 
 async def test_an_unreachable_store_at_start_serves_on_local_state(upstream, replicas, http, redis_server):
@@ -458,9 +394,9 @@ async def test_a_replica_killed_mid_session_loses_only_its_unflushed_writes(
         # session ends exactly once
         status, _ = await api(http, "POST", b.admin_url + "/v1/sessions/k2/close")
         assert status == 200
-        await wait_for(lambda: len(_finishes(upstream, "k2")) >= 1, timeout=20)
+        await wait_for(lambda: len(finishes(upstream, "k2")) >= 1, timeout=20)
         await asyncio.sleep(1.5)
-        assert len(_finishes(upstream, "k2")) == 1
+        assert len(finishes(upstream, "k2")) == 1
     finally:
         if proc.poll() is None:
             proc.kill()

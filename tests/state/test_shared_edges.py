@@ -1,0 +1,30 @@
+"""The fleet at its edges: ids a hostile client picks, a close racing a reused id, the store
+losing its data, admin views over huge trees, a misconfigured store."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.state.fleet import api, finishes, post
+from tests.waiting import wait_for
+
+
+async def test_an_id_with_a_space_closes_only_itself_on_every_replica(upstream, replicas, http):
+    # The close event carries the id and the reason in one message: an id holding a space must
+    # not be read as another session's id (a traffic or an API session) where it is received.
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
+    status, _ = await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default", "session_id": "job"})
+    assert status == 201
+    for sc in (a, b):
+        assert (await post(http, sc, "victim"))[0] == 200
+        assert (await post(http, sc, "job"))[0] == 200
+    assert (await post(http, a, "victim x", final=True))[0] == 200
+    assert (await post(http, a, "job api_closed", final=True))[0] == 200
+    await wait_for(lambda: len(finishes(upstream, "victim x")) == 1 and len(finishes(upstream, "job api_closed")) == 1)
+    await asyncio.sleep(0.8)  # past the settle window: a misread close would have ended them by now
+    assert finishes(upstream, "victim") == [] and finishes(upstream, "job") == []
+    for sc in (a, b):
+        for sid in ("victim", "job"):
+            status, seen = await api(http, "GET", sc.admin_url + "/v1/sessions/" + sid)
+            assert status == 200 and seen["status"] == "active", (sid, seen)
+            assert (await post(http, sc, sid))[0] == 200
