@@ -30,7 +30,7 @@ cdef class SessionTree:
     cdef public object _clock, _tombs
     cdef public dict _nodes, ended_by_reason
     cdef public _Node _lru
-    cdef public set _detached
+    cdef public dict _detached
     cdef public bint _conflict_logged, _shared
     @cython.locals(node=_Node, root=_Node, parent_node=_Node, prev=_Node, nxt=_Node, flags=long, pflags=long,
                    in_flight=long, turns=long)

@@ -281,9 +281,9 @@ class SessionTree:
         self._lru.lru_prev = self._lru.lru_next = self._lru
         # ended id -> clock value when it was tombstoned, oldest first
         self._tombs: OrderedDict[str, float] = OrderedDict()
-        # closed sessions still draining whose place a newer session of their id took over
-        # (flagged _DETACHED; only shutdown needs to find them)
-        self._detached: set[_Node] = set()
+        # id -> closed sessions of that id still draining, whose place a newer session of the id
+        # took over (flagged _DETACHED; their requests still count in :meth:`in_flight_of`)
+        self._detached: dict[str, list[_Node]] = {}
         self._live = 0  # live sessions, placeholders included
         self._held_ended = 0  # ended nodes kept as ancestors of live ones
         self._trees = 0
@@ -482,7 +482,7 @@ class SessionTree:
         """End every live session with SHUTDOWN, in-flight ones included; afterwards the tree
         holds no node."""
         now = self._clock()
-        ended = [self._end(node, EndReason.SHUTDOWN, now) for node in list(self._detached)]
+        ended = [self._end(node, EndReason.SHUTDOWN, now) for kin in list(self._detached.values()) for node in kin[:]]
         for node in list(self._nodes.values()):
             if not node.flags & _DONE:
                 ended.append(self._end(node, EndReason.SHUTDOWN, now))
@@ -501,6 +501,19 @@ class SessionTree:
         """``session``'s node as a JSON-ready dict; None if no tree holds it."""
         node = self._nodes.get(session)
         return None if node is None else self._as_dict(node)
+
+    def node_of(self, session: str) -> _Node | None:
+        """The newest node of ``session`` held here (a shared store's writer reads its fields)."""
+        return self._nodes.get(session)
+
+    def in_flight_of(self, session: str) -> int:
+        """Requests of ``session`` in flight here: its node's, and those of closed sessions of
+        the id still draining after a newer session took the id over."""
+        node = self._nodes.get(session)
+        n = 0 if node is None else node.in_flight
+        for old in self._detached.get(session, ()):
+            n += old.in_flight
+        return n
 
     def held_sessions(self) -> list[str]:
         """Ids of the live sessions this tree holds (not placeholders, closing or ended): what a
@@ -840,7 +853,7 @@ class SessionTree:
         while the closed session's requests are still in flight)."""
         node = _Node(old.session, deployment, now, old.flags & _HINTED)
         self._index(old.session, node)
-        self._detached.add(old)
+        self._detached.setdefault(old.session, []).append(old)
         self._live += 1
         parent = old.parent
         if parent is None:  # the old node was its tree's root: the new one becomes the root
@@ -912,7 +925,10 @@ class SessionTree:
         self._live -= 1
         self.ended_by_reason[reason] += 1
         if flags & _DETACHED:  # linked nowhere, and its id belongs to a newer session
-            self._detached.discard(node)
+            kin = self._detached[node.session]
+            kin.remove(node)
+            if not kin:
+                del self._detached[node.session]
             return ended
         if not flags & _CLOSED and not (self._shared and reason in FORGETTING):
             self._tombstone(node.session, now)

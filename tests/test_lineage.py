@@ -547,6 +547,30 @@ def test_shutdown_ends_a_detached_draining_session_once() -> None:
     assert h.end(old) == [] and h.tree.live_sessions == 0 and h.tree.live_trees == 0
 
 
+def test_in_flight_of_an_id_counts_closed_sessions_still_draining_under_it() -> None:
+    # What a replica reports to the shared store as its requests of an id in flight: the newest
+    # session's and those of closed sessions of the id whose place it took.
+    h = Harness()
+    first = h.begin("s")
+    h.close("s")
+    second = h.begin("s")  # takes the id over; the first drains detached
+    third = h.begin("s")
+    assert h.tree.in_flight_of("s") == 3
+    h.close("s")
+    fourth = h.begin("s")  # a second take-over while the first still drains
+    assert h.tree.in_flight_of("s") == 4 and h.tree.node_of("s") is fourth._node
+    h.end(second)
+    h.end(first)
+    assert h.tree.in_flight_of("s") == 2
+    h.end(third)
+    assert h.tree.in_flight_of("s") == 1 and h.tree._detached == {}
+    h.end(fourth)
+    assert h.tree.in_flight_of("s") == 0 and h.tree.in_flight_of("unknown") == 0
+    assert [(e.session, e.turns) for e in h.ended] == [("s", 1), ("s", 2)]  # the two closed ones
+    assert h.tree.get("s")["ended"] is False  # the newest lives on
+    check_counters(h.tree)
+
+
 def check_counters(tree: SessionTree) -> None:
     """White-box: the tree's counters are what its nodes say (one linked node per id, each live
     session, placeholder and draining detached session counted in its tree, each held ended node
@@ -561,7 +585,7 @@ def check_counters(tree: SessionTree) -> None:
     per_root: dict[int, list[int]] = {}
     roots = [n for n in tree._nodes.values() if n.parent is None]
     assert all(top(n) is n for n in roots) and tree._trees == len(roots)
-    members = list(tree._detached)
+    members = [node for kin in tree._detached.values() for node in kin]
     for node in tree._nodes.values():
         if node.parent is not None:
             sibling = node.parent.first_child

@@ -168,4 +168,4 @@ def test_compiled_session_index_is_not_tracked_by_the_collector() -> None:
     for step, run in steps:
         run()
         assert gc.is_tracked(tree._nodes) is expected, step
-    assert len(tree._detached) == 1  # the take-over ran: the closed node drains detached
+    assert len(tree._detached["root"]) == 1  # the take-over ran: the closed node drains detached

@@ -353,7 +353,8 @@ class RedisState(SessionState):
         entry = self._dirty.get(sid)
         if entry is None:
             created = turn.ctx.turn == 1
-            entry = self._dirty[sid] = _Dirty(node, 0 if created else node.turns - 1, node.in_flight - 1, created)
+            held = self.tree.in_flight_of(sid) - 1
+            entry = self._dirty[sid] = _Dirty(node, 0 if created else node.turns - 1, held, created)
             if len(self._dirty) > MAX_DIRTY:
                 self._drop_oldest()
         elif entry.node is not node:  # a newer session took the id: write it as a new one
@@ -364,10 +365,11 @@ class RedisState(SessionState):
                 self._kick()
 
     def finished(self, turn: Turn) -> None:
-        node = turn._node
-        sid = node.session
+        sid = turn._node.session
         if sid not in self._dirty:
-            self._dirty[sid] = _Dirty(node, node.turns, node.in_flight + 1, False)
+            # (the id's newest node: a closed one draining after a take-over is written through it)
+            node = self.tree.node_of(sid) or turn._node
+            self._dirty[sid] = _Dirty(node, node.turns, self.tree.in_flight_of(sid) + 1, False)
 
     def _kick(self) -> None:
         """Write soon (after this loop iteration), not at the next tick: a new session is visible
@@ -391,7 +393,7 @@ class RedisState(SessionState):
         node = turn._node
         entry = self._dirty.get(node.session)
         if entry is None:
-            entry = self._dirty[node.session] = _Dirty(node, node.turns, node.in_flight, False)
+            entry = self._dirty[node.session] = _Dirty(node, node.turns, self.tree.in_flight_of(node.session), False)
         if mode_state:
             entry.mode = True
             self._urgent.add(node.session)
@@ -494,7 +496,7 @@ class RedisState(SessionState):
                 node = w.node
                 if (
                     node.turns == entry.turns0
-                    and node.in_flight == entry.in_flight0
+                    and self.tree.in_flight_of(sid) == entry.in_flight0
                     and node.flags == entry.flags0
                     and not (entry.created or entry.mode or entry.workers)
                 ):
@@ -551,8 +553,12 @@ class RedisState(SessionState):
                 continue
             node = entry.node
             full = everything or entry.created
+            # This replica's holder of the id: every request of it in flight here, a closed
+            # session's still draining after a newer one took the id over included (the store
+            # keeps one count per id and replica; the closed one's end waits for its requests).
+            held = self.tree.in_flight_of(sid)
             written[sid] = w = _Written(
-                node, full, node.turns, node.in_flight, node.flags, entry.created, entry.mode, full and entry.workers
+                node, full, node.turns, held, node.flags, entry.created, entry.mode, full and entry.workers
             )
             entry.created = entry.mode = False
             if full:
@@ -583,8 +589,8 @@ class RedisState(SessionState):
                 out += ("U", sid, node.turns - entry.turns0, active, deadline, key_ttl)
                 if node.flags & 2 and not entry.flags0 & 2:
                     out += ("F", sid, lua.FINAL_SEEN)
-            if node.in_flight != entry.in_flight0:
-                out += ("H", sid, node.in_flight)
+            if held != entry.in_flight0:
+                out += ("H", sid, held)
             if w.mode and node.mode_state is not None:
                 out += ("M", sid, node.mode_state)
             if w.workers and node.workers is not None:

@@ -4,6 +4,7 @@ losing its data, admin views over huge trees, a misconfigured store."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from tests.state.fleet import api, finishes, post
 from tests.waiting import wait_for
@@ -28,3 +29,30 @@ async def test_an_id_with_a_space_closes_only_itself_on_every_replica(upstream, 
             status, seen = await api(http, "GET", sc.admin_url + "/v1/sessions/" + sid)
             assert status == 200 and seen["status"] == "active", (sid, seen)
             assert (await post(http, sc, sid))[0] == 200
+
+
+async def test_a_closed_session_ends_after_its_last_request_even_when_its_id_is_reused_meanwhile(
+    upstream, replicas, http
+):
+    # B holds a slow request of "t1"; A closes t1; B then takes a new request on the same id. B
+    # reports one count per id to the store: the new request must not hide the slow one.
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
+    assert (await post(http, b, "t1"))[0] == 200
+
+    async def slow() -> float:
+        async with http.post(b.proxy_url + "/slow?delay=1.5", headers={"X-Correlation-ID": "t1"}) as resp:
+            assert resp.status == 200
+            await resp.read()
+        return time.monotonic()
+
+    task = asyncio.create_task(slow())
+    await wait_for(lambda: any(r.path.startswith("/slow") for r in upstream.received))
+    status, _ = await api(http, "POST", a.admin_url + "/v1/sessions/t1/close")
+    assert status == 200
+    await wait_for(lambda: b.router.tree.get("t1")["closed"], timeout=2)  # B heard of the close
+    assert (await post(http, b, "t1"))[0] == 200  # a new request on the id, answered at once
+    slow_ended = await task
+    await wait_for(lambda: len(finishes(upstream, "t1")) >= 1, timeout=5)
+    await asyncio.sleep(0.6)
+    (finish,) = finishes(upstream, "t1")
+    assert finish.at >= slow_ended - 0.01  # (both time.monotonic())
