@@ -87,6 +87,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sidecar.app import serve
     from sidecar.config import build_config
     from sidecar.errors import ConfigError
+    from sidecar.state import StoreUnavailable
 
     flags = {
         k: getattr(args, k)
@@ -104,6 +105,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"sidecar: cannot start: {exc.strerror or exc} (listen {config.listen}, admin {config.admin})",
             file=sys.stderr,
         )
+        return 1
+    except StoreUnavailable as exc:  # state.required, and the store cannot be used
+        print(f"sidecar: cannot start: {exc}", file=sys.stderr)
         return 1
     return 0
 

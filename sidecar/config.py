@@ -335,7 +335,7 @@ class StateConfig(_Strict):
     url: Annotated[str, AfterValidator(check_state_url)] = "memory://"
     # Isolates several fleets sharing one Redis.
     key_prefix: str = Field("sidecar:", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:{}-]+$")
-    # true: refuse to start while the store is unreachable; false: start on local state, say so
+    # true: refuse to start while the store cannot be used; false: start on local state, say so
     # (log, sidecar_state_store_up 0) and share once it is reachable.
     required: bool = False
     # Longest wait for the store on the request path; after a failure the store is skipped
@@ -632,6 +632,7 @@ def build_config(
         raise ConfigError(format_validation_error(exc)) from None
     _validate_modes(cfg)
     _validate_tls(cfg)
+    _validate_state(cfg.state)
     if cfg.admin_tokens_file is not None:
         from sidecar.auth import load_tokens
 
@@ -657,6 +658,33 @@ def _validate_tls(cfg: Config) -> None:
             client_context(d.tls, d._path)
         except ConfigError as exc:
             problems.append(str(exc))
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _validate_state(state: StateConfig) -> None:
+    """The shared store's files are readable now and apply to its URL: a missing one would
+    otherwise fail at the first connection, naming neither the setting nor the file."""
+    from sidecar.tls import check_ca_file, readable
+
+    scheme = state.url.split(":", 1)[0]
+    problems: list[str] = []
+    if state.password_file is not None:
+        if not state.shared:
+            problems.append("state.password_file: applies to a shared store only; state.url is memory://")
+        else:
+            try:
+                readable(state.password_file, "state.password_file")
+            except ConfigError as exc:
+                problems.append(str(exc))
+    if state.ca_file is not None:
+        if scheme != "rediss":
+            problems.append(f"state.ca_file: applies to rediss:// URLs only; state.url is {scheme}://")
+        else:
+            try:
+                check_ca_file(state.ca_file, "state.ca_file")
+            except ConfigError as exc:
+                problems.append(str(exc))
     if problems:
         raise ConfigError("\n".join(problems))
 

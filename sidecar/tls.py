@@ -35,7 +35,7 @@ def client_context(tls: TlsConfig | None, where: str = "") -> ssl.SSLContext:
         return ctx
     prefix = f"{where}tls."
     if tls.ca_file is not None:
-        _readable(tls.ca_file, prefix + "ca_file")
+        readable(tls.ca_file, prefix + "ca_file")
     try:  # with a cafile, only that bundle is trusted
         ctx = ssl.create_default_context(cafile=tls.ca_file)
     except ssl.SSLError as exc:
@@ -44,8 +44,8 @@ def client_context(tls: TlsConfig | None, where: str = "") -> ssl.SSLContext:
         missing, given = ("key_file", "cert_file") if tls.key_file is None else ("cert_file", "key_file")
         _fail(prefix + missing, f"required with {given} (a client certificate needs its private key)")
     if tls.cert_file is not None and tls.key_file is not None:
-        _readable(tls.cert_file, prefix + "cert_file")
-        _readable(tls.key_file, prefix + "key_file")
+        readable(tls.cert_file, prefix + "cert_file")
+        readable(tls.key_file, prefix + "key_file")
         try:  # a scratch context tells a bad certificate file from a bad key
             ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=tls.cert_file)
         except ssl.SSLError as exc:
@@ -63,7 +63,17 @@ def client_context(tls: TlsConfig | None, where: str = "") -> ssl.SSLContext:
     return ctx
 
 
-def _readable(path: str, setting: str) -> None:
+def check_ca_file(path: str, setting: str) -> None:
+    """``path`` is a readable CA bundle holding a PEM certificate; a ConfigError naming ``setting`` if not."""
+    readable(path, setting)
+    try:
+        ssl.create_default_context(cafile=path)
+    except ssl.SSLError as exc:
+        _fail(setting, f"{path} holds no PEM certificate{_reason(exc)}")
+
+
+def readable(path: str, setting: str) -> None:
+    """``path`` can be read; a ConfigError naming ``setting`` if not."""
     try:
         with open(path, "rb") as f:
             f.read(1)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from sidecar.identity import Identity
     from sidecar.lineage import Turn
 
-__all__ = ["LoadNeeded", "MemoryState", "SessionState"]
+__all__ = ["LoadNeeded", "MemoryState", "SessionState", "StoreUnavailable"]
 
 
 class LoadNeeded(Exception):
@@ -35,6 +35,11 @@ class LoadNeeded(Exception):
         super().__init__(identity.session)
         self.identity = identity
         self.resume = resume
+
+
+class StoreUnavailable(Exception):
+    """The shared store cannot answer now (its breaker is open or the call failed), or, at start
+    with ``state.required``, could not be used."""
 
 
 class SessionState:

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import ssl
 import time
 import uuid
 from collections.abc import Sequence
@@ -40,14 +41,14 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import AuthenticationError, NoPermissionError, NoScriptError, RedisError
 
 from sidecar.config import Config
 from sidecar.context import EndReason, SessionEnd
 from sidecar.lineage import SessionTree, Turn
 from sidecar.metrics import Metrics
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
-from sidecar.state import LoadNeeded, SessionState
+from sidecar.state import LoadNeeded, SessionState, StoreUnavailable
 from sidecar.state import scripts as lua
 from sidecar.state.records import Record, decode, ms
 
@@ -161,12 +162,12 @@ class RedisState(SessionState):
         self._sweep_script = self.client.register_script(lua.SWEEP)
         self._create_script = self.client.register_script(lua.API_CREATE)
         try:
-            await self._timed("ping", self.client.ping(), commands=1)
+            await self._check()
         except (RedisError, OSError, TimeoutError) as exc:
             if self.config.required:
                 await self.client.aclose()
                 raise StoreUnavailable(
-                    f"state.url: the shared store is unreachable ({_reason(exc)}) and state.required is true"
+                    f"state.url: the shared store cannot be used ({_reason(exc)}{_hint(exc)}) and state.required is true"
                 ) from None
             self._failed("start", exc)
         else:
@@ -230,9 +231,10 @@ class RedisState(SessionState):
         """A store call failed: open the breaker (log once per outage)."""
         if self.up or op == "start":
             log.warning(
-                "shared session store unreachable (%s: %s): serving on local state, retrying",
+                "shared session store unreachable (%s: %s%s): serving on local state, retrying",
                 op,
                 _reason(exc),
+                _hint(exc),
                 extra={"replica": self.replica},
             )
         self._set_up(False)
@@ -241,15 +243,15 @@ class RedisState(SessionState):
         self._backoff = min(self._backoff * 2, BREAKER_MAX)
 
     async def _probe(self) -> bool:
-        """Closed breaker: True. Open: PING when the backoff elapsed; on success close it and
-        republish what this replica holds."""
+        """Closed breaker: True. Open: check the store (:meth:`_check`) when the backoff
+        elapsed; on success close it and republish what this replica holds."""
         if self.up:
             return True
         assert self._loop is not None and self.client is not None
         if self._loop.time() < self._retry_at:
             return False
         try:
-            await self._timed("ping", self.client.ping(), commands=1)
+            await self._check()
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("ping", exc)
             return False
@@ -257,6 +259,12 @@ class RedisState(SessionState):
         log.info("shared session store reachable again: republishing live sessions", extra={"replica": self.replica})
         self._republish = self.tree.held_sessions()
         return True
+
+    async def _check(self) -> None:
+        """One round trip that proves the store usable, not only reachable: a script that
+        reads one key and writes nothing (a user the store's ACL lets PING but not run scripts
+        would otherwise pass, then fail every write)."""
+        await self._scripts("ping", [(self._close_script, [self.prefix, "", 0, str(EndReason.API_CLOSED), 0])])
 
     async def _timed(self, op: str, awaitable: Any, *, commands: int) -> Any:
         """Await one store round trip within the timeout, counted by outcome."""
@@ -855,10 +863,6 @@ class RedisState(SessionState):
         return {"up": self.up, "dirty": len(self._dirty), "dropped": self.dropped, "replica": self.replica}
 
 
-class StoreUnavailable(Exception):
-    """The shared store cannot answer now (the breaker is open or the call failed)."""
-
-
 _FORGOTTEN = frozenset({EndReason.IDLE_EXPIRED, EndReason.EVICTED, EndReason.SHUTDOWN})
 _REASONS = frozenset(r.value for r in EndReason)
 
@@ -886,6 +890,19 @@ def _api_session(rec: Record) -> ApiSession:
         last_active_at=rec.last_active or None,
         ended_at=rec.ended_at,
     )
+
+
+def _hint(exc: BaseException) -> str:
+    """Which setting a failure to use the store points at."""
+    if isinstance(exc, AuthenticationError):
+        return "; check the password: state.password_file, SIDECAR_STATE_PASSWORD or the URL's"
+    if isinstance(exc, NoPermissionError):
+        return (
+            "; the store's user needs EVALSHA, SCRIPT LOAD, PUBLISH, SUBSCRIBE and PING on the keys of state.key_prefix"
+        )
+    if isinstance(exc, ssl.SSLError) or "SSL" in str(exc):  # (redis-py wraps it in its ConnectionError)
+        return "; check state.ca_file and the server's certificate"
+    return ""
 
 
 def _reason(exc: BaseException) -> str:

@@ -165,3 +165,34 @@ def test_one_context_per_deployment_shared_by_its_upstreams(tmp_path, pki: Pki):
     assert b.upstreams[0].tls_context.verify_mode.name == "CERT_NONE"
     assert a.upstreams[0].pool_key != b.upstreams[0].pool_key  # same URL, other TLS: never one pool
     assert (c.upstreams[0].tls_context, c.upstreams[0].pool_key) == (None, "http://10.0.0.3:8000")
+
+
+def test_the_shared_stores_files_are_checked_at_load_naming_the_setting(tmp_path, pki: Pki):
+    up = {"upstream": "http://127.0.0.1:1"}
+    missing = str(tmp_path / "nope")
+    assert (
+        refused(tmp_path, {**up, "state": {"url": "redis://127.0.0.1:6379", "password_file": missing}})
+        == f"state.password_file: cannot read {missing}: No such file or directory"
+    )
+    assert refused(tmp_path, {**up, "state": {"password_file": missing}}) == (
+        "state.password_file: applies to a shared store only; state.url is memory://"
+    )
+    assert refused(tmp_path, {**up, "state": {"url": "redis://127.0.0.1:6379", "ca_file": pki.ca_file}}) == (
+        "state.ca_file: applies to rediss:// URLs only; state.url is redis://"
+    )
+    assert (
+        refused(tmp_path, {**up, "state": {"url": "rediss://127.0.0.1:6379", "ca_file": missing}})
+        == f"state.ca_file: cannot read {missing}: No such file or directory"
+    )
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    assert refused(tmp_path, {**up, "state": {"url": "rediss://127.0.0.1:6379", "ca_file": str(junk)}}).startswith(
+        f"state.ca_file: {junk} holds no PEM certificate"
+    )
+    password = tmp_path / "password"
+    password.write_text("s3cret\n")
+    cfg = load(
+        tmp_path,
+        {**up, "state": {"url": "rediss://127.0.0.1:6379", "ca_file": pki.ca_file, "password_file": str(password)}},
+    )
+    assert cfg.state.ca_file == pki.ca_file and cfg.state.password_file == str(password)

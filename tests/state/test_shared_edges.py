@@ -4,9 +4,12 @@ losing its data, admin views over huge trees, a misconfigured store."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 
-from tests.state.fleet import api, finishes, post
+from tests.state.fleet import api, finishes, metric, post
 from tests.waiting import wait_for
 
 
@@ -56,3 +59,58 @@ async def test_a_closed_session_ends_after_its_last_request_even_when_its_id_is_
     await asyncio.sleep(0.6)
     (finish,) = finishes(upstream, "t1")
     assert finish.at >= slow_ended - 0.01  # (both time.monotonic())
+
+
+def _limited_user(redis_server) -> str:
+    """A store user that may connect and PING but not run scripts: the URL to use it."""
+    redis_server.cli("ACL", "SETUSER", "limited", "on", ">pw", "~*", "&*", "+@all", "-evalsha", "-eval", "-script")
+    return f"redis://limited:pw@127.0.0.1:{redis_server.port}"
+
+
+def _run_required(tmp_path, state: dict) -> subprocess.CompletedProcess[str]:
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "listen": "127.0.0.1:0",
+                "admin": "127.0.0.1:0",
+                "upstream": "http://127.0.0.1:1",
+                "state": {"required": True, "timeout_ms": 1000, **state},
+            }
+        )
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar", "run", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_required_store_the_sidecar_cannot_use_stops_the_start_naming_what_to_fix(tmp_path, redis_server):
+    password = tmp_path / "password"
+    password.write_text("wrong\n")
+    redis_server.cli("CONFIG", "SET", "requirepass", "right")
+    proc = _run_required(tmp_path, {"url": redis_server.url, "password_file": str(password)})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("sidecar: cannot start: state.url: the shared store cannot be used (Authentication")
+    assert "check the password: state.password_file, SIDECAR_STATE_PASSWORD or the URL's" in proc.stderr
+    redis_server.cli("-a", "right", "--no-auth-warning", "CONFIG", "SET", "requirepass", "")
+    proc = _run_required(tmp_path, {"url": _limited_user(redis_server)})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "(NoPermissionError: " in proc.stderr
+    assert "the store's user needs EVALSHA, SCRIPT LOAD, PUBLISH, SUBSCRIBE and PING" in proc.stderr
+
+
+async def test_a_store_user_without_script_rights_leaves_the_replica_on_local_state(
+    upstream, replicas, http, redis_server
+):
+    # Reachable is not usable: the breaker must not close on a PING the user may run while
+    # every write it then tries is refused.
+    a = await replicas.one(upstream=upstream.url, mode="vllm_router", state={"url": _limited_user(redis_server)})
+    assert metric(a, "sidecar_state_store_up") == 0
+    assert (await post(http, a, "local"))[0] == 200
+    for _ in range(15):  # past the breaker's first probes (1 s, then 2 s)
+        await asyncio.sleep(0.2)
+        assert metric(a, "sidecar_state_store_up") == 0
+    assert metric(a, "sidecar_state_ops_total", {"op": "flush", "outcome": "error"}) == 0
