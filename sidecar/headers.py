@@ -64,9 +64,13 @@ PROXY_OWNED: frozenset[str] = HOP_BY_HOP | FRAMING | frozenset({"host", "content
 
 
 def is_field_value(value: str) -> bool:
-    """``value`` can be sent as a header field value: no CR, LF or NUL (which would end the
-    field, or the head, early: header injection)."""
-    return "\r" not in value and "\n" not in value and "\0" not in value
+    """``value`` can be sent as a header field value (RFC 9110 5.5): no control character but
+    HTAB. CR, LF and NUL would end the field or the head early (header injection); the others
+    are refused by strict parsers, this sidecar's own included."""
+    for ch in value:
+        if (ch < " " and ch != "\t") or ch == "\x7f":
+            return False
+    return True
 
 
 def connection_tokens(values: Iterable[str]) -> frozenset[str]:

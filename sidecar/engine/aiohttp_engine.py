@@ -29,7 +29,7 @@ from sidecar import errors
 from sidecar import headers as h
 from sidecar.context import TurnOutcome
 from sidecar.engine.base import Engine
-from sidecar.engine.head import origin_form, valid_host
+from sidecar.engine.head import DOT_SEGMENT, dot_segment, origin_form, valid_host
 from sidecar.errors import failure_reason
 from sidecar.router import BodyWork, Decision, RequestHead, body_pool
 from sidecar.state import LoadNeeded
@@ -298,6 +298,8 @@ class AiohttpEngine(Engine):
                 errors.bad_request("request target must be origin-form (/path) or absolute-form (http://host/path)"),
                 "bad_request",
             )
+        if dot_segment(target.encode("utf-8", "surrogateescape")):
+            return self._refuse(request, errors.bad_request(DOT_SEGMENT), "bad_request")
         head = RequestHead(request.method, in_headers)
         try:
             try:

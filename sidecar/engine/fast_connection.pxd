@@ -3,7 +3,7 @@
 cimport cython
 from sidecar.engine.fast_exchange cimport ClientSide, Exchange, Shared, new_exchange
 from sidecar.engine.flow cimport ReadFlow
-from sidecar.engine.head cimport scan_request
+from sidecar.engine.head cimport dot_segment, scan_request
 from sidecar.engine.relay cimport ClientOutput
 
 cdef tuple _SPECIAL

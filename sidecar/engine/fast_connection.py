@@ -29,7 +29,7 @@ from sidecar.engine import wire
 from sidecar.engine.direct import DirectSocket
 from sidecar.engine.fast_exchange import ABORT, CLOSE, DONE, QUEUED, ClientSide, Exchange, Shared, new_exchange
 from sidecar.engine.flow import PIPELINED, STOPPED, ReadFlow
-from sidecar.engine.head import HOST_INVALID, HOST_REPEATED, HOST_SEEN, LISTED, name_table, scan_request
+from sidecar.engine.head import HOST_INVALID, HOST_REPEATED, HOST_SEEN, LISTED, dot_segment, name_table, scan_request
 from sidecar.engine.parsers import CallbackError, HeadTooLarge, ParseError, RequestParser, UpgradeRequest
 from sidecar.engine.relay import ClientOutput
 
@@ -181,6 +181,7 @@ class ClientConnection(ClientSide):
             or not target
             or target[0] != 47  # not "/..."
             or method == b"CONNECT"
+            or dot_segment(target)
         ):
             ex.check_head(version, facts)
         queue = self.queue

@@ -6,7 +6,7 @@ from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.fast_upstream cimport UpstreamConnection, UpstreamPool, UpstreamRequest
 from sidecar.engine.idle_poll cimport IdlePoller
 from sidecar.engine.relay cimport BodyRelay, ClientOutput
-from sidecar.engine.head cimport (HeaderBlock, copy_block, cut, decimal, first_value, has_header, header_map,
+from sidecar.engine.head cimport (HeaderBlock, copy_block, cut, decimal, dot_segment, first_value, has_header, header_map,
                                   header_values, name_table, reason_phrase, relay_block)
 from sidecar.metrics cimport DeploymentStats, _Value
 from sidecar.deployments cimport Deployment

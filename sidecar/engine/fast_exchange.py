@@ -52,6 +52,7 @@ from sidecar.context import TurnOutcome
 from sidecar.engine.fast_upstream import UpstreamConnection, UpstreamPool, UpstreamRequest
 from sidecar.engine.flow import PEER_FULL, WAITING
 from sidecar.engine.head import (
+    DOT_SEGMENT,
     HAS_CONTENT_LENGTH,
     HAS_TRANSFER_ENCODING,
     HOST_INVALID,
@@ -61,6 +62,7 @@ from sidecar.engine.head import (
     copy_block,
     cut,
     decimal,
+    dot_segment,
     first_value,
     has_header,
     header_map,
@@ -370,6 +372,9 @@ class Exchange(UpstreamRequest):
                 errors.bad_request("request target must be origin-form (/path) or absolute-form (http://host/path)"),
                 "bad_request",
             )
+            return
+        if dot_segment(self.target):
+            self.error = (errors.bad_request(DOT_SEGMENT), "bad_request")
             return
         expect = first_value(raw, first, end, EXPECT_B)
         self.expect = expect is not None and expect.lower() == b"100-continue"

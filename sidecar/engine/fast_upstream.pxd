@@ -36,7 +36,7 @@ cdef class UpstreamConnection:
     cpdef bind(self, ex, bint client_paused)
     cpdef bint usable(self, double now) except -1
     cpdef send(self, list parts, bint last)
-    @cython.locals(pieces=list, raw=bytes, max_head=Py_ssize_t, k=Py_ssize_t, stop=Py_ssize_t, start=Py_ssize_t,
+    @cython.locals(pieces=list, raw=bytes, max_head=Py_ssize_t, k=Py_ssize_t, at=Py_ssize_t, stop=Py_ssize_t, start=Py_ssize_t,
                    first=Py_ssize_t, end=Py_ssize_t, status=long, now=double, relay=BodyRelay)
     cpdef _head(self, bytes data)
     cpdef _complete(self, double now)

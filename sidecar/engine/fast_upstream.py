@@ -310,6 +310,13 @@ class UpstreamConnection:
         while True:
             k = head_end(raw, self.scan_at)
             if k < 0:
+                at = self.raw_at
+                if at:  # interim heads ended in these bytes: drop them (once per read, not per head),
+                    # so an upstream sending them without end holds one head of memory, not all
+                    raw = cut(raw, at, len(raw))
+                    pieces[:] = [raw]
+                    self.fed -= at
+                    self.raw_at = 0
                 if len(raw) - self.raw_at > max_head:
                     self._fail(f"response head larger than {max_head} bytes")
                     return

@@ -354,6 +354,26 @@ def scan_request(raw: bytes, first: int, end: int, table: tuple[tuple[bytes, ...
     return bits
 
 
+# What a request refused for :func:`dot_segment` is told.
+DOT_SEGMENT = "request target has a . or .. path segment"
+
+
+def dot_segment(target: bytes) -> bool:
+    """``target``'s path (up to any ``?``) has a ``.`` or ``..`` segment, plain or
+    percent-encoded (``%2e``): where a gateway resolves it (RFC 3986 5.2.4), a request would
+    leave the path prefix of the upstream's URL that the sidecar put in front of it."""
+    if b"/." not in target and b"%2" not in target:  # the common case: two scans
+        return False
+    q = target.find(b"?")
+    path = target if q < 0 else target[:q]
+    for seg in path.split(b"/"):
+        if 0 < len(seg) <= 6:
+            seg = seg.lower().replace(b"%2e", b".")
+            if seg == b"." or seg == b"..":
+                return True
+    return False
+
+
 def origin_form(target: bytes) -> bytes | None:
     """The origin-form (``/path?query``) of an absolute-form request target
     (``http://authority/path?query``, scheme in any case), None when ``target`` is not one or its

@@ -69,6 +69,8 @@ cdef extern from "llhttp.h":
         llhttp_data_cb on_url
         llhttp_data_cb on_header_field
         llhttp_data_cb on_header_value
+        llhttp_data_cb on_protocol
+        llhttp_cb on_protocol_complete
         llhttp_cb on_headers_complete
         llhttp_data_cb on_body
         llhttp_cb on_message_complete
@@ -110,6 +112,7 @@ cdef class _Llhttp:
     cdef const char* buf  # its bytes
     cdef bint own_body  # the message's body is decoded by this module: pause llhttp at its end
     cdef Py_ssize_t paused_at  # where llhttp paused in the last _execute's data
+    cdef Py_ssize_t protocol  # bytes of the message's protocol name seen so far (see _on_protocol)
 
     cdef int _init(self, llhttp_type_t kind, llhttp_settings_t* settings) except -1:
         llhttp_init(&self.p, kind, settings)
@@ -142,8 +145,8 @@ cdef class _Llhttp:
         if error is None:
             raise ParseError(llhttp_get_error_reason(&self.p).decode("latin-1"))
         self.error = None
-        if isinstance(error, HeadTooLarge):
-            raise error
+        if isinstance(error, ParseError) and not isinstance(error, CallbackError):
+            raise error  # a callback refused the message itself (its head is too large, its status invalid)
         raise CallbackError(llhttp_get_error_reason(&self.p).decode("latin-1")) from error
 
 
@@ -327,7 +330,7 @@ cdef class _Chunked:
         self.line.clear()
         if not line.endswith(b"\r"):
             raise ParseError("line not ended by CRLF")
-        line = line[:-1]
+        line = line[: len(line) - 1]  # (no negative index: this module is compiled without wraparound)
         if self.state == SIZE_LINE:
             if _CHUNK_EXT.fullmatch(line) is None:
                 raise ParseError("invalid chunk extension")
@@ -359,6 +362,8 @@ cdef class LlhttpResponseParser(_Llhttp):
         self.length = -1
 
     cdef int head(self) except -1:
+        if self.p.status_code < 100:  # no server sends one; 0 would read as "no head yet"
+            raise ParseError("invalid status code")
         self.status = self.p.status_code
         # Read now: once llhttp completes a message it clears the header flags this depends on.
         self.keep_alive = llhttp_should_keep_alive(&self.p) != 0
@@ -414,6 +419,29 @@ cdef int _on_field(llhttp_t* p, const char* at, size_t length) noexcept:
     return 0
 
 
+cdef const char* _HTTP = b"HTTP"
+
+
+cdef int _on_protocol(llhttp_t* p, const char* at, size_t length) noexcept:
+    """A piece of the start line's protocol name: only HTTP is spoken here (llhttp also accepts
+    RTSP and ICE, which this proxy would otherwise forward as HTTP/1.1)."""
+    cdef _Llhttp self = _parser(p)
+    cdef size_t i
+    for i in range(length):
+        if self.protocol >= 4 or at[i] != _HTTP[self.protocol]:
+            return _fail(self, ParseError("not an HTTP message"))
+        self.protocol += 1
+    return 0
+
+
+cdef int _on_protocol_complete(llhttp_t* p) noexcept:
+    cdef _Llhttp self = _parser(p)
+    if self.protocol != 4:
+        return _fail(self, ParseError("not an HTTP message"))
+    self.protocol = 0
+    return 0
+
+
 cdef int _on_headers_complete(llhttp_t* p) noexcept:
     cdef _Llhttp self = _parser(p)
     cdef int skip
@@ -450,6 +478,8 @@ cdef int _on_message_complete(llhttp_t* p) noexcept:
 llhttp_settings_init(&_REQUEST_SETTINGS)
 _REQUEST_SETTINGS.on_method = _on_method
 _REQUEST_SETTINGS.on_url = _on_url
+_REQUEST_SETTINGS.on_protocol = _on_protocol
+_REQUEST_SETTINGS.on_protocol_complete = _on_protocol_complete
 _REQUEST_SETTINGS.on_header_field = _on_field
 _REQUEST_SETTINGS.on_header_value = _on_field
 _REQUEST_SETTINGS.on_headers_complete = _on_headers_complete
@@ -457,4 +487,6 @@ _REQUEST_SETTINGS.on_body = _on_body
 _REQUEST_SETTINGS.on_message_complete = _on_message_complete
 
 llhttp_settings_init(&_RESPONSE_SETTINGS)
+_RESPONSE_SETTINGS.on_protocol = _on_protocol
+_RESPONSE_SETTINGS.on_protocol_complete = _on_protocol_complete
 _RESPONSE_SETTINGS.on_headers_complete = _on_headers_complete

@@ -187,6 +187,8 @@ class HttptoolsResponseParser:
     def on_headers_complete(self) -> None:
         parser = self.parser
         self.status = parser.get_status_code()
+        if self.status < 100:  # no server sends one; 0 would read as "no head yet"
+            raise ParseError("invalid status code")
         # Read now: once llhttp completes a message it clears the header flags this depends on.
         self.keep_alive = parser.should_keep_alive()
 

@@ -45,8 +45,8 @@ DYNAMO_ALWAYS_FITS = always_fits(DYNAMO_MAX_ID_BYTES)
 
 
 def opaque_id(value: str) -> str:
-    """A stable form of an id that cannot travel in a header as it is (it holds CR, LF, NUL or
-    other control characters): ``"~"`` and the digest of the whole id."""
+    """A stable form of an id that cannot travel in a header as it is (it holds a control
+    character other than HTAB): ``"~"`` and the digest of the whole id."""
     return "~" + _digest(value.encode("utf-8", "surrogateescape"))
 
 

@@ -12,6 +12,7 @@ import asyncio
 import os
 import socket
 import time
+import tracemalloc
 from typing import Any
 
 import orjson
@@ -204,6 +205,45 @@ async def test_invalid_versions_hosts_and_targets_are_400_and_never_forwarded(ca
     resp, closed = await refused_or_closed(port(sc), REFUSED_HEADS[case])
     assert resp is not None and resp.status == 400 and closed, case
     assert orjson.loads(resp.body)["error"]["type"] == "bad_request"
+    assert up.connections == 0 and up.received == []
+
+
+@pytest.mark.parametrize("target", [b"/../../admin", b"/v1/./models", b"/v1/%2e%2E/admin", b"/v1/%2E", b"/v1/.."])
+async def test_a_target_with_a_dot_segment_is_400_and_never_forwarded(target, raw_upstream, start_sidecar):
+    # The upstream URL's path prefix is put in front of the target: a gateway that resolves dot
+    # segments would serve /tenant-a/v1/../../admin as /admin.
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url + "/tenant-a/v1", readiness_check_upstream=False)
+    resp, _ = await refused_or_closed(port(sc), b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert resp is not None and resp.status == 400
+    assert orjson.loads(resp.body)["error"] == {
+        "type": "bad_request",
+        "message": "request target has a . or .. path segment",
+    }
+    assert up.received == []
+    # a dot that is not a whole segment, or one in the query, is an ordinary character
+    [ok], _ = await exchange(port(sc), b"GET /.well-known/a.json?next=/../x HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert ok.status == 200 and up.received[-1].target == "/tenant-a/v1/.well-known/a.json?next=/../x"
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET /s RTSP/1.1\r\nHost: x\r\n\r\n",
+        b"SETUP /s RTSP/1.0\r\nHost: x\r\nCSeq: 1\r\n\r\n",
+        b"SOURCE /s ICE/1.0\r\nHost: x\r\n\r\n",
+    ],
+)
+@FAST
+@pytest.mark.skipif(not FastEngine.compiled, reason="httptools tells no protocol name (the pure-Python build)")
+async def test_a_protocol_other_than_http_is_400_and_never_forwarded(head, raw_upstream, start_sidecar):
+    # llhttp also speaks RTSP and ICE; forwarded, such a request would reach the upstream as
+    # HTTP/1.1. (The pure-Python build and the aiohttp engine, on httptools and aiohttp's parser,
+    # still take them: their requests reach the upstream as valid HTTP/1.1 all the same.)
+    up = await raw_upstream()
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    resp, closed = await refused_or_closed(port(sc), head)
+    assert resp is not None and resp.status == 400 and closed
     assert up.connections == 0 and up.received == []
 
 
@@ -458,6 +498,39 @@ async def test_interim_response_and_a_head_in_pieces_are_relayed_minus_hop_by_ho
     assert body == b"ok"
     assert orjson.loads(after.body)["target"] == "/after"
     assert up.connections == 1  # the upstream connection went back to the pool
+
+
+@pytest.mark.parametrize("status", [b"000", b"099"])
+async def test_a_status_below_100_is_a_502_and_its_bytes_never_reach_a_client(status, raw_upstream, start_sidecar):
+    # A head with status 000 once read as "no head yet": the next head's length then framed the
+    # bytes the first one announced, and what was left went to the next request on the connection.
+    bad = b"HTTP/1.1 " + status + b" X\r\nTransfer-Encoding: chunked\r\n\r\n"
+    bad += b"HTTP/1.1 200 OK\r\nContent-Length: 39\r\n\r\n0\r\n\r\n"
+    later = b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nsmuggled"
+    up = await raw_upstream({"/bad": dribble(bad, later), "/after": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    first, after = await then_after(sc, "/bad")
+    assert first.status == 502 and orjson.loads(first.body)["error"]["type"] == "upstream_protocol_error"
+    assert b"smuggled" not in first.body + after.body
+    assert [(r.target, r.conn) for r in up.received] == [("/bad", 1), ("/after", 2)]
+
+
+@FAST
+async def test_interim_responses_without_end_hold_no_memory(raw_upstream, start_sidecar):
+    # 8 MiB of 103 heads, then the final response: relayed, and the interim bytes were dropped as
+    # each head completed (not kept until the final one; the head cap bounds one head only).
+    hints = b"HTTP/1.1 103 Early Hints\r\nLink: </s.css>; rel=preload\r\n\r\n" * 150_000
+    parts = [hints[i : i + 256 * 1024] for i in range(0, len(hints), 256 * 1024)]
+    up = await raw_upstream({"/hints": dribble(*parts, OK), "/after": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    tracemalloc.start()
+    try:
+        first, _ = await then_after(sc, "/hints")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert first.status == 200 and first.body == b'{"ok":true}'
+    assert peak < 4 * 1024 * 1024, peak
 
 
 @FAST

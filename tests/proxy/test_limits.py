@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import orjson
 import pytest
 
@@ -123,3 +124,17 @@ async def test_a_body_signal_id_with_a_line_break_is_forwarded_opaque_never_inje
     assert got.header("X-Injected") is None
     session = got.header("X-Dynamo-Session-ID")
     assert session is not None and session.startswith("~") and "\r" not in session and "\n" not in session
+
+
+@pytest.mark.parametrize("control", ["\x0b", "\x0c", "\x1b", "\x7f", "\x01"])
+async def test_a_body_signal_id_with_any_control_character_is_forwarded_opaque(upstream, start_sidecar, control):
+    # RFC 9110 allows no control character but HTAB in a field value; this sidecar's own parser
+    # refuses them in a client's header, so it must not send them to a gateway either.
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers", identity={"body": ["user"]}, **ONE_TURN)
+    async with aiohttp.ClientSession() as http:
+        for user in (f"s{control}X-Admin: 1", "tab\there"):
+            async with http.post(sc.proxy_url + "/v1/chat/completions", json={"model": "m", "user": user}) as resp:
+                assert resp.status == 200
+    opaque, kept = (r.header("X-Dynamo-Session-ID") for r in upstream.received)
+    assert opaque is not None and opaque.startswith("~") and opaque.isprintable()
+    assert kept == "tab\there"  # HTAB is a field value's own character: kept as sent
