@@ -20,6 +20,7 @@ cdef class ClientConnection(ClientSide):
     cpdef finish_exchange(self, Exchange ex, long close)
     cpdef watch(self, double due, double now)
     cpdef flush(self)
+    cpdef pause(self, long reason)
     @cython.locals(ex=Exchange, special=bint, waits=bint, facts=long)
     cpdef on_head(self, bytes raw, Py_ssize_t first, Py_ssize_t end, bytes method, bytes target, long version,
                   bint keep_alive, length)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 from collections import deque
 from time import perf_counter
 from typing import Any, cast
@@ -40,6 +41,9 @@ KEEPALIVE_TIMEOUT = 75.0
 # After answering a request whose body was not read, keep reading (and discarding) for this long
 # before closing, so the client sees the answer instead of a reset.
 LINGER_SECONDS = 2.0
+# While a client's reading is paused (backpressure, a queued request) its close goes unseen: the
+# watchdog looks for it this often (one poll(2) per paused connection).
+PEER_CHECK = 1.0
 
 _INF = float("inf")
 _HOST_FACTS = HOST_SEEN | HOST_REPEATED | HOST_INVALID
@@ -191,7 +195,7 @@ class ClientConnection(ClientSide):
         if ex.error is not None:
             self._stop()  # answered, then closed: later bytes are never read as requests
         elif waits:
-            self.flow.pause(_PIPELINED)
+            self.pause(_PIPELINED)
 
     def on_body(self, body: bytes) -> None:
         ex = self.cur
@@ -320,12 +324,31 @@ class ClientConnection(ClientSide):
     # the armed one (on a busy connection: almost never); when it fires early it re-arms for the
     # deadline that applies then.
 
+    def pause(self, reason: int) -> None:
+        self.flow.pause(reason)
+        now = perf_counter()
+        if self.timer_due > now + PEER_CHECK:
+            self.watch(self.timer_due, now)  # (capped while paused: see watch)
+
+    def _peer_closed(self) -> bool:
+        """The client closed or reset its side: what a transport whose reading is paused does
+        not report (its close stays unread behind the bytes not read yet; POLLRDHUP sees it)."""
+        try:
+            fd = self.transport.get_extra_info("socket").fileno()
+            poller = select.poll()
+            poller.register(fd, select.POLLRDHUP)
+            return bool(poller.poll(0))
+        except (AttributeError, OSError, ValueError):
+            return False
+
     def watch(self, due: float, now: float) -> None:
-        """Fire the watchdog at ``due`` (capped at one keep-alive period from ``now``)."""
+        """Fire the watchdog at ``due`` (capped at one keep-alive period from ``now``, and at
+        :data:`PEER_CHECK` while reading is paused: the watchdog then looks for the client's close)."""
         timer = self.timer
         if timer is not None:
             timer.cancel()
-        cap = now + KEEPALIVE_TIMEOUT  # the request may end any time: the connection then idles
+        # the request may end any time: the connection then idles
+        cap = now + (PEER_CHECK if self.flow.reasons & ~STOPPED else KEEPALIVE_TIMEOUT)
         if due > cap:
             due = cap
         self.timer_due = due
@@ -342,6 +365,9 @@ class ClientConnection(ClientSide):
         self.timer = None
         self.timer_due = _INF
         if self.closing:
+            return
+        if self.flow.reasons & ~STOPPED and self._peer_closed():
+            self.transport.abort()  # as a read of the close would: its requests are abandoned
             return
         now = perf_counter()
         queue = self.queue

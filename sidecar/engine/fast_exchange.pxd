@@ -39,6 +39,7 @@ cdef class ClientSide:
     cpdef finish_exchange(self, Exchange ex, long close)
     cpdef watch(self, double due, double now)
     cpdef flush(self)
+    cpdef pause(self, long reason)
 
 cdef class Exchange(UpstreamRequest):
     cdef public ClientSide client
@@ -55,6 +56,7 @@ cdef class Exchange(UpstreamRequest):
     cdef public double t0, connect_timeout, first_byte_timeout, idle_timeout, last_io, head_at
     cdef public HeaderBlock resp_head
     cdef public UpstreamConnection conn
+    cdef public UpstreamPool waiting
     cpdef setup(self, ClientSide client, bytes raw, Py_ssize_t first, Py_ssize_t end, bytes method, bytes target,
                 bint keep_alive, length)
     @cython.locals(shared=Shared)

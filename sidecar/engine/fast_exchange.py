@@ -232,6 +232,11 @@ class ClientSide:
         """Write what ``output`` gathered."""
         raise NotImplementedError
 
+    def pause(self, reason: int) -> None:
+        """Stop reading the client for ``reason`` (a :mod:`~sidecar.engine.flow` bit); the
+        watchdog then looks for the client's close, which a paused transport does not report."""
+        raise NotImplementedError
+
 
 class Exchange(UpstreamRequest):
     """One request/response: routed, forwarded, relayed, ended exactly once (module docstring).
@@ -263,6 +268,7 @@ class Exchange(UpstreamRequest):
         "head",
         "frame_chunked",
         "conn",
+        "waiting",
         "connect_timeout",
         "first_byte_timeout",
         "idle_timeout",
@@ -314,6 +320,7 @@ class Exchange(UpstreamRequest):
         self.head: list[bytes] = []  # the upstream request's pieces while no connection is attached
         self.frame_chunked = False
         self.conn: UpstreamConnection | None = None
+        self.waiting: UpstreamPool | None = None  # the pool it asked for a connection, until it got one
         self.connect_timeout = 0.0
         self.first_byte_timeout = 0.0
         self.idle_timeout = 0.0
@@ -538,9 +545,10 @@ class Exchange(UpstreamRequest):
         conn = pool.take(now)
         if conn is None:
             self.head = parts
+            self.waiting = pool
             pool.acquire(self)
             if self.state == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
-                client.flow.pause(WAITING)
+                client.pause(WAITING)
         else:
             self.conn = conn
             conn.bind(self, client.write_paused)
@@ -566,7 +574,7 @@ class Exchange(UpstreamRequest):
             return
         if state == LOADING:  # not routed yet: buffer, as while waiting for a connection
             if self.body_size > WAIT_BUFFER and not self.complete:
-                self.client.flow.pause(WAITING)
+                self.client.pause(WAITING)
             return
         if self.body_size > self.limit:
             self._too_large_midway()
@@ -589,7 +597,7 @@ class Exchange(UpstreamRequest):
             else:
                 self.last_io = perf_counter()  # body bytes arrived (see deadline)
         elif state == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
-            self.client.flow.pause(WAITING)
+            self.client.pause(WAITING)
 
     def _send_transformed(self) -> None:
         """The whole body of a ``needs_body`` request is here: the router reads (or rewrites) it,
@@ -681,6 +689,7 @@ class Exchange(UpstreamRequest):
 
     def attach(self, conn: UpstreamConnection) -> None:
         """A connection for a request that waited for one (opened, or freed by another)."""
+        self.waiting = None
         self.conn = conn
         client = self.client
         conn.bind(self, client.write_paused)
@@ -737,7 +746,7 @@ class Exchange(UpstreamRequest):
 
     def peer_full(self, full: bool) -> None:
         if full:
-            self.client.flow.pause(PEER_FULL)
+            self.client.pause(PEER_FULL)
         else:
             self.client.flow.resume(PEER_FULL)
 
@@ -990,6 +999,10 @@ class Exchange(UpstreamRequest):
         if conn is not None:
             self.conn = None
             conn.abort()
+        pool = self.waiting
+        if pool is not None:  # it ended waiting (client gone, timeout): its head and body go now,
+            self.waiting = None  # not when a connection frees up
+            pool.forget(self)
         self.client.finish_exchange(self, close)
 
 

@@ -482,6 +482,14 @@ class UpstreamPool:
         else:
             self.waiters.append(ex)
 
+    def forget(self, ex: UpstreamRequest) -> None:
+        """``ex`` ended while it waited for a connection: out of the queue (O(waiters); a long
+        queue of abandoned requests would otherwise keep their heads and bodies)."""
+        try:
+            self.waiters.remove(ex)
+        except ValueError:  # (it was being connected, not queued)
+            pass
+
     def release(self, conn: UpstreamConnection, now: float) -> None:
         """A connection finished a response cleanly: give it to a waiter or keep it idle."""
         if self.closed:

@@ -32,6 +32,7 @@ from tests.engine import (
     reply,
 )
 from tests.engine.fuzz_request_path import fuzz
+from tests.waiting import wait_for
 
 FAST = pytest.mark.parametrize("engine", ["fast"])
 
@@ -769,6 +770,64 @@ async def test_pool_bound_queues_requests_beyond_the_limit(raw_upstream, start_s
 
     assert await asyncio.gather(*(one() for _ in range(6))) == [200] * 6
     assert up.connections == 2
+
+
+@FAST
+async def test_requests_abandoned_while_waiting_for_a_connection_leave_the_queue_at_once(raw_upstream, start_sidecar):
+    # The pool is full (one connection, held by /hang): each request waits in its queue with its
+    # head and body. A client that leaves must take its request out of the queue now, not when a
+    # connection frees up: a long queue of abandoned requests would otherwise hold their memory.
+    up = await raw_upstream({"/hang": hang, "/q": echo()})
+    sc = await start_sidecar(
+        upstream=up.url, readiness_check_upstream=False, limits={"max_connections_per_upstream": 1}
+    )
+    [(pool, _, _)] = sc.engine.shared.upstreams.values()
+    held_reader, held = await connect(sc)
+    held.write(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
+    await asyncio.wait_for(up.arrived.wait(), 5)
+    body = b"x" * 32 * 1024
+    clients = []
+    for _ in range(20):
+        reader, writer = await connect(sc)
+        writer.write(b"POST /q HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        clients.append(writer)
+    await wait_for(lambda: len(pool.waiters) == 20)
+    for writer in clients:
+        writer.close()
+    await wait_for(lambda: len(pool.waiters) == 0)
+    assert sc.engine.shared.in_flight == 1  # the held request only
+    held.close()  # the connection frees up: nothing abandoned is sent on it
+    [after], _ = await exchange(port(sc), b"GET /q HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert after.status == 200 and [r.target for r in up.received] == ["/hang", "/q"]
+
+
+@FAST
+@pytest.mark.parametrize("paused_by", ["a body waiting for a connection", "a pipelined request"])
+async def test_a_client_that_leaves_while_its_reading_is_paused_is_seen_gone(paused_by, raw_upstream, start_sidecar):
+    # A client whose reading is paused cannot be read to its close: without a look at the
+    # socket, its request stayed in flight until a timeout, and a waiting one was still sent.
+    up = await raw_upstream({"/hang": hang, "/q": echo()})
+    sc = await start_sidecar(
+        upstream=up.url, readiness_check_upstream=False, limits={"max_connections_per_upstream": 1}
+    )
+    [(pool, _, _)] = sc.engine.shared.upstreams.values()
+    held_reader, held = await connect(sc)
+    held.write(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
+    await asyncio.wait_for(up.arrived.wait(), 5)
+    reader, writer = await connect(sc)
+    if paused_by == "a pipelined request":  # behind its own first request, which waits too
+        writer.write(b"GET /q HTTP/1.1\r\nHost: x\r\n\r\nGET /q HTTP/1.1\r\nHost: x\r\n\r\n")
+    else:  # part of a body, more than the sidecar buffers while no connection is attached
+        writer.write(b"POST /q HTTP/1.1\r\nHost: x\r\nContent-Length: 1048576\r\n\r\n" + b"x" * 100_000)
+    await wait_for(lambda: len(pool.waiters) == 1)
+    assert sc.engine.shared.in_flight == 2
+    writer.transport.abort()  # (with nothing left to send: the close reaches the sidecar's socket)
+    left = time.monotonic()
+    await wait_for(lambda: sc.engine.shared.in_flight == 1, timeout=5)
+    assert time.monotonic() - left < 2.5 and len(pool.waiters) == 0
+    held.close()
+    [after], _ = await exchange(port(sc), b"GET /q HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert after.status == 200 and [r.target for r in up.received] == ["/hang", "/q"]
 
 
 # -- disconnects, timeouts --------------------------------------------------------------------
