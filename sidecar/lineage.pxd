@@ -26,7 +26,7 @@ cdef class Turn:
 cdef class SessionTree:
     cdef public double _idle_ttl, _tombstone_ttl
     cdef public long _max_live, _tombstone_max, _live, _held_ended, _trees
-    cdef public long evictions, tombstone_reuses, root_conflicts
+    cdef public long evictions, tombstone_reuses, root_conflicts, lineage_dropped
     cdef public object _clock, _tombs
     cdef public dict _nodes, ended_by_reason
     cdef public _Node _lru

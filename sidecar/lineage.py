@@ -39,7 +39,9 @@ Memory is bounded. ``max_live`` caps the nodes held in trees: live sessions, pla
 ended sessions kept because live descendants still hang below them (shown with ``ended=True``).
 Above the cap the least recently active idle session is evicted; sessions with requests in
 flight are never evicted, so when everything is in flight the cap is exceeded until requests
-finish. Ended ids are tombstoned, bounded by ``tombstone_max`` (oldest dropped first) and by
+finish. Evicting a session with children frees nothing (it stays as their ancestor), so while
+such ancestors fill half the cap a new session's parent is ignored (:meth:`SessionTree._crowded`):
+a chain of parents cannot grow the tree past the cap. Ended ids are tombstoned, bounded by ``tombstone_max`` (oldest dropped first) and by
 ``tombstone_ttl`` (pruned by :meth:`SessionTree.expire`); a request on a tombstoned id starts a
 new session.
 """
@@ -291,6 +293,7 @@ class SessionTree:
         self.evictions = 0
         self.tombstone_reuses = 0
         self.root_conflicts = 0
+        self.lineage_dropped = 0  # sessions whose parent was ignored (see _crowded)
         self.ended_by_reason: dict[EndReason, int] = dict.fromkeys(EndReason, 0)
 
     # -- read-only stats -------------------------------------------------------------------------
@@ -299,6 +302,11 @@ class SessionTree:
     def live_sessions(self) -> int:
         """Sessions not yet ended, placeholders included."""
         return self._live
+
+    @property
+    def held_ancestors(self) -> int:
+        """Ended sessions kept as ancestors of live ones (they count in ``max_live`` too)."""
+        return self._held_ended
 
     @property
     def live_trees(self) -> int:
@@ -782,6 +790,8 @@ class SessionTree:
         node = _Node(session, deployment, now, 0)
         self._index(session, node)
         self._live += 1
+        if (parent is not None or root_hint is not None) and self._crowded():
+            parent = root_hint = None
         if parent is not None and parent != session:
             above = self._known_or_placeholder(parent, deployment, now)
         elif root_hint is not None and root_hint != session:
@@ -801,6 +811,8 @@ class SessionTree:
         """A placeholder sends its own first request; its whole tree may join another one."""
         node.flags &= ~_PLACEHOLDER
         node.deployment = deployment
+        if (parent is not None or root_hint is not None) and self._crowded():
+            return node
         if parent is not None and parent != node.session:
             above = self._known_or_placeholder(parent, deployment, now)
             hinted = 0
@@ -969,6 +981,21 @@ class SessionTree:
             else:
                 self._held_ended -= 1
             node = parent
+
+    def _crowded(self) -> bool:
+        """Ended sessions held only as ancestors of live ones fill half the cap: a new session's
+        lineage is ignored (it starts a tree of its own) until they go. Without this, a chain of
+        parents longer than the cap keeps every link (evicting one with a child frees nothing)
+        and its growth evicts every other session."""
+        if self._held_ended * 2 <= self._max_live:
+            return False
+        self.lineage_dropped += 1
+        if self.lineage_dropped == 1:
+            log.warning(
+                "ancestors held for live sessions fill half of sessions.max_live_sessions: new "
+                "sessions' parents are ignored until they end (counted in sidecar_lineage_dropped_total)"
+            )
+        return True
 
     def _evict(self, now: float) -> list[SessionEnd]:
         evicted: list[SessionEnd] = []

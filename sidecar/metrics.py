@@ -417,6 +417,16 @@ class _TreeCollector(_SourceCollector):
             "Client root headers that contradicted the derived root (derived root kept).",
             value=t.root_conflicts,
         )
+        yield GaugeMetricFamily(
+            "sidecar_held_ancestors",
+            "Ended sessions kept in the lineage tree as ancestors of live ones (counted in the cap).",
+            value=t.held_ancestors,
+        )
+        yield CounterMetricFamily(
+            "sidecar_lineage_dropped",
+            "New sessions whose parent was ignored because held ancestors filled half the cap.",
+            value=t.lineage_dropped,
+        )
 
 
 class _PollerCollector(_SourceCollector):

@@ -169,3 +169,19 @@ def test_compiled_session_index_is_not_tracked_by_the_collector() -> None:
         run()
         assert gc.is_tracked(tree._nodes) is expected, step
     assert len(tree._detached["root"]) == 1  # the take-over ran: the closed node drains detached
+
+
+def test_a_chain_of_parents_longer_than_the_cap_stays_within_it() -> None:
+    # Each link names the previous one as its parent. Evicting a link with a child frees nothing
+    # (it stays as the child's ancestor): before, the chain kept every link past the cap (5000
+    # nodes here), and each new link evicted every other idle session trying to make room.
+    cap = 100
+    tree = SessionTree(max_live=cap, clock=lambda: 0.0)
+    for i in range(1, 5000):
+        turn, _ = tree.begin(f"link-{i}", f"link-{i - 1}" if i > 1 else None, None, False, "d")
+        if i == 2:
+            assert turn.ctx.parent == "link-1"  # below the cap, lineage as declared
+        # over the cap by at most the session in flight (never evicted)
+        assert tree.live_sessions + tree.held_ancestors <= cap + 1 and len(tree._nodes) <= cap + 1
+        tree.finish(turn, TurnOutcome.COMPLETED)
+    assert tree.lineage_dropped > 0
