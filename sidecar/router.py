@@ -54,6 +54,7 @@ from sidecar.jsonscan import INLINE_BYTES, join
 from sidecar.lineage import SessionTree, Turn
 from sidecar.metrics import Metrics
 from sidecar.modes.base import EndAction, Mode
+from sidecar.modes.ids import fit_id
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
 from sidecar.state import LoadNeeded, MemoryState, SessionState
 from sidecar.validation import TOKEN_RE
@@ -79,6 +80,9 @@ EndActionSink = Callable[[Deployment, EndAction, str], None]
 EXPIRE_BATCH = 1000
 # Worker ids are interned so every session's history shares one string per worker.
 MAX_INTERNED_WORKERS = 4096
+# A worker id longer than this (UTF-8 bytes) is kept and logged in its fitted form (a prefix and
+# a digest): it comes from an upstream's header, and the tree keeps it per session.
+MAX_WORKER_BYTES = 256
 # Threads an engine runs BodyWork on (see body_pool): large bodies only, a few at a time.
 BODY_THREADS = 2
 # A body's `model` longer than this names no deployment.
@@ -660,6 +664,7 @@ class Router:
                 return
 
     def _record_worker(self, decision: Decision, turn: Turn, worker: str) -> None:
+        worker = fit_id(worker, MAX_WORKER_BYTES)
         interned = self._workers.get(worker)
         if interned is None:
             interned = worker

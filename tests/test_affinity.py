@@ -101,3 +101,18 @@ async def test_llmd_token_is_dropped_with_the_session(upstream, start_sidecar):
             await resp.read()
     # The second request is a new session (the first ended): no stale token is echoed.
     assert [r.all("x-session-token") for r in upstream.received] == [[], []]
+
+
+async def test_a_worker_id_longer_than_256_bytes_is_kept_and_logged_fitted(upstream, start_sidecar, caplog):
+    # The worker id comes from the upstream's header and stays in the tree per session: an
+    # upstream sending long ones must not grow the tree (or the moved log lines) with them.
+    sc = await start_sidecar(upstream=upstream.url, mode="smg_routing_key")
+    caplog.set_level(logging.INFO, logger="sidecar.router")
+    long_a, long_b = "a" * 5_000, "b" * 300
+    await turns(sc, "sess-long", [long_a, long_a, long_b, "w-short"])
+    workers = [run["worker"] for run in sc.router.tree.get("sess-long")["workers"]]
+    assert [len(w.encode()) for w in workers] == [256, 256, len("w-short")]
+    assert workers[0].startswith("a" * 200) and workers[0] != workers[1] and workers[1].startswith("b" * 200)
+    assert sc.router.tree.get("sess-long")["workers"][0]["turns"] == 2  # one fitted id per worker
+    moved = [r for r in caplog.records if getattr(r, "event", None) == "moved"]
+    assert [(r.from_worker, r.to_worker) for r in moved] == [(workers[0], workers[1]), (workers[1], "w-short")]
