@@ -44,6 +44,10 @@ LINGER_SECONDS = 2.0
 # While a client's reading is paused (backpressure, a queued request) its close goes unseen: the
 # watchdog looks for it this often (one poll(2) per paused connection).
 PEER_CHECK = 1.0
+# Requests of one connection queued at once: one read (up to 256 KiB) can hold thousands of tiny
+# pipelined requests, each an exchange in memory; the one past this is refused (400), then the
+# connection closes after the answers before it.
+MAX_PIPELINED = 128
 
 _INF = float("inf")
 _HOST_FACTS = HOST_SEEN | HOST_REPEATED | HOST_INVALID
@@ -172,6 +176,9 @@ class ClientConnection(ClientSide):
         keep_alive: bool,
         length: int,
     ) -> None:
+        if self.stopped:  # after a refused request, in the same read: never served, never kept
+            self.cur = None
+            return
         ex = new_exchange(self, raw, first, end, method, target, keep_alive, length)
         facts = scan_request(raw, first, end, _SPECIAL)
         ex.special = special = facts & _LISTED != 0
@@ -192,6 +199,8 @@ class ClientConnection(ClientSide):
         waits = bool(queue)  # an earlier request is still in progress
         queue.append(ex)
         self.cur = ex
+        if ex.error is None and len(queue) > MAX_PIPELINED:
+            ex.error = (errors.bad_request(f"more than {MAX_PIPELINED} pipelined requests"), "bad_request")
         if ex.error is not None:
             self._stop()  # answered, then closed: later bytes are never read as requests
         elif waits:
@@ -199,16 +208,15 @@ class ClientConnection(ClientSide):
 
     def on_body(self, body: bytes) -> None:
         ex = self.cur
-        assert ex is not None
-        if ex.state != DONE:  # (an answered request's body is read and dropped until the close)
+        if ex is not None and ex.state != DONE:  # (an answered or dropped request's body: dropped)
             ex.body.append(body)
             ex.body_size += len(body)
 
     def on_message_complete(self) -> None:
         ex = self.cur
-        assert ex is not None
-        ex.complete = True
-        self.cur = None
+        if ex is not None:
+            ex.complete = True
+            self.cur = None
 
     # -- the request queue ----------------------------------------------------------------
 

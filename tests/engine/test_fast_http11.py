@@ -773,6 +773,25 @@ async def test_pool_bound_queues_requests_beyond_the_limit(raw_upstream, start_s
 
 
 @FAST
+async def test_pipelined_requests_past_the_bound_are_refused_and_the_connection_closed(raw_upstream, start_sidecar):
+    # One read can hold thousands of tiny pipelined requests; each would be an exchange in memory.
+    up = await raw_upstream({"/q": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    many = fast_connection.MAX_PIPELINED + 50
+    reader, writer = await connect(sc)
+    writer.write(b"GET /q HTTP/1.1\r\nHost: x\r\n\r\n" * many)
+    answers = [await asyncio.wait_for(read_response(reader), 5) for _ in range(fast_connection.MAX_PIPELINED + 1)]
+    assert [a.status for a in answers[:-1]] == [200] * fast_connection.MAX_PIPELINED
+    assert answers[-1].status == 400 and orjson.loads(answers[-1].body)["error"] == {
+        "type": "bad_request",
+        "message": f"more than {fast_connection.MAX_PIPELINED} pipelined requests",
+    }
+    assert await closed_soon(reader, 2.0)
+    writer.close()
+    assert len(up.received) == fast_connection.MAX_PIPELINED
+
+
+@FAST
 async def test_requests_abandoned_while_waiting_for_a_connection_leave_the_queue_at_once(raw_upstream, start_sidecar):
     # The pool is full (one connection, held by /hang): each request waits in its queue with its
     # head and body. A client that leaves must take its request out of the queue now, not when a
