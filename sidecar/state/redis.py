@@ -580,18 +580,20 @@ class RedisState(SessionState):
                 if above is not None and above.flags & 1:  # a placeholder made here: tell the others
                     out += ("P", above.session, node.deployment, key_ttl)
                 root = self.tree.root_of(sid) or sid
+                rec = self._held_api(sid)
                 out += (
                     "C",
                     sid,
                     node.deployment,
                     above.session if above is not None else "",
                     "" if root == sid else root,
-                    _flags(node),
-                    ms(wall - (tree_now - node.created_at)),
+                    _flags(node) | (0 if rec is None else lua.API),
+                    ms(wall - (tree_now - node.created_at)) if rec is None else ms(rec.created_at),
                     active,
                     node.turns,
                     deadline,
                     key_ttl,
+                    *_api_fields(rec),
                 )
             elif full:
                 out += ("U", sid, node.turns - entry.turns0, active, deadline, key_ttl)
@@ -607,7 +609,9 @@ class RedisState(SessionState):
 
     def _republish_ops(self, sids: Sequence[str]) -> list[Any]:
         """Records for sessions this replica holds live, written only where the store has none
-        (after an outage, or a store restart that lost data)."""
+        (after an outage, or a store restart that lost data). A session held in the API table
+        goes out as the API session it is (its fields, creation time), so the store lists and
+        counts it again."""
         tree_now = self.tree.now()
         wall = self.clock()
         out: list[Any] = []
@@ -618,20 +622,27 @@ class RedisState(SessionState):
             deployment, above, root, flags, turns, created, last_active = facts
             active = ms(wall - (tree_now - last_active))
             key_ttl = int(self._ttl_of(sid) + self.tomb_ttl + KEY_GRACE_SECONDS)
+            rec = self._held_api(sid)
             out += (
                 "R",
                 sid,
                 deployment,
                 above or "",
                 "" if root == sid else root,
-                flags,
-                ms(wall - (tree_now - created)),
+                flags | (0 if rec is None else lua.API),
+                ms(wall - (tree_now - created)) if rec is None else ms(rec.created_at),
                 active,
                 turns,
                 active + int(self._ttl_of(sid) * 1000),
                 key_ttl,
+                *_api_fields(rec),
             )
         return out
+
+    def _held_api(self, sid: str) -> ApiSession | None:
+        """The API session ``sid`` if this replica holds it active (None: traffic, or ended)."""
+        rec = self.api.get(sid)
+        return rec if rec is not None and rec.status is SessionStatus.ACTIVE else None
 
     def _ttl_of(self, sid: str) -> float:
         rec = self.api.get(sid)
@@ -870,6 +881,14 @@ _REASONS = frozenset(r.value for r in EndReason)
 def _flags(node: Any) -> int:
     """The store's flags of a tree node (sidecar.lineage: final seen 2, hinted 16 are shared)."""
     return node.flags & (lua.FINAL_SEEN | lua.HINTED)
+
+
+def _api_fields(rec: ApiSession | None) -> tuple[str, str, str]:
+    """What a create op carries of an API session (workspace, TTL, sequence number), so that a
+    store that lost the record gets it back as the API session it was; empty for traffic."""
+    if rec is None:
+        return "", "", ""
+    return rec.workspace or "", "" if rec.ttl is None else repr(rec.ttl), str(rec.seq)
 
 
 def _api_session(rec: Record) -> ApiSession:

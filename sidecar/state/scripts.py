@@ -77,7 +77,7 @@ while i <= #ARGV do
   local k = skey(id)
   if op == 'C' or op == 'R' then
     -- create: C (a first request) replaces a placeholder or an ended record; R (republish) only
-    -- fills a missing one. ARGV: d p r f c a n deadline ttl
+    -- fills a missing one. ARGV: d p r f c a n deadline ttl ws t q (q '': not an API session)
     local f = tonumber(redis.call('HGET', k, 'f') or '-1')
     local replace = f < 0 or (op == 'C' and (bit.band(f, 8) ~= 0 or bit.band(f, 1) ~= 0))
     if replace then
@@ -93,13 +93,25 @@ while i <= #ARGV do
         redis.call('SADD', kk, id)
         redis.call('EXPIRE', kk, kttl)
       end
+      if ARGV[i + 13] ~= '' then
+        -- an API session whose record the store lost (f has its bit): its fields, its place in
+        -- the listing, and in the count unless the listing still holds it (then the count does
+        -- too); seq stays past it
+        local seq = tonumber(ARGV[i + 13])
+        redis.call('HSET', k, 'q', seq)
+        if ARGV[i + 11] ~= '' then redis.call('HSET', k, 'ws', ARGV[i + 11]) end
+        if ARGV[i + 12] ~= '' then redis.call('HSET', k, 't', ARGV[i + 12]) end
+        if redis.call('ZADD', P .. 'api', seq, id) == 1 then redis.call('INCR', P .. 'apin') end
+        if tonumber(redis.call('GET', P .. 'seq') or '0') < seq then redis.call('SET', P .. 'seq', seq) end
+        for _, shared in ipairs({'api', 'seq', 'apin'}) do redis.call('EXPIRE', P .. shared, kttl) end
+      end
     elseif op == 'C' and bit.band(f, 8) == 0 then
       -- created meanwhile by another replica (or through the API): add this replica's turns
       redis.call('HINCRBY', k, 'n', ARGV[i + 8])
       redis.call('HSET', k, 'a', ARGV[i + 7])
       if bit.band(f, 4) == 0 then redis.call('ZADD', live, 'GT', ARGV[i + 9], id) end
     end
-    i = i + 11
+    i = i + 14
   elseif op == 'P' then
     -- placeholder: d ttl (only when the id is unknown)
     if redis.call('EXISTS', k) == 0 then

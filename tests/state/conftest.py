@@ -33,7 +33,8 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    """One redis-server process; ``kill()`` simulates a crash, ``start()`` restarts on the same data."""
+    """One redis-server process; ``kill()`` simulates a crash, ``start()`` restarts on the same data,
+    ``restart_empty()`` on none (a store without persistence)."""
 
     def __init__(self, directory: Path) -> None:
         self.dir = directory
@@ -85,6 +86,13 @@ class RedisServer:
             self.proc.send_signal(sig)
             self.proc.wait(10)
         self.proc = None
+
+    def restart_empty(self) -> None:
+        """Crash, lose every key (its append-only files are deleted) and start again, same port."""
+        self.kill()
+        shutil.rmtree(self.dir)
+        self.dir.mkdir()
+        self.start()
 
     def cli(self, *args: str) -> str:
         exe = shutil.which("redis-cli")

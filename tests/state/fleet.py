@@ -38,8 +38,11 @@ async def post(
     return status, orjson.loads(body) if body else {}
 
 
-async def api(http: aiohttp.ClientSession, method: str, url: str, body: Any = None) -> tuple[int, Any]:
-    async with http.request(method, url, json=body) as resp:
+async def api(
+    http: aiohttp.ClientSession, method: str, url: str, body: Any = None, *, token: str | None = None
+) -> tuple[int, Any]:
+    headers = {} if token is None else {"Authorization": "Bearer " + token}
+    async with http.request(method, url, json=body, headers=headers) as resp:
         return resp.status, await resp.json()
 
 

@@ -10,7 +10,7 @@ import sys
 import time
 
 from tests.state.fleet import api, finishes, metric, post
-from tests.waiting import wait_for
+from tests.waiting import eventually, wait_for
 
 
 async def test_an_id_with_a_space_closes_only_itself_on_every_replica(upstream, replicas, http):
@@ -59,6 +59,56 @@ async def test_a_closed_session_ends_after_its_last_request_even_when_its_id_is_
     await asyncio.sleep(0.6)
     (finish,) = finishes(upstream, "t1")
     assert finish.at >= slow_ended - 0.01  # (both time.monotonic())
+
+
+TEAM = "team-a-token-0123456789"
+
+
+async def test_a_store_that_lost_its_data_gets_back_the_api_sessions_replicas_hold(
+    upstream, replicas, http, redis_server, tmp_path
+):
+    # B learned the API session from its first request; the store then restarts empty. B's
+    # republish must bring it back as the API session it was: its owner reads, lists and closes
+    # it on A, and the count of active API sessions (the limit: one here) holds it again.
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"tokens": [{"token": TEAM, "workspace": "team-a"}]}))
+    a, b = await replicas(
+        2,
+        upstream=upstream.url,
+        mode="vllm_router",
+        admin_tokens_file=str(tokens),
+        sessions={"api": {"max_sessions": 1}},
+    )
+    sessions = a.admin_url + "/v1/sessions"
+    body = {"deployment": "default", "session_id": "team-a:j1", "ttl_seconds": 120}
+    status, created = await api(http, "POST", sessions, body, token=TEAM)
+    assert status == 201
+    assert (await post(http, b, "team-a:j1"))[0] == 200
+    key = replicas.prefix + "s:team-a:j1"
+    await wait_for(lambda: redis_server.cli("HGET", key, "n").strip() == "1")  # B wrote its turn
+    redis_server.restart_empty()
+    await wait_for(lambda: redis_server.cli("EXISTS", key).strip() == "1", timeout=10)
+    # (A meets the restart on its own calls: until its breaker closed again it answers 503
+    # store_unavailable, which a client retries)
+    status, seen = await eventually(
+        lambda: api(http, "GET", sessions + "/team-a:j1", token=TEAM), lambda got: got[0] != 503, timeout=10
+    )
+    assert status == 200, seen
+    assert (seen["origin"], seen["status"], seen["workspace"]) == ("api", "active", "team-a")
+    assert (seen["ttl_seconds"], seen["created_at"]) == (120, created["created_at"])
+    status, listed = await api(http, "GET", sessions, token=TEAM)
+    assert status == 200 and [s["id"] for s in listed["data"]] == ["team-a:j1"]
+    status, refused = await api(http, "POST", sessions, {"deployment": "default"}, token=TEAM)
+    assert status == 429 and refused["error"]["type"] == "session_limit_reached"
+    status, closed = await api(http, "POST", sessions + "/team-a:j1/close", token=TEAM)
+    assert status == 200 and closed["status"] == "closed"
+    for sc in (a, b):  # (B hears of the close by event)
+        await eventually(lambda sc=sc: post(http, sc, "team-a:j1"), lambda got: got[0] == 410, timeout=2)
+    # the count is exact again, and a new session is listed after the one brought back
+    status, _ = await api(http, "POST", sessions, {"deployment": "default", "session_id": "team-a:a2"}, token=TEAM)
+    assert status == 201
+    status, listed = await api(http, "GET", sessions, token=TEAM)
+    assert [s["id"] for s in listed["data"]] == ["team-a:j1", "team-a:a2"]
 
 
 def _limited_user(redis_server) -> str:
