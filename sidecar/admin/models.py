@@ -165,6 +165,10 @@ class TreeNode(_Answer):
     affinity: Affinity
     children: list[TreeNode] = Field(description="oldest first; cut by the view's bounds (see `omitted`)")
     omitted: int = _absent_unless("present when the view cut sessions below this node: how many are not shown", ge=0)
+    truncated: bool = _absent_unless(
+        "shared session store only; present (true) when this node has more children than a view reads "
+        "(1,000): the children shown are chosen among those read"
+    )
 
 
 # -- errors, health, readiness ---------------------------------------------------------------

@@ -230,7 +230,8 @@ def build_openapi(config: Config, *, authenticated: bool) -> dict[str, Any]:
                 "summary": "The lineage tree a session belongs to",
                 "description": "The tree from its root, whichever of its sessions is named. At most "
                 f"{MAX_NODES} sessions are shown, nested at most {MAX_DEPTH} levels below the "
-                "root; a node whose descendants were cut carries `omitted`. The tree may "
+                "root; a node whose descendants were cut carries `omitted`, one whose children "
+                "were read only in part (more than 1,000, shared store) `truncated`. The tree may "
                 "change while the view is built: it is then a slightly inconsistent snapshot.",
                 "security": secured,
                 "parameters": [

@@ -19,7 +19,8 @@ How it keeps the request path free of round trips:
   for exactly one caller, who runs the end-of-session actions. Idle expiry and the live-session
   cap are swept in the store by whichever replica's sweep claims them first.
 - **Faults**: a failed or slow store call opens a circuit breaker: the request that met it waited
-  at most ``timeout_ms``, later ones do not wait at all and go on with local state. The breaker
+  at most ``timeout_ms``, later ones do not wait at all and go on with local state (the admin
+  listener's reads answer their caller's failure alone: they never open it). The breaker
   probes with PING (1 s, doubling to 30 s); once the store answers, pending writes go out and every
   live session held here is republished (it fills records the store lost, never overwrites). The
   dirty table is bounded; what an overflow drops is counted.
@@ -60,6 +61,7 @@ LEASE_SECONDS = 10  # a replica's holders count while its lease lives (refreshed
 BREAKER_MIN, BREAKER_MAX = 1.0, 30.0
 MAX_DIRTY = 200_000  # sessions with unwritten changes; beyond it the oldest are dropped (counted)
 REPUBLISH_BATCH = 1000
+MAX_CHILDREN_READ = 1000  # child ids a view reads of one session (a children set may hold millions)
 KEY_GRACE_SECONDS = 60
 
 
@@ -731,25 +733,49 @@ class RedisState(SessionState):
             self._failed("create", exc)
             raise StoreUnavailable("the shared session store is unavailable") from exc
 
-    async def fetch(self, sessions: Sequence[str]) -> dict[str, Record | None]:
-        """Records of these ids, as the store holds them now (views, the sessions API)."""
+    # The reads below serve the admin listener (views, the sessions API): a failure or timeout
+    # of one raises StoreUnavailable but leaves the breaker as it is, so that no admin call takes
+    # this replica's request path off the store. The request path meets a store that is really
+    # down on its own calls.
+
+    async def fetch(self, sessions: Sequence[str], *, breaker: bool = False) -> dict[str, Record | None]:
+        """Records of these ids, as the store holds them now (views, the sessions API).
+        ``breaker``: a failure opens the breaker (a read of this replica's own, not an admin's)."""
         if not sessions:
             return {}
         if self.up:
             await self._flush_now()
         rows = await self._read(
-            "read", lambda pipe: [pipe.hgetall(self.prefix + "s:" + s) for s in sessions], len(sessions)
+            "read",
+            lambda pipe: [pipe.hgetall(self.prefix + "s:" + s) for s in sessions],
+            len(sessions),
+            breaker=breaker,
         )
         return {sid: decode(sid, row) for sid, row in zip(sessions, rows, strict=True)}
 
-    async def children(self, sessions: Sequence[str]) -> dict[str, list[str]]:
-        """The child ids the store records under each of these sessions (one round trip)."""
+    async def children(self, sessions: Sequence[str], limit: int) -> dict[str, tuple[list[str], int]]:
+        """For each of these sessions: at most ``limit`` (and MAX_CHILDREN_READ) of the child ids
+        the store records under it, sorted, and how many it records. One round trip that costs
+        the same however large a children set grew (SCARD, SSCAN with a COUNT); ``limit`` 0
+        reads the counts only."""
         if not sessions:
             return {}
-        rows = await self._read(
-            "read", lambda pipe: [pipe.smembers(self.prefix + "k:" + s) for s in sessions], len(sessions)
-        )
-        return {sid: sorted(row) for sid, row in zip(sessions, rows, strict=True)}
+        limit = min(limit, MAX_CHILDREN_READ)
+        per = 2 if limit > 0 else 1
+
+        def queue(pipe: Any) -> None:
+            for sid in sessions:
+                pipe.scard(self.prefix + "k:" + sid)
+                if limit > 0:
+                    pipe.sscan(self.prefix + "k:" + sid, 0, count=limit)
+
+        rows = await self._read("read", queue, per * len(sessions))
+        out: dict[str, tuple[list[str], int]] = {}
+        for n, sid in enumerate(sessions):
+            # (COUNT is a hint: a scan step may return a few more, or an id twice)
+            ids = sorted(set(rows[per * n + 1][1]))[:limit] if limit > 0 else []
+            out[sid] = (ids, int(rows[per * n]))
+        return out
 
     async def recent(self, count: int) -> list[str]:
         """Ids of the live sessions that stay live the longest (the most recently active)."""
@@ -769,8 +795,9 @@ class RedisState(SessionState):
         records = await self.fetch(list(ids))
         return [r for r in records.values() if r is not None]
 
-    async def _read(self, op: str, queue: Any, commands: int) -> list[Any]:
-        """One pipelined read (``queue(pipe)`` adds the commands); raises StoreUnavailable."""
+    async def _read(self, op: str, queue: Any, commands: int, *, breaker: bool = False) -> list[Any]:
+        """One pipelined read (``queue(pipe)`` adds the commands); raises StoreUnavailable, and
+        opens the breaker only when ``breaker`` is set."""
         if not await self._probe():
             raise StoreUnavailable("the shared session store is unavailable")
         assert self.client is not None
@@ -779,7 +806,8 @@ class RedisState(SessionState):
                 queue(pipe)
                 return list(await self._timed(op, pipe.execute(), commands=commands))
         except (RedisError, OSError, TimeoutError) as exc:
-            self._failed(op, exc)
+            if breaker:
+                self._failed(op, exc)
             raise StoreUnavailable("the shared session store is unavailable") from exc
 
     async def _flush_now(self) -> None:
@@ -861,7 +889,7 @@ class RedisState(SessionState):
         """After a gap in the events: ask the store about every session held here."""
         held = self.tree.held_sessions()
         for i in range(0, len(held), REPUBLISH_BATCH):
-            records = await self.fetch(held[i : i + REPUBLISH_BATCH])
+            records = await self.fetch(held[i : i + REPUBLISH_BATCH], breaker=True)
             for sid, rec in records.items():
                 if rec is None:
                     self._republish.append(sid)

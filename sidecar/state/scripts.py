@@ -7,7 +7,8 @@ Keys (``P`` is the configured ``key_prefix``; every key carries a TTL):
   fields ``h:<replica>`` = that replica's requests in flight.
 - ``P live``: sorted set of sessions not yet ended, scored by the time (ms) they end unless
   something happens: the idle deadline, or the end of a close's settle window.
-- ``P k:<id>``: the ids of a session's children (for the tree views).
+- ``P k:<id>``: the ids of a session's children, ended ones included (for the tree views, which
+  read a bounded part of it).
 - ``P api``: sorted set of API-created sessions by creation sequence (``P seq``); ``P apin``
   counts the active ones.
 - ``P rep:<replica>``: a replica's lease; holder fields of a replica whose lease expired are

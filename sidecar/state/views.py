@@ -5,8 +5,12 @@ replica shows the whole fleet's trees, turns counted across replicas: the same n
 A tree is read level by level from the root (two pipelined round trips per level: children ids,
 then their records), cut at ``max_depth`` levels and ``max_nodes`` nodes. A cut node carries
 ``omitted``: here the number of its children not shown (their own descendants are not counted:
-the store is not walked past the cut). Each replica's last writes are included (the store is
-flushed first); other replicas' last ``flush_interval_ms`` of writes may be missing.
+the store is not walked past the cut). Of a node's children at most ``MAX_CHILDREN_READ`` ids are
+read (a children set can grow to millions): a node with more carries ``truncated`` (true), its
+shown children are chosen among those read. Each replica's last writes are included (the store
+is flushed first); other replicas' last ``flush_interval_ms`` of writes may be missing.
+
+A store failure or timeout raises StoreUnavailable and leaves the request path's breaker alone.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 from sidecar.sessions import rfc3339
 from sidecar.state.records import Record
-from sidecar.state.redis import RedisState
+from sidecar.state.redis import MAX_CHILDREN_READ, RedisState
 
 
 def node_dict(rec: Record, root: str) -> dict[str, Any]:
@@ -88,12 +92,16 @@ async def tree_view(
     budget = max_nodes - 1
     depth = 0
     while level:
-        kids = await state.children([sid for sid, _ in level])
-        ids = [kid for sid, _ in level for kid in kids.get(sid, ())]
-        records = await state.fetch(ids[: max(budget, 0)]) if depth < max_depth and budget > 0 else {}
+        showing = depth < max_depth and budget > 0
+        kids = await state.children([sid for sid, _ in level], budget if showing else 0)
+        ids = [kid for sid, _ in level for kid in kids[sid][0]]
+        records = await state.fetch(ids[:budget]) if showing else {}
         next_level = []
         for sid, d in level:
-            shown = [r for k in kids.get(sid, ()) if (r := records.get(k)) is not None]
+            listed, total = kids[sid]
+            if showing and total > MAX_CHILDREN_READ:
+                d["truncated"] = True
+            shown = [r for k in listed if (r := records.get(k)) is not None]
             shown.sort(key=lambda r: (r.created, r.id))
             for rec in shown:
                 if budget <= 0 or depth >= max_depth:
@@ -104,9 +112,8 @@ async def tree_view(
                 _count(counts, rec)
                 next_level.append((rec.id, child))
                 budget -= 1
-            listed = kids.get(sid, ())
             gone = sum(1 for k in listed if k in records and records[k] is None)  # records expired
-            cut = len(listed) - gone - len(d["children"])
+            cut = total - gone - len(d["children"])
             if cut > 0:
                 d["omitted"] = cut
                 counts["omitted"] += cut
@@ -149,7 +156,7 @@ async def ui_snapshot(state: RedisState, *, limit: int, max_nodes: int, max_dept
             continue
         tree, counts = built
         _unix_times(tree)
-        budget -= counts["sessions"] - counts["omitted"]
+        budget -= counts["sessions"]  # (the sessions shown: a tree's cut ones are not counted)
         trees.append(
             {
                 "root": root,

@@ -111,6 +111,56 @@ async def test_a_store_that_lost_its_data_gets_back_the_api_sessions_replicas_ho
     assert [s["id"] for s in listed["data"]] == ["team-a:j1", "team-a:a2"]
 
 
+async def test_a_view_of_a_huge_tree_is_bounded_and_leaves_the_replica_on_the_store(
+    upstream, replicas, http, redis_server
+):
+    # A parent with a flood of children (here: a few through traffic, the rest added to its
+    # children set directly). The view reads a bounded part and says so; it never takes the
+    # replica that serves it off the store: the next new session is shared as usual.
+    import redis
+
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
+    assert (await post(http, a, "ROOT"))[0] == 200
+    for i in range(3):
+        assert (await post(http, a, f"kid-{i}", parent="ROOT"))[0] == 200
+    kids = replicas.prefix + "k:ROOT"
+    await wait_for(lambda: redis_server.cli("SCARD", kids).strip() == "3")
+
+    def flood() -> None:  # (off the event loop: the replicas run on it)
+        with redis.Redis(port=redis_server.port) as client:
+            for start in range(0, 1_000_000, 20_000):
+                client.sadd(kids, *(f"flood-{i}" for i in range(start, start + 20_000)))
+
+    await asyncio.to_thread(flood)
+    assert metric(b, "sidecar_state_store_up") == 1
+    started = time.monotonic()
+    status, tree = await api(http, "GET", b.admin_url + "/v1/trees/kid-1")
+    elapsed = time.monotonic() - started
+    assert status == 200, tree
+    assert tree["session"] == "ROOT" and tree["truncated"] is True and tree["omitted"] > 990_000
+    assert elapsed < 1.0  # a few bounded round trips
+    assert metric(b, "sidecar_state_store_up") == 1
+    assert metric(b, "sidecar_state_ops_total", {"op": "read", "outcome": "error"}) == 0
+    assert (await post(http, b, "after-view"))[0] == 200
+    await wait_for(lambda: redis_server.cli("EXISTS", replicas.prefix + "s:after-view").strip() == "1", timeout=2)
+
+
+async def test_a_view_whose_store_read_fails_answers_503_and_leaves_the_replica_on_the_store(
+    upstream, replicas, http, redis_server
+):
+    # The store refuses the view's read (here: a children key of the wrong type). The view
+    # answers 503 store_unavailable; the request path's breaker stays closed.
+    (a,) = await replicas(1, upstream=upstream.url, mode="vllm_router")
+    assert (await post(http, a, "R"))[0] == 200
+    await wait_for(lambda: redis_server.cli("EXISTS", replicas.prefix + "s:R").strip() == "1")
+    redis_server.cli("SET", replicas.prefix + "k:R", "not-a-set")
+    status, body = await api(http, "GET", a.admin_url + "/v1/trees/R")
+    assert status == 503 and body["error"]["type"] == "store_unavailable"
+    assert metric(a, "sidecar_state_store_up") == 1
+    assert (await post(http, a, "after-failed-view"))[0] == 200
+    await wait_for(lambda: redis_server.cli("EXISTS", replicas.prefix + "s:after-failed-view").strip() == "1")
+
+
 def _limited_user(redis_server) -> str:
     """A store user that may connect and PING but not run scripts: the URL to use it."""
     redis_server.cli("ACL", "SETUSER", "limited", "on", ">pw", "~*", "&*", "+@all", "-evalsha", "-eval", "-script")
