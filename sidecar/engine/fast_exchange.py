@@ -821,6 +821,15 @@ class Exchange(UpstreamRequest):
         if headers is None:
             return
         self.resp_head = None
+        conn = self.conn
+        if conn is not None and conn.relay is not None and self.idle_timeout:
+            # the body streams on: the watchdog looks for its reads from the head on (armed for
+            # the first byte, its first look could come a whole idle timeout late, and a silence
+            # be noticed only after twice the timeout)
+            due = self.head_at + self.idle_timeout / _IDLE_CHECKS
+            client = self.client
+            if due < client.timer_due:
+                client.watch(due, perf_counter())
         shared = self.shared
         decision = self.decision
         assert decision is not None

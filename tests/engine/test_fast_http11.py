@@ -900,6 +900,38 @@ async def test_upstream_idle_mid_response_aborts_the_client(raw_upstream, start_
     assert 1 in up.closed_at
 
 
+async def stall_after(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Promise 100 bytes, send 10 at once and 10 more 0.1 s later, go silent."""
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n0123456789")
+    await writer.drain()
+    await asyncio.sleep(0.1)
+    writer.write(b"abcdefghij")
+    await writer.drain()
+    await reader.read()
+    return False
+
+
+@FAST
+async def test_a_stalled_response_is_cut_within_a_quarter_more_than_the_idle_timeout(raw_upstream, start_sidecar):
+    # The watchdog looks for reads every quarter of the idle timeout from the head on; its first
+    # look came at the first-byte deadline before, so a silence was cut up to twice the timeout late.
+    up = await raw_upstream({"/stall": stall_after})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, timeouts={"idle": 0.8})
+    reader, writer = await connect(sc)
+    writer.write(b"GET /stall HTTP/1.1\r\nHost: x\r\n\r\n")
+    await reader.readuntil(b"\r\n\r\n")
+    got, last_at = b"", time.monotonic()
+    try:
+        while chunk := await asyncio.wait_for(reader.read(100), 5):
+            got, last_at = got + chunk, time.monotonic()
+    except ConnectionResetError:
+        pass
+    cut_after = time.monotonic() - last_at
+    writer.close()
+    assert got == b"0123456789abcdefghij"
+    assert 0.8 - 0.05 <= cut_after <= 1.25 * 0.8 + 0.15, cut_after
+
+
 @FAST
 async def test_idle_keepalive_client_connection_is_closed(raw_upstream, start_sidecar, monkeypatch):
     monkeypatch.setattr(fast_connection, "KEEPALIVE_TIMEOUT", 0.3)
