@@ -71,6 +71,7 @@ cdef extern from "llhttp.h":
         llhttp_data_cb on_header_value
         llhttp_data_cb on_protocol
         llhttp_cb on_protocol_complete
+        llhttp_data_cb on_status
         llhttp_cb on_headers_complete
         llhttp_data_cb on_body
         llhttp_cb on_message_complete
@@ -442,6 +443,18 @@ cdef int _on_protocol_complete(llhttp_t* p) noexcept:
     return 0
 
 
+cdef int _on_status(llhttp_t* p, const char* at, size_t length) noexcept:
+    """A piece of a response's reason phrase: HTAB, SP, visible ASCII or obs-text (RFC 9112 4),
+    as it is relayed to the client in one piece (llhttp lets other control bytes through)."""
+    cdef size_t i
+    cdef unsigned char c
+    for i in range(length):
+        c = <unsigned char>at[i]
+        if (c < 32 and c != 9) or c == 127:
+            return _fail(_parser(p), ParseError("invalid reason phrase"))
+    return 0
+
+
 cdef int _on_headers_complete(llhttp_t* p) noexcept:
     cdef _Llhttp self = _parser(p)
     cdef int skip
@@ -489,4 +502,5 @@ _REQUEST_SETTINGS.on_message_complete = _on_message_complete
 llhttp_settings_init(&_RESPONSE_SETTINGS)
 _RESPONSE_SETTINGS.on_protocol = _on_protocol
 _RESPONSE_SETTINGS.on_protocol_complete = _on_protocol_complete
+_RESPONSE_SETTINGS.on_status = _on_status
 _RESPONSE_SETTINGS.on_headers_complete = _on_headers_complete

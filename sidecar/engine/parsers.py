@@ -46,6 +46,7 @@ one); the parser is then unusable.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import httptools
@@ -56,6 +57,7 @@ __all__ = ["CallbackError", "HeadTooLarge", "ParseError", "RequestParser", "Resp
 
 
 _CONTENT_LENGTH = b"content-length"
+_REASON_REFUSED = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class HttptoolsParser:
@@ -179,6 +181,11 @@ class HttptoolsResponseParser:
 
     def on_message_begin(self) -> None:
         self.length = -1
+
+    def on_status(self, reason: bytes) -> None:
+        # relayed to the client as it is: HTAB, SP, visible ASCII or obs-text only (RFC 9112 4)
+        if _REASON_REFUSED.search(reason) is not None:
+            raise ParseError("invalid reason phrase")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) == 14 and name.lower() == _CONTENT_LENGTH:

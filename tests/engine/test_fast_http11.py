@@ -517,6 +517,17 @@ async def test_a_status_below_100_is_a_502_and_its_bytes_never_reach_a_client(st
 
 
 @FAST
+@pytest.mark.parametrize("reason", [b"O\x00K", b"OK\x1b[2J", b"O\x0bK", b"OK\x7f"])
+async def test_a_reason_phrase_with_control_bytes_is_a_502_never_relayed(reason, raw_upstream, start_sidecar):
+    # The status line is relayed as it came: a NUL or an escape sequence in it would reach clients.
+    up = await raw_upstream({"/r": reply(b"HTTP/1.1 200 " + reason + b"\r\nContent-Length: 2\r\n\r\nok")})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    [resp], _ = await exchange(port(sc), b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert resp.status == 502 and orjson.loads(resp.body)["error"]["type"] == "upstream_protocol_error"
+    assert reason not in resp.body
+
+
+@FAST
 async def test_interim_responses_without_end_hold_no_memory(raw_upstream, start_sidecar):
     # 8 MiB of 103 heads, then the final response: relayed, and the interim bytes were dropped as
     # each head completed (not kept until the final one; the head cap bounds one head only).
