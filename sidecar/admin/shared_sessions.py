@@ -10,7 +10,6 @@ proxy itself goes on serving on local state).
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any
 
@@ -119,7 +118,7 @@ async def create(
     sid = session or str(uuid.uuid4())
     if ttl is None:
         ttl = api_cfg.default_ttl_seconds
-    now = time.time()
+    now = state.wall()
     try:
         seq = await state.create_api(
             session=sid, deployment=deployment, workspace=who.workspace, parent=parent, ttl=ttl, now=now

@@ -56,6 +56,7 @@ from sidecar.state.records import Record, decode, ms
 log = logging.getLogger("sidecar.state")
 
 LAZY_SECONDS = 1.0  # turn counts and activity
+CLOCK_SYNC_SECONDS = 10.0  # how often the store's clock is read again (see RedisState.wall)
 SWEEP_BATCH = 500
 LEASE_SECONDS = 10  # a replica's holders count while its lease lives (refreshed every lazy flush)
 BREAKER_MIN, BREAKER_MAX = 1.0, 30.0
@@ -121,6 +122,11 @@ class RedisState(SessionState):
         self.tree = tree
         self.api = api
         self.clock = clock
+        # The store's clock minus this replica's (seconds), measured with TIME at start and then
+        # every CLOCK_SYNC_SECONDS: every time written to or compared in the store is the
+        # store's (:meth:`wall`), so replicas whose clocks disagree agree on deadlines.
+        self._offset = 0.0
+        self._next_sync = 0.0
         self.replica = uuid.uuid4().hex[:12]
         self.client: aioredis.Redis | None = None
         self.up = False
@@ -263,10 +269,25 @@ class RedisState(SessionState):
         return True
 
     async def _check(self) -> None:
-        """One round trip that proves the store usable, not only reachable: a script that
-        reads one key and writes nothing (a user the store's ACL lets PING but not run scripts
-        would otherwise pass, then fail every write)."""
+        """Prove the store usable, not only reachable: a script that reads one key and writes
+        nothing (a user the store's ACL lets PING but not run scripts would otherwise pass, then
+        fail every write); then read its clock."""
         await self._scripts("ping", [(self._close_script, [self.prefix, "", 0, str(EndReason.API_CLOSED), 0])])
+        await self._sync_clock()
+
+    def wall(self) -> float:
+        """Now on the store's clock (Unix seconds): what this replica writes and compares there."""
+        return self.clock() + self._offset
+
+    async def _sync_clock(self) -> None:
+        """Measure the store's clock against this replica's (to within half a round trip)."""
+        assert self.client is not None
+        t0 = self.clock()
+        seconds, micros = await self._timed("ping", self.client.time(), commands=1)
+        t1 = self.clock()
+        self._offset = seconds + micros / 1e6 - (t0 + t1) / 2
+        assert self._loop is not None
+        self._next_sync = self._loop.time() + CLOCK_SYNC_SECONDS
 
     async def _timed(self, op: str, awaitable: Any, *, commands: int) -> Any:
         """Await one store round trip within the timeout, counted by outcome."""
@@ -337,7 +358,7 @@ class RedisState(SessionState):
 
     def _seed(self, rec: Record) -> None:
         tree = self.tree
-        offset = tree.now() - self.clock()  # store times are wall-clock, the tree's are its own
+        offset = tree.now() - self.wall()  # store times are the store's clock, the tree's are its own
         tree.seed(
             rec.id,
             rec.above,
@@ -442,6 +463,8 @@ class RedisState(SessionState):
             if lazy:
                 self._next_lazy = now + LAZY_SECONDS
             try:
+                if now >= self._next_sync:
+                    await self._sync_clock()
                 await self._flush(everything=lazy, checks=due)
                 if lazy:
                     await self._sweep()
@@ -469,7 +492,7 @@ class RedisState(SessionState):
             republish = self._republish[:REPUBLISH_BATCH]
             del self._republish[:REPUBLISH_BATCH]
             args += self._republish_ops(republish)
-            now_ms = ms(self.clock())
+            now_ms = ms(self.wall())
             checked = [*ending, *(c for c in checks if c not in ending)]
             calls: list[tuple[Any, list[Any]]] = [
                 (
@@ -555,7 +578,7 @@ class RedisState(SessionState):
         urgent write carries only what the fleet must see at once (its holders and mode state),
         the lazy one everything (turns, activity, final seen, worker history)."""
         tree_now = self.tree.now()
-        wall = self.clock()
+        wall = self.wall()
         out: list[Any] = []
         for sid in sids:
             entry = self._dirty.get(sid)
@@ -615,7 +638,7 @@ class RedisState(SessionState):
         goes out as the API session it is (its fields, creation time), so the store lists and
         counts it again."""
         tree_now = self.tree.now()
-        wall = self.clock()
+        wall = self.wall()
         out: list[Any] = []
         for sid in sids:
             facts = self.tree.facts_of(sid)
@@ -676,7 +699,7 @@ class RedisState(SessionState):
         rec = self.api.get(sid)
         if rec is not None and rec.status is SessionStatus.ACTIVE:
             expired = reason == EndReason.IDLE_EXPIRED
-            self.api.mark_ended(sid, SessionStatus.EXPIRED if expired else SessionStatus.CLOSED, self.clock())
+            self.api.mark_ended(sid, SessionStatus.EXPIRED if expired else SessionStatus.CLOSED, self.wall())
         self.tree.close(sid, EndReason(reason) if reason in _REASONS else EndReason.API_CLOSED)
         self._dirty.pop(sid, None)
         self._urgent.discard(sid)
@@ -691,7 +714,7 @@ class RedisState(SessionState):
             return int(
                 await self._timed(
                     "close",
-                    self._close_script(args=[self.prefix, session, ms(self.clock()), reason, self.settle_ms]),
+                    self._close_script(args=[self.prefix, session, ms(self.wall()), reason, self.settle_ms]),
                     commands=1,
                 )
             )
@@ -828,7 +851,7 @@ class RedisState(SessionState):
                 self._sweep_script(
                     args=[
                         self.prefix,
-                        ms(self.clock()),
+                        ms(self.wall()),
                         SWEEP_BATCH,
                         self.cap,
                         self.tomb_ttl,

@@ -15,7 +15,6 @@ A store failure or timeout raises StoreUnavailable and leaves the request path's
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from sidecar.sessions import rfc3339
@@ -170,9 +169,10 @@ async def ui_snapshot(state: RedisState, *, limit: int, max_nodes: int, max_dept
             }
         )
     live = await state.live_count()
+    now = state.wall()  # (the sessions' times are the store's clock)
     return {
-        "now": time.time(),
-        "generated_at": time.time(),
+        "now": now,
+        "generated_at": now,
         "live_sessions": live,
         "live_trees": None,
         "limit": limit,

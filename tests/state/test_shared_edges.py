@@ -214,3 +214,21 @@ async def test_a_store_user_without_script_rights_leaves_the_replica_on_local_st
         await asyncio.sleep(0.2)
         assert metric(a, "sidecar_state_store_up") == 0
     assert metric(a, "sidecar_state_ops_total", {"op": "flush", "outcome": "error"}) == 0
+
+
+async def test_replicas_whose_clocks_disagree_agree_on_idle_deadlines(upstream, replicas, http):
+    # Deadlines are written and compared in the store: on one clock, the store's. B's clock runs
+    # 120 s ahead; read against it, a session active on A every half second looked long idle,
+    # and B's sweep ended it (finish_session) while it was in use.
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router", sessions={"idle_ttl_seconds": 2})
+    b.state.clock = lambda: time.time() + 120
+    await b.state._sync_clock()
+    assert abs(b.state.wall() - time.time()) < 0.5  # B writes the store's time (its server runs here)
+    for _ in range(10):
+        assert (await post(http, a, "busy"))[0] == 200
+        await asyncio.sleep(0.5)
+    assert finishes(upstream, "busy") == []
+    # idle for real: it expires, once, whichever replica's sweep claims it
+    await wait_for(lambda: len(finishes(upstream, "busy")) == 1, timeout=8)
+    await asyncio.sleep(1.2)
+    assert len(finishes(upstream, "busy")) == 1
