@@ -21,9 +21,11 @@ How it keeps the request path free of round trips:
 - **Faults**: a failed or slow store call opens a circuit breaker: the request that met it waited
   at most ``timeout_ms``, later ones do not wait at all and go on with local state (the admin
   listener's reads answer their caller's failure alone: they never open it). The breaker
-  probes with PING (1 s, doubling to 30 s); once the store answers, pending writes go out and every
-  live session held here is republished (it fills records the store lost, never overwrites). The
-  dirty table is bounded; what an overflow drops is counted.
+  probes with a read-only script and TIME (1 s, doubling to 30 s): a store must be usable, not
+  only reachable, and its clock is the fleet's (:meth:`RedisState.wall`). Once the store
+  answers, pending writes go out and every live session held here is republished (it fills
+  records the store lost, never overwrites). The dirty table is bounded; what an overflow drops
+  is counted.
 """
 
 from __future__ import annotations
