@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from typing import Any
 
 from tests.state.fleet import api, finishes, metric, post
 from tests.waiting import eventually, wait_for
@@ -88,26 +89,28 @@ async def test_a_store_that_lost_its_data_gets_back_the_api_sessions_replicas_ho
     await wait_for(lambda: redis_server.cli("HGET", key, "n").strip() == "1")  # B wrote its turn
     redis_server.restart_empty()
     await wait_for(lambda: redis_server.cli("EXISTS", key).strip() == "1", timeout=10)
-    # (A meets the restart on its own calls: until its breaker closed again it answers 503
-    # store_unavailable, which a client retries)
-    status, seen = await eventually(
-        lambda: api(http, "GET", sessions + "/team-a:j1", token=TEAM), lambda got: got[0] != 503, timeout=10
-    )
+    # (each replica meets the restart on its own calls, when they come; until its breaker closed
+    # again, its writes answer 503 store_unavailable, which a client retries: so does this test)
+
+    async def served(method: str, url: str, body: Any = None) -> tuple[int, Any]:
+        return await eventually(lambda: api(http, method, url, body, token=TEAM), lambda got: got[0] != 503, timeout=10)
+
+    status, seen = await served("GET", sessions + "/team-a:j1")
     assert status == 200, seen
     assert (seen["origin"], seen["status"], seen["workspace"]) == ("api", "active", "team-a")
     assert (seen["ttl_seconds"], seen["created_at"]) == (120, created["created_at"])
-    status, listed = await api(http, "GET", sessions, token=TEAM)
+    status, listed = await served("GET", sessions)
     assert status == 200 and [s["id"] for s in listed["data"]] == ["team-a:j1"]
-    status, refused = await api(http, "POST", sessions, {"deployment": "default"}, token=TEAM)
+    status, refused = await served("POST", sessions, {"deployment": "default"})
     assert status == 429 and refused["error"]["type"] == "session_limit_reached"
-    status, closed = await api(http, "POST", sessions + "/team-a:j1/close", token=TEAM)
+    status, closed = await served("POST", sessions + "/team-a:j1/close")
     assert status == 200 and closed["status"] == "closed"
     for sc in (a, b):  # (B hears of the close by event)
         await eventually(lambda sc=sc: post(http, sc, "team-a:j1"), lambda got: got[0] == 410, timeout=2)
     # the count is exact again, and a new session is listed after the one brought back
-    status, _ = await api(http, "POST", sessions, {"deployment": "default", "session_id": "team-a:a2"}, token=TEAM)
+    status, _ = await served("POST", sessions, {"deployment": "default", "session_id": "team-a:a2"})
     assert status == 201
-    status, listed = await api(http, "GET", sessions, token=TEAM)
+    status, listed = await served("GET", sessions)
     assert [s["id"] for s in listed["data"]] == ["team-a:j1", "team-a:a2"]
 
 
