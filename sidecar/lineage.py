@@ -41,9 +41,9 @@ Above the cap the least recently active idle session is evicted; sessions with r
 flight are never evicted, so when everything is in flight the cap is exceeded until requests
 finish. Evicting a session with children frees nothing (it stays as their ancestor), so while
 such ancestors fill half the cap a new session's parent is ignored (:meth:`SessionTree._crowded`):
-a chain of parents cannot grow the tree past the cap. Ended ids are tombstoned, bounded by ``tombstone_max`` (oldest dropped first) and by
-``tombstone_ttl`` (pruned by :meth:`SessionTree.expire`); a request on a tombstoned id starts a
-new session.
+a chain of parents cannot grow the tree past the cap. Ended ids are tombstoned, bounded by
+``tombstone_max`` (oldest dropped first) and by ``tombstone_ttl`` (pruned by
+:meth:`SessionTree.expire`); a request on a tombstoned id starts a new session.
 """
 
 from __future__ import annotations
