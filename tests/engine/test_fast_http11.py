@@ -802,19 +802,26 @@ async def test_pipelined_requests_past_the_bound_are_refused_and_the_connection_
     assert len(up.received) == fast_connection.MAX_PIPELINED
 
 
-@FAST
-async def test_requests_abandoned_while_waiting_for_a_connection_leave_the_queue_at_once(raw_upstream, start_sidecar):
-    # The pool is full (one connection, held by /hang): each request waits in its queue with its
-    # head and body. A client that leaves must take its request out of the queue now, not when a
-    # connection frees up: a long queue of abandoned requests would otherwise hold their memory.
+async def full_pool(raw_upstream: Any, start_sidecar: Any) -> tuple[Any, Any, Any, asyncio.StreamWriter]:
+    """An upstream (/hang never answers, /q echoes), a sidecar allowed one connection to it, its
+    pool, and the client writer whose /hang request holds that connection: later requests wait."""
     up = await raw_upstream({"/hang": hang, "/q": echo()})
     sc = await start_sidecar(
         upstream=up.url, readiness_check_upstream=False, limits={"max_connections_per_upstream": 1}
     )
     [(pool, _, _)] = sc.engine.shared.upstreams.values()
-    held_reader, held = await connect(sc)
+    _, held = await connect(sc)
     held.write(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
     await asyncio.wait_for(up.arrived.wait(), 5)
+    return up, sc, pool, held
+
+
+@FAST
+async def test_requests_abandoned_while_waiting_for_a_connection_leave_the_queue_at_once(raw_upstream, start_sidecar):
+    # The pool is full (one connection, held by /hang): each request waits in its queue with its
+    # head and body. A client that leaves must take its request out of the queue now, not when a
+    # connection frees up: a long queue of abandoned requests would otherwise hold their memory.
+    up, sc, pool, held = await full_pool(raw_upstream, start_sidecar)
     body = b"x" * 32 * 1024
     clients = []
     for _ in range(20):
@@ -836,14 +843,7 @@ async def test_requests_abandoned_while_waiting_for_a_connection_leave_the_queue
 async def test_a_client_that_leaves_while_its_reading_is_paused_is_seen_gone(paused_by, raw_upstream, start_sidecar):
     # A client whose reading is paused cannot be read to its close: without a look at the
     # socket, its request stayed in flight until a timeout, and a waiting one was still sent.
-    up = await raw_upstream({"/hang": hang, "/q": echo()})
-    sc = await start_sidecar(
-        upstream=up.url, readiness_check_upstream=False, limits={"max_connections_per_upstream": 1}
-    )
-    [(pool, _, _)] = sc.engine.shared.upstreams.values()
-    held_reader, held = await connect(sc)
-    held.write(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
-    await asyncio.wait_for(up.arrived.wait(), 5)
+    up, sc, pool, held = await full_pool(raw_upstream, start_sidecar)
     reader, writer = await connect(sc)
     if paused_by == "a pipelined request":  # behind its own first request, which waits too
         writer.write(b"GET /q HTTP/1.1\r\nHost: x\r\n\r\nGET /q HTTP/1.1\r\nHost: x\r\n\r\n")
