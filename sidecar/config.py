@@ -7,6 +7,7 @@ Precedence is flags > environment > file > defaults. Every error names the setti
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -30,6 +31,8 @@ from pydantic import (
 from sidecar import headers as h
 from sidecar.errors import ConfigError
 from sidecar.validation import check_token, split_names, yaml_error_where, yaml_problem
+
+log = logging.getLogger("sidecar.config")
 
 ENV_PREFIX = "SIDECAR_"
 # Flag / env name -> top-level config key. Env vars are SIDECAR_<NAME>.
@@ -368,11 +371,16 @@ class Config(_Strict):
     # events arrive closer together than this (sidecar.engine.idle_poll). 0 (default): never
     # poll; polling trades CPU for a tenth of a millisecond of latency at low concurrency.
     idle_poll_us: int = Field(0, ge=0, le=10_000)
-    # Fast engine, compiled build: while streamed bodies wake the loop more often than this and
-    # each stream is ten intervals apart or more, read them once per this interval instead
-    # (sidecar.engine._direct_reads): a wakeup costs more than the reads it serves; an event
-    # waits at most this long. 0: never.
-    stream_batch_us: int = Field(1000, ge=0, le=10_000)
+    # Deprecated, no effect: streamed bodies are relayed by the engine's stream thread as they
+    # arrive, without batching. Still accepted (same range) so existing configs start; setting
+    # it logs a warning at start (:func:`log_deprecated`).
+    stream_batch_us: int = Field(
+        1000,
+        ge=0,
+        le=10_000,
+        description="Deprecated, no effect: streamed bodies are relayed by the engine's stream thread without "
+        "batching. Still accepted (a warning at start); will be removed.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     drain_grace_seconds: float = Field(25.0, ge=0)
     # On SIGTERM: /readyz answers 503 at once while the proxy keeps accepting and serving this
@@ -638,6 +646,24 @@ def build_config(
 
         load_tokens(cfg.admin_tokens_file)  # refuse a bad tokens file now, naming the problem
     return cfg
+
+
+# Settings still accepted but without effect: the warning each one logs at start when set.
+DEPRECATED = {
+    "stream_batch_us": (
+        "stream_batch_us (SIDECAR_STREAM_BATCH_US) is deprecated and has no effect: streamed bodies are "
+        "relayed by the engine's stream thread without batching. It will be removed: delete it from the "
+        "configuration"
+    ),
+}
+
+
+def log_deprecated(cfg: Config) -> None:
+    """Log one warning per deprecated setting the configuration gives (file, environment or flag),
+    whatever its value; a setting not given logs nothing."""
+    for name, message in DEPRECATED.items():
+        if name in cfg.model_fields_set:
+            log.warning(message, extra={"setting": name})
 
 
 def _validate_tls(cfg: Config) -> None:

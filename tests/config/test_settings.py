@@ -139,3 +139,49 @@ def test_full_example_documents_exactly_the_defaults():
     full = build_config(env={}, file=ROOT / "config" / "examples" / "full.yaml")
     defaults = build_config(flags={"upstream": full.upstream, "mode": full.mode}, env={})
     assert full.normalized() == defaults.normalized()
+
+
+STREAM_BATCH_DEPRECATED = (
+    "stream_batch_us (SIDECAR_STREAM_BATCH_US) is deprecated and has no effect: streamed bodies are "
+    "relayed by the engine's stream thread without batching. It will be removed: delete it from the "
+    "configuration"
+)
+
+
+def config_warnings(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "sidecar.config"]
+
+
+@pytest.mark.parametrize("where", ["file", "env"])
+def test_stream_batch_us_is_accepted_and_warns_once_that_it_does_nothing(tmp_path, caplog, where):
+    """An existing config or values file that sets it still starts; the operator is told to drop it."""
+    from sidecar.config import log_deprecated
+
+    if where == "file":
+        cfg = build_config(env={}, file=write(tmp_path, f"upstream: {UP}\nstream_batch_us: 2000\n"))
+    else:
+        cfg = build_config(flags={"upstream": UP}, env={"SIDECAR_STREAM_BATCH_US": "0"})
+    with caplog.at_level("WARNING", logger="sidecar.config"):
+        log_deprecated(cfg)
+    assert config_warnings(caplog) == [("WARNING", STREAM_BATCH_DEPRECATED)]
+
+
+def test_stream_batch_us_keeps_its_range():
+    with pytest.raises(ConfigError, match=r"stream_batch_us: Input should be less than or equal to 10000"):
+        build_config(flags={"upstream": UP}, env={"SIDECAR_STREAM_BATCH_US": "10001"})
+
+
+def test_no_deprecation_warning_when_stream_batch_us_is_unset(tmp_path, caplog):
+    from sidecar.config import log_deprecated
+
+    cfg = build_config(env={"SIDECAR_STREAM_BATCH_US": ""}, file=write(tmp_path, f"upstream: {UP}\nidle_poll_us: 0\n"))
+    with caplog.at_level("WARNING", logger="sidecar.config"):
+        log_deprecated(cfg)
+    assert config_warnings(caplog) == []
+
+
+@pytest.mark.parametrize("keys", [{}, {"stream_batch_us": 1000}], ids=["unset", "set"])
+async def test_the_deprecation_warning_is_logged_at_start(start_sidecar, caplog, keys):
+    with caplog.at_level("WARNING", logger="sidecar.config"):
+        await start_sidecar(upstream=UP, readiness_check_upstream=False, **keys)
+    assert config_warnings(caplog) == ([("WARNING", STREAM_BATCH_DEPRECATED)] if keys else [])
