@@ -342,7 +342,6 @@ class Spec:
     baseline_of: str | None = None  # group whose subject is compared with this one (c, e)
     subject_of: str | None = None
     idle_poll_us: int | None = None  # the sidecar's idle_poll_us setting; None: its default
-    stream_batch_us: int | None = None  # the sidecar's stream_batch_us setting; None: its default
     tls: bool = False  # to the upstream's https:// port (case h)
     store: bool = False  # state.url to the case's Redis server (case i); else the memory store
 
@@ -741,8 +740,6 @@ def sidecar_config(spec: Spec, case: Case, args: argparse.Namespace) -> dict[str
         config["limits"] = {"max_connections_per_upstream": max(512, 2 * case.streams)}
     if spec.idle_poll_us is not None:
         config["idle_poll_us"] = spec.idle_poll_us
-    if spec.stream_batch_us is not None:
-        config["stream_batch_us"] = spec.stream_batch_us
     return config
 
 
@@ -1059,7 +1056,6 @@ def sidecar(engine: str) -> str:
 POLL_ON = f"{sidecar('fast')} idle poll on"
 PLAIN = "to http://"  # case h: the contender to the upstream's plain port
 POLL_OFF = f"{sidecar('fast')} idle poll off"
-BATCH_OFF = f"{sidecar('fast')} batching off"  # stream cases: stream_batch_us 0
 STORE_MEMORY = f"{sidecar('fast')} memory"  # case i: state.url memory:// (the default)
 STORE_REDIS = f"{sidecar('fast')} redis"  # case i: state.url redis://
 
@@ -1191,16 +1187,8 @@ def specs_for(case: Case, engines: Sequence[str], prefill_n: int) -> list[Spec]:
         return [*fast, *(Spec(sidecar(e), "sidecar", e) for e in engines if e != "fast"), *peers]
     sidecars = [Spec(sidecar(e), "sidecar", e) for e in engines]
     if case.streams:
-        # The default configuration, and as contenders of their own idle polling explicitly on
-        # and stream read batching off.
-        fast = (
-            [
-                Spec(POLL_ON, "sidecar", "fast", idle_poll_us=IDLE_POLL_ON_US),
-                Spec(BATCH_OFF, "sidecar", "fast", stream_batch_us=0),
-            ]
-            if "fast" in engines
-            else []
-        )
+        # The default configuration, and as a contender of its own idle polling explicitly on.
+        fast = [Spec(POLL_ON, "sidecar", "fast", idle_poll_us=IDLE_POLL_ON_US)] if "fast" in engines else []
         return [Spec("direct", "direct"), *sidecars, *fast, *peers]
     return [*sidecars, *peers]
 
@@ -2064,8 +2052,7 @@ def stream_table(rows: Sequence[StreamRow], args: argparse.Namespace) -> list[st
         f"sent its events more than {LOAD_LATE_MS:g} ms late (p99): the latency figures then measure the load "
         "side too and are not judged. "
         "`direct`: the driver against the upstream, no proxy: the floor of TTFT and jitter. "
-        f"{POLL_ON}: idle_poll_us {IDLE_POLL_ON_US}; {BATCH_OFF}: stream_batch_us 0 (every streamed read "
-        "as it arrives); plain sidecar(fast) runs the default configuration.",
+        f"{POLL_ON}: idle_poll_us {IDLE_POLL_ON_US}; plain sidecar(fast) runs the default configuration.",
     ]
     return lines + (["", *notes] if notes else [])
 

@@ -353,8 +353,9 @@ class Metrics:
         self.registry.register(_PollerCollector(poller))
 
     def watch_stream_reads(self, direct: Any) -> None:
-        """Expose the fast engine's direct stream reads and their batching
-        (``sidecar.engine.direct.DirectReads``, compiled build), read at scrape time."""
+        """Expose the fast engine's stream thread: the bodies it relayed, its reads and the reads
+        it handed back to the event loop (``sidecar.engine.direct.DirectReads``, compiled build),
+        read at scrape time."""
         self.registry.register(_StreamReadsCollector(direct))
 
     def watch_deployments(self, deployments: Any, store: Any) -> None:
@@ -443,19 +444,19 @@ class _StreamReadsCollector(_SourceCollector):
         d = self.source
         yield CounterMetricFamily(
             "sidecar_streams_read_directly",
-            "Long response bodies (token streams, large bodies) the fast engine read from its own epoll set.",
+            "Long response bodies (token streams, large bodies) the fast engine's stream thread relayed.",
             value=d.enrolled,
         )
         yield CounterMetricFamily(
-            "sidecar_stream_reads", "Reads of those bodies (each one recv: one or more events).", value=d.reads
+            "sidecar_stream_reads",
+            "Reads the stream thread made of those bodies (each one recv: one or more events).",
+            value=d.reads,
         )
         yield CounterMetricFamily(
-            "sidecar_stream_batched_wakeups",
-            "Timer wakeups that read those bodies together while stream read batching was on (stream_batch_us).",
-            value=d.batched,
-        )
-        yield GaugeMetricFamily(
-            "sidecar_stream_batching", "1 while stream read batching is on (stream_batch_us).", value=int(d.batching)
+            "sidecar_stream_handbacks",
+            "Reads of those bodies the stream thread handed back to the event loop (a body's end, framing "
+            "it does not pass through, a full client socket, a close).",
+            value=d.handed_back,
         )
 
 

@@ -1,30 +1,71 @@
 # Declarations of _direct_reads.pyx (compiled build only), for the modules that call it at C level.
-from sidecar.engine.idle_poll cimport IdlePoller
 from sidecar.engine.relay cimport BodyRelay
 
+cdef extern from "<pthread.h>" nogil:
+    ctypedef unsigned long pthread_t
+    ctypedef struct pthread_mutex_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t *m, const void *attr)
+    int pthread_mutex_destroy(pthread_mutex_t *m)
+    int pthread_mutex_lock(pthread_mutex_t *m)
+    int pthread_mutex_unlock(pthread_mutex_t *m)
+    int pthread_create(pthread_t *t, const void *attr, void *(*start)(void *) noexcept nogil, void *arg)
+    int pthread_join(pthread_t t, void **ret)
+
+cdef struct Note:
+    Note *next
+    Entry *entry
+    int kind
+    char *data
+    Py_ssize_t n
+
+
+cdef struct Entry:
+    pthread_mutex_t lock
+    int ufd, cfd  # the thread's own descriptors of the upstream and client sockets
+    int mode
+    bint gone  # left (set by the loop under ``lock``): the thread skips it
+    bint held  # handed back (set by the thread): out of the epoll set until enrolled again
+    bint queued  # its hand-back note waits in the queue (set by the thread, cleared by the loop)
+    bint dead  # left while its note waited: freed when the loop takes the note
+    unsigned long long *left  # the relay's ``left`` (body or chunk data bytes still to come)
+    long *state  # the relay's framing state (chunked)
+    unsigned long *reads  # the relay's ``reads`` (the exchange's idle timeout watches it)
+    unsigned long passes  # reads passed through since enrolled (again)
+    void *owner  # its Enrolled (borrowed: valid while not gone)
+    Note back  # the one hand-back note it can have (no reads while held)
+    Note freed
+    Entry *next_retired
+
+
+cdef struct Shared:
+    int epfd, wake, notify
+    bint running
+    pthread_mutex_t qlock  # guards the queue, ``retired`` and ``running``
+    Note *head
+    Note *tail
+    Entry *retired
+    unsigned char *buf
+    unsigned long long reads, handed_back
+
+
+
 cdef class Enrolled:
-    cdef int fd
+    cdef Entry *c
     cdef object conn
     cdef BodyRelay relay
-    cdef bint gone
 
 cdef class DirectReads:
-    cdef int epfd, gate, tfd
-    cdef long long batch_ns, last_wake, carried
-    cdef readonly bint batching
+    cdef Shared *s
+    cdef pthread_t thread
+    cdef bint started
     cdef object loop
-    cdef IdlePoller poller
     cdef set live
-    cdef list left
-    cdef bint busy
-    cdef unsigned char *buf
-    cdef public unsigned long long enrolled, reads, batched
-    cpdef Enrolled enroll(self, object conn, int fd, object relay)
+    cdef public unsigned long long enrolled
+    cpdef Enrolled enroll(self, object conn, int fd, BodyRelay relay)
     cpdef leave(self, Enrolled entry, int fd)
-    cdef int _read_ready(self)
-    cdef void _close_fds(self) noexcept
-    cdef int _gate_ctl(self, int op, int fd) noexcept
-    cdef int _arm(self, long long ns) noexcept
-    cdef bint _slow(self, int n, long long dt) noexcept
     cdef void _stop(self) noexcept
-    cdef void _pace(self, int n) noexcept
+    cdef void _shutdown(self) noexcept
+    cdef bint _arm(self, Entry *e) noexcept
+    cdef _back(self, Enrolled entry, int kind, object data)
+    cdef bint _again(self, Enrolled entry, BodyRelay relay)

@@ -1,32 +1,61 @@
 # cython: language_level=3
-"""Response bodies read without the event loop's transport machinery (compiled build only;
-:mod:`sidecar.engine.direct` says when it is used).
+"""Streamed response bodies relayed by a thread of the engine's own, without Python (compiled
+build only; :mod:`sidecar.engine.direct` says when it is used).
 
-:class:`DirectReads` reads the response bodies of enrolled upstream connections from an epoll
-set of its own, registered with the loop as one reader: one loop callback per wakeup, however
-many streams have bytes, and per read one ``recv`` into a buffer of its own, fed to the
-response's :class:`~sidecar.engine.relay.BodyRelay` from there (a read that passes through
-whole goes to the client's socket without becoming a Python object). The connection is called
-only when the body ends (``body_end``) or its framing is invalid (``invalid_body``), as its own
-reads would call them. Anything but bytes (the peer's close, an error) hands the connection
-back with ``direct_stop()``: its transport reads again and meets the close or error itself. An
-enrolled connection's transport has reading paused, so the two never read the same socket.
+:class:`DirectReads` owns an epoll set and one thread that waits on it with no Python state and
+no GIL. For each enrolled upstream connection the thread reads the socket and, when the read is
+one the relay would pass through unchanged (whole chunks of a chunked body, none the last one;
+bytes within a Content-Length body; a close-delimited body to an HTTP/1.0 client), sends it to
+the client's socket at once: per event one ``epoll_wait``, one ``recv`` and one ``send``, the
+loop never woken. Every other read is handed back to the loop whole (``K_READ``), which feeds
+it to the response's :class:`~sidecar.engine.relay.BodyRelay` as its transport's reads are fed
+(framing checks, the body's end, invalid framing all stay in one place), then enrols the
+connection again if its body goes on at a chunk boundary. A client socket that takes only part
+of a read hands the rest back (``K_FULL``: written through the client's transport, which then
+applies backpressure as always); a close or an error on the upstream socket hands the
+connection back to its transport (``K_STOP``), which meets it and reports it.
 
-Batching (``batch_us`` > 0, the ``stream_batch_us`` setting): a wakeup costs more than the
-reads it serves, so while the set wakes the loop more often than every ``batch_us`` and its
-streams are slow against it (:data:`SLOW`), it is taken out of the loop's sight and read by a
-timer once per ``batch_us`` instead (see ``_pace``). The loop then watches ``gate``, an epoll set
-holding the timer and, when not batching, the set.
+Thread safety. The thread uses descriptors of its own (``dup``), so a socket the loop closes is
+never confused with another that reuses its number. Each entry has a lock the thread holds
+while it reads and sends for it; :meth:`DirectReads.leave` marks the entry gone under that lock,
+so once it returns the thread never touches that connection again. An entry handed back is out
+of the epoll set (``held``) until the loop enrols it again. An entry that leaves while handed back
+(the usual end of a stream) is freed at once: the thread took it out of the set itself. One
+that leaves while in the set may still be named by an event the thread took: the loop frees it
+when the thread says it holds no more reference to it (``K_FREE``, sent at the top of the
+thread's next iteration). Notes to the loop go through a locked queue and
+an eventfd the loop reads.
 """
 
+from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.errno cimport EAGAIN, EINTR, errno
-from libc.stdlib cimport free, malloc
-from posix.unistd cimport close
+from libc.stdint cimport uint64_t
+from libc.stdlib cimport calloc, free, malloc
+from libc.stdio cimport snprintf
+from libc.string cimport memcpy, memset
+from posix.uio cimport iovec
+from posix.unistd cimport close, dup, read, write
 
-from sidecar.engine.relay cimport BodyRelay
+from sidecar.engine._direct_socket cimport DirectSocket
+from sidecar.engine.relay cimport BodyRelay, ClientOutput
 
 from sidecar.engine.parse_errors import ParseError
+from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, LENGTH
 
+
+cdef extern from "<signal.h>" nogil:
+    ctypedef struct sigset_t:
+        pass
+    int sigfillset(sigset_t *set)
+    int pthread_sigmask(int how, const sigset_t *set, sigset_t *old)
+    enum:
+        SIG_BLOCK
+
+cdef extern from "<sys/eventfd.h>" nogil:
+    int eventfd(unsigned int initval, int flags)
+    enum:
+        EFD_NONBLOCK
+        EFD_CLOEXEC
 
 cdef extern from "<sys/epoll.h>" nogil:
     ctypedef union epoll_data_t:
@@ -47,257 +76,549 @@ cdef extern from "<sys/epoll.h>" nogil:
         EPOLLRDHUP
         EPOLL_CLOEXEC
 
-cdef extern from "<sys/timerfd.h>" nogil:
-    struct timespec:
-        long tv_sec
-        long tv_nsec
-    struct itimerspec:
-        timespec it_interval
-        timespec it_value
-    int timerfd_create(int clockid, int flags)
-    int timerfd_settime(int fd, int flags, const itimerspec *new_value, itimerspec *old_value)
-    enum:
-        TFD_NONBLOCK
-        TFD_CLOEXEC
-
-cdef extern from "<time.h>" nogil:
-    int clock_gettime(int clk, timespec *tp)
-    enum:
-        CLOCK_MONOTONIC
-
 cdef extern from "<sys/socket.h>" nogil:
     ssize_t recv(int fd, void *buf, size_t n, int flags)
+    struct msghdr:
+        iovec *msg_iov
+        size_t msg_iovlen
+    ssize_t sendmsg(int fd, const msghdr *msg, int flags)
     enum:
         MSG_DONTWAIT
+        MSG_NOSIGNAL
 
 cdef enum:
     # Bytes per read (the loop's own transports read up to 256 KiB).
     READ_SIZE = 262144
-    # Events taken per wakeup (more stay ready: the epoll set is level-triggered, so the loop
-    # wakes again at once).
+    # Events taken per wait (more stay ready: the set is level-triggered).
     BATCH = 64
-    # Batching starts and goes on only while the streams are slow against its interval: on
-    # average this many intervals or more between two reads of one stream, so the wait it adds
-    # stays within a tenth of a stream's own gaps (a fast stream, alone, is never batched).
-    SLOW = 10
+    # Hex digits of a chunk size the thread passes (the relay's own limit: below 2**60).
+    MAX_DIGITS = 15
+    # How the thread relays a body.
+    M_LENGTH = 0
+    M_CHUNKED = 1  # passed through as it came
+    M_DECHUNK = 2  # chunked, to an HTTP/1.0 client: the data only
+    M_EOF_CHUNKED = 3  # delimited by the upstream's close, one chunk per read to an HTTP/1.1 client
+    M_RAW = 4  # delimited by the upstream's close, passed through to an HTTP/1.0 client
+    # A connection handed back for a read after fewer passes than this since it was enrolled
+    # (a body whose reads the thread rarely passes through: extensions on every chunk, events
+    # split across reads) goes back to its transport for BACKOFF reads: each hand-back costs
+    # two wakeups and two epoll changes, more than its transport's read.
+    MIN_PASSES = 4
+    BACKOFF = 64
+    # Pieces one send gathers (a dechunked read with more pieces is the relay's).
+    MAX_IOV = 64
+    # The relay's framing states the thread leaves (relay.py: _SIZE, _DATA).
+    S_SIZE = 0
+    S_DATA = 3
+    # Notes to the loop.
+    K_READ = 0  # a read the thread did not relay: ``data`` holds it
+    K_FULL = 1  # the client's socket took only part of a read: ``data`` holds the rest
+    K_STOP = 2  # the upstream socket has a close or an error: its transport meets it
+    K_NOMEM = 3  # a read could not be kept (no memory): the response fails
+    K_FREE = 4  # the thread holds no reference to the entry any more: free it
+
+
+cdef const char *CRLF = b"\r\n"
+
+
+cdef inline void _post(Shared *s, Note *note) noexcept nogil:
+    """Queue ``note`` for the loop (``qlock`` held)."""
+    note.next = NULL
+    if s.tail == NULL:
+        s.head = note
+    else:
+        s.tail.next = note
+    s.tail = note
+
+
+cdef inline void _ring(Shared *s) noexcept nogil:
+    cdef uint64_t one = 1
+    write(s.notify, &one, 8)
+
+
+cdef long long _chunks(Entry *e, const unsigned char *b, Py_ssize_t n, iovec *iov, int *cnt) noexcept nogil:
+    """Follow chunked framing through ``b[:n]`` from where ``e`` is (``e.left`` data bytes of
+    a chunk still to come, or 0: at a chunk's size line) as the relay would, but only along the
+    path it takes for plain data: sizes without extensions, none the last, each line and data
+    followed by CRLF. Return the data bytes left in the chunk at the end of the read (0: at a
+    size line), or -1 where the read leaves that path (the relay then reads it). For a dechunked
+    body (``M_DECHUNK``), the data's pieces go to ``iov`` (``cnt`` of them)."""
+    cdef Py_ssize_t pos = 0, take, digits
+    cdef unsigned long long left = e.left[0]
+    cdef unsigned char c
+    while pos < n:
+        if left:
+            take = n - pos
+            if <unsigned long long>take > left:
+                take = left
+            if e.mode == M_DECHUNK:
+                if cnt[0] == MAX_IOV:
+                    return -1
+                iov[cnt[0]].iov_base = <void *>(b + pos)
+                iov[cnt[0]].iov_len = take
+                cnt[0] += 1
+            pos += take
+            left -= take
+            if left:
+                break  # (pos == n: the chunk goes on in the next read)
+            if n - pos < 2 or b[pos] != 13 or b[pos + 1] != 10:
+                return -1
+            pos += 2
+        else:
+            digits = 0
+            while pos < n:
+                c = b[pos]
+                if 48 <= c <= 57:
+                    c -= 48
+                elif 65 <= c <= 70:
+                    c -= 55
+                elif 97 <= c <= 102:
+                    c -= 87
+                else:
+                    break
+                if digits == MAX_DIGITS:
+                    return -1
+                left = left * 16 + c
+                digits += 1
+                pos += 1
+            if left == 0 or n - pos < 2 or b[pos] != 13 or b[pos + 1] != 10:
+                return -1
+            pos += 2
+    return <long long>left
+
+
+cdef void _hand(Shared *s, Entry *e, int kind, unsigned char *data, Py_ssize_t n) noexcept nogil:
+    """Hand ``e`` back to the loop (``e.lock`` held), with ``data[:n]``: copied from the read
+    buffer for ``K_READ``, taken as it is (allocated) for ``K_FULL``."""
+    cdef char *copy = <char *>data
+    e.held = True
+    s.handed_back += 1
+    epoll_ctl(s.epfd, EPOLL_CTL_DEL, e.ufd, NULL)
+    if kind == K_READ:
+        copy = <char *>malloc(n)
+        if copy == NULL:
+            kind = K_NOMEM
+            n = 0
+        else:
+            memcpy(copy, data, n)
+    e.back.entry = e
+    e.back.kind = kind
+    e.back.data = copy
+    e.back.n = n
+    e.queued = True
+    pthread_mutex_lock(&s.qlock)
+    _post(s, &e.back)
+    pthread_mutex_unlock(&s.qlock)
+    _ring(s)
+
+
+cdef void _relay(Shared *s, Entry *e) noexcept nogil:
+    """One read of ``e``'s upstream socket (``e.lock`` held), relayed or handed back."""
+    cdef Py_ssize_t got, sent, total, skip
+    cdef long long left
+    cdef iovec iov[MAX_IOV]
+    cdef int cnt = 1, i
+    cdef msghdr msg
+    cdef char size[20]
+    cdef unsigned char *rest
+    got = recv(e.ufd, s.buf, READ_SIZE, MSG_DONTWAIT)
+    if got <= 0:
+        if got == 0 or (errno != EAGAIN and errno != EINTR):
+            _hand(s, e, K_STOP, NULL, 0)
+        return
+    s.reads += 1
+    iov[0].iov_base = <void *>s.buf
+    iov[0].iov_len = got
+    total = got
+    if e.mode == M_CHUNKED or e.mode == M_DECHUNK:
+        if e.mode == M_DECHUNK:
+            cnt = 0
+        left = _chunks(e, s.buf, got, iov, &cnt)
+        if left < 0:
+            _hand(s, e, K_READ, s.buf, got)
+            return
+        e.left[0] = left
+        e.state[0] = S_DATA if left else S_SIZE
+        if e.mode == M_DECHUNK:
+            total = 0
+            for i in range(cnt):
+                total += iov[i].iov_len
+    elif e.mode == M_LENGTH:
+        if <unsigned long long>got >= e.left[0]:  # the body's end: the relay's to handle
+            _hand(s, e, K_READ, s.buf, got)
+            return
+        e.left[0] -= got
+    elif e.mode == M_EOF_CHUNKED:  # one chunk per read
+        iov[0].iov_base = size
+        iov[0].iov_len = snprintf(size, sizeof(size), "%zx\r\n", got)
+        iov[1].iov_base = <void *>s.buf
+        iov[1].iov_len = got
+        iov[2].iov_base = <void *>CRLF
+        iov[2].iov_len = 2
+        cnt = 3
+        total = iov[0].iov_len + got + 2
+    e.reads[0] += 1
+    e.passes += 1
+    if total == 0:
+        return
+    memset(&msg, 0, sizeof(msg))
+    msg.msg_iov = iov
+    msg.msg_iovlen = cnt
+    sent = sendmsg(e.cfd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL)
+    if sent == total:
+        return
+    if sent < 0:  # EAGAIN, or an error the client's transport will meet and report
+        sent = 0
+    # The rest goes out through the client's transport: gathered here (the read buffer is reused).
+    rest = <unsigned char *>malloc(total - sent)
+    if rest == NULL:
+        _hand(s, e, K_NOMEM, NULL, 0)
+        return
+    total = 0
+    for i in range(cnt):
+        skip = sent if sent < <Py_ssize_t>iov[i].iov_len else <Py_ssize_t>iov[i].iov_len
+        sent -= skip
+        memcpy(rest + total, <char *>iov[i].iov_base + skip, iov[i].iov_len - skip)
+        total += iov[i].iov_len - skip
+    _hand(s, e, K_FULL, rest, total)
+
+
+cdef void *_run(void *arg) noexcept nogil:
+    """The thread: relay enrolled sockets until ``running`` goes false."""
+    cdef Shared *s = <Shared *>arg
+    cdef epoll_event events[BATCH]
+    cdef Entry *e
+    cdef Entry *r
+    cdef int n, i
+    cdef bint running, freed
+    cdef uint64_t v
+    cdef sigset_t blocked
+    sigfillset(&blocked)  # signals are the main thread's (its handlers wake the event loop)
+    pthread_sigmask(SIG_BLOCK, &blocked, NULL)
+    while True:
+        # Entries that left before this iteration: no event taken from now on can name them.
+        pthread_mutex_lock(&s.qlock)
+        r = s.retired
+        s.retired = NULL
+        freed = r != NULL
+        while r != NULL:
+            e = r
+            r = r.next_retired
+            e.freed.entry = e
+            e.freed.kind = K_FREE
+            e.freed.data = NULL
+            _post(s, &e.freed)
+        running = s.running
+        pthread_mutex_unlock(&s.qlock)
+        if freed:
+            _ring(s)
+        if not running:
+            return NULL
+        n = epoll_wait(s.epfd, events, BATCH, -1)
+        for i in range(n):
+            e = <Entry *>events[i].data.ptr
+            if e == NULL:  # the loop woke the thread (to stop, or to take entries that left)
+                read(s.wake, &v, 8)
+                continue
+            pthread_mutex_lock(&e.lock)
+            if not e.gone and not e.held:
+                _relay(s, e)
+            pthread_mutex_unlock(&e.lock)
+    return NULL
 
 
 cdef class Enrolled:
-    """One enrolled connection: what a read needs, found from the epoll event itself (``gone``:
-    it left, and events already taken for it are skipped)."""
+    """One enrolled connection, as the loop knows it."""
 
 
 cdef class DirectReads:
-    """The epoll set of enrolled upstream connections (see the module docstring).
-
-    Each epoll event carries its :class:`Enrolled` entry's address; ``live`` holds the entries
-    (the connection keeps its own, to leave with), and ``left`` those that left while a batch of
-    events was being handled, until it ends: an entry stays alive while an event may still name it."""
+    """The relay thread and its epoll set (see the module docstring)."""
 
     def __cinit__(self):
-        self.epfd = -1
-        self.gate = -1
-        self.tfd = -1
-        self.buf = NULL
+        self.s = NULL
+        self.started = False
 
-    def __init__(self, loop, IdlePoller poller, long batch_us=0):
-        self.poller = poller  # told of every read but the timer's, as the transports' reads tell it
-        self.live = set()
-        self.left = []
-        self.busy = False
-        self.enrolled = 0
-        self.reads = 0
-        self.batched = 0
-        self.carried = 0
-        self.batching = False
-        self.batch_ns = batch_us * 1000
-        self.last_wake = 0
-        self.buf = <unsigned char *>malloc(READ_SIZE)
-        if self.buf == NULL:
-            raise MemoryError()
-        self.epfd = epoll_create1(EPOLL_CLOEXEC)
-        if self.epfd < 0:
-            raise OSError(errno, "epoll_create1 failed")
+    def __init__(self, loop):
+        cdef epoll_event ev
+        cdef Shared *s
         self.loop = loop
-        if batch_us <= 0:
-            loop.add_reader(self.epfd, self._ready)
-            return
-        # Batching: the loop watches ``gate``, which holds the timer and, while not batching,
-        # the set itself (the timer is disarmed then, so only the set's bytes wake the loop).
-        self.gate = epoll_create1(EPOLL_CLOEXEC)
-        if self.gate < 0:
-            raise OSError(errno, "epoll_create1 failed")
-        self.tfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)
-        if self.tfd < 0:
-            raise OSError(errno, "timerfd_create failed")
-        if self._gate_ctl(EPOLL_CTL_ADD, self.tfd) < 0 or self._gate_ctl(EPOLL_CTL_ADD, self.epfd) < 0:
+        self.live = set()
+        self.enrolled = 0
+        self.s = s = <Shared *>calloc(1, sizeof(Shared))
+        if s == NULL:
+            raise MemoryError()
+        s.epfd = s.wake = s.notify = -1
+        pthread_mutex_init(&s.qlock, NULL)
+        s.buf = <unsigned char *>malloc(READ_SIZE)
+        if s.buf == NULL:
+            raise MemoryError()
+        s.epfd = epoll_create1(EPOLL_CLOEXEC)
+        s.wake = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
+        s.notify = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
+        if s.epfd < 0 or s.wake < 0 or s.notify < 0:
+            raise OSError(errno, "epoll_create1/eventfd failed")
+        ev.events = EPOLLIN
+        ev.data.ptr = NULL
+        if epoll_ctl(s.epfd, EPOLL_CTL_ADD, s.wake, &ev) < 0:
             raise OSError(errno, "epoll_ctl failed")
-        loop.add_reader(self.gate, self._ready)
+        s.running = True
+        if pthread_create(&self.thread, NULL, _run, <void *>s) != 0:
+            raise OSError(errno, "pthread_create failed")
+        self.started = True
+        loop.add_reader(s.notify, self._drain)
+
+    @property
+    def reads(self):
+        """Reads the thread made."""
+        return self.s.reads if self.s != NULL else 0
+
+    @property
+    def handed_back(self):
+        """Times the thread handed a connection back to the loop."""
+        return self.s.handed_back if self.s != NULL else 0
 
     def __dealloc__(self):
-        self._close_fds()
-        free(self.buf)
-
-    cdef void _close_fds(self) noexcept:
-        if self.epfd >= 0:
-            close(self.epfd)
-        if self.gate >= 0:
-            close(self.gate)
-        if self.tfd >= 0:
-            close(self.tfd)
-        self.epfd = self.gate = self.tfd = -1
+        self._shutdown()
 
     def close(self):
-        """Stop reading (the engine is closing; its connections are aborted)."""
-        cdef Enrolled entry
-        if self.epfd >= 0:
-            self.loop.remove_reader(self.epfd if self.gate < 0 else self.gate)
-            self._close_fds()
-        for entry in self.live:
-            entry.gone = True
-        if self.busy:
-            self.left.extend(self.live)
-        self.live.clear()
+        """Stop relaying (the engine is closing; its connections are aborted)."""
+        if self.started:
+            self.loop.remove_reader(self.s.notify)
+        self._shutdown()
 
-    cpdef Enrolled enroll(self, object conn, int fd, object relay):
-        """Read ``conn``'s socket ``fd`` here from now on, into its response's ``relay``: the
-        entry to leave with, or None if it could not be added (the transport keeps reading it then)."""
-        cdef epoll_event ev
+    cdef void _stop(self) noexcept:
+        """Stop the thread and wait for it."""
+        cdef Shared *s = self.s
+        cdef uint64_t one = 1
+        if not self.started:
+            return
+        self.started = False
+        pthread_mutex_lock(&s.qlock)
+        s.running = False
+        pthread_mutex_unlock(&s.qlock)
+        write(s.wake, &one, 8)
+        with nogil:
+            pthread_join(self.thread, NULL)
+
+    cdef void _shutdown(self) noexcept:
+        """Stop the thread, then free everything: notes not taken, entries (live ones leave)."""
+        cdef Shared *s = self.s
+        cdef Note *note
+        cdef Note *nxt
+        cdef Entry *e
         cdef Enrolled entry
-        if self.epfd < 0:
+        if s == NULL:
+            return
+        self._stop()
+        note = s.head  # (first: a note may belong to an entry freed below)
+        while note != NULL:
+            nxt = note.next
+            if note.kind == K_FREE or note.entry.dead:
+                _free_entry(note.entry)
+            else:
+                free(note.data)
+                note.entry.queued = False
+            note = nxt
+        s.head = s.tail = NULL
+        if self.live:
+            for entry in self.live:
+                _free_entry(entry.c)
+                entry.c = NULL
+            self.live.clear()
+        while s.retired != NULL:
+            e = s.retired
+            s.retired = e.next_retired
+            _free_entry(e)
+        if s.epfd >= 0:
+            close(s.epfd)
+        if s.wake >= 0:
+            close(s.wake)
+        if s.notify >= 0:
+            close(s.notify)
+        pthread_mutex_destroy(&s.qlock)
+        free(s.buf)
+        free(s)
+        self.s = NULL
+
+    cpdef Enrolled enroll(self, object conn, int fd, BodyRelay relay):
+        """Relay ``conn``'s socket ``fd`` into ``relay`` from here from now on: the entry to leave
+        with, or None if it cannot be (the transport keeps reading it then): the client has no
+        direct socket or has bytes waiting, the body's framing is not at a boundary the thread
+        starts from, or a descriptor could not be had."""
+        cdef Enrolled entry
+        cdef Entry *e
+        cdef ClientOutput out = relay.output
+        cdef DirectSocket sock = out.sock
+        cdef int mode
+        if self.s == NULL or not self.started or sock is None or sock.queued or out.closed or out.parts:
             return None
+        mode = _mode(relay)
+        if mode < 0:
+            return None
+        e = <Entry *>calloc(1, sizeof(Entry))
+        if e == NULL:
+            return None
+        e.ufd = dup(fd)
+        e.cfd = dup(sock.fd)
+        if e.ufd < 0 or e.cfd < 0:
+            _free_entry_fds(e)
+            free(e)
+            return None
+        pthread_mutex_init(&e.lock, NULL)
+        e.mode = mode
+        e.left = &relay.left
+        e.state = &relay.state
+        e.reads = &relay.reads
         entry = Enrolled.__new__(Enrolled)
-        entry.fd = fd
+        entry.c = e
         entry.conn = conn
         entry.relay = relay
-        ev.events = EPOLLIN | EPOLLRDHUP
-        ev.data.ptr = <void *>entry
-        if epoll_ctl(self.epfd, EPOLL_CTL_ADD, fd, &ev) < 0:
+        e.owner = <void *>entry
+        if not self._arm(e):
+            entry.c = NULL
+            _free_entry(e)
             return None
         self.live.add(entry)
         self.enrolled += 1
         return entry
 
-    cpdef leave(self, Enrolled entry, int fd):
-        """Stop reading the connection enrolled as ``entry``: its socket ``fd`` leaves the set
-        (-1: the socket is closed or about to be, which takes it out of the set; its descriptor
-        may already name another socket, which must stay in)."""
-        if entry.gone:
-            return
-        entry.gone = True
-        self.live.discard(entry)
-        if self.busy:
-            self.left.append(entry)
-        if self.epfd >= 0 and fd >= 0:
-            epoll_ctl(self.epfd, EPOLL_CTL_DEL, fd, NULL)
-
-    def _ready(self):
-        cdef int n
-        if self.epfd < 0:
-            return
-        self.busy = True
-        try:
-            n = self._read_ready()
-            if self.gate >= 0:
-                self._pace(n)
-        finally:
-            self.busy = False
-            if self.left:
-                self.left.clear()
-
-    cdef int _gate_ctl(self, int op, int fd) noexcept:
+    cdef bint _arm(self, Entry *e) noexcept:
+        """Put ``e`` in the thread's set (again)."""
         cdef epoll_event ev
-        ev.events = EPOLLIN
-        ev.data.fd = fd
-        return epoll_ctl(self.gate, op, fd, &ev)
+        ev.events = EPOLLIN | EPOLLRDHUP
+        ev.data.ptr = <void *>e
+        pthread_mutex_lock(&e.lock)
+        e.held = False
+        pthread_mutex_unlock(&e.lock)
+        return epoll_ctl(self.s.epfd, EPOLL_CTL_ADD, e.ufd, &ev) == 0
 
-    cdef int _arm(self, long long ns) noexcept:
-        """Set the timer to expire once, ``ns`` from now (0: disarm). Either clears an expiry
-        not yet read, so the timer wakes the loop once per arming."""
-        cdef itimerspec spec
-        spec.it_interval.tv_sec = 0
-        spec.it_interval.tv_nsec = 0
-        spec.it_value.tv_sec = ns // 1000000000
-        spec.it_value.tv_nsec = ns % 1000000000
-        return timerfd_settime(self.tfd, 0, &spec, NULL)
+    cpdef leave(self, Enrolled entry, int fd):
+        """Stop relaying the connection enrolled as ``entry``: when this returns, the thread no
+        longer touches its sockets (``fd`` is unused: the thread reads a descriptor of its own)."""
+        cdef Entry *e = entry.c
+        cdef Shared *s = self.s
+        cdef bint held
+        if e == NULL or s == NULL:
+            return
+        entry.c = NULL
+        self.live.discard(entry)
+        pthread_mutex_lock(&e.lock)
+        e.gone = True
+        held = e.held
+        pthread_mutex_unlock(&e.lock)
+        _free_entry_fds(e)
+        if held:
+            # Handed back (the usual end of a stream): out of the set since, so no event the
+            # thread takes names it; free it now, or once its note is taken if still queued.
+            if e.queued:
+                e.dead = True
+            else:
+                _free_entry(e)
+            return
+        # Still in the set: the thread may hold an event for it until its next iteration.
+        epoll_ctl(s.epfd, EPOLL_CTL_DEL, e.ufd, NULL)
+        pthread_mutex_lock(&s.qlock)
+        e.next_retired = s.retired
+        s.retired = e
+        pthread_mutex_unlock(&s.qlock)
 
-    cdef bint _slow(self, int n, long long dt) noexcept:
-        """``n`` reads in ``dt`` ns, over the enrolled streams, leave each stream :data:`SLOW`
-        intervals or more apart on average."""
-        return len(self.live) * dt >= SLOW * self.batch_ns * n
+    def _drain(self):
+        """The thread's notes: hand-backs to act on, entries to free."""
+        cdef Shared *s = self.s
+        cdef Note *note
+        cdef Note *nxt
+        cdef Entry *e
+        cdef uint64_t v
+        if s == NULL:
+            return
+        read(s.notify, &v, 8)
+        pthread_mutex_lock(&s.qlock)
+        note = s.head
+        s.head = s.tail = NULL
+        pthread_mutex_unlock(&s.qlock)
+        while note != NULL:
+            nxt = note.next  # (read first: acting on a note may post it again)
+            e = note.entry
+            if note.kind == K_FREE:
+                _free_entry(e)
+            else:
+                e.queued = False
+                data = None
+                if note.data != NULL:
+                    data = PyBytes_FromStringAndSize(note.data, note.n)
+                    free(note.data)
+                    note.data = NULL
+                if e.dead:  # it left while this note waited
+                    _free_entry(e)
+                elif not e.gone:
+                    self._back(<Enrolled>e.owner, note.kind, data)
+            note = nxt
 
-    cdef void _stop(self) noexcept:
-        """Stop batching: the set wakes the loop again (if it cannot be watched again, the timer
-        goes on reading it)."""
-        if self._gate_ctl(EPOLL_CTL_ADD, self.epfd) == 0:
-            self._arm(0)
-            self.batching = False
+    cdef _back(self, Enrolled entry, int kind, object data):
+        """Act on a hand-back of ``entry`` (out of the thread's set until enrolled again)."""
+        cdef BodyRelay relay = entry.relay
+        conn = entry.conn
+        if kind == K_READ:
+            try:
+                used = relay.feed(data)
+            except ParseError as exc:
+                conn.invalid_body(exc)
+                return
+            except Exception as exc:  # a defect: it costs this response, as with a transport's read
+                self.loop.call_exception_handler(
+                    {"message": "upstream data_received failed", "exception": exc, "protocol": conn}
+                )
+                conn._fail(f"response not relayed: {exc!r}")
+                return
+            if relay.done:
+                conn.body_end(used < len(data))
+            elif entry.c != NULL and (entry.c.passes < MIN_PASSES or not self._again(entry, relay)):
+                # The thread cannot follow this body here, or keeps handing it back: the
+                # transport reads it, and enrolling is tried again after BACKOFF reads.
+                conn.direct_stop()
+                conn.enroll_at = relay.reads + BACKOFF
+        elif kind == K_FULL:
+            relay.output.parts.append(data)  # through the transport: the client's backpressure follows
+            relay.output.flush()
+            if entry.c != NULL:
+                conn.direct_stop()
+        elif kind == K_STOP:
+            conn.direct_stop()
         else:
-            self._arm(self.batch_ns)
+            conn._fail("response not relayed: out of memory")
 
-    cdef void _pace(self, int n) noexcept:
-        """After a wakeup that found ``n`` reads: start batching when two wakeups with bytes come
-        closer together than the interval (a timer wakeup per interval is then never more than
-        the set's own wakeups would be) while the streams are slow (:data:`SLOW`); go on while
-        each interval finds bytes of slow streams; stop otherwise, and the set wakes the loop
-        itself again. A wakeup that left events unread (a full batch) is followed at once."""
-        cdef timespec ts
-        cdef long long now, dt, got
-        clock_gettime(CLOCK_MONOTONIC, &ts)
-        now = ts.tv_sec * 1000000000LL + ts.tv_nsec
-        dt = now - self.last_wake  # last_wake: the last wakeup that found reads
-        if self.batching:
-            self.batched += 1
-            got = n + self.carried  # this interval's reads (a full batch's follow-up adds to them)
-            self.carried = 0
-            if got == 0 or not self._slow(got, dt):
-                self._stop()
-            elif n >= BATCH:  # more are ready: read them at once, as part of this interval
-                if self._arm(1000) == 0:
-                    self.carried = got
-                    return  # (last_wake stays: the follow-up's reads are this interval's)
-                self._stop()
-            elif self._arm(self.batch_ns) < 0:
-                self._stop()
-        elif n > 0 and dt < self.batch_ns and self._slow(n, dt):
-            if self._arm(self.batch_ns) == 0:
-                if self._gate_ctl(EPOLL_CTL_DEL, self.epfd) == 0:
-                    self.batching = True
-                else:
-                    self._arm(0)
-        if n > 0:
-            self.last_wake = now
+    cdef bint _again(self, Enrolled entry, BodyRelay relay):
+        """Enrol ``entry`` again after a hand-back, if the thread can go on from where the relay is."""
+        cdef ClientOutput out = relay.output
+        if out.sock is None or out.sock.queued or out.closed or out.parts:
+            return False
+        if _mode(relay) < 0:
+            return False
+        entry.c.passes = 0
+        return self._arm(entry.c)
 
-    cdef int _read_ready(self):
-        cdef epoll_event events[BATCH]
-        cdef int n, i
-        cdef Py_ssize_t got, used
-        cdef Enrolled entry
-        cdef BodyRelay relay
-        n = epoll_wait(self.epfd, events, BATCH, 0)
-        for i in range(n):
-            entry = <Enrolled>events[i].data.ptr
-            if entry.gone:  # left since the wait (an earlier connection's bytes ended it)
-                continue
-            got = recv(entry.fd, self.buf, READ_SIZE, MSG_DONTWAIT)
-            if got > 0:
-                self.reads += 1
-                if not self.batching:  # the timer's reads are not events worth polling for
-                    self.poller.note()
-                relay = entry.relay
-                try:
-                    used = relay.feed_from(self.buf, got, None)
-                except ParseError as exc:
-                    entry.conn.invalid_body(exc)
-                    continue
-                except Exception as exc:  # a defect: it costs this response, as with a transport's read
-                    self.loop.call_exception_handler(
-                        {"message": "upstream data_received failed", "exception": exc, "protocol": entry.conn}
-                    )
-                    entry.conn._fail(f"response not relayed: {exc!r}")
-                    continue
-                if relay.done:
-                    entry.conn.body_end(used < got)
-            elif got == 0 or (errno != EAGAIN and errno != EINTR):  # (EWOULDBLOCK is EAGAIN on Linux)
-                entry.conn.direct_stop()  # the close or the error is the transport's to meet
-        return n
+
+cdef int _mode(BodyRelay relay):
+    """How the thread can relay ``relay``'s body from where it is (-1: it cannot)."""
+    mode = relay.mode
+    if mode == CHUNKED or mode == DECHUNK:
+        if relay.digits or not (relay.state == S_SIZE and relay.left == 0 or relay.state == S_DATA and relay.left):
+            return -1
+        return M_CHUNKED if mode == CHUNKED else M_DECHUNK
+    if mode == LENGTH:
+        return M_LENGTH if relay.left else -1
+    return M_EOF_CHUNKED if mode == EOF_CHUNKED else M_RAW
+
+
+cdef void _free_entry_fds(Entry *e) noexcept:
+    if e.ufd >= 0:
+        close(e.ufd)
+    if e.cfd >= 0:
+        close(e.cfd)
+    e.ufd = e.cfd = -1
+
+
+cdef void _free_entry(Entry *e) noexcept:
+    _free_entry_fds(e)
+    pthread_mutex_destroy(&e.lock)
+    free(e)

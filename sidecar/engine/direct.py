@@ -1,9 +1,9 @@
 """Direct socket I/O for streamed response bodies: what an event costs beyond its two syscalls.
 
-A token stream is a long trickle of small reads; through the loop's transports each costs an
-allocation, a few Python calls and the transport's write machinery on both sides, several times
-what a proxy in C spends on it. The compiled build (:mod:`sidecar.engine._direct_socket`,
-:mod:`sidecar.engine._direct_reads`) cuts that:
+A token stream is a long trickle of small reads; through the loop's transports each costs a
+wakeup of the loop, an allocation, a few Python calls and the transport's write machinery on
+both sides, several times what a proxy in C spends on it. The compiled build
+(:mod:`sidecar.engine._direct_socket`, :mod:`sidecar.engine._direct_reads`) cuts that:
 
 - bytes for a client, and a request's bytes for a plain-TCP upstream, go out with one ``send``
   whenever the transport has nothing buffered (:class:`DirectSocket`, used by
@@ -11,19 +11,15 @@ what a proxy in C spends on it. The compiled build (:mod:`sidecar.engine._direct
   transport's only writer): the transport takes the rest, or everything after an error, so
   backpressure and errors work as before;
 - an upstream connection whose response body is still going after :data:`ENROLL_AFTER` reads is
-  enrolled in :class:`DirectReads`: its transport stops reading, and an epoll set of the
-  engine's own, one reader of the loop, reads every enrolled socket (one loop callback per
-  wakeup however many streams are ready, one ``recv`` per read into a buffer of its own). Its
-  bytes go to the response's :class:`~sidecar.engine.relay.BodyRelay` from that buffer: the
-  same framing checks, and a read that passes through whole (the usual token event) is sent to
-  the client from there, with no Python object or call for it. The connection is called at
-  the body's end and on invalid framing, as from its own reads. The connection leaves at the end of
-  the response, on any failure, when the client's buffer fills (its reads then pause as always)
-  and when its socket has anything but bytes (a close or an error: the transport, reading again,
-  meets it and reports it as it always does). While the set wakes the loop more often than
-  every ``stream_batch_us`` and its streams are slow against that, it is read by a timer once
-  per interval instead (fewer wakeups, each serving more events; an event waits at most the
-  interval).
+  enrolled in :class:`DirectReads`: its transport stops reading, and a thread of the engine's
+  own, with no Python state, relays it: it reads the upstream's socket and sends each read that
+  the relay would pass through unchanged (the usual token event) straight to the client's
+  socket, without waking the event loop. Every other read (the body's end, framing the thread
+  does not follow) is handed back to the loop and fed to the response's
+  :class:`~sidecar.engine.relay.BodyRelay` as a transport's read is. The connection also goes
+  back to its transport when the client's socket fills (its reads then pause as always) and when
+  its socket has anything but bytes (a close or an error: the transport, reading again, meets it
+  and reports it as it always does).
 
 Plain-TCP sockets only: a TLS upstream's bytes are records its transport must decrypt. In the
 pure-Python build both names are None and everything goes through the transports.

@@ -83,8 +83,8 @@ class FastEngine(Engine):
                     quota,
                 )
         self.shared.poller = poller = IdlePoller(loop, poll_us / 1e6)
-        # Long response bodies from plain-TCP upstreams are read here (compiled build only).
-        self.direct = direct = None if DirectReads is None else DirectReads(loop, poller, self.config.stream_batch_us)
+        # Long response bodies from plain-TCP upstreams are relayed by its thread (compiled build only).
+        self.direct = direct = None if DirectReads is None else DirectReads(loop)
         self.metrics.watch_poller(poller)
         if direct is not None:
             self.metrics.watch_stream_reads(direct)

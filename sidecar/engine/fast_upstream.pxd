@@ -7,7 +7,7 @@ from sidecar.engine.head cimport cut, head_end, locate
 from sidecar.engine.idle_poll cimport IdlePoller
 from sidecar.engine.relay cimport BodyRelay
 
-cdef unsigned long _ENROLL_AFTER
+cdef unsigned long _ENROLL_AFTER, _ENROLL_RETRY
 
 cdef class UpstreamRequest:
     cpdef response_head(self, long status, bytes raw, Py_ssize_t start, Py_ssize_t first, Py_ssize_t end, length,
@@ -27,6 +27,7 @@ cdef class UpstreamConnection:
     cdef public BodyRelay relay
     cdef public object direct
     cdef public DirectSocket sock
+    cdef public unsigned long enroll_at
     @cython.locals(relay=BodyRelay)
     cpdef data_received(self, bytes data)
     @cython.locals(used=Py_ssize_t)

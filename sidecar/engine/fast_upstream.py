@@ -67,7 +67,8 @@ if TYPE_CHECKING:
 # TLS transport reports it only at connection_lost, one iteration later.)
 STALE_CHECK_AFTER = 0.05
 
-_ENROLL_AFTER = ENROLL_AFTER  # (a C constant in the compiled build: see fast_upstream.pxd)
+_ENROLL_AFTER = ENROLL_AFTER  # (C constants in the compiled build: see fast_upstream.pxd)
+_ENROLL_RETRY = 64  # reads of a body after an enrolment that could not be made before the next try
 
 
 if TYPE_CHECKING:
@@ -144,6 +145,7 @@ class UpstreamConnection:
         "fresh",
         "direct",
         "sock",
+        "enroll_at",
     )
 
     def __init__(self, pool: UpstreamPool) -> None:
@@ -172,6 +174,7 @@ class UpstreamConnection:
         # Its socket (sidecar.engine.direct.DirectSocket) where the pool has DirectReads and the
         # upstream is plain TCP: requests are written through it and long bodies may be read directly.
         self.sock: Writer | None = None
+        self.enroll_at = _ENROLL_AFTER  # the relay's read count at which to enrol its body next
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -360,6 +363,7 @@ class UpstreamConnection:
             self._complete(now)
             return
         self.relay = relay
+        self.enroll_at = _ENROLL_AFTER
         if stop < len(raw):
             self._body(relay, cut(raw, stop, len(raw)))  # the body's first bytes leave with the head
         else:
@@ -376,12 +380,14 @@ class UpstreamConnection:
             return
         if relay.done:
             self.body_end(used < len(data))
-        elif self.sock is not None and relay.reads == _ENROLL_AFTER and self.sent_all and not self.flow.reasons:
-            # A long body (a token stream, most likely): read it without the transport.
+        elif self.sock is not None and relay.reads >= self.enroll_at and self.sent_all and not self.flow.reasons:
+            # A long body (a token stream, most likely): relayed by the pool's DirectReads.
             entry = self.pool.direct.enroll(self, self.sock.fd, relay)
             if entry is not None:
                 self.direct = entry
                 self.flow.pause(DIRECT)
+            else:  # not from here (or not to this client): try again later
+                self.enroll_at = relay.reads + _ENROLL_RETRY
 
     def body_end(self, extra: bool) -> None:
         """The relay reached the body's end (``extra``: bytes followed it in the same read)."""

@@ -97,11 +97,10 @@ METRICS: dict[str, frozenset[str]] = {
     "sidecar_state_store_up": frozenset(),
     "sidecar_state_ops_total": frozenset({"op", "outcome"}),
     "sidecar_state_dropped_writes_total": frozenset(),
-    # Stream reads (fast engine, compiled build).
+    # The stream thread (fast engine, compiled build).
     "sidecar_streams_read_directly_total": frozenset(),
     "sidecar_stream_reads_total": frozenset(),
-    "sidecar_stream_batched_wakeups_total": frozenset(),
-    "sidecar_stream_batching": frozenset(),
+    "sidecar_stream_handbacks_total": frozenset(),
     "sidecar_gc_pause_seconds": frozenset({"generation"}),
 }
 HISTOGRAMS = {
@@ -1435,7 +1434,6 @@ def test_grafana_dashboard_panels(helper) -> None:
         "Store up": ("sidecar_state_store_up", ["instance"]),
         "Store operations by outcome": ("sidecar_state_ops_total", ["outcome"]),
         "Dropped store writes": ("sidecar_state_dropped_writes_total", ["instance"]),
-        "Stream read batching on": ("sidecar_stream_batching", ["instance"]),
         "Garbage collector pauses p99 by generation": ("sidecar_gc_pause_seconds_bucket", ["le", "instance", "generation"]),
         "Time paused by the garbage collector": ("sidecar_gc_pause_seconds_sum", ["instance"]),
     }
@@ -1444,12 +1442,14 @@ def test_grafana_dashboard_panels(helper) -> None:
         (result,) = helper("promql", exprs=[expr.replace("$__rate_interval", "5m")])["parsed"]
         assert [s["name"] for s in result["selectors"]] == [metric], (title, result)
         assert result["groupings"] == [grouping], (title, result)
-    # Reads beside the batching timer's wakeups (reads per wakeup) and the streams read directly.
-    exprs = [e.replace("$__rate_interval", "5m") for e in panels["Stream reads and batched wakeups"]]
+    # The stream thread's reads beside the ones it handed back to the event loop, and the streams
+    # it relayed; no panel is left for the stream read batching that the thread replaced.
+    assert not any("batch" in title.lower() for title in panels), sorted(panels)
+    exprs = [e.replace("$__rate_interval", "5m") for e in panels["Stream reads and hand-backs"]]
     parsed = helper("promql", exprs=exprs)["parsed"]
     assert [[s["name"] for s in r["selectors"]] for r in parsed] == [
         ["sidecar_stream_reads_total"],
-        ["sidecar_stream_batched_wakeups_total"],
+        ["sidecar_stream_handbacks_total"],
         ["sidecar_streams_read_directly_total"],
     ]
     assert all(r["groupings"] == [["instance"]] for r in parsed), parsed

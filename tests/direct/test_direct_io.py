@@ -112,37 +112,35 @@ async def test_a_long_stream_is_read_directly_byte_exact_and_its_connection_is_r
     assert direct.enrolled == 1 and direct.reads == reads  # the short answer was not enrolled
 
 
-async def test_a_fast_stream_alone_is_relayed_as_it_arrives_not_batched(raw_upstream: Any, start_sidecar: Any) -> None:
-    """Events 1 ms apart with a 10 ms batching interval: wakeups come closer together than the
-    interval, but one stream that fast is not slow against it, so each read is relayed as it
-    arrives (batching would hold its events up to 10 ms, ten of its own gaps)."""
+async def test_a_streams_events_are_relayed_by_the_thread_and_its_end_by_the_loop(
+    raw_upstream: Any, start_sidecar: Any
+) -> None:
+    """Events 1 ms apart, one chunk each: after enrolment every read is relayed by the stream
+    thread, and only the last chunk is handed back to the loop (which ends the response)."""
     body = [event(i) for i in range(4 * EVENTS)] + [b"0\r\n\r\n"]
     up = await raw_upstream({"/s": paced([SSE_HEAD, *body], 0.001)})
-    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, stream_batch_us=10_000)
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
     reader, writer, _ = await open_stream(sc, b"/s")
     assert await read_chunked(reader) == b"".join(body)
     writer.close()
     direct = sc.engine.direct
-    assert direct.enrolled == 1 and direct.reads > 0
-    assert direct.batched == 0
-    # What an operator sees: the stream was read directly, never by the batching timer.
+    assert direct.enrolled == 1 and direct.reads > 0 and direct.handed_back == 1
+    # What an operator sees.
     assert await stream_metrics(sc) == {
         "sidecar_streams_read_directly_total": 1,
         "sidecar_stream_reads_total": direct.reads,
-        "sidecar_stream_batched_wakeups_total": 0,
-        "sidecar_stream_batching": 0,
+        "sidecar_stream_handbacks_total": 1,
     }
 
 
-async def test_many_slow_streams_are_batched_byte_exact(raw_upstream: Any, start_sidecar: Any) -> None:
-    """40 concurrent streams of an event every 40 ms, a 2 ms interval: about one read a
-    millisecond over all of them, each stream twenty intervals apart, so the set is read by the
-    batching timer. Every client gets exactly its upstream's bytes, and the connections go back
-    to the pool."""
+async def test_many_concurrent_streams_are_relayed_byte_exact(raw_upstream: Any, start_sidecar: Any) -> None:
+    """40 concurrent streams of an event every 40 ms, started a millisecond apart: every client
+    gets exactly its upstream's bytes, each stream goes back to the loop once (at its end), and
+    the connections go back to the pool."""
     count = 40
     body = [event(i) for i in range(EVENTS)] + [b"0\r\n\r\n"]
     up = await raw_upstream({"/s": paced([SSE_HEAD, *body], 0.04), "/after": echo()})
-    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, stream_batch_us=2000)
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
     opened = []
     for _ in range(count):
         opened.append(await open_stream(sc, b"/s"))
@@ -150,18 +148,8 @@ async def test_many_slow_streams_are_batched_byte_exact(raw_upstream: Any, start
     bodies = await asyncio.gather(*(read_chunked(reader) for reader, _, _ in opened))
     assert bodies == [b"".join(body)] * count
     direct = sc.engine.direct
-    assert direct.enrolled == count and direct.batched >= 1
-    # What an operator sees: the timer's wakeups, each reading several streams.
-    async with asyncio.timeout(5):
-        while direct.batching:  # an interval with nothing read ends it
-            await asyncio.sleep(0.01)
-    assert await stream_metrics(sc) == {
-        "sidecar_streams_read_directly_total": count,
-        "sidecar_stream_reads_total": direct.reads,
-        "sidecar_stream_batched_wakeups_total": direct.batched,
-        "sidecar_stream_batching": 0,
-    }
-    assert direct.reads > direct.batched >= 1  # several streams read per timer wakeup
+    assert direct.enrolled == count and direct.handed_back == count
+    assert direct.reads >= count * (len(body) - ENROLL_AFTER - 1) // 2  # (two events may share a read)
     reader, writer, _ = opened[0]
     writer.write(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
     assert (await asyncio.wait_for(read_response(reader), 5)).status == 200
@@ -259,9 +247,10 @@ async def test_a_client_that_leaves_mid_stream_closes_the_upstream_connection(
 async def test_a_client_that_does_not_read_gets_backpressure_then_every_byte(
     raw_upstream: Any, start_sidecar: Any
 ) -> None:
-    """A stream far larger than the socket buffers, to a client that stops reading after the
-    head: the sidecar buffers at most about its high-water mark (the epoll set stops reading
-    the upstream, its transport pauses), and the client then gets the stream byte-exact."""
+    """A stream far larger than the socket buffers, to a client that reads until the stream
+    thread relays it, then stops: the thread meets the full socket and hands the rest back, the
+    sidecar buffers at most about its high-water mark (the upstream's reads pause), and the
+    client then gets the stream byte-exact."""
     blob = bytes(range(256)) * 256  # 64 KiB chunks
     chunk = b"%x\r\n%s\r\n" % (len(blob), blob)
     count = 512  # 32 MiB: more than the loopback socket buffers on both sides can hold
@@ -269,9 +258,11 @@ async def test_a_client_that_does_not_read_gets_backpressure_then_every_byte(
 
     async def big(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         writer.write(SSE_HEAD)
-        for _ in range(count):
+        for i in range(count):
             writer.write(chunk)
             await writer.drain()
+            if i < 2 * ENROLL_AFTER:  # paced at first (the stream is enrolled meanwhile), then all at once
+                await asyncio.sleep(0.02)
         writer.write(b"0\r\n\r\n")
         await writer.drain()
         done.set()
@@ -280,12 +271,17 @@ async def test_a_client_that_does_not_read_gets_backpressure_then_every_byte(
     up = await raw_upstream({"/s": big})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
     reader, writer, _ = await open_stream(sc, b"/s")
+    got = bytearray()
+    async with asyncio.timeout(60):
+        while sc.engine.direct.enrolled == 0 or len(got) < 4 * len(chunk):  # the stream thread relays it
+            data = await reader.read(1 << 20)
+            assert data
+            got += data
     # The client reads nothing for a while: everything in flight stays in bounded buffers.
     await asyncio.sleep(0.5)
     assert not done.is_set()  # the upstream is held back: nothing reads it
     assert sc.engine.stats()["client_write_buffer"] <= 1 << 20
-    assert sc.engine.direct.enrolled == 1
-    got = bytearray()
+    assert sc.engine.direct.handed_back >= 1  # the thread met the full socket and handed the rest back
     async with asyncio.timeout(60):
         while not got.endswith(b"0\r\n\r\n") or len(got) < count * len(chunk):
             data = await reader.read(1 << 20)

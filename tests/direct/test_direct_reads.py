@@ -1,5 +1,6 @@
-"""DirectReads itself (sidecar.engine.direct, compiled build), on real sockets and its real epoll
-set: what the wire tests in test_direct_io.py cannot arrange on purpose."""
+"""DirectReads itself (sidecar.engine.direct, compiled build): its relay thread on real sockets,
+for what the wire tests in test_direct_io.py cannot arrange on purpose (a leave racing the
+thread, a descriptor number reused, a client socket that fills mid-read)."""
 
 from __future__ import annotations
 
@@ -9,260 +10,310 @@ from typing import Any
 
 import pytest
 
-from sidecar.engine.direct import DirectReads
-from sidecar.engine.idle_poll import IdlePoller
-from sidecar.engine.relay import LENGTH, BodyRelay, ClientOutput
-from sidecar.metrics import Metrics
+from sidecar.engine.direct import DirectReads, DirectSocket
+from sidecar.engine.relay import CHUNKED, LENGTH, BodyRelay, ClientOutput
 
 pytestmark = pytest.mark.skipif(DirectReads is None, reason="direct socket I/O is compiled only")
 
 
-class RecordingTransport:
-    """The client side of a relay: what it was given to write."""
+class SocketTransport:
+    """The client connection's transport, as the relay's :class:`DirectSocket` sees it: a real
+    socket to send on, and what was handed to ``write`` (a transport's buffer) recorded."""
 
-    def __init__(self) -> None:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
         self.writes: list[bytes] = []
 
+    def get_extra_info(self, name: str) -> Any:
+        assert name == "socket"
+        return self.sock
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return sum(map(len, self.writes))
+
     def write(self, data: bytes) -> None:
-        self.writes.append(data)
+        self.writes.append(bytes(data))
 
 
-class LeavingConnection:
-    """An enrolled connection whose body ends at its first read and, as it ends, makes another
-    connection leave (as a callback run by one read can end another stream)."""
+class Stream:
+    """One body on its way: the upstream's socket pair (``up`` is read by the thread, ``origin``
+    is the upstream writing), the client's (``ours`` written, ``client`` the client reading),
+    the relay, and what the thread handed back to this connection."""
 
-    def __init__(self, direct: Any, fd: int, length: int) -> None:
-        self.direct, self.fd = direct, fd
-        self.sink = RecordingTransport()
-        self.relay = BodyRelay(ClientOutput(self.sink), LENGTH, length, 0)
-        self.entry: Any = None  # its DirectReads entry, to leave with
-        self.other: LeavingConnection | None = None
-        self.ended = 0
+    def __init__(self, direct: Any, mode: int = LENGTH, length: int = 1 << 20, sndbuf: int = 0) -> None:
+        self.direct = direct
+        self.up, self.origin = socket.socketpair()
+        self.ours, self.client = socket.socketpair()
+        if sndbuf:
+            self.ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+            self.client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sndbuf)
+        for s in (self.up, self.ours, self.client):
+            s.setblocking(False)
+        self.transport = SocketTransport(self.ours)
+        self.relay = BodyRelay(ClientOutput(self.transport, DirectSocket(self.transport)), mode, length, 1024)  # type: ignore[arg-type]
+        self.enroll_at = 0
+        self.calls: list[str] = []
+        self.ended: list[bool] = []
+        self.entry: Any = None
+
+    def enroll(self) -> None:
+        self.entry = self.direct.enroll(self, self.up.fileno(), self.relay)
+        assert self.entry is not None
+
+    def leave(self) -> None:
+        self.direct.leave(self.entry, self.up.fileno())
+
+    # What the thread's hand-backs call on the upstream connection.
+    def direct_stop(self) -> None:
+        self.calls.append("direct_stop")
+        self.leave()
 
     def body_end(self, extra: bool) -> None:
-        self.ended += 1
-        self.direct.leave(self.entry, self.fd)
-        other = self.other
-        assert other is not None
-        self.direct.leave(other.entry, other.fd)
+        self.ended.append(extra)
+        self.leave()
 
-    def direct_stop(self) -> None:
-        raise AssertionError("no close or error happens here")
+    def invalid_body(self, exc: Exception) -> None:
+        self.calls.append(f"invalid: {exc}")
+        self.leave()
 
-    invalid_body = _fail = direct_stop
+    def _fail(self, message: str) -> None:
+        self.calls.append(f"fail: {message}")
+        self.leave()
 
-
-async def test_a_connection_that_leaves_while_its_event_waits_in_the_batch_is_not_read() -> None:
-    """Both sockets are ready in one wakeup; the first one read ends the other's enrolment:
-    the other's event, already taken, is skipped (its bytes stay unread in its socket)."""
-    loop = asyncio.get_running_loop()
-    direct = DirectReads(loop, IdlePoller(loop, 0))
-    pairs = [socket.socketpair() for _ in range(2)]
-    try:
-        conns = []
-        for ours, _ in pairs:
-            ours.setblocking(False)
-            conn = LeavingConnection(direct, ours.fileno(), 5)
-            conn.entry = direct.enroll(conn, ours.fileno(), conn.relay)
-            assert conn.entry is not None
-            conns.append(conn)
-        conns[0].other, conns[1].other = conns[1], conns[0]
-        for _, theirs in pairs:
-            theirs.sendall(b"hello")  # both ready before the loop next waits
-        await asyncio.sleep(0.1)
-        assert sorted(c.ended for c in conns) == [0, 1] and direct.reads == 1
-        first, second = conns if conns[0].ended else conns[::-1]
-        assert first.sink.writes == [b"hello"] and second.sink.writes == []
-        assert second.relay.reads == 0
-        assert pairs[conns.index(second)][0].recv(16) == b"hello"  # never read by the epoll set
-    finally:
-        direct.close()
-        for a, b in pairs:
-            a.close()
-            b.close()
-
-
-class OpenConnection:
-    """An enrolled connection whose body (``length`` bytes) is still going: it records what the
-    relay wrote to its client."""
-
-    def __init__(self, length: int = 1 << 20) -> None:
-        self.sink = RecordingTransport()
-        self.relay = BodyRelay(ClientOutput(self.sink), LENGTH, length, 0)
-
-    def got(self) -> bytes:
-        return b"".join(self.sink.writes)
-
-    def direct_stop(self) -> None:
-        raise AssertionError("no close or error happens here")
-
-    body_end = invalid_body = _fail = direct_stop
-
-
-class CountingPoller(IdlePoller):
-    """An idle poller that never polls and counts the events it is told of."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(loop, 0)
-        self.notes = 0
-
-    def note(self) -> None:
-        self.notes += 1
-
-
-async def delivered(conn: OpenConnection, want: bytes, timeout: float = 5) -> None:
-    async with asyncio.timeout(timeout):
-        while conn.got() != want:
-            assert want.startswith(conn.got()), conn.got()
-            await asyncio.sleep(0.001)
-
-
-class Streams:
-    """``count`` enrolled connections on socket pairs: ``send(i, data)`` writes to the i-th
-    connection's peer."""
-
-    def __init__(self, direct: Any, count: int) -> None:
-        self.pairs = [socket.socketpair() for _ in range(count)]
-        self.conns = [OpenConnection() for _ in range(count)]
-        for (ours, _), conn in zip(self.pairs, self.conns, strict=True):
-            ours.setblocking(False)
-            assert direct.enroll(conn, ours.fileno(), conn.relay) is not None
-
-    def send(self, i: int, data: bytes) -> None:
-        self.pairs[i][1].sendall(data)
+    def received(self) -> bytes:
+        got = bytearray()
+        while True:
+            try:
+                data = self.client.recv(1 << 20)
+            except BlockingIOError:
+                return bytes(got)
+            if not data:
+                return bytes(got)
+            got += data
 
     def close(self) -> None:
-        for a, b in self.pairs:
-            a.close()
-            b.close()
+        for s in (self.up, self.origin, self.ours, self.client):
+            s.close()
 
 
-async def start_batching(direct: Any, streams: Streams) -> None:
-    """Two reads of the first stream 30 ms apart: within the interval (over 30 ms), and slow over
-    the streams enrolled if the interval is at most 3 ms per stream (SLOW: 10 intervals)."""
-    conn = streams.conns[0]
-    streams.send(0, b"x")
-    await delivered(conn, b"x")
-    assert not direct.batching  # the first wakeup: nothing to compare it with
-    await asyncio.sleep(0.03)
-    streams.send(0, b"y")
-    await delivered(conn, b"xy")
-    assert direct.batching and direct.batched == 0
+@pytest.fixture
+async def direct() -> Any:
+    d = DirectReads(asyncio.get_running_loop())
+    yield d
+    d.close()
 
 
-async def test_reads_close_together_are_batched_until_an_interval_finds_nothing() -> None:
-    """Two wakeups with bytes closer together than the interval, while the streams are slow,
-    start batching: the set is then read by its timer, once per interval, and every byte still
-    arrives, in order. The first interval that finds nothing ends it, and bytes wake the loop
-    through the set again. The timer's reads are not told to the idle poller: polling for them
-    would spin between intervals."""
-    loop = asyncio.get_running_loop()
-    poller = CountingPoller(loop)
-    direct = DirectReads(loop, poller, 100_000)  # 100 ms
-    metrics = Metrics()
-    metrics.watch_stream_reads(direct)
-    scrape = metrics.registry.get_sample_value
-    streams = Streams(direct, 100)
-    conn = streams.conns[0]
+async def until(check: Any, timeout: float = 5) -> None:
+    async with asyncio.timeout(timeout):
+        while not check():
+            await asyncio.sleep(0.002)
+
+
+async def read_until(stream: Stream, want: bytes, timeout: float = 5) -> bytes:
+    got = bytearray()
+    async with asyncio.timeout(timeout):
+        while len(got) < len(want):
+            got += stream.received()
+            await asyncio.sleep(0.002)
+    return bytes(got)
+
+
+async def test_reads_within_the_body_go_to_the_client_without_the_loop(direct: Any) -> None:
+    s = Stream(direct, LENGTH, 1000)
     try:
-        await start_batching(direct, streams)
-        assert scrape("sidecar_stream_batching") == 1
-        for part in (b"c", b"d", b"e"):  # three writes before the loop runs again
-            streams.send(0, part)
-        await delivered(conn, b"xycde")
-        assert direct.batched >= 1 and direct.reads == 3  # read by the timer, together
-        assert poller.notes == 2  # x and y
+        s.enroll()
+        s.origin.sendall(b"a" * 100)
+        assert await read_until(s, b"a" * 100) == b"a" * 100
+        s.origin.sendall(b"b" * 50)
+        assert await read_until(s, b"b" * 50) == b"b" * 50
+        assert s.transport.writes == [] and s.calls == [] and s.ended == []
+        assert s.relay.left == 850 and s.relay.reads == 2  # the exchange's idle timeout sees the reads
+        assert direct.reads == 2 and direct.handed_back == 0 and direct.enrolled == 1
+    finally:
+        s.leave()
+        s.close()
+
+
+async def test_the_bodys_end_is_handed_back_to_the_relay(direct: Any) -> None:
+    """The read that reaches the body's end is the loop's: the relay sends the body's part and
+    the connection learns bytes followed it (never relayed)."""
+    s = Stream(direct, LENGTH, 150)
+    try:
+        s.enroll()
+        s.origin.sendall(b"a" * 100)
+        assert await read_until(s, b"a" * 100) == b"a" * 100
+        s.origin.sendall(b"b" * 50 + b"NEXT")
+        await until(lambda: s.ended)
+        assert s.ended == [True] and s.relay.done
+        assert s.received() == b"b" * 50
+        assert direct.reads == 2 and direct.handed_back == 1
+    finally:
+        s.close()
+
+
+async def test_a_leave_returns_only_once_the_thread_is_done_with_the_connection(direct: Any) -> None:
+    """Bytes sent right around a leave: once it returns, nothing more reaches the client, and
+    what the thread did not read stays in the upstream's socket."""
+    s = Stream(direct, LENGTH, 1 << 30)
+    try:
+        s.enroll()
+        for i in range(200):
+            s.origin.sendall(b"%04d" % i)
+            if i == 100:
+                s.leave()
+                relayed = s.relay.reads
+        await asyncio.sleep(0.05)
+        got = s.received()
+        rest = s.up.recv(1 << 20)
+        assert got + rest == b"".join(b"%04d" % i for i in range(200))  # nothing lost, nothing twice
+        assert s.relay.reads == relayed and s.transport.writes == []
+        s.origin.sendall(b"late")
+        await asyncio.sleep(0.05)
+        assert s.received() == b"" and s.up.recv(16) == b"late"
+    finally:
+        s.close()
+
+
+async def test_a_descriptor_number_reused_after_the_loop_closed_it_gets_nothing(direct: Any) -> None:
+    """The loop closes the client's socket (a client gone) before the connection leaves, and a
+    new connection gets the same descriptor number: the thread's bytes never reach it (it sends
+    on a descriptor of its own, which still names the old socket)."""
+    s = Stream(direct, LENGTH, 1 << 20)
+    s.enroll()
+    fd = s.ours.fileno()
+    s.ours.close()
+    fresh, fresh_peer = socket.socketpair()
+    try:
+        if fresh.fileno() != fd and fresh_peer.fileno() != fd:
+            pytest.skip("the descriptor number was not reused")
+        fresh_peer.setblocking(False)
+        fresh.setblocking(False)
+        s.origin.sendall(b"secret" * 100)
+        await until(lambda: direct.reads >= 1)
+        await asyncio.sleep(0.02)
+        for sock in (fresh, fresh_peer):
+            with pytest.raises(BlockingIOError):
+                sock.recv(1 << 16)
+        assert s.received() == b"secret" * 100  # the old socket got them: it is still open through the thread's
+        s.leave()
+        assert s.client.recv(16) == b""  # and it is closed once the connection left
+    finally:
+        fresh.close()
+        fresh_peer.close()
+        for sock in (s.up, s.origin, s.client):
+            sock.close()
+
+
+async def test_a_client_socket_that_fills_hands_the_rest_to_its_transport_in_order(direct: Any) -> None:
+    """The client's socket takes part of a read: the rest goes to the transport (its buffer,
+    then backpressure), the connection leaves the thread, and the client's bytes are the
+    upstream's, in order."""
+    s = Stream(direct, LENGTH, 1 << 30, sndbuf=4096)
+    s.origin.setblocking(False)
+    try:
+        s.enroll()
+        sent = bytes(range(256)) * 4096  # 1 MiB: more than the client's socket buffers hold
+        sender = asyncio.ensure_future(asyncio.get_running_loop().sock_sendall(s.origin, sent))
+        await until(lambda: s.calls)
+        assert s.calls == ["direct_stop"] and direct.handed_back == 1
+        assert s.transport.writes  # the rest of that read, for the transport
+        rest = bytearray()  # what the transport would read next: the thread left
         async with asyncio.timeout(5):
-            while direct.batching:  # an interval with nothing read ends it
-                await asyncio.sleep(0.01)
-        assert scrape("sidecar_stream_batching") == 0
-        timed = direct.batched
-        await asyncio.sleep(0.3)
-        assert direct.batched == timed  # the timer is off once batching ends
-        streams.send(0, b"f")
-        await delivered(conn, b"xycdef")  # the set wakes the loop again
-        assert not direct.batching and direct.batched == timed and direct.reads == 4
-        assert poller.notes == 3
-        # The counters an operator reads, as the set counted them.
-        assert scrape("sidecar_stream_batched_wakeups_total") == timed
-        assert scrape("sidecar_stream_reads_total") == 4
-        assert scrape("sidecar_streams_read_directly_total") == direct.enrolled == 100
+            while True:
+                try:
+                    data = s.up.recv(1 << 20)
+                except BlockingIOError:
+                    if sender.done():
+                        break
+                    await asyncio.sleep(0.002)
+                    continue
+                rest += data
+        await sender
+        assert s.received() + b"".join(s.transport.writes) + bytes(rest) == sent
     finally:
-        direct.close()
-        streams.close()
+        s.close()
 
 
-@pytest.mark.parametrize(
-    ("batch_us", "count", "pause"),
-    [
-        pytest.param(1000, 100, 0.05, id="wakeups-further-apart-than-the-interval"),
-        # Reads closer together than the interval, of too few streams to be slow against it:
-        # one stream, an event every millisecond, a 50 ms interval.
-        pytest.param(50_000, 3, 0.001, id="a-fast-stream"),
-    ],
-)
-async def test_reads_that_are_not_batched_are_read_as_they_arrive(batch_us: int, count: int, pause: float) -> None:
-    loop = asyncio.get_running_loop()
-    direct = DirectReads(loop, IdlePoller(loop, 0), batch_us)
-    streams = Streams(direct, count)
+async def test_chunks_pass_through_and_a_chunk_the_thread_cannot_pass_goes_to_the_relay(direct: Any) -> None:
+    """Whole chunks pass as they came, a chunk cut in a size line or carrying an extension is
+    the relay's (which drops the extension), and the thread takes the body back after it."""
+    s = Stream(direct, CHUNKED, 0)
     try:
-        want = b""
-        for i in range(12):
-            part = b"%d;" % i
-            streams.send(0, part)
-            want += part
-            await delivered(streams.conns[0], want)
-            assert not direct.batching
-            await asyncio.sleep(pause)
-        assert direct.batched == 0 and direct.reads == 12
+        s.enroll()
+        out = b""
+        for i in range(6):  # passes enough for the thread to take it back after a hand-back
+            event = b"data: %d\n\n" % i
+            chunk = b"%x\r\n%s\r\n" % (len(event), event)
+            s.origin.sendall(chunk)
+            out += chunk
+            assert await read_until(s, chunk) == chunk
+        assert direct.handed_back == 0
+        s.origin.sendall(b"5;ext=1\r\nhello\r\n")
+        assert await read_until(s, b"5\r\nhello\r\n") == b"5\r\nhello\r\n"
+        assert direct.handed_back == 1
+        reads = direct.reads
+        s.origin.sendall(b"3\r\nabc\r\n")
+        assert await read_until(s, b"3\r\nabc\r\n") == b"3\r\nabc\r\n"
+        assert direct.reads == reads + 1 and direct.handed_back == 1 and s.calls == []  # the thread's again
+        s.origin.sendall(b"0\r\n\r\n")
+        await until(lambda: s.ended)
+        assert s.ended == [False] and s.received() == b"0\r\n\r\n"
     finally:
-        direct.close()
-        streams.close()
+        s.close()
 
 
-@pytest.mark.parametrize(
-    ("count", "senders", "batching", "timer_wakeups"),
-    [
-        # All 200 streams have bytes: the timer's wakeup takes a full batch (64), the streams are
-        # no longer slow, and the set's own wakeups read the rest at once.
-        pytest.param(200, 200, False, 1, id="a-burst-ends-batching"),
-        # 70 of 1000 streams: the timer's wakeup takes 64, the next, armed at once rather than
-        # an interval on, the other 6; the 70 reads count as one interval's, so the streams are
-        # still slow and batching goes on (its next wakeup is 500 ms away).
-        pytest.param(1000, 70, True, 2, id="a-full-batch-is-followed-at-once"),
-    ],
-)
-async def test_more_reads_than_a_batch_takes_while_batching(
-    count: int, senders: int, batching: bool, timer_wakeups: int
-) -> None:
-    loop = asyncio.get_running_loop()
-    direct = DirectReads(loop, IdlePoller(loop, 0), 500_000)  # 500 ms
-    streams = Streams(direct, count)
+async def test_a_body_handed_back_early_goes_to_its_transport_for_a_while(direct: Any) -> None:
+    """A hand-back after fewer passes than the thread needs to be worth it (extensions on every
+    chunk): the connection goes back to its transport, and enrolling waits some reads."""
+    s = Stream(direct, CHUNKED, 0)
     try:
-        await start_batching(direct, streams)
-        timed = direct.batched
-        for i in range(senders):
-            streams.send(i, b"%d;" % i)
-        for i, conn in enumerate(streams.conns[:senders]):
-            await delivered(conn, (b"xy" if i == 0 else b"") + b"%d;" % i)
-        assert direct.batching == batching and direct.batched == timed + timer_wakeups
+        s.relay.reads = 3
+        s.enroll()
+        s.origin.sendall(b"5;x\r\nhello\r\n")
+        await until(lambda: s.calls)
+        assert s.calls == ["direct_stop"] and s.enroll_at > s.relay.reads
+        assert await read_until(s, b"5\r\nhello\r\n") == b"5\r\nhello\r\n"
     finally:
-        direct.close()
-        streams.close()
+        s.close()
 
 
-async def test_closing_while_batching_stops_the_timer_and_reads_nothing_more() -> None:
-    loop = asyncio.get_running_loop()
-    direct = DirectReads(loop, IdlePoller(loop, 0), 100_000)
-    streams = Streams(direct, 100)
-    conn = streams.conns[0]
+async def test_invalid_framing_is_the_relays_and_nothing_of_it_is_sent(direct: Any) -> None:
+    s = Stream(direct, CHUNKED, 0)
     try:
-        await start_batching(direct, streams)
-        streams.send(0, b"c")
-        direct.close()
-        await asyncio.sleep(0.2)  # past the interval: nothing is read, nothing fails
-        assert conn.got() == b"xy" and streams.pairs[0][0].recv(16) == b"c"
-        assert direct.enroll(conn, streams.pairs[0][0].fileno(), conn.relay) is None
+        s.enroll()
+        s.origin.sendall(b"zz\r\nhello\r\n")
+        await until(lambda: s.calls)
+        assert s.calls[0].startswith("invalid: ") and s.received() == b""
     finally:
-        direct.close()  # a second close does nothing
-        streams.close()
+        s.close()
+
+
+async def test_an_upstream_close_goes_back_to_its_transport(direct: Any) -> None:
+    s = Stream(direct, LENGTH, 100)
+    try:
+        s.enroll()
+        s.origin.close()
+        await until(lambda: s.calls)
+        assert s.calls == ["direct_stop"] and s.received() == b"" and s.relay.reads == 0
+    finally:
+        s.close()
+
+
+async def test_closing_stops_the_thread_and_relays_nothing_more() -> None:
+    direct = DirectReads(asyncio.get_running_loop())
+    s = Stream(direct, LENGTH, 1 << 20)
+    try:
+        s.enroll()
+        s.origin.sendall(b"x")
+        assert await read_until(s, b"x") == b"x"
+        direct.close()
+        s.origin.sendall(b"y")
+        await asyncio.sleep(0.05)
+        assert s.received() == b"" and s.up.recv(16) == b"y"
+        s.leave()  # (after the close: nothing to do)
+        direct.close()
+    finally:
+        s.close()
