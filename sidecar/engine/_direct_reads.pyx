@@ -43,6 +43,9 @@ from sidecar.engine.parse_errors import ParseError
 from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, LENGTH
 
 
+cdef extern from "<pthread.h>" nogil:
+    int pthread_setname_np(pthread_t t, const char *name)
+
 cdef extern from "<signal.h>" nogil:
     ctypedef struct sigset_t:
         pass
@@ -107,9 +110,6 @@ cdef enum:
     BACKOFF = 64
     # Pieces one send gathers (a dechunked read with more pieces is the relay's).
     MAX_IOV = 64
-    # The relay's framing states the thread leaves (relay.py: _SIZE, _DATA).
-    S_SIZE = 0
-    S_DATA = 3
     # Notes to the loop.
     K_READ = 0  # a read the thread did not relay: ``data`` holds it
     K_FULL = 1  # the client's socket took only part of a read: ``data`` holds the rest
@@ -119,6 +119,21 @@ cdef enum:
 
 
 cdef const char *CRLF = b"\r\n"
+
+
+cdef long S_SIZE, S_DATA  # the relay's chunked framing states the thread starts from and leaves
+
+
+def _relay_states():
+    """The relay's states at a chunk's size line and in its data, as the relay itself reaches
+    them (its constants are C-level, not importable)."""
+    relay = BodyRelay(ClientOutput(None), DECHUNK, 0, 0)
+    size = relay.state
+    relay.feed(b"5\r\n")  # (dechunked: nothing to write yet)
+    return size, relay.state
+
+
+S_SIZE, S_DATA = _relay_states()
 
 
 cdef inline void _post(Shared *s, Note *note) noexcept nogil:
@@ -364,6 +379,7 @@ cdef class DirectReads:
         s.running = True
         if pthread_create(&self.thread, NULL, _run, <void *>s) != 0:
             raise OSError(errno, "pthread_create failed")
+        pthread_setname_np(self.thread, b"sidecar-streams")  # (what top -H and ps -L show)
         self.started = True
         loop.add_reader(s.notify, self._drain)
 
