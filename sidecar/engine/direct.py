@@ -10,8 +10,8 @@ both sides, several times what a proxy in C spends on it. The compiled build
   :class:`~sidecar.engine.relay.ClientOutput` and the upstream connections, each its
   transport's only writer): the transport takes the rest, or everything after an error, so
   backpressure and errors work as before;
-- an upstream connection whose response body is still going after :data:`ENROLL_AFTER` reads is
-  enrolled in :class:`DirectReads`: its transport stops reading, and a thread of the engine's
+- an upstream connection whose response body is still going after its first read
+  (:data:`ENROLL_AFTER`) is enrolled in :class:`DirectReads`: its transport stops reading, and a thread of the engine's
   own, with no Python state, relays it: it reads the upstream's socket and sends each read that
   the relay would pass through unchanged (the usual token event) straight to the client's
   socket, without waking the event loop. Every other read (the body's end, framing the thread
@@ -51,6 +51,8 @@ try:
 except ImportError:  # the pure-Python build
     DirectReads = DirectSocket = None
 
-# Reads of one response body through the transport before its connection is enrolled: a body
-# that ends sooner never pays the two epoll changes enrolling and leaving cost.
-ENROLL_AFTER = 3
+# Reads of one response body through the transport before its connection is enrolled: the
+# first (often with the head), so a body that ends within it (most answers that are not
+# streams) never pays what enrolling and leaving cost (two dups, two epoll changes, a hand-back
+# at the end); a stream's events after it never wake the event loop.
+ENROLL_AFTER = 1
