@@ -59,6 +59,7 @@ cdef class DirectReads:
     cdef Shared *s
     cdef pthread_t thread
     cdef bint started
+    cdef int fd_cap
     cdef object loop
     cdef set live
     cdef public unsigned long long enrolled

@@ -39,6 +39,8 @@ from posix.unistd cimport close, dup, read, write
 from sidecar.engine._direct_socket cimport DirectSocket
 from sidecar.engine.relay cimport BodyRelay, ClientOutput
 
+import resource
+
 from sidecar.engine.parse_errors import ParseError
 from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, LENGTH
 
@@ -359,6 +361,9 @@ cdef class DirectReads:
         self.loop = loop
         self.live = set()
         self.enrolled = 0
+        # The thread's two descriptors per stream stop at three quarters of the open file limit.
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.fd_cap = 1 << 30 if soft == resource.RLIM_INFINITY else max(64, soft * 3 // 4)
         self.s = s = <Shared *>calloc(1, sizeof(Shared))
         if s == NULL:
             raise MemoryError()
@@ -476,7 +481,9 @@ cdef class DirectReads:
             return None
         e.ufd = dup(fd)
         e.cfd = dup(sock.fd)
-        if e.ufd < 0 or e.cfd < 0:
+        if e.ufd < 0 or e.cfd < 0 or e.ufd >= self.fd_cap or e.cfd >= self.fd_cap:
+            # (a descriptor this high means most of the open file limit is in use: the rest
+            # is kept for accepting and connecting, and the transport reads this body)
             _free_entry_fds(e)
             free(e)
             return None
@@ -522,17 +529,20 @@ cdef class DirectReads:
         e.gone = True
         held = e.held
         pthread_mutex_unlock(&e.lock)
-        _free_entry_fds(e)
         if held:
             # Handed back (the usual end of a stream): out of the set since, so no event the
             # thread takes names it; free it now, or once its note is taken if still queued.
+            _free_entry_fds(e)
             if e.queued:
                 e.dead = True
             else:
                 _free_entry(e)
             return
-        # Still in the set: the thread may hold an event for it until its next iteration.
+        # Still in the set: out of it before its descriptor closes (closing a dup does not take
+        # the socket out of the set while the loop's own descriptor keeps it open), and the
+        # thread may hold an event for it until its next iteration.
         epoll_ctl(s.epfd, EPOLL_CTL_DEL, e.ufd, NULL)
+        _free_entry_fds(e)
         pthread_mutex_lock(&s.qlock)
         e.next_retired = s.retired
         s.retired = e

@@ -5,6 +5,8 @@ thread, a descriptor number reused, a client socket that fills mid-read)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import resource
 import socket
 from typing import Any
 
@@ -106,6 +108,14 @@ async def direct() -> Any:
     d.close()
 
 
+def relay_thread_cpu() -> float:
+    """CPU seconds the stream thread has run (there is one while a DirectReads is open)."""
+    for tid in os.listdir("/proc/self/task"):
+        if open(f"/proc/self/task/{tid}/comm").read().strip() == "sidecar-streams":
+            return int(open(f"/proc/self/task/{tid}/schedstat").read().split()[0]) / 1e9
+    raise AssertionError("no stream thread")
+
+
 async def until(check: Any, timeout: float = 5) -> None:
     async with asyncio.timeout(timeout):
         while not check():
@@ -171,7 +181,9 @@ async def test_a_leave_returns_only_once_the_thread_is_done_with_the_connection(
         assert got + rest == b"".join(b"%04d" % i for i in range(200))  # nothing lost, nothing twice
         assert s.relay.reads == relayed and s.transport.writes == []
         s.origin.sendall(b"late")
+        before = relay_thread_cpu()
         await asyncio.sleep(0.05)
+        assert relay_thread_cpu() - before < 0.01  # the socket left the set: no wakeups for it
         assert s.received() == b"" and s.up.recv(16) == b"late"
     finally:
         s.close()
@@ -317,3 +329,37 @@ async def test_closing_stops_the_thread_and_relays_nothing_more() -> None:
         direct.close()
     finally:
         s.close()
+
+
+async def test_near_the_open_file_limit_bodies_stay_with_their_transports() -> None:
+    """The thread's two descriptors per stream stop at three quarters of the open file limit:
+    the rest is kept for accepting and connecting (the transport reads such a body instead)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers: list[socket.socket] = []
+    s: Stream | None = None
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 200, hard))
+    try:
+        direct = DirectReads(asyncio.get_running_loop())
+        s = Stream(direct, LENGTH, 1000)
+        cap = resource.getrlimit(resource.RLIMIT_NOFILE)[0] * 3 // 4
+        while True:  # the lowest free descriptor number reaches the cap
+            probe = os.dup(0)
+            os.close(probe)
+            if probe >= cap:
+                break
+            fillers.append(socket.socket())
+        assert direct.enroll(s, s.up.fileno(), s.relay) is None
+        for f in fillers[-10:]:
+            f.close()
+        del fillers[-10:]
+        s.enroll()  # descriptors free below the cap again
+        s.origin.sendall(b"x")
+        assert await read_until(s, b"x") == b"x"
+        s.leave()
+        direct.close()
+    finally:
+        for f in fillers:
+            f.close()
+        if s is not None:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
