@@ -87,6 +87,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sidecar.app import serve
     from sidecar.config import build_config
     from sidecar.errors import ConfigError
+    from sidecar.fdlimit import raise_open_file_limit
     from sidecar.state import StoreUnavailable
 
     flags = {
@@ -98,6 +99,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     logs.setup(config.log_level)
+    raise_open_file_limit()
     try:
         _run_loop(serve(config))
     except OSError as exc:  # typically a listener address already in use

@@ -217,3 +217,38 @@ async def test_startup_log_says_whether_the_fast_engine_runs_compiled(upstream, 
         assert lines[0]["compiled"] is (not loaded.endswith(".py"))
     finally:
         stop(proc)
+
+
+async def test_a_low_soft_open_file_limit_is_raised_to_the_hard_limit_at_start(upstream):
+    """Started with a soft limit of 256 under a higher hard limit (as many environments start
+    processes at 1024), the sidecar raises its soft limit to the hard one and says so."""
+    import resource
+
+    from sidecar.fdlimit import CEILING
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = CEILING if hard == resource.RLIM_INFINITY or hard > CEILING else hard
+    if want <= 256:
+        pytest.skip("the hard open file limit is too low to raise anything")
+    port, admin_port = free_ports(2)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "run", "--listen", f"127.0.0.1:{port}", "--upstream", upstream.url]
+        + ["--admin", f"127.0.0.1:{admin_port}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)),
+    )
+    try:
+        await wait_healthy(f"http://127.0.0.1:{admin_port}", proc)
+        limits = Path(f"/proc/{proc.pid}/limits").read_text().splitlines()
+        (line,) = [x for x in limits if x.startswith("Max open files")]
+        assert line.split()[3:5] == [str(want), "unlimited" if hard == resource.RLIM_INFINITY else str(hard)]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        logs = [orjson.loads(x) for x in (proc.stderr.read() if proc.stderr else "").splitlines() if x.startswith("{")]
+        assert [x["msg"] for x in logs if "open file limit" in x["msg"]] == [
+            f"open file limit raised from 256 to {want}"
+        ]
+    finally:
+        stop(proc)
