@@ -52,6 +52,16 @@ from sidecar.router import body_pool
 log = logging.getLogger("sidecar.engine")
 
 
+def _stream_thread(loop: asyncio.AbstractEventLoop) -> Any:
+    """The engine's DirectReads, or None where its thread cannot start (a thread or descriptor
+    limit): streamed bodies then go through the event loop, as in the pure-Python build."""
+    try:
+        return DirectReads(loop)
+    except (OSError, MemoryError) as exc:
+        log.warning("stream thread not started, streamed bodies go through the event loop: %s", exc)
+        return None
+
+
 class FastEngine(Engine):
     """Reverse proxy on asyncio Protocols (uvloop in production) with llhttp parsing."""
 
@@ -84,7 +94,7 @@ class FastEngine(Engine):
                 )
         self.shared.poller = poller = IdlePoller(loop, poll_us / 1e6)
         # Long response bodies from plain-TCP upstreams are relayed by its thread (compiled build only).
-        self.direct = direct = None if DirectReads is None else DirectReads(loop)
+        self.direct = direct = None if DirectReads is None else _stream_thread(loop)
         self.metrics.watch_poller(poller)
         if direct is not None:
             self.metrics.watch_stream_reads(direct)

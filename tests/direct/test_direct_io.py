@@ -341,3 +341,27 @@ async def test_a_long_content_length_body_is_read_directly_byte_exact(raw_upstre
     assert (await asyncio.wait_for(read_response(reader), 5)).status == 200  # nothing after the body
     writer.close()
     assert up.connections == 1
+
+
+async def test_where_the_stream_thread_cannot_start_streams_go_through_the_event_loop(
+    raw_upstream: Any, start_sidecar: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A thread limit (or no descriptor left) at start: the sidecar starts anyway, says so, and
+    relays streams through its transports, byte-exact."""
+
+    def refuse(loop: Any) -> None:
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr("sidecar.engine.fast.DirectReads", refuse)
+    body = [event(i) for i in range(EVENTS)] + [b"0\r\n\r\n"]
+    up = await raw_upstream({"/s": paced([SSE_HEAD, *body])})
+    with caplog.at_level("WARNING", logger="sidecar.engine"):
+        sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    assert sc.engine.direct is None
+    reader, writer, _ = await open_stream(sc, b"/s")
+    assert await read_chunked(reader) == b"".join(body)
+    writer.close()
+    assert [r.getMessage() for r in caplog.records if r.name == "sidecar.engine"] == [
+        "stream thread not started, streamed bodies go through the event loop: "
+        "[Errno 11] Resource temporarily unavailable"
+    ]
