@@ -8,6 +8,7 @@ import asyncio
 import os
 import resource
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -110,9 +111,9 @@ async def direct() -> Any:
 
 def relay_thread_cpu() -> float:
     """CPU seconds the stream thread has run (there is one while a DirectReads is open)."""
-    for tid in os.listdir("/proc/self/task"):
-        if open(f"/proc/self/task/{tid}/comm").read().strip() == "sidecar-streams":
-            return int(open(f"/proc/self/task/{tid}/schedstat").read().split()[0]) / 1e9
+    for task in Path("/proc/self/task").iterdir():
+        if (task / "comm").read_text().strip() == "sidecar-streams":
+            return int((task / "schedstat").read_text().split()[0]) / 1e9
     raise AssertionError("no stream thread")
 
 
