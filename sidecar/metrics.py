@@ -444,7 +444,8 @@ class _StreamReadsCollector(_SourceCollector):
         d = self.source
         yield CounterMetricFamily(
             "sidecar_streams_read_directly",
-            "Long response bodies (token streams, large bodies) the fast engine's stream thread relayed.",
+            "Long response bodies (token streams, large bodies) handed to the fast engine's stream thread "
+            "(one handed back and enrolled again counts again).",
             value=d.enrolled,
         )
         yield CounterMetricFamily(
@@ -454,8 +455,8 @@ class _StreamReadsCollector(_SourceCollector):
         )
         yield CounterMetricFamily(
             "sidecar_stream_handbacks",
-            "Reads of those bodies the stream thread handed back to the event loop (a body's end, framing "
-            "it does not pass through, a full client socket, a close).",
+            "Times the stream thread handed one of those bodies back to the event loop (its end, a read "
+            "it does not pass through, a full client socket, a close or an error).",
             value=d.handed_back,
         )
 
