@@ -4,12 +4,15 @@ build only; :mod:`sidecar.engine.direct` says when it is used).
 
 :class:`DirectReads` owns an epoll set and one thread that waits on it with no Python state and
 no GIL. For each enrolled upstream connection the thread reads the socket and, when the read is
-one the relay would pass through unchanged (whole chunks of a chunked body, none the last one;
-bytes within a Content-Length body; a close-delimited body to an HTTP/1.0 client), sends it to
-the client's socket at once: per event one ``epoll_wait``, one ``recv`` and one ``send``, the
-loop never woken. Every other read is handed back to the loop whole (``K_READ``), which feeds
-it to the response's :class:`~sidecar.engine.relay.BodyRelay` as its transport's reads are fed
-(framing checks, the body's end, invalid framing all stay in one place), then enrols the
+one the relay would pass through unchanged (whole chunks of a chunked body; bytes within a
+Content-Length body; a close-delimited body to an HTTP/1.0 client), sends it to the client's
+socket at once: per event one ``epoll_wait``, one ``recv`` and one ``send``, the loop never
+woken. The read that ends the body the usual way (whole chunks then the last chunk with no
+extension or trailer, ending the read; the last bytes of a Content-Length body) is sent the
+same way, then handed back (``K_END``) for the loop to end the response. Every other read is
+handed back to the loop whole (``K_READ``), which feeds it to the response's
+:class:`~sidecar.engine.relay.BodyRelay` as its transport's reads are fed (trailers,
+extensions, bytes after the body, invalid framing all stay in one place), then enrols the
 connection again if its body goes on at a chunk boundary. A client socket that takes only part
 of a read hands the rest back (``K_FULL``: written through the client's transport, which then
 applies backpressure as always); a close or an error on the upstream socket hands the
@@ -118,6 +121,7 @@ cdef enum:
     K_STOP = 2  # the upstream socket has a close or an error: its transport meets it
     K_NOMEM = 3  # a read could not be kept (no memory): the response fails
     K_FREE = 4  # the thread holds no reference to the entry any more: free it
+    K_END = 5  # the read that ends the body went to the client (``data``: what the socket did not take)
 
 
 cdef const char *CRLF = b"\r\n"
@@ -156,10 +160,10 @@ cdef inline void _ring(Shared *s) noexcept nogil:
 cdef long long _chunks(Entry *e, const unsigned char *b, Py_ssize_t n, iovec *iov, int *cnt) noexcept nogil:
     """Follow chunked framing through ``b[:n]`` from where ``e`` is (``e.left`` data bytes of
     a chunk still to come, or 0: at a chunk's size line) as the relay would, but only along the
-    path it takes for plain data: sizes without extensions, none the last, each line and data
-    followed by CRLF. Return the data bytes left in the chunk at the end of the read (0: at a
-    size line), or -1 where the read leaves that path (the relay then reads it). For a dechunked
-    body (``M_DECHUNK``), the data's pieces go to ``iov`` (``cnt`` of them)."""
+    path it takes for plain data: sizes without extensions, none the last (``_last_chunk``
+    recognises that one), each line and data followed by CRLF. Return the data bytes left in the
+    chunk at the end of the read (0: at a size line), or -1 where the read leaves that path. For
+    a dechunked body (``M_DECHUNK``), the data's pieces go to ``iov`` (``cnt`` of them)."""
     cdef Py_ssize_t pos = 0, take, digits
     cdef unsigned long long left = e.left[0]
     cdef unsigned char c
@@ -204,9 +208,22 @@ cdef long long _chunks(Entry *e, const unsigned char *b, Py_ssize_t n, iovec *io
     return <long long>left
 
 
+cdef bint _last_chunk(Entry *e, const unsigned char *b, Py_ssize_t n) noexcept nogil:
+    """Whether ``b[:n]`` is whole plain chunks (as ``_chunks`` follows them) then the last
+    chunk with no extension and no trailer, ending the read: the body's usual end, which the
+    thread sends itself."""
+    cdef iovec iov[1]
+    cdef int cnt = 0
+    return (
+        n >= 5
+        and b[n - 5] == 48 and b[n - 4] == 13 and b[n - 3] == 10 and b[n - 2] == 13 and b[n - 1] == 10
+        and _chunks(e, b, n - 5, iov, &cnt) == 0
+    )
+
+
 cdef void _hand(Shared *s, Entry *e, int kind, unsigned char *data, Py_ssize_t n) noexcept nogil:
     """Hand ``e`` back to the loop (``e.lock`` held), with ``data[:n]``: copied from the read
-    buffer for ``K_READ``, taken as it is (allocated) for ``K_FULL``."""
+    buffer for ``K_READ``, taken as it is (allocated, or NULL) for ``K_FULL`` and ``K_END``."""
     cdef char *copy = <char *>data
     e.held = True
     s.handed_back += 1
@@ -235,6 +252,7 @@ cdef void _relay(Shared *s, Entry *e) noexcept nogil:
     cdef long long left
     cdef iovec iov[MAX_IOV]
     cdef int cnt = 1, i
+    cdef bint end = False  # the read ends the body (and holds nothing after it)
     cdef msghdr msg
     cdef char size[20]
     cdef unsigned char *rest
@@ -252,8 +270,14 @@ cdef void _relay(Shared *s, Entry *e) noexcept nogil:
             cnt = 0
         left = _chunks(e, s.buf, got, iov, &cnt)
         if left < 0:
-            _hand(s, e, K_READ, s.buf, got)
-            return
+            # The body's usual end (passed through) is sent here, the loop told after; any other
+            # read off the plain path is the relay's.
+            if e.mode != M_CHUNKED or not _last_chunk(e, s.buf, got):
+                _hand(s, e, K_READ, s.buf, got)
+                return
+            end = True
+            cnt = 1
+            left = 0
         e.left[0] = left
         e.state[0] = S_DATA if left else S_SIZE
         if e.mode == M_DECHUNK:
@@ -261,9 +285,10 @@ cdef void _relay(Shared *s, Entry *e) noexcept nogil:
             for i in range(cnt):
                 total += iov[i].iov_len
     elif e.mode == M_LENGTH:
-        if <unsigned long long>got >= e.left[0]:  # the body's end: the relay's to handle
+        if <unsigned long long>got > e.left[0]:  # bytes after the body's end: the relay's to handle
             _hand(s, e, K_READ, s.buf, got)
             return
+        end = <unsigned long long>got == e.left[0]
         e.left[0] -= got
     elif e.mode == M_EOF_CHUNKED:  # one chunk per read
         iov[0].iov_base = size
@@ -283,6 +308,8 @@ cdef void _relay(Shared *s, Entry *e) noexcept nogil:
     msg.msg_iovlen = cnt
     sent = sendmsg(e.cfd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL)
     if sent == total:
+        if end:
+            _hand(s, e, K_END, NULL, 0)
         return
     if sent < 0:  # EAGAIN, or an error the client's transport will meet and report
         sent = 0
@@ -297,7 +324,7 @@ cdef void _relay(Shared *s, Entry *e) noexcept nogil:
         sent -= skip
         memcpy(rest + total, <char *>iov[i].iov_base + skip, iov[i].iov_len - skip)
         total += iov[i].iov_len - skip
-    _hand(s, e, K_FULL, rest, total)
+    _hand(s, e, K_END if end else K_FULL, rest, total)
 
 
 cdef void *_run(void *arg) noexcept nogil:
@@ -603,6 +630,12 @@ cdef class DirectReads:
                 # transport reads it, and enrolling is tried again after BACKOFF reads.
                 conn.direct_stop()
                 conn.enroll_at = relay.reads + BACKOFF
+        elif kind == K_END:
+            if data is not None:
+                relay.output.parts.append(data)
+                relay.output.flush()
+            relay.end_sent()
+            conn.body_end(False)
         elif kind == K_FULL:
             relay.output.parts.append(data)  # through the transport: the client's backpressure follows
             relay.output.flush()

@@ -28,6 +28,7 @@ cdef class BodyRelay:
     @cython.locals(mode=long, parts=list, left="unsigned long long")
     cdef Py_ssize_t feed_from(self, const unsigned char *buf, Py_ssize_t n, object data) except -1
     cdef _whole(self, const unsigned char *buf, Py_ssize_t n, object data)
+    cpdef end_sent(self)
     cpdef bint eof(self) except -1
     @cython.locals(state=long, left="unsigned long long", digits=long, through=bint,
                    pos=Py_ssize_t, seg=Py_ssize_t, out=list, c="unsigned char", take=Py_ssize_t)

@@ -147,6 +147,16 @@ class BodyRelay:
             self.output.flush()
         return n
 
+    def end_sent(self) -> None:
+        """The read that ends the body went to the client another way: the stream thread
+        (:class:`~sidecar.engine.direct.DirectReads`) passed it through (whole chunks then the
+        last chunk with no trailer, or the last bytes of a Content-Length body) and counted it in
+        ``reads``. The relay is done."""
+        self.left = 0
+        if self.mode == _CHUNKED or self.mode == _DECHUNK:
+            self.state = _DONE
+        self.done = True
+
     def _whole(self, buf: bytes, n: int, data: bytes | None) -> None:
         """The whole read goes to the client as it came."""
         if data is None:

@@ -112,11 +112,10 @@ async def test_a_long_stream_is_read_directly_byte_exact_and_its_connection_is_r
     assert direct.enrolled == 1 and direct.reads == reads  # the short answer was not enrolled
 
 
-async def test_a_streams_events_are_relayed_by_the_thread_and_its_end_by_the_loop(
-    raw_upstream: Any, start_sidecar: Any
-) -> None:
+async def test_a_streams_events_and_its_end_are_relayed_by_the_thread(raw_upstream: Any, start_sidecar: Any) -> None:
     """Events 1 ms apart, one chunk each: after enrolment every read is relayed by the stream
-    thread, and only the last chunk is handed back to the loop (which ends the response)."""
+    thread, the last chunk included, and the loop is handed the connection back once, to end
+    the response."""
     body = [event(i) for i in range(4 * EVENTS)] + [b"0\r\n\r\n"]
     up = await raw_upstream({"/s": paced([SSE_HEAD, *body], 0.001)})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)

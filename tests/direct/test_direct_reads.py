@@ -165,6 +165,106 @@ async def test_the_bodys_end_is_handed_back_to_the_relay(direct: Any) -> None:
         s.close()
 
 
+def blocking_read(stream: Stream, want: bytes, timeout: float = 5) -> bytes:
+    """Read the client's side while the event loop is blocked (nothing the loop would send can
+    arrive meanwhile)."""
+    stream.client.setblocking(True)
+    stream.client.settimeout(timeout)
+    got = bytearray()
+    try:
+        while len(got) < len(want):
+            data = stream.client.recv(1 << 20)
+            assert data, bytes(got)
+            got += data
+    finally:
+        stream.client.setblocking(False)
+    return bytes(got)
+
+
+async def test_a_content_length_bodys_last_read_goes_to_the_client_without_the_loop(direct: Any) -> None:
+    """The read that ends the body exactly is sent by the thread, the loop told afterwards: the
+    client has it while the loop is blocked, then the connection learns the body ended with
+    nothing after it."""
+    s = Stream(direct, LENGTH, 150)
+    try:
+        s.enroll()
+        s.origin.sendall(b"a" * 100)
+        assert await read_until(s, b"a" * 100) == b"a" * 100
+        s.origin.sendall(b"b" * 50)
+        assert blocking_read(s, b"b" * 50) == b"b" * 50 and s.ended == []  # (the loop has not run)
+        await until(lambda: s.ended)
+        assert s.ended == [False] and s.relay.done and s.relay.left == 0 and s.relay.reads == 2
+        assert s.transport.writes == [] and s.received() == b""
+        assert direct.reads == 2 and direct.handed_back == 1
+    finally:
+        s.close()
+
+
+async def test_a_chunked_bodys_end_goes_with_its_last_event_without_the_loop(direct: Any) -> None:
+    """A read of whole chunks then the last chunk (no trailer) passes through as it came, sent by
+    the thread; the relay is then done at the body's end."""
+    s = Stream(direct, CHUNKED, 0)
+    try:
+        s.enroll()
+        first = b"6\r\nevent1\r\n"
+        s.origin.sendall(first)
+        assert await read_until(s, first) == first
+        last = b"7\r\nevent2\n\r\n0\r\n\r\n"
+        s.origin.sendall(last)
+        assert blocking_read(s, last) == last and s.ended == []
+        await until(lambda: s.ended)
+        assert s.ended == [False] and s.relay.done and s.relay.reads == 2
+        assert s.transport.writes == [] and direct.handed_back == 1
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(
+    ("end", "client_gets", "extra"),
+    [
+        (b"0\r\nX-Trailer: t\r\n\r\n", b"0\r\n\r\n", False),  # trailer fields: dropped by the relay
+        (b"0;ext=1\r\n\r\n", b"0\r\n\r\n", False),  # an extension on the last chunk: dropped
+        (b"0\r\n\r\nNEXT", b"0\r\n\r\n", True),  # bytes after the body: never relayed
+        (b"00\r\n\r\n", b"00\r\n\r\n", False),  # a last chunk the thread does not recognise: the relay's
+    ],
+)
+async def test_an_end_other_than_the_plain_last_chunk_is_the_relays(
+    direct: Any, end: bytes, client_gets: bytes, extra: bool
+) -> None:
+    s = Stream(direct, CHUNKED, 0)
+    try:
+        s.enroll()
+        s.origin.sendall(b"3\r\nabc\r\n")
+        assert await read_until(s, b"3\r\nabc\r\n") == b"3\r\nabc\r\n"
+        s.origin.sendall(end)
+        await until(lambda: s.ended)
+        assert s.ended == [extra] and s.relay.done
+        assert s.received() == client_gets
+    finally:
+        s.close()
+
+
+async def test_a_last_read_the_client_socket_cannot_take_ends_through_the_transport(direct: Any) -> None:
+    """The read that ends the body finds the client's socket full: it goes to the client's
+    transport (in order, after what the socket holds) and the body still ends."""
+    s = Stream(direct, LENGTH, 100, sndbuf=4096)
+    try:
+        s.enroll()
+        filler = 0
+        while True:  # the client does not read: fill its socket
+            try:
+                filler += s.ours.send(b"f" * 4096)
+            except BlockingIOError:
+                break
+        s.origin.sendall(b"z" * 100)
+        await until(lambda: s.ended)
+        assert s.ended == [False] and s.relay.done and direct.handed_back == 1
+        assert s.transport.writes == [b"z" * 100]  # (the transport's buffer: after the socket's bytes)
+        assert s.received() == b"f" * filler
+    finally:
+        s.close()
+
+
 async def test_a_leave_returns_only_once_the_thread_is_done_with_the_connection(direct: Any) -> None:
     """Bytes sent right around a leave: once it returns, nothing more reaches the client, and
     what the thread did not read stays in the upstream's socket."""
