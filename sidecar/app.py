@@ -90,7 +90,13 @@ class Sidecar:
             await self.engine.start()
             engine_started = True
             admin = build_admin_app(self.router, self.health, self.metrics, self.tokens)
-            self._admin_runner = web.AppRunner(admin, handle_signals=False, access_log=None)
+            # An admin connection that has not sent a whole request head within the head timeout
+            # of opening, or of its last answer, is closed (aiohttp's keep-alive timer, armed
+            # from the connection's start since aiohttp 3.14.5): slow or silent connections do
+            # not pile up on the admin port, which probes and scrapers must reach.
+            self._admin_runner = web.AppRunner(
+                admin, handle_signals=False, access_log=None, keepalive_timeout=cfg.head_timeout_seconds
+            )
             await self._admin_runner.setup()
             site = web.TCPSite(self._admin_runner, cfg.admin.host, cfg.admin.port, reuse_address=True)
             await site.start()

@@ -387,7 +387,8 @@ class Config(_Strict):
     # long (the endpoint removal reaches every load balancer meanwhile), then the drain begins.
     shutdown_delay_seconds: float = Field(5.0, ge=0)
     # A client's request head must arrive completely within this long (slow-header attacks hold a
-    # connection and a parser buffer for as long as the head lasts): 408 and close.
+    # connection and a parser buffer for as long as the head lasts): 408 and close. On the admin
+    # listener, a connection without a whole head this long after opening or its last answer closes.
     head_timeout_seconds: float = Field(15.0, gt=0)
     # /readyz answers 200 only while every deployment has an upstream currently healthy (active
     # health checks, failed connections, a background connect probe), unless this is false.

@@ -138,3 +138,39 @@ async def test_a_body_signal_id_with_any_control_character_is_forwarded_opaque(u
     opaque, kept = (r.header("X-Dynamo-Session-ID") for r in upstream.received)
     assert opaque is not None and opaque.startswith("~") and opaque.isprintable()
     assert kept == "tab\there"  # HTAB is a field value's own character: kept as sent
+
+
+async def test_admin_connections_without_a_whole_head_in_time_are_closed(upstream, start_sidecar):
+    """The admin listener bounds what a connection can hold too: one that sends nothing, and one
+    that dribbles a head, are closed once the head timeout passes; one that asks in time is
+    answered, again after an idle pause shorter than the timeout."""
+    sc = await start_sidecar(upstream=upstream.url, head_timeout_seconds=0.6, **ONE_TURN)
+    port = int(sc.admin_url.rsplit(":", 1)[1])
+    silent_r, silent_w = await asyncio.open_connection("127.0.0.1", port)
+    slow_r, slow_w = await asyncio.open_connection("127.0.0.1", port)
+    slow_w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: ")
+
+    async def dribble() -> None:
+        try:
+            while True:
+                await asyncio.sleep(0.1)
+                slow_w.write(b"a")
+        except (ConnectionError, RuntimeError):
+            return
+
+    task = asyncio.create_task(dribble())
+    ok_r, ok_w = await asyncio.open_connection("127.0.0.1", port)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        for _ in range(2):
+            ok_w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            async with asyncio.timeout(5):
+                assert (await read_response(ok_r)).status == 200
+            await asyncio.sleep(0.35)
+        assert await closed_soon(silent_r, 5) and await closed_soon(slow_r, 5)
+        assert loop.time() - started >= 0.55  # not before the timeout
+    finally:
+        task.cancel()
+        for w in (silent_w, slow_w, ok_w):
+            w.close()
