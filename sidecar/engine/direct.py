@@ -17,10 +17,10 @@ both sides, several times what a proxy in C spends on it. The compiled build
   socket, without waking the event loop; the read that ends the body the usual way too, after
   which the connection is handed back to the loop to end the response. Every other read
   (trailers, bytes after the body, framing the thread does not follow) is handed back to the
-  loop and fed to the response's :class:`~sidecar.engine.relay.BodyRelay` as a transport's read is. The connection also goes
-  back to its transport when the client's socket fills (its reads then pause as always) and when
-  its socket has anything but bytes (a close or an error: the transport, reading again, meets it
-  and reports it as it always does).
+  loop and fed to the response's :class:`~sidecar.engine.relay.BodyRelay` as a transport's read
+  is. The connection also goes back to its transport when the client's socket fills (its reads
+  then pause as always) and when its socket has anything but bytes (a close or an error: the
+  transport, reading again, meets it and reports it as it always does).
 
 Plain-TCP sockets only: a TLS upstream's bytes are records its transport must decrypt. In the
 pure-Python build both names are None and everything goes through the transports.
