@@ -60,11 +60,13 @@ cdef class DirectReads:
     cdef pthread_t thread
     cdef bint started
     cdef int fd_cap
+    cdef int loop_epfd, finds
     cdef object loop
     cdef set live
     cdef public unsigned long long enrolled
     cpdef Enrolled enroll(self, object conn, int fd, BodyRelay relay)
     cpdef leave(self, Enrolled entry, int fd)
+    cpdef unwatch(self, int fd)
     cdef void _stop(self) noexcept
     cdef void _shutdown(self) noexcept
     cdef bint _arm(self, Entry *e) noexcept

@@ -42,6 +42,7 @@ from posix.unistd cimport close, dup, read, write
 from sidecar.engine._direct_socket cimport DirectSocket
 from sidecar.engine.relay cimport BodyRelay, ClientOutput
 
+import os
 import resource
 
 from sidecar.engine.parse_errors import ParseError
@@ -115,6 +116,8 @@ cdef enum:
     BACKOFF = 64
     # Pieces one send gathers (a dechunked read with more pieces is the relay's).
     MAX_IOV = 64
+    # Enrolments that look for the event loop's epoll set before giving up (see unwatch).
+    MAX_FINDS = 8
     # Notes to the loop.
     K_READ = 0  # a read the thread did not relay: ``data`` holds it
     K_FULL = 1  # the client's socket took only part of a read: ``data`` holds the rest
@@ -388,6 +391,8 @@ cdef class DirectReads:
         self.loop = loop
         self.live = set()
         self.enrolled = 0
+        self.loop_epfd = -1  # the event loop's own epoll set, once found (see unwatch)
+        self.finds = 0
         # The thread's two descriptors per stream stop at three quarters of the open file limit.
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self.fd_cap = 1 << 30 if soft == resource.RLIM_INFINITY else max(64, soft * 3 // 4)
@@ -575,6 +580,25 @@ cdef class DirectReads:
         s.retired = e
         pthread_mutex_unlock(&s.qlock)
 
+    cpdef unwatch(self, int fd):
+        """Take the socket ``fd`` out of the event loop's own epoll set: its transport was just
+        paused for the thread. libuv leaves a paused socket in its set and removes it only at its
+        next event, so without this the thread's first read of every stream would wake the loop
+        too, for nothing. The caller makes sure the transport has nothing to write: libuv then
+        holds the socket for unwatched and adds it again when reading (or writing) starts; with a
+        write pending it would later modify a registration that must still exist. The set is
+        found at the first enrolments, as the one epoll set of the process, other than the
+        thread's, that holds ``fd``; where there is none (asyncio's own loop removes a paused
+        socket at once; /proc unreadable), this does nothing."""
+        if self.loop_epfd < 0:
+            if self.finds >= MAX_FINDS:
+                return
+            self.finds += 1
+            self.loop_epfd = _epoll_holding(fd, self.s.epfd if self.s != NULL else -1)
+            if self.loop_epfd < 0:
+                return
+        epoll_ctl(self.loop_epfd, EPOLL_CTL_DEL, fd, NULL)  # (not there: ENOENT, nothing to do)
+
     def _drain(self):
         """The thread's notes: hand-backs to act on, entries to free."""
         cdef Shared *s = self.s
@@ -655,6 +679,32 @@ cdef class DirectReads:
             return False
         entry.c.passes = 0
         return self._arm(entry.c)
+
+
+def _epoll_holding(int fd, int own):
+    """The one epoll descriptor of this process, other than ``own``, whose set holds ``fd``
+    (from /proc/self/fdinfo), or -1."""
+    found = []
+    want = str(fd)
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return -1
+    for name in names:
+        if not name.isdigit() or int(name) == own:
+            continue
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") != "anon_inode:[eventpoll]":
+                continue
+            with open(f"/proc/self/fdinfo/{name}") as info:
+                for line in info:
+                    words = line.split()
+                    if len(words) > 1 and words[0] == "tfd:" and words[1] == want:
+                        found.append(int(name))
+                        break
+        except OSError:
+            continue
+    return found[0] if len(found) == 1 else -1
 
 
 cdef int _mode(BodyRelay relay):

@@ -382,10 +382,15 @@ class UpstreamConnection:
             self.body_end(used < len(data))
         elif self.sock is not None and relay.reads >= self.enroll_at and self.sent_all and not self.flow.reasons:
             # A long body (a token stream, most likely): relayed by the pool's DirectReads.
-            entry = self.pool.direct.enroll(self, self.sock.fd, relay)
+            direct = self.pool.direct
+            entry = direct.enroll(self, self.sock.fd, relay)
             if entry is not None:
                 self.direct = entry
                 self.flow.pause(DIRECT)
+                # Out of the loop's own epoll set too, unless the loop still has request bytes to
+                # write (the set then keeps the socket for them: see DirectReads.unwatch).
+                if not self.transport.get_write_buffer_size():  # type: ignore[union-attr]
+                    direct.unwatch(self.sock.fd)
             else:  # not from here (or not to this client): try again later
                 self.enroll_at = relay.reads + _ENROLL_RETRY
 

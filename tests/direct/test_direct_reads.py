@@ -265,6 +265,57 @@ async def test_a_last_read_the_client_socket_cannot_take_ends_through_the_transp
         s.close()
 
 
+def epoll_sets_holding(fd: int) -> list[int]:
+    """The epoll descriptors of this process whose sets hold ``fd`` (by its number)."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") != "anon_inode:[eventpoll]":
+                continue
+            lines = Path(f"/proc/self/fdinfo/{name}").read_text().splitlines()
+        except OSError:
+            continue
+        if any(line.split()[:2] == ["tfd:", str(fd)] for line in lines):
+            found.append(int(name))
+    return found
+
+
+async def test_an_enrolled_socket_leaves_the_event_loops_epoll_set_until_reading_resumes(direct: Any) -> None:
+    """A paused transport's socket stays in libuv's epoll set until its next event, which would
+    wake the loop at the thread's first read of every stream: unwatch takes it out at once, the
+    thread's reads never reach the transport, and resuming puts it back."""
+    loop = asyncio.get_running_loop()
+    s = Stream(direct, LENGTH, 1000)
+    got: list[bytes] = []
+
+    class Upstream(asyncio.Protocol):
+        def data_received(self, data: bytes) -> None:
+            got.append(data)
+
+    transport, _ = await loop.connect_accepted_socket(Upstream, s.up)
+    fd = s.up.fileno()
+    try:
+        await asyncio.sleep(0.02)  # (libuv adds a socket to its set at its next poll)
+        assert epoll_sets_holding(fd)
+        s.enroll()
+        transport.pause_reading()
+        direct.unwatch(fd)
+        assert epoll_sets_holding(fd) == []
+        s.origin.sendall(b"x" * 10)
+        assert await read_until(s, b"x" * 10) == b"x" * 10 and got == []
+        s.leave()
+        transport.resume_reading()
+        await until(lambda: epoll_sets_holding(fd) != [])
+        s.origin.sendall(b"y")
+        await until(lambda: got)
+        assert got == [b"y"] and s.received() == b""
+    finally:
+        transport.close()
+        await asyncio.sleep(0)
+        for sock in (s.origin, s.ours, s.client):
+            sock.close()
+
+
 async def test_a_leave_returns_only_once_the_thread_is_done_with_the_connection(direct: Any) -> None:
     """Bytes sent right around a leave: once it returns, nothing more reaches the client, and
     what the thread did not read stays in the upstream's socket."""
