@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests need into .venv and runs them.
 #   ./scripts/test.sh           ruff, mypy, default suite (compiled build, then again as pure Python)
-#                               + real-gateway + packaging tests (what CI runs)
+#                               + real-gateway + packaging tests, then the default suite on the
+#                               newest other Python 3.12-3.14 found (what CI runs)
 #   ./scripts/test.sh --quick   ruff, mypy and the default suite, on the installed build (~3 min on 2 cores)
 # Extra arguments after the options go to pytest.
 set -euo pipefail
@@ -30,5 +31,27 @@ if [[ $quick == 0 ]]; then
   ./scripts/install_deploy_tools.sh
   ./scripts/install_browser.sh
   .venv/bin/python -m pytest -m deploy "$@" || status=$?
+  # The product supports Python >= 3.11: the compiled default suite again on the newest other
+  # Python this machine has (its own venv, .venv-newest), or a line saying there is none.
+  main_version=$(.venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  newest=""
+  for v in 3.14 3.13 3.12; do
+    [[ $v != "$main_version" ]] || continue
+    # On the PATH, or installed by pyenv but not selected (its shim then refuses to run).
+    for candidate in "python$v" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$v".*/bin/"python$v"; do
+      if command -v "$candidate" >/dev/null && "$candidate" -c '' 2>/dev/null; then
+        newest=$candidate
+        break 2
+      fi
+    done
+  done
+  if [[ -n $newest ]]; then
+    echo "default suite on $newest (compiled)"
+    [[ -x .venv-newest/bin/python ]] || "$newest" -m venv .venv-newest
+    SIDECAR_REQUIRE_COMPILED=1 .venv-newest/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+    .venv-newest/bin/python -m pytest -m "not gateway and not deploy" "$@" || status=$?
+  else
+    echo "default suite on a newer Python: skipped, no python3.12 to python3.14 on this machine"
+  fi
 fi
 exit $status
