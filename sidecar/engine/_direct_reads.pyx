@@ -279,7 +279,6 @@ cdef void _relay(Shared *s, Entry *e) noexcept nogil:
                 _hand(s, e, K_READ, s.buf, got)
                 return
             end = True
-            cnt = 1
             left = 0
         e.left[0] = left
         e.state[0] = S_DATA if left else S_SIZE

@@ -148,8 +148,8 @@ async def test_reads_within_the_body_go_to_the_client_without_the_loop(direct: A
         s.close()
 
 
-async def test_the_bodys_end_is_handed_back_to_the_relay(direct: Any) -> None:
-    """The read that reaches the body's end is the loop's: the relay sends the body's part and
+async def test_bytes_after_the_bodys_end_hand_the_read_to_the_relay(direct: Any) -> None:
+    """A read that goes past the body's end is the loop's: the relay sends the body's part and
     the connection learns bytes followed it (never relayed)."""
     s = Stream(direct, LENGTH, 150)
     try:

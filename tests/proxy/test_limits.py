@@ -22,21 +22,22 @@ async def _response_or_close(reader: asyncio.StreamReader) -> tuple[int, dict, b
     return resp.status, orjson.loads(resp.body), await closed_soon(reader, 5)
 
 
+async def _dribble(writer: asyncio.StreamWriter) -> None:
+    """One more byte of a head every 0.1 s, until the peer closes."""
+    try:
+        while True:
+            await asyncio.sleep(0.1)
+            writer.write(b"a")
+    except (ConnectionError, RuntimeError):
+        return
+
+
 @pytest.mark.parametrize("head", [b"GET /slow HTTP/1.1\r\nHost: x\r\nX-A: ", b"GET /p"])
 async def test_a_head_dribbled_byte_by_byte_is_timed_out(head, upstream, start_sidecar):
     sc = await start_sidecar(upstream=upstream.url, head_timeout_seconds=0.5, **ONE_TURN)
     reader, writer = await asyncio.open_connection("127.0.0.1", sc.engine.port)
     writer.write(head)
-
-    async def dribble() -> None:
-        try:
-            while True:
-                await asyncio.sleep(0.1)
-                writer.write(b"a")
-        except (ConnectionError, RuntimeError):
-            return
-
-    task = asyncio.create_task(dribble())
+    task = asyncio.create_task(_dribble(writer))
     try:
         status, body, closed = await _response_or_close(reader)
     finally:
@@ -149,16 +150,7 @@ async def test_admin_connections_without_a_whole_head_in_time_are_closed(upstrea
     silent_r, silent_w = await asyncio.open_connection("127.0.0.1", port)
     slow_r, slow_w = await asyncio.open_connection("127.0.0.1", port)
     slow_w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: ")
-
-    async def dribble() -> None:
-        try:
-            while True:
-                await asyncio.sleep(0.1)
-                slow_w.write(b"a")
-        except (ConnectionError, RuntimeError):
-            return
-
-    task = asyncio.create_task(dribble())
+    task = asyncio.create_task(_dribble(slow_w))
     ok_r, ok_w = await asyncio.open_connection("127.0.0.1", port)
     loop = asyncio.get_running_loop()
     started = loop.time()
