@@ -105,7 +105,7 @@ def main() -> None:
         "--out-dir", type=Path, default=record.RESULTS, help="where the dated .md and .json go (default bench/results)"
     )
     args = p.parse_args()
-    facts = record.machine_facts()
+    facts = record.machine_facts(wake_cores=(LOOP_CPU, SENDER_CPU))
     os.sched_setaffinity(0, {LOOP_CPU})
     lines = [
         f"| traffic | mean gap | work per event | work share | loop CPU, polling off | "

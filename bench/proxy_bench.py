@@ -2361,7 +2361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _terminate)
     raise_file_limit()
-    facts = record.machine_facts()
+    facts = record.machine_facts(wake_cores=(PROXY_CPU, LOAD_CPU))
     meta: dict[str, Any] = {
         "versions": tool_versions(tools),
         "non_default": non_default(args),

@@ -55,8 +55,62 @@ def sidecar_build(python: str = sys.executable) -> str:
     return "unknown"
 
 
-def machine_facts() -> dict[str, Any]:
-    """Where and what ran: for the header of a result file and its JSON."""
+# The peer of wake_round_trip: echoes each byte it reads until it reads "q" or its input ends.
+_ECHO = """
+import os, sys
+os.sched_setaffinity(0, {int(sys.argv[1])})
+while (b := os.read(0, 1)) and b != b"q":
+    os.write(1, b)
+"""
+
+
+def wake_round_trip(cpu: int, peer_cpu: int, samples: int = 400, idle_s: float = 0.002) -> dict[str, float]:
+    """How long waking a sleeping process on another core takes here: the round trip of one
+    byte from this process (on ``cpu`` for the measurement) to an echo process on ``peer_cpu``
+    that has slept ``idle_s`` since the last one. p50, p99 and max in microseconds, over
+    ``samples`` round trips (about ``samples * idle_s`` seconds).
+
+    On bare metal this is tens of microseconds. A hypervisor that takes an idle virtual CPU off
+    its physical core makes it hundreds, with a tail of milliseconds, and then every proxy's
+    latency through sleeping cores (time to first event, 1-connection p50) carries that noise."""
+    own = os.sched_getaffinity(0)
+    peer = subprocess.Popen([sys.executable, "-c", _ECHO, str(peer_cpu)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert peer.stdin is not None and peer.stdout is not None
+    out, back = peer.stdin.fileno(), peer.stdout.fileno()
+    times: list[int] = []
+    try:
+        os.sched_setaffinity(0, {cpu})
+        os.write(out, b"x")  # the peer is up once it answers
+        os.read(back, 1)
+        for _ in range(samples):
+            time.sleep(idle_s)
+            start = time.perf_counter_ns()
+            os.write(out, b"x")
+            os.read(back, 1)
+            times.append(time.perf_counter_ns() - start)
+    finally:
+        os.sched_setaffinity(0, own)
+        with contextlib.suppress(OSError):
+            os.write(out, b"q")
+        peer.stdin.close()
+        peer.stdout.close()
+        try:
+            peer.wait(5)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+            peer.wait()
+    times.sort()
+    return {
+        "p50_us": round(times[len(times) // 2] / 1e3, 1),
+        "p99_us": round(times[min(len(times) - 1, int(0.99 * len(times)))] / 1e3, 1),
+        "max_us": round(times[-1] / 1e3, 1),
+        "samples": len(times),
+    }
+
+
+def machine_facts(wake_cores: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Where and what ran: for the header of a result file and its JSON. With ``wake_cores``
+    (the cores a benchmark pins its two sides to), also :func:`wake_round_trip` between them."""
     facts: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
     facts["command"] = shlex.join(
         [
@@ -79,6 +133,8 @@ def machine_facts() -> dict[str, Any]:
     facts["sidecar_build"] = sidecar_build()
     facts["environment"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SIDECAR_")}
     facts["load_average_at_start"] = os.getloadavg()[0]
+    if wake_cores is not None and os.cpu_count() and os.cpu_count() > max(wake_cores):  # type: ignore[operator]
+        facts["wake_round_trip"] = {"cores": list(wake_cores), **wake_round_trip(*wake_cores)}
     return facts
 
 
@@ -99,6 +155,14 @@ def fact_lines(facts: dict[str, Any]) -> list[str]:
         ("SIDECAR_* environment", env),
         ("load average at start", f"{facts['load_average_at_start']:.2f}"),
     ]
+    if wake := facts.get("wake_round_trip"):
+        rows.append(
+            (
+                f"waking a sleeping process, core {wake['cores'][0]} to {wake['cores'][1]} and back",
+                f"p50 {wake['p50_us']:,.0f} us, p99 {wake['p99_us']:,.0f} us, max {wake['max_us']:,.0f} us"
+                f" ({wake['samples']} round trips, bench/record.py wake_round_trip)",
+            )
+        )
     return ["| | |", "|---|---|", *(f"| {k} | {cell(str(v))} |" for k, v in rows)]
 
 
