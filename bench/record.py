@@ -30,7 +30,7 @@ RESULTS = BENCH / "results"
 # unless the build is broken.
 _COMPILED_PROBE = """
 import importlib, json
-from sidecar.engine import is_compiled
+from sidecar.compiled import is_compiled
 names = ["sidecar.lineage", "sidecar.router", "sidecar.engine.fast", "sidecar.engine.head"]
 print(json.dumps({n: is_compiled(importlib.import_module(n)) for n in names}))
 """

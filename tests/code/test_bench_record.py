@@ -45,3 +45,10 @@ def test_facts_table_names_the_wake_time() -> None:
     line = record.fact_lines(facts)[-1]
     assert line.startswith("| waking a sleeping process, core 0 to 1 and back | p50 ")
     assert facts["wake_round_trip"]["cores"] == [0, 1]
+
+
+def test_sidecar_build_is_read_not_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The facts say how the sidecar ran: its probe imports what the installed package has."""
+    assert record.sidecar_build() in {"compiled", "pure Python"}
+    monkeypatch.setenv("SIDECAR_PURE_PYTHON", "1")
+    assert record.sidecar_build() == "pure Python"
