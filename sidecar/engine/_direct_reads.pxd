@@ -70,5 +70,5 @@ cdef class DirectReads:
     cdef void _stop(self) noexcept
     cdef void _shutdown(self) noexcept
     cdef bint _arm(self, Entry *e) noexcept
-    cdef _back(self, Enrolled entry, int kind, object data)
+    cdef _back(self, Enrolled entry, int kind, object data, Py_ssize_t err)
     cdef bint _again(self, Enrolled entry, BodyRelay relay)

@@ -16,7 +16,10 @@ extensions, bytes after the body, invalid framing all stay in one place), then e
 connection again if its body goes on at a chunk boundary. A client socket that takes only part
 of a read hands the rest back (``K_FULL``: written through the client's transport, which then
 applies backpressure as always); a close or an error on the upstream socket hands the
-connection back to its transport (``K_STOP``), which meets it and reports it.
+connection back to its transport (``K_STOP``), which meets a close itself. An error (a reset) the
+thread's read has already taken from the socket: the transport would read only a clean close
+after it, which ends a body delimited by the close as if it were complete, so the note carries
+the error and the loop fails the response with it, as the transport would have.
 
 Thread safety. The thread uses descriptors of its own (``dup``), so a socket the loop closes is
 never confused with another that reuses its number. Each entry has a lock the thread holds
@@ -46,6 +49,7 @@ import os
 import resource
 
 from sidecar.engine.parse_errors import ParseError
+from sidecar.errors import failure_reason
 from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, LENGTH
 
 
@@ -121,7 +125,7 @@ cdef enum:
     # Notes to the loop.
     K_READ = 0  # a read the thread did not relay: ``data`` holds it
     K_FULL = 1  # the client's socket took only part of a read: ``data`` holds the rest
-    K_STOP = 2  # the upstream socket has a close or an error: its transport meets it
+    K_STOP = 2  # the upstream socket has a close (``n`` 0) or an error (``n``: its errno)
     K_NOMEM = 3  # a read could not be kept (no memory): the response fails
     K_FREE = 4  # the thread holds no reference to the entry any more: free it
     K_END = 5  # the read that ends the body went to the client (``data``: what the socket did not take)
@@ -226,7 +230,8 @@ cdef bint _last_chunk(Entry *e, const unsigned char *b, Py_ssize_t n) noexcept n
 
 cdef void _hand(Shared *s, Entry *e, int kind, unsigned char *data, Py_ssize_t n) noexcept nogil:
     """Hand ``e`` back to the loop (``e.lock`` held), with ``data[:n]``: copied from the read
-    buffer for ``K_READ``, taken as it is (allocated, or NULL) for ``K_FULL`` and ``K_END``."""
+    buffer for ``K_READ``, taken as it is (allocated, or NULL) for ``K_FULL`` and ``K_END``; for
+    ``K_STOP``, ``data`` is NULL and ``n`` the read's errno (0: a close)."""
     cdef char *copy = <char *>data
     e.held = True
     s.handed_back += 1
@@ -261,8 +266,10 @@ cdef void _relay(Shared *s, Entry *e) noexcept nogil:
     cdef unsigned char *rest
     got = recv(e.ufd, s.buf, READ_SIZE, MSG_DONTWAIT)
     if got <= 0:
-        if got == 0 or (errno != EAGAIN and errno != EINTR):
+        if got == 0:
             _hand(s, e, K_STOP, NULL, 0)
+        elif errno != EAGAIN and errno != EINTR:
+            _hand(s, e, K_STOP, NULL, errno)
         return
     s.reads += 1
     iov[0].iov_base = <void *>s.buf
@@ -627,11 +634,12 @@ cdef class DirectReads:
                 if e.dead:  # it left while this note waited
                     _free_entry(e)
                 elif not e.gone:
-                    self._back(<Enrolled>e.owner, note.kind, data)
+                    self._back(<Enrolled>e.owner, note.kind, data, note.n if note.kind == K_STOP else 0)
             note = nxt
 
-    cdef _back(self, Enrolled entry, int kind, object data):
-        """Act on a hand-back of ``entry`` (out of the thread's set until enrolled again)."""
+    cdef _back(self, Enrolled entry, int kind, object data, Py_ssize_t err):
+        """Act on a hand-back of ``entry`` (out of the thread's set until enrolled again);
+        ``err``: the errno of a ``K_STOP``'s read (0: a close)."""
         cdef BodyRelay relay = entry.relay
         conn = entry.conn
         if kind == K_READ:
@@ -666,6 +674,8 @@ cdef class DirectReads:
                 conn.direct_stop()
         elif kind == K_STOP:
             conn.direct_stop()
+            if err:  # taken from the socket by the thread's read: the transport would not see it
+                conn._fail(f"connection to the upstream failed: {failure_reason(OSError(err, os.strerror(err)))}")
         else:
             conn._fail("response not relayed: out of memory")
 

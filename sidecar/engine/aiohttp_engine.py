@@ -507,9 +507,12 @@ class AiohttpEngine(Engine):
                 resp.force_close()  # an unframed body to an HTTP/1.0 client ends with the connection
             if not self._keepalive:
                 resp.force_close()
+            closed = _close_of(upstream, request.method)
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():
                 await resp.write(chunk)
+            if closed is not None and (lost := _lost(closed)) is not None:
+                raise lost
             await resp.write_eof()
         except asyncio.CancelledError:
             upstream.close()
@@ -550,6 +553,45 @@ class AiohttpEngine(Engine):
         self.metrics.upstream_error(dep.name, kind).inc()
         self.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
         return self._error(exc, dep.name, dep.mode_name)
+
+
+def _close_of(upstream: aiohttp.ClientResponse, method: str) -> asyncio.Future[None] | None:
+    """For a body the upstream's close delimits (no Content-Length, not chunked), the future of
+    its connection's close; else None. aiohttp ends such a body at any close, a reset too: only
+    this future tells them apart (:func:`_lost`). Taken before the body is read; a reset that
+    aiohttp met before this still looks like a close (aiohttp keeps no other sign of it)."""
+    if method == "HEAD" or upstream.status in (204, 304) or upstream.status < 200:
+        return None
+    headers = upstream.headers
+    coding = headers.get(h.TRANSFER_ENCODING)
+    if coding is None and h.CONTENT_LENGTH in headers:
+        return None
+    if coding is not None and coding.rsplit(",", 1)[-1].strip().lower() == "chunked":
+        return None
+    connection = upstream.connection
+    protocol = connection.protocol if connection is not None else None
+    closed = protocol.closed if protocol is not None else None
+    if closed is not None:
+        closed.add_done_callback(_retrieve)  # (a close with an error nobody asked for is logged)
+    return closed
+
+
+def _retrieve(closed: asyncio.Future[None]) -> None:
+    if not closed.cancelled():
+        closed.exception()
+
+
+def _lost(closed: asyncio.Future[None]) -> aiohttp.ClientError | None:
+    """The error the connection closed with, once it closed; None for a clean close."""
+    if not closed.done() or closed.cancelled():
+        return None
+    exc = closed.exception()
+    if exc is None:
+        return None
+    cause = exc.__cause__
+    if isinstance(cause, OSError):
+        return aiohttp.ClientOSError(*cause.args)
+    return exc if isinstance(exc, aiohttp.ClientError) else aiohttp.ClientConnectionError(str(exc))
 
 
 def _client_error_reason(exc: BaseException) -> str:

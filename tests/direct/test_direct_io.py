@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
+import struct
 from typing import Any
 
 import aiohttp
@@ -186,6 +188,47 @@ async def test_an_upstream_that_closes_mid_stream_after_enrolment_aborts_the_cli
     got = await read_all(reader)
     writer.close()
     assert got == b"".join(body)  # every event, and no last chunk: the client can tell
+    assert sc.engine.direct.enrolled == 1
+    errors = sc.metrics.registry.get_sample_value(
+        "sidecar_upstream_errors_total", {"deployment": "default", "kind": "reset"}
+    )
+    assert errors == 1.0
+    assert sc.engine.stats()["upstream_connections"] == 0
+
+
+def reset_after(parts: list[bytes], pause: float = 0.01) -> Handler:
+    """Each part in a write of its own, ``pause`` apart, then a reset (not a close)."""
+
+    async def handle(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        await paced(parts, pause)(req, reader, writer)
+        await asyncio.sleep(pause)
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+        return False
+
+    return handle
+
+
+@pytest.mark.parametrize("framing", ["close", "chunked"])
+async def test_an_upstream_reset_mid_stream_after_enrolment_aborts_the_client(
+    raw_upstream: Any, start_sidecar: Any, framing: str
+) -> None:
+    """The thread's read takes the reset from the socket; the response still fails with it.
+    Without that, the transport would read a clean close next, and a body the upstream's close
+    delimits would end with a last chunk, as if complete: a cut answer the client takes as whole."""
+    if framing == "close":
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"  # no length, not chunked
+        parts = [b"data: %d\n\n" % i for i in range(EVENTS)]
+        relayed = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts)
+    else:
+        head, parts = SSE_HEAD, [event(i) for i in range(EVENTS)]
+        relayed = b"".join(parts)
+    up = await raw_upstream({"/s": reset_after([head, *parts])})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer, _ = await open_stream(sc, b"/s")
+    got = await read_all(reader)
+    writer.close()
+    assert got == relayed  # every event and no last chunk: the client can tell the answer is cut
     assert sc.engine.direct.enrolled == 1
     errors = sc.metrics.registry.get_sample_value(
         "sidecar_upstream_errors_total", {"deployment": "default", "kind": "reset"}

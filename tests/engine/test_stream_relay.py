@@ -9,7 +9,10 @@ at the end, with every way of cutting a stream into reads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import socket
+import struct
 from typing import Any
 
 import pytest
@@ -135,6 +138,53 @@ async def test_an_event_split_across_reads_is_delivered_byte_exact(
     assert (await asyncio.wait_for(read_response(reader), 5)).status == 200
     writer.close()
     assert up.connections == 1
+
+
+def dechunk(framed: bytes) -> tuple[bytes, bool]:
+    """The data of the chunks in ``framed`` and whether the last chunk ended it."""
+    data, pos = bytearray(), 0
+    while (eol := framed.find(b"\r\n", pos)) >= 0:
+        size = int(framed[pos:eol], 16)
+        if size == 0:
+            return bytes(data), framed[eol:] == b"\r\n\r\n"
+        data += framed[eol + 2 : eol + 2 + size]
+        pos = eol + 4 + size
+    return bytes(data), False
+
+
+@pytest.mark.parametrize("end", ["close", "reset"])
+async def test_a_body_the_upstreams_close_delimits_ends_cleanly_only_at_a_clean_close(
+    end: str, raw_upstream: Any, start_sidecar: Any, engine: str
+) -> None:
+    """A body with neither a length nor chunking ends where the upstream's connection ends. At a
+    close the client gets the last chunk; at a reset the answer is cut: every byte that came, no
+    last chunk, the client's connection aborted. Never a cut answer passed off as whole."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+    parts = [b"data: %d\n\n" % i for i in range(4)]
+
+    async def handle(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        await paced([head, *parts])(req, reader, writer)
+        if end == "reset":
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        return False
+
+    up = await raw_upstream({"/s": handle})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer, got = await stream(sc, b"/s")
+    if end == "close":
+        await read_until(reader, got, b"0\r\n\r\n")
+    else:
+        with contextlib.suppress(ConnectionResetError):
+            async with asyncio.timeout(5):
+                while chunk := await reader.read(65536):
+                    got += chunk
+    writer.close()
+    assert dechunk(bytes(got)) == (b"".join(parts), end == "close")
+    errors = sc.metrics.registry.get_sample_value(
+        "sidecar_upstream_errors_total", {"deployment": "default", "kind": "reset"}
+    )
+    assert (errors or 0.0) == (1.0 if end == "reset" else 0.0)
 
 
 @FAST  # (the aiohttp engine's client does not report these framing errors mid-body: the stream hangs)
