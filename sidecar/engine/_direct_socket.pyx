@@ -12,6 +12,7 @@ some) and asks the transport's buffer size only then.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from libc.errno cimport EAGAIN, EINTR, errno
 from libc.string cimport memset
 from posix.uio cimport iovec
 
@@ -22,9 +23,11 @@ cdef extern from "<sys/socket.h>" nogil:
         iovec *msg_iov
         size_t msg_iovlen
     ssize_t sendmsg(int fd, const msghdr *msg, int flags)
+    ssize_t recv(int fd, void *buf, size_t n, int flags)
     enum:
         MSG_DONTWAIT
         MSG_NOSIGNAL
+        MSG_PEEK
 
 cdef enum:
     _MAX_PARTS = 64  # pieces one sendmsg gathers (a request or response head has a dozen or so)
@@ -39,6 +42,14 @@ cdef class DirectSocket:
         self.is_closing = transport.is_closing  # (bound once: it is asked on every write)
         self.fd = transport.get_extra_info("socket").fileno()
         self.queued = False
+
+    cpdef bint has_input(self):
+        """Whether the socket has bytes, a close or an error waiting to be read (one non-blocking
+        ``MSG_PEEK`` recv, which takes nothing). Ask only while the transport is open."""
+        cdef char c
+        if recv(self.fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) >= 0:
+            return True
+        return errno != EAGAIN and errno != EINTR
 
     cpdef write(self, bytes data):
         """Write all of ``data``: now, as far as the socket takes it; the rest through the transport."""

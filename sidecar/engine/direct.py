@@ -39,6 +39,9 @@ class Writer(Protocol):
 
     def write(self, data: bytes) -> None: ...
 
+    def has_input(self) -> bool:
+        """Whether bytes, a close or an error wait to be read (peeked: nothing is taken)."""
+
     def writev(self, parts: list[bytes]) -> None:
         """``write(b"".join(parts))``, gathered by one ``sendmsg`` instead of joined."""
 

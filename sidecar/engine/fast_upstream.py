@@ -17,13 +17,19 @@ the response's end, exactly once each:
 ones left idle long enough to be closed by the upstream are the ones that age out), and queues
 requests when the bound is reached.
 
-A pooled connection closed by the upstream while idle is never written to: the loop has
-usually already seen the close (the connection then left the pool), and for the race where the
-FIN arrived but was not processed yet, :meth:`UpstreamPool.take` polls the socket of a
-connection that sat idle for longer than :data:`STALE_CHECK_AFTER`. The request then goes to a
-fresh connection: a retry that happens strictly before any request byte was sent. Once bytes
-went out on a connection, a failure is reported, never replayed (the upstream may have started
-generating).
+A pooled connection is checked each time it is reused (:meth:`UpstreamConnection.usable`):
+anything that arrived since its last response, a FIN or stray bytes, makes it unusable. Bytes an
+upstream sends after a complete response would otherwise be read as the next request's
+response: another client's answer cut short or replaced. The loop has often seen them already
+(the connection then left the pool), but not always: an ended stream's socket stays out of the
+loop's epoll set until its transport reads again, and a new request can take the connection
+earlier in the same loop iteration. A plain connection is peeked at (one non-blocking
+``MSG_PEEK`` recv); a TLS one, whose socket also carries records that are not responses, is
+polled only once idle for :data:`STALE_CHECK_AFTER`. The request then goes to a fresh
+connection: a retry that happens strictly before any request byte was sent. Once bytes went out
+on a connection, a failure is reported, never replayed (the upstream may have started
+generating). Bytes that arrive after the check are the race HTTP/1.1 keep-alive leaves to every
+proxy.
 
 ``https://`` upstreams use the loop's TLS transport over the same protocol; the handshake is
 part of connecting (within the connect timeout). The poll then watches the TCP socket under the
@@ -58,13 +64,12 @@ from sidecar.errors import failure_reason
 if TYPE_CHECKING:
     from sidecar.engine.direct import Writer
 
-# A connection back from the pool sooner than this is not polled for a close first (saves a
-# syscall per request under load, where reuse is sub-millisecond to a few milliseconds).
-# Upstreams close idle keep-alive connections after seconds; a close that lands within this
-# window and in the same loop iteration as the reuse is the one race left uncovered, and it is
-# answered as an upstream failure (never replayed), like any close after sending. (Over TLS a
-# FIN without close_notify, processed earlier in that iteration, falls in the same window: the
-# TLS transport reports it only at connection_lost, one iteration later.)
+# A TLS connection back from the pool sooner than this is not polled first (saves a syscall per
+# request under load, where reuse is sub-millisecond to a few milliseconds). Upstreams close idle
+# keep-alive connections after seconds; a close that lands within this window and in the same
+# loop iteration as the reuse is answered as an upstream failure (never replayed), like any close
+# after sending. (A FIN without close_notify, processed earlier in that iteration, falls in the
+# same window: the TLS transport reports it only at connection_lost, one iteration later.)
 STALE_CHECK_AFTER = 0.05
 
 _ENROLL_AFTER = ENROLL_AFTER  # (C constants in the compiled build: see fast_upstream.pxd)
@@ -250,15 +255,17 @@ class UpstreamConnection:
             ex.peer_full(True)
 
     def usable(self, now: float) -> bool:
-        """Still open, and nothing (FIN or stray bytes) arrived while it sat in the pool (the
-        socket is polled only after :data:`STALE_CHECK_AFTER` of idleness)."""
+        """Still open, and nothing (a FIN, stray bytes) arrived since its last response (see the
+        module docstring: a TLS connection is polled only after :data:`STALE_CHECK_AFTER` of
+        idleness)."""
         transport = self.transport
         assert transport is not None  # pooled connections are connected
-        return (
-            not self.lost
-            and not transport.is_closing()
-            and (now - self.idle_since < STALE_CHECK_AFTER or not self._poll.poll(0))
-        )
+        if self.lost or transport.is_closing():
+            return False
+        if self.pool.tls is not None:
+            return now - self.idle_since < STALE_CHECK_AFTER or not self._poll.poll(0)
+        sock = self.sock
+        return not (sock.has_input() if sock is not None else self._poll.poll(0))
 
     def send(self, parts: list[bytes], last: bool) -> None:
         """Write request bytes, ``parts`` in order in one write (``last``: the request is complete
@@ -507,6 +514,9 @@ class UpstreamPool:
             self.drop(conn)
             return
         waiters = self.waiters
+        if waiters and not conn.usable(now):
+            self.drop(conn)  # (which opens a connection for the next waiter)
+            return
         while waiters:
             ex = waiters.popleft()
             if ex.wants_connection:

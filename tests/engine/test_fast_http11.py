@@ -751,6 +751,36 @@ async def test_stale_pooled_connection_is_retried_on_a_fresh_one_before_sending(
 
 
 @FAST
+async def test_bytes_an_upstream_sends_after_a_response_never_answer_the_next_request(raw_upstream, start_sidecar):
+    """A whole fake response arrives on a connection just back in the pool (well within the
+    stale-check time), in the same loop iteration as the next request, which the loop reads
+    first. The connection must not carry that request: its answer would be the stray one."""
+    sockets: list[Any] = []
+
+    async def remember(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        sockets.append(writer.get_extra_info("socket"))
+        writer.write(OK)
+        await writer.drain()
+        await reader.read()  # until the proxy or the test closes it
+        return False
+
+    up = await raw_upstream({"/one": remember, "/two": echo()})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    reader, writer = await connect(sc)
+    writer.write(b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await read_response(reader)).status == 200
+    # While the loop is blocked: the next request first, then the stray bytes.
+    os.write(writer.get_extra_info("socket").fileno(), b"GET /two HTTP/1.1\r\nHost: x\r\n\r\n")
+    os.write(sockets[0].fileno(), b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nevil!")
+    time.sleep(0.02)
+    resp = await asyncio.wait_for(read_response(reader), 5)
+    writer.close()
+    assert resp.status == 200 and resp.body != b"evil!"
+    assert orjson.loads(resp.body)["target"] == "/two"
+    assert [(r.target, r.conn) for r in up.received] == [("/one", 1), ("/two", 2)]
+
+
+@FAST
 async def test_request_already_sent_is_never_replayed(raw_upstream, start_sidecar):
     async def drop(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         return False  # read the whole request, close without answering
