@@ -49,8 +49,8 @@ import os
 import resource
 
 from sidecar.engine.parse_errors import ParseError
-from sidecar.errors import failure_reason
 from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, LENGTH
+from sidecar.errors import failure_reason
 
 
 cdef extern from "<pthread.h>" nogil:

@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
-import struct
 from typing import Any
 
 import aiohttp
 import pytest
 
 from sidecar.engine.direct import ENROLL_AFTER, DirectReads
-from tests.engine import CUT_DATA, CUT_STREAM, CUT_THROUGH, Handler, RawMessage, closed_soon, echo, read_response
+from tests.engine import (
+    CUT_DATA,
+    CUT_STREAM,
+    CUT_THROUGH,
+    Handler,
+    RawMessage,
+    closed_soon,
+    echo,
+    read_response,
+    reset,
+)
 
 pytestmark = [
     pytest.mark.skipif(DirectReads is None, reason="direct socket I/O is compiled only"),
@@ -202,8 +210,7 @@ def reset_after(parts: list[bytes], pause: float = 0.01) -> Handler:
     async def handle(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         await paced(parts, pause)(req, reader, writer)
         await asyncio.sleep(pause)
-        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        writer.transport.abort()
+        reset(writer)
         return False
 
     return handle

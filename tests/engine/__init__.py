@@ -7,6 +7,8 @@ the bytes each engine puts on the wire: header case and order, framing, chunk bo
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -164,6 +166,12 @@ async def refused_or_closed(port: int, data: bytes, timeout: float = 5.0) -> tup
 
 # A handler answers one parsed request on the raw upstream; it returns False to close the connection.
 Handler = Callable[[RawMessage, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool]]
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Close ``writer``'s connection with a reset (RST), not a FIN: SO_LINGER 0, then abort."""
+    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
 
 
 def reply(data: bytes, *, keep: bool = True) -> Handler:

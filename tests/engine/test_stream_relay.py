@@ -11,15 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import socket
-import struct
 from typing import Any
 
 import pytest
 
 from sidecar.engine.parse_errors import ParseError
 from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW, LENGTH, BodyRelay, ClientOutput
-from tests.engine import CUT_DATA, CUT_STREAM, CUT_THROUGH, Handler, RawMessage, echo, read_response
+from tests.engine import CUT_DATA, CUT_STREAM, CUT_THROUGH, Handler, RawMessage, echo, read_response, reset
 
 FAST = pytest.mark.parametrize("engine", ["fast"])
 
@@ -165,8 +163,7 @@ async def test_a_body_the_upstreams_close_delimits_ends_cleanly_only_at_a_clean_
     async def handle(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         await paced([head, *parts])(req, reader, writer)
         if end == "reset":
-            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            writer.transport.abort()
+            reset(writer)
         return False
 
     up = await raw_upstream({"/s": handle})

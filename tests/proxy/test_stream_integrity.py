@@ -24,7 +24,7 @@ from typing import Any
 
 import httptools
 
-from tests.engine import RawMessage
+from tests.engine import RawMessage, reset
 
 SEEDS = range(8)  # client connections
 REQUESTS = 40  # per connection
@@ -92,8 +92,7 @@ async def answer(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.
             writer.write(out[: r.randrange(len(out))])
             await writer.drain()
             if p.fail_by == "reset":
-                writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                writer.transport.abort()
+                reset(writer)
             return False
         if p.splits and len(out) > 1:
             cut = r.randrange(1, len(out))
