@@ -110,7 +110,8 @@ def wake_round_trip(cpu: int, peer_cpu: int, samples: int = 400, idle_s: float =
 
 def machine_facts(wake_cores: tuple[int, int] | None = None) -> dict[str, Any]:
     """Where and what ran: for the header of a result file and its JSON. With ``wake_cores``
-    (the cores a benchmark pins its two sides to), also :func:`wake_round_trip` between them."""
+    (the cores a benchmark pins its two sides to), also :func:`wake_round_trip` between them,
+    where this process may run on both."""
     facts: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
     facts["command"] = shlex.join(
         [
@@ -133,7 +134,7 @@ def machine_facts(wake_cores: tuple[int, int] | None = None) -> dict[str, Any]:
     facts["sidecar_build"] = sidecar_build()
     facts["environment"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SIDECAR_")}
     facts["load_average_at_start"] = os.getloadavg()[0]
-    if wake_cores is not None and os.cpu_count() and os.cpu_count() > max(wake_cores):  # type: ignore[operator]
+    if wake_cores is not None and set(wake_cores) <= os.sched_getaffinity(0):
         facts["wake_round_trip"] = {"cores": list(wake_cores), **wake_round_trip(*wake_cores)}
     return facts
 
