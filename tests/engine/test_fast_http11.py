@@ -13,6 +13,7 @@ import os
 import socket
 import time
 import tracemalloc
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -721,9 +722,9 @@ async def test_pooled_connection_closed_by_the_upstream_is_not_used(raw_upstream
     assert [(r.target, r.conn) for r in up.received] == [("/one", 1), ("/two", 2)]
 
 
-@FAST
-async def test_stale_pooled_connection_is_retried_on_a_fresh_one_before_sending(raw_upstream, start_sidecar):
-    """The race: the upstream's FIN is in the socket but the loop has not processed it yet."""
+async def pooled_after_one(raw_upstream: Any, start_sidecar: Any) -> tuple[Any, Any, Any, Any]:
+    """A sidecar whose one upstream connection answered ``/one`` and is back in its pool (the
+    upstream keeps its side open): ``(up, reader, writer, the upstream's socket of it)``."""
     sockets: list[Any] = []
 
     async def remember(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
@@ -738,13 +739,16 @@ async def test_stale_pooled_connection_is_retried_on_a_fresh_one_before_sending(
     reader, writer = await connect(sc)
     writer.write(b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n")
     assert (await read_response(reader)).status == 200
-    await asyncio.sleep(0.1)  # the upstream connection is idle in the pool now
-    client_fd = writer.get_extra_info("socket").fileno()
-    # Both events reach the proxy's sockets while the loop is blocked: the request first, then
-    # the FIN of the pooled connection. The proxy must notice the close before writing to it.
-    os.write(client_fd, b"GET /two HTTP/1.1\r\nHost: x\r\n\r\n")
-    sockets[0].shutdown(socket.SHUT_RDWR)
-    time.sleep(0.05)
+    return up, reader, writer, sockets[0]
+
+
+async def two_goes_to_a_fresh_connection(up: Any, reader: Any, writer: Any, upstream_event: Callable[[], Any]) -> None:
+    """With the loop blocked, ``GET /two`` reaches the proxy's client socket, then
+    ``upstream_event`` happens on the pooled connection: the proxy reads the request first and
+    must not send it on that connection."""
+    os.write(writer.get_extra_info("socket").fileno(), b"GET /two HTTP/1.1\r\nHost: x\r\n\r\n")
+    upstream_event()
+    time.sleep(0.02)  # (both arrive; the loop stays blocked for less than the 50 ms stale-check time)
     resp = await asyncio.wait_for(read_response(reader), 5)
     writer.close()
     assert resp.status == 200
@@ -753,33 +757,21 @@ async def test_stale_pooled_connection_is_retried_on_a_fresh_one_before_sending(
 
 
 @FAST
+async def test_stale_pooled_connection_is_retried_on_a_fresh_one_before_sending(raw_upstream, start_sidecar):
+    """The race: the upstream's FIN is in the socket but the loop has not processed it yet."""
+    up, reader, writer, upstream_side = await pooled_after_one(raw_upstream, start_sidecar)
+    await asyncio.sleep(0.1)  # idle in the pool for longer than the stale check's time
+    await two_goes_to_a_fresh_connection(up, reader, writer, lambda: upstream_side.shutdown(socket.SHUT_RDWR))
+
+
+@FAST
 async def test_bytes_an_upstream_sends_after_a_response_never_answer_the_next_request(raw_upstream, start_sidecar):
     """A whole fake response arrives on a connection just back in the pool (well within the
-    stale-check time), in the same loop iteration as the next request, which the loop reads
-    first. The connection must not carry that request: its answer would be the stray one."""
-    sockets: list[Any] = []
-
-    async def remember(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        sockets.append(writer.get_extra_info("socket"))
-        writer.write(OK)
-        await writer.drain()
-        await reader.read()  # until the proxy or the test closes it
-        return False
-
-    up = await raw_upstream({"/one": remember, "/two": echo()})
-    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
-    reader, writer = await connect(sc)
-    writer.write(b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert (await read_response(reader)).status == 200
-    # While the loop is blocked: the next request first, then the stray bytes.
-    os.write(writer.get_extra_info("socket").fileno(), b"GET /two HTTP/1.1\r\nHost: x\r\n\r\n")
-    os.write(sockets[0].fileno(), b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nevil!")
-    time.sleep(0.02)
-    resp = await asyncio.wait_for(read_response(reader), 5)
-    writer.close()
-    assert resp.status == 200 and resp.body != b"evil!"
-    assert orjson.loads(resp.body)["target"] == "/two"
-    assert [(r.target, r.conn) for r in up.received] == [("/one", 1), ("/two", 2)]
+    stale-check time), in the same loop iteration as the next request: its answer would be the
+    stray one."""
+    up, reader, writer, upstream_side = await pooled_after_one(raw_upstream, start_sidecar)
+    stray = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nevil!"
+    await two_goes_to_a_fresh_connection(up, reader, writer, lambda: os.write(upstream_side.fileno(), stray))
 
 
 @FAST
