@@ -50,7 +50,6 @@ import resource
 
 from sidecar.engine.parse_errors import ParseError
 from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, LENGTH
-from sidecar.errors import failure_reason
 
 
 cdef extern from "<pthread.h>" nogil:
@@ -675,7 +674,7 @@ cdef class DirectReads:
         elif kind == K_STOP:
             conn.direct_stop()
             if err:  # taken from the socket by the thread's read: the transport would not see it
-                conn._fail(f"connection to the upstream failed: {failure_reason(OSError(err, os.strerror(err)))}")
+                conn.read_failed(OSError(err, os.strerror(err)))
         else:
             conn._fail("response not relayed: out of memory")
 

@@ -231,7 +231,7 @@ class UpstreamConnection:
             # request never reached the application, like a refused connect.
             ex.connect_failed("tls", exc)
         else:
-            ex.upstream_failed(f"connection to the upstream failed: {failure_reason(exc)}")
+            ex.upstream_failed(_failed(exc))
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -423,12 +423,21 @@ class UpstreamConnection:
             self.pool.drop(self)
         ex.response_end(now)
 
+    def read_failed(self, exc: OSError) -> None:
+        """A read of this connection's socket outside its transport (the stream thread's) met
+        ``exc``, which the socket no longer holds: fail the response as the transport would."""
+        self._fail(_failed(exc))
+
     def _fail(self, message: str) -> None:
         ex = self.ex
         self._unbind()
         self.pool.drop(self)
         if ex is not None:
             ex.upstream_failed(message)
+
+
+def _failed(exc: BaseException) -> str:
+    return f"connection to the upstream failed: {failure_reason(exc)}"
 
 
 class UpstreamPool:
