@@ -21,6 +21,7 @@ import pytest
 
 from sidecar.engine import fast_connection
 from sidecar.engine.fast import FastEngine
+from sidecar.engine.fast_upstream import STALE_CHECK_AFTER
 from tests.engine import (
     OK,
     Handler,
@@ -748,7 +749,7 @@ async def two_goes_to_a_fresh_connection(up: Any, reader: Any, writer: Any, upst
     must not send it on that connection."""
     os.write(writer.get_extra_info("socket").fileno(), b"GET /two HTTP/1.1\r\nHost: x\r\n\r\n")
     upstream_event()
-    time.sleep(0.02)  # (both arrive; the loop stays blocked for less than the 50 ms stale-check time)
+    time.sleep(STALE_CHECK_AFTER * 0.4)  # (both arrive; the loop stays blocked for less than the stale-check time)
     resp = await asyncio.wait_for(read_response(reader), 5)
     writer.close()
     assert resp.status == 200
@@ -760,7 +761,7 @@ async def two_goes_to_a_fresh_connection(up: Any, reader: Any, writer: Any, upst
 async def test_stale_pooled_connection_is_retried_on_a_fresh_one_before_sending(raw_upstream, start_sidecar):
     """The race: the upstream's FIN is in the socket but the loop has not processed it yet."""
     up, reader, writer, upstream_side = await pooled_after_one(raw_upstream, start_sidecar)
-    await asyncio.sleep(0.1)  # idle in the pool for longer than the stale check's time
+    await asyncio.sleep(STALE_CHECK_AFTER * 2)  # idle in the pool for longer than the stale check's time
     await two_goes_to_a_fresh_connection(up, reader, writer, lambda: upstream_side.shutdown(socket.SHUT_RDWR))
 
 
