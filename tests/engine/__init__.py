@@ -136,12 +136,14 @@ async def exchange(
 
 
 async def closed_soon(reader: asyncio.StreamReader, within: float) -> bool:
-    """True when the peer closes (EOF or reset) within ``within`` seconds without sending more."""
+    """True when the peer closes (EOF or reset) within ``within`` seconds without sending more. (A
+    broken pipe counts too: the test's own write, for example a dribbled head, met the peer's
+    close first, and the stream's reader then raises that error instead of reading the EOF.)"""
     try:
         extra = await asyncio.wait_for(reader.read(1), within)
     except TimeoutError:
         return False
-    except ConnectionResetError:
+    except (ConnectionResetError, BrokenPipeError):
         return True
     if extra:
         raise WireError(f"unexpected bytes after the response: {extra!r}")
