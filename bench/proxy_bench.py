@@ -84,6 +84,7 @@ MEASURED_IDS = 1000
 PREFILL_CONNECTIONS = 256
 START_TIMEOUT = 20.0
 STOP_GRACE = 5.0
+STREAM_THREAD = "sidecar-streams"  # the name of the fast engine's stream thread (sidecar/engine/_direct_reads.pyx)
 IDLE_POLL_ON_US = 200  # the fast engine's idle polling window when it is explicitly on
 NOFILE = 65536  # two sockets per stream in the proxy, one in the driver, one in the upstream
 
@@ -957,6 +958,11 @@ class StreamRun:
     upstream_late_p99_ms: float | None  # how late the upstream itself sent its events
     load_limited: bool  # LOAD_SATURATED or LOAD_LATE_MS reached: the load side was a limit
     load_average: float
+    # The sidecar's split (None for the others): its event loop's CPU time and its time runnable
+    # but waiting for the core, per stream started; its stream thread's CPU time per event.
+    loop_cpu_us_per_stream: float | None = None
+    loop_wait_us_per_stream: float | None = None
+    relay_cpu_us_per_event: float | None = None
     detail: dict[str, Any] = field(default_factory=dict)  # everything the driver reported
 
 
@@ -994,6 +1000,9 @@ def measure_stream(lab: Lab, case: Case, contender: Contender, round_: int, args
     gap_p99 = result.get("gap_p99_ms")
     late = result.get("upstream_pacing", {}).get("late_p99_ms")
     load_busy = (result["load_cpu_s"] + result["load_wait_s"]) / seconds
+    threads = result.get("proxy_threads", {}) if contender.spec.kind == "sidecar" else {}
+    loop, relay = threads.get("main"), threads.get(STREAM_THREAD)
+    started = case.streams * waves
     return StreamRun(
         case=case.key,
         contender=contender.spec.label,
@@ -1021,6 +1030,9 @@ def measure_stream(lab: Lab, case: Case, contender: Contender, round_: int, args
         upstream_late_p99_ms=late,
         load_limited=load_busy >= LOAD_SATURATED or (late or 0) > LOAD_LATE_MS,
         load_average=os.getloadavg()[0],
+        loop_cpu_us_per_stream=loop["cpu_s"] * 1e6 / started if loop else None,
+        loop_wait_us_per_stream=loop["wait_s"] * 1e6 / started if loop else None,
+        relay_cpu_us_per_event=relay["cpu_s"] * 1e6 / events if relay and events else None,
         detail=result,
     )
 
@@ -1471,6 +1483,9 @@ class StreamRow:
     upstream_cpu_share: float | None = None
     upstream_late_p99_ms: float | None = None
     load_limited: bool = False  # in most rounds the load side was a limit (StreamRun.load_limited)
+    loop_cpu_us_per_stream: float | None = None
+    loop_wait_us_per_stream: float | None = None
+    relay_cpu_us_per_event: float | None = None
     note: str = ""
 
 
@@ -1547,6 +1562,9 @@ def summarize_streams(result: CaseResult) -> list[StreamRow]:
             "load_busy_share",
             "upstream_cpu_share",
             "upstream_late_p99_ms",
+            "loop_cpu_us_per_stream",
+            "loop_wait_us_per_stream",
+            "relay_cpu_us_per_event",
         ):
             setattr(row, name, median_or_none([getattr(r, name) for r in mine]))
         row.load_limited = sum(r.load_limited for r in mine) * 2 > len(mine)
@@ -2057,6 +2075,38 @@ def stream_table(rows: Sequence[StreamRow], args: argparse.Namespace) -> list[st
     return lines + (["", *notes] if notes else [])
 
 
+def split_table(rows: Sequence[StreamRow]) -> list[str]:
+    """The sidecar's CPU per stream case split between its two threads (it explains the time to
+    first event: every stream start is the event loop's work, while the stream thread relays the
+    other streams' events on the same core)."""
+    split = [r for r in rows if r.loop_cpu_us_per_stream is not None]
+    if not split:
+        return []
+    lines = [
+        "",
+        "Where the sidecar's CPU went:",
+        "",
+        "| case | contender | event loop CPU us per stream | event loop waiting for the core us per stream "
+        "| stream thread CPU us per event |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in split:
+        lines.append(
+            f"| {r.case} | {r.contender} | {fmt(r.loop_cpu_us_per_stream, '.1f')} | "
+            f"{fmt(r.loop_wait_us_per_stream, '.1f')} | {fmt(r.relay_cpu_us_per_event, '.1f')} |"
+        )
+    lines += [
+        "",
+        "Medians over rounds, from the per-thread schedstat counters. The event loop (the process's main "
+        "thread) starts every stream (request head, routing, the upstream request, the response head and "
+        "first event, the hand-over to the stream thread) and ends it; per stream started, its CPU time and "
+        "its time runnable but waiting for the core, which the stream thread (relaying the other streams' "
+        f"events on the same core, `{STREAM_THREAD}`) or other processes held. The stream starts of a wave "
+        "arrive together, so this per-stream cost sets the queueing behind the time to first event.",
+    ]
+    return lines
+
+
 def growth_table(rows: Sequence[StreamRow]) -> list[str]:
     """CPU per event and latency at the two stream counts, per contender."""
     small = {r.contender: r for r in rows if r.case.startswith("f ")}
@@ -2239,7 +2289,7 @@ def markdown(
     if rows:
         lines += request_table(rows, args)
     if stream_rows:
-        lines += ["", *stream_table(stream_rows, args), *growth_table(stream_rows)]
+        lines += ["", *stream_table(stream_rows, args), *split_table(stream_rows), *growth_table(stream_rows)]
     if store is not None:
         lines += [*([""] if lines and lines[-1] else []), *store_table(store[0], store[1], args)]
     lines += ["", "## Targets", "", "| target | contender | measured | verdict |", "|---|---|---:|---|"]

@@ -30,7 +30,10 @@ Over the measured interval (first measured request to last event) it reads the C
 (/proc/<pid>/task/*/schedstat, in nanoseconds: the counter that /proc/<pid>/stat's utime + stime
 are derived from, there rounded to 10 ms ticks; both are reported), and its own CPU time (the
 upstream and the driver together: near 100%, the load side was the limit). Beside each, the time
-their threads were runnable but waited for the core: what other processes took from them.
+their threads were runnable but waited for the core: what other processes took from them. The
+proxy's figures are also given per thread kind (``proxy_threads``: each process's main thread, and
+the other threads by name): the sidecar's event loop, which starts every stream, and its stream
+thread, which relays the events.
 """
 
 from __future__ import annotations
@@ -64,7 +67,15 @@ NOT_STARTED = "not started: an earlier stream on its connection failed"
 def sched_ns(pids: list[int]) -> tuple[int, int]:
     """(time on a CPU, time runnable but waiting for a CPU) so far of the live threads of the
     processes ``pids``, in ns. The wait is the time other processes took the core from them."""
-    run = wait = 0
+    threads = sched_by_thread(pids).values()
+    return sum(run for run, _ in threads), sum(wait for _, wait in threads)
+
+
+def sched_by_thread(pids: list[int]) -> dict[str, list[int]]:
+    """:func:`sched_ns` per thread kind of the processes ``pids``: ``main`` (each process's first
+    thread: an event loop, for the sidecar) and the other threads by name (the sidecar's stream
+    thread is ``sidecar-streams``), each [time on a CPU, time runnable but waiting], in ns."""
+    out: dict[str, list[int]] = {}
     for pid in pids:
         try:
             tasks = os.listdir(f"/proc/{pid}/task")
@@ -74,11 +85,13 @@ def sched_ns(pids: list[int]) -> tuple[int, int]:
             try:
                 with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
                     fields = f.read().split()
-                run += int(fields[0])
-                wait += int(fields[1])
+                name = "main" if tid == str(pid) else Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+                sums = out.setdefault(name, [0, 0])
+                sums[0] += int(fields[0])
+                sums[1] += int(fields[1])
             except (OSError, ValueError, IndexError):
                 continue  # the thread ended meanwhile
-    return run, wait
+    return out
 
 
 def stat_cpu_ns(pid: int) -> int:
@@ -291,6 +304,7 @@ class Driver:
         pids, me = self.cpu_pids, [os.getpid()]
         proxy0, proxy_wait0 = sched_ns(pids)
         proxy_stat0 = sum(stat_cpu_ns(p) for p in pids)
+        threads0 = sched_by_thread(pids)
         self0, self_wait0 = sched_ns(me)
         t0 = time.perf_counter_ns()
         errors: dict[str, int] = {}
@@ -302,6 +316,7 @@ class Driver:
         t1 = time.perf_counter_ns()
         proxy1, proxy_wait1 = sched_ns(pids)
         proxy_stat1 = sum(stat_cpu_ns(p) for p in pids)
+        threads1 = sched_by_thread(pids)
         self1, self_wait1 = sched_ns(me)
         pacing = self.upstream.pacer.take_stats()
 
@@ -337,6 +352,13 @@ class Driver:
             "proxy_cpu_s": (proxy1 - proxy0) / 1e9 if pids else None,
             "proxy_stat_cpu_s": (proxy_stat1 - proxy_stat0) / 1e9 if pids else None,
             "proxy_wait_s": (proxy_wait1 - proxy_wait0) / 1e9 if pids else None,
+            "proxy_threads": {
+                name: {
+                    "cpu_s": (run - threads0.get(name, [0, 0])[0]) / 1e9,
+                    "wait_s": (wait - threads0.get(name, [0, 0])[1]) / 1e9,
+                }
+                for name, (run, wait) in threads1.items()
+            },
             "load_cpu_s": (self1 - self0) / 1e9,
             "load_wait_s": (self_wait1 - self_wait0) / 1e9,
             "upstream_pacing": pacing,
