@@ -85,6 +85,8 @@ cdef class Exchange(UpstreamRequest):
     @cython.locals(conn=UpstreamConnection)
     cpdef _end(self, long close)
 
+cdef bint _ends_chunked(list values) except -1
+
 @cython.locals(ex=Exchange)
 cpdef Exchange new_exchange(ClientSide client, bytes raw, Py_ssize_t first, Py_ssize_t end, bytes method,
                             bytes target, bint keep_alive, length)

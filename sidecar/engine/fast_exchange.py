@@ -786,13 +786,8 @@ class Exchange(UpstreamRequest):
             mode = -1  # no body
         elif framing & _FRAMING == _HAS_CONTENT_LENGTH:
             mode = _LENGTH
-        elif (
-            framing & _HAS_TRANSFER_ENCODING
-            and b",".join(header_values(raw, first, end, TRANSFER_ENCODING_B, False))
-            .rsplit(b",", 1)[-1]
-            .strip()
-            .lower()
-            == b"chunked"
+        elif framing & _HAS_TRANSFER_ENCODING and _ends_chunked(
+            header_values(raw, first, end, TRANSFER_ENCODING_B, False)
         ):
             mode = _DECHUNK if http10 else _CHUNKED
         else:  # delimited by the upstream's close
@@ -1013,6 +1008,14 @@ class Exchange(UpstreamRequest):
             self.waiting = None  # not when a connection frees up
             pool.forget(self)
         self.client.finish_exchange(self, close)
+
+
+def _ends_chunked(values: list[bytes]) -> bool:
+    """Whether the Transfer-Encoding ``values`` end with ``chunked`` (the usual single
+    ``chunked`` without a join, split and two copies)."""
+    if len(values) == 1 and values[0] == b"chunked":
+        return True
+    return b",".join(values).rsplit(b",", 1)[-1].strip().lower() == b"chunked"
 
 
 def new_exchange(

@@ -460,6 +460,17 @@ async def test_http11_client_gets_chunked_upstream_body_byte_identical(raw_upstr
     assert not closed
 
 
+@pytest.mark.parametrize("coding", [b"chunked", b"Chunked", b"CHUNKED"])
+async def test_a_chunked_response_is_relayed_chunked_whatever_the_coding_case(raw_upstream, start_sidecar, coding):
+    # The usual "chunked" and the other spellings take two paths to the same framing.
+    up = await raw_upstream({"/chunked": reply(CHUNKED_REPLY.replace(b"chunked", coding))})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
+    [first, second], closed = await exchange(port(sc), b"GET /chunked HTTP/1.1\r\nHost: x\r\n\r\n" * 2, responses=2)
+    assert [first.framing, second.framing] == ["chunked", "chunked"]
+    assert first.body == second.body == b"hello world"
+    assert not closed
+
+
 # -- response heads -----------------------------------------------------------------------------
 
 
