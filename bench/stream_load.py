@@ -67,8 +67,12 @@ NOT_STARTED = "not started: an earlier stream on its connection failed"
 def sched_ns(pids: list[int]) -> tuple[int, int]:
     """(time on a CPU, time runnable but waiting for a CPU) so far of the live threads of the
     processes ``pids``, in ns. The wait is the time other processes took the core from them."""
-    threads = sched_by_thread(pids).values()
-    return sum(run for run, _ in threads), sum(wait for _, wait in threads)
+    return totals(sched_by_thread(pids))
+
+
+def totals(threads: dict[str, list[int]]) -> tuple[int, int]:
+    """The sums over the threads of a :func:`sched_by_thread` reading."""
+    return sum(run for run, _ in threads.values()), sum(wait for _, wait in threads.values())
 
 
 def sched_by_thread(pids: list[int]) -> dict[str, list[int]]:
@@ -302,9 +306,9 @@ class Driver:
         self.upstream.pacer.take_stats()  # lateness counts from here
 
         pids, me = self.cpu_pids, [os.getpid()]
-        proxy0, proxy_wait0 = sched_ns(pids)
-        proxy_stat0 = sum(stat_cpu_ns(p) for p in pids)
         threads0 = sched_by_thread(pids)
+        proxy0, proxy_wait0 = totals(threads0)
+        proxy_stat0 = sum(stat_cpu_ns(p) for p in pids)
         self0, self_wait0 = sched_ns(me)
         t0 = time.perf_counter_ns()
         errors: dict[str, int] = {}
@@ -314,9 +318,9 @@ class Driver:
         for task in pending:
             task.cancel()
         t1 = time.perf_counter_ns()
-        proxy1, proxy_wait1 = sched_ns(pids)
-        proxy_stat1 = sum(stat_cpu_ns(p) for p in pids)
         threads1 = sched_by_thread(pids)
+        proxy1, proxy_wait1 = totals(threads1)
+        proxy_stat1 = sum(stat_cpu_ns(p) for p in pids)
         self1, self_wait1 = sched_ns(me)
         pacing = self.upstream.pacer.take_stats()
 
