@@ -1,6 +1,7 @@
 # Compiled layout of fast_upstream.py (Cython "augmenting" declarations; see setup.py). Keep the
 # fields equal to each class's __slots__; C types only where every assignment has that type.
 cimport cython
+from sidecar.engine._direct_reads cimport DirectReads, Enrolled
 from sidecar.engine._direct_socket cimport DirectSocket
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.head cimport cut, head_end, locate
@@ -25,12 +26,12 @@ cdef class UpstreamConnection:
     cdef public bint lost, counted, keep_alive, reusable, sent_all, write_paused, fresh
     cdef public double idle_since
     cdef public BodyRelay relay
-    cdef public object direct
+    cdef public Enrolled direct
     cdef public DirectSocket sock
     cdef public unsigned long enroll_at
     @cython.locals(relay=BodyRelay)
     cpdef data_received(self, bytes data)
-    @cython.locals(used=Py_ssize_t)
+    @cython.locals(used=Py_ssize_t, direct=DirectReads, entry=Enrolled)
     cpdef _body(self, BodyRelay relay, bytes data)
     cpdef body_end(self, bint extra)
     cpdef invalid_body(self, exc)
@@ -42,10 +43,12 @@ cdef class UpstreamConnection:
     cpdef _head(self, bytes data)
     cpdef _complete(self, double now)
     cpdef _unbind(self)
+    @cython.locals(entry=Enrolled)
     cpdef direct_stop(self)
 
 cdef class UpstreamPool:
-    cdef public object loop, host, tls, server_hostname, idle, waiters, tasks, direct
+    cdef public object loop, host, tls, server_hostname, idle, waiters, tasks
+    cdef public DirectReads direct
     cdef public long port, limit, total
     cdef public Py_ssize_t max_head
     cdef public bint closed
