@@ -9,6 +9,9 @@ cdef class Identity:
     cdef public object root
     cdef public bint final
 
+# Returned for every request without a session: a C global, not a module-dict lookup.
+cdef Identity NO_SESSION
+
 cdef class IdentityReader:
     cdef public tuple _session, _parent, _root, _final, _lineage, _body, body_keys
     cdef public bint _fingerprint, reads_body

@@ -74,8 +74,14 @@ cdef class Router:
     cpdef _release(self, _Admission held, outcome)
 
 cdef dict _LOG_CACHE, _ADDABLE
+# Read per request: C globals, not module-dict lookups (a dict lookup at each read, not cached
+# from Python 3.12 on).
+cdef object log, DEBUG
+cdef str _REQUEST_ID, _CONTENT_LENGTH, _TRANSFER_ENCODING
 cdef Py_ssize_t MAX_ADDABLE
 cdef bint _debug_on() except -1
+cpdef Decision _sessionless(Deployment dep, request_id)
+cpdef bint _declares_body(RequestHead head) except -1
 cpdef Decision _awaiting_body(Deployment dep, limit, _Pending pending, request_id)
 cpdef Decision _admitted(Deployment dep, upstream, RoutingContext ctx, Turn turn, rec, request_id)
 cpdef _check_added(tuple add)

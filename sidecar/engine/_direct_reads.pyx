@@ -49,6 +49,8 @@ import os
 import resource
 
 from sidecar.engine.parse_errors import ParseError
+# (C longs: _mode reads them at each enrolment, where a module global is a dict lookup)
+cdef long CHUNKED, DECHUNK, EOF_CHUNKED, LENGTH
 from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, LENGTH
 
 

@@ -14,7 +14,8 @@ One request, from bytes in to bytes out, through the modules of this engine:
   their framing tracked without a Python call per chunk;
 - :mod:`sidecar.engine.flow` (backpressure: a write buffer above its high-water mark on one side
   pauses reading on the other), :mod:`sidecar.engine.wire` (constants and the JSON error
-  answers), :mod:`sidecar.engine.idle_poll` (opt-in polling instead of sleeping under load).
+  answers), :mod:`sidecar.engine.phases` (an exchange's phases),
+  :mod:`sidecar.engine.idle_poll` (opt-in polling instead of sleeping under load).
 
 This module is the engine itself: the listener, the pools (one per upstream address and TLS
 context), the state every connection shares (:class:`~sidecar.engine.fast_exchange.Shared`),

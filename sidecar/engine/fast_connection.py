@@ -28,10 +28,11 @@ from typing import Any, cast
 from sidecar import errors
 from sidecar.engine import wire
 from sidecar.engine.direct import DirectSocket
-from sidecar.engine.fast_exchange import ABORT, CLOSE, DONE, QUEUED, ClientSide, Exchange, Shared, new_exchange
+from sidecar.engine.fast_exchange import ClientSide, Exchange, Shared, new_exchange
 from sidecar.engine.flow import PIPELINED, STOPPED, ReadFlow
 from sidecar.engine.head import HOST_INVALID, HOST_REPEATED, HOST_SEEN, LISTED, dot_segment, name_table, scan_request
 from sidecar.engine.parsers import CallbackError, HeadTooLarge, ParseError, RequestParser, UpgradeRequest
+from sidecar.engine.phases import ABORT, CLOSE, DONE, QUEUED
 from sidecar.engine.relay import ClientOutput
 
 log = logging.getLogger("sidecar.engine")
@@ -48,13 +49,15 @@ PEER_CHECK = 1.0
 # pipelined requests, each an exchange in memory; the one past this is refused (400), then the
 # connection closes after the answers before it.
 MAX_PIPELINED = 128
+_MAX_PIPELINED = MAX_PIPELINED  # (the typed copy on_head reads; tests read the public name)
 
 _INF = float("inf")
 _HOST_FACTS = HOST_SEEN | HOST_REPEATED | HOST_INVALID
 # The same constants for this module's per-request tests: the compiled build declares these
 # private names as C longs (fast_connection.pxd), so the tests compare machine integers instead of
 # looking up module globals and making ints.
-_LISTED, _HOST_SEEN, _QUEUED, _ABORT, _CLOSE, _PIPELINED = LISTED, HOST_SEEN, QUEUED, ABORT, CLOSE, PIPELINED
+_LISTED, _HOST_SEEN, _PIPELINED = LISTED, HOST_SEEN, PIPELINED
+_QUEUED, _DONE, _ABORT, _CLOSE = QUEUED, DONE, ABORT, CLOSE
 # Request headers whose presence takes the head checks and the forwarding off the fast path.
 _SPECIAL = name_table(
     frozenset({wire.CONNECTION, wire.TRANSFER_ENCODING, wire.EXPECT, wire.UPGRADE, wire.XFF, wire.XFP})
@@ -199,7 +202,7 @@ class ClientConnection(ClientSide):
         waits = bool(queue)  # an earlier request is still in progress
         queue.append(ex)
         self.cur = ex
-        if ex.error is None and len(queue) > MAX_PIPELINED:
+        if ex.error is None and len(queue) > _MAX_PIPELINED:
             ex.error = (errors.bad_request(f"more than {MAX_PIPELINED} pipelined requests"), "bad_request")
         if ex.error is not None:
             self._stop()  # answered, then closed: later bytes are never read as requests
@@ -208,7 +211,7 @@ class ClientConnection(ClientSide):
 
     def on_body(self, body: bytes) -> None:
         ex = self.cur
-        if ex is not None and ex.state != DONE:  # (an answered or dropped request's body: dropped)
+        if ex is not None and ex.state != _DONE:  # (an answered or dropped request's body: dropped)
             ex.body.append(body)
             ex.body_size += len(body)
 

@@ -10,13 +10,25 @@ from sidecar.engine.head cimport (HeaderBlock, copy_block, cut, decimal, dot_seg
                                   header_values, name_table, reason_phrase, relay_block)
 from sidecar.metrics cimport DeploymentStats, _Value
 from sidecar.deployments cimport Deployment
-from sidecar.router cimport Decision, Router
+from sidecar.router cimport Decision, RequestHead, Router
 
 cdef class Exchange(UpstreamRequest)
 
 cdef long _NAMES_HEADERS, _FRAMING, _HAS_CONTENT_LENGTH, _HAS_TRANSFER_ENCODING, _LENGTH, _CHUNKED, _DECHUNK
 cdef long _EOF_RAW, _EOF_CHUNKED
 cdef dict _ADD_NAMES
+# The module constants the per-request paths read, as C globals: a module global is a dict
+# lookup at each read (not cached from Python 3.12 on). Private to this module once compiled:
+# what other modules need comes from where it is defined (sidecar.engine.phases, wire, flow).
+cdef object perf_counter, _COMPLETED, _UPSTREAM_FAILED, _CLIENT_ABORTED
+cdef long QUEUED, LOADING, BUFFERING, TRANSFORMING, CONNECTING, SENDING, SENT, DONE, KEEP, CLOSE, ABORT
+cdef long PEER_FULL, WAITING, _IDLE_CHECKS
+cdef Py_ssize_t WAIT_BUFFER, _SEPARATE_WRITE
+cdef double _INF
+cdef bytes CHUNKED_LINE, CL_LINE, CL_ZERO, CLOSE_LINE, CONNECTION_B, CONTINUE, HTTP10, HTTP11, KEEPALIVE_LINE
+cdef bytes LAST_CHUNK, TRANSFER_ENCODING_B
+cdef frozenset NO_EMPTY_LENGTH
+cdef dict METHODS, STATUS_CODE
 
 cdef class Shared:
     cdef public object engine, health, drained

@@ -74,6 +74,19 @@ from sidecar.engine.head import (
     token_set,
 )
 from sidecar.engine.idle_poll import IdlePoller
+from sidecar.engine.phases import (
+    ABORT,
+    BUFFERING,
+    CLOSE,
+    CONNECTING,
+    DONE,
+    KEEP,
+    LOADING,
+    QUEUED,
+    SENDING,
+    SENT,
+    TRANSFORMING,
+)
 from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW, LENGTH, BodyRelay
 from sidecar.engine.wire import (
     CHUNKED_LINE,
@@ -120,16 +133,6 @@ _LENGTH, _CHUNKED, _DECHUNK, _EOF_RAW, _EOF_CHUNKED = LENGTH, CHUNKED, DECHUNK, 
 _IDLE_CHECKS = 4
 
 _INF = float("inf")
-
-# Exchange phases, in order. QUEUED: parsed, waiting its turn (not counted in flight yet);
-# LOADING: its session is being loaded from the shared store before routing; BUFFERING: started
-# (routing, or reading the body a mode needs); TRANSFORMING: the router's body work runs on a
-# worker thread; CONNECTING: waiting for an upstream connection; SENDING: the body streams to
-# the upstream; SENT: the whole request went out; DONE: ended (see Exchange._end). The response
-# runs beside SENDING / SENT: it has begun once ``resp_status`` is set.
-QUEUED, LOADING, BUFFERING, TRANSFORMING, CONNECTING, SENDING, SENT, DONE = range(8)
-# How an exchange's end leaves its client connection (ClientSide.finish_exchange).
-KEEP, CLOSE, ABORT = range(3)
 
 # Mode header name -> (lower-case key, b"Name: ", lower-case bytes); names come from the modes: a handful.
 _ADD_NAMES: dict[str, tuple[str, bytes, bytes]] = {}

@@ -9,6 +9,9 @@ from sidecar.engine.idle_poll cimport IdlePoller
 from sidecar.engine.relay cimport BodyRelay
 
 cdef unsigned long _ENROLL_AFTER, _ENROLL_RETRY
+# Read per request: C globals, not module-dict lookups (see fast_exchange.pxd).
+cdef object perf_counter
+cdef long CLIENT_FULL, DIRECT
 
 cdef class UpstreamRequest:
     cpdef response_head(self, long status, bytes raw, Py_ssize_t start, Py_ssize_t first, Py_ssize_t end, length,

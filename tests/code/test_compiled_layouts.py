@@ -6,6 +6,7 @@ time, or a field that silently never exists), so this is checked, not kept by ha
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -93,3 +94,78 @@ def test_the_check_reads_layouts_and_finds_a_mismatch() -> None:
     cls = ast.parse("class A:\n    __slots__ = ('x', 'y')\n").body[0]
     assert isinstance(cls, ast.ClassDef)
     assert py_fields(cls) == ("__slots__", ["x", "y"]) and sorted(layout["A"]) != ["x", "y"]
+
+
+# -- module constants declared as C globals --------------------------------------------------
+# A layout may declare module-level names (``cdef long DONE``): compiled, they become C globals,
+# read without a dict lookup, but they leave the module's namespace. So each must be assigned at
+# the module level of its .py (an import or an assignment: otherwise the compiled build reads 0
+# or None), and no other module may import it from there or read it as an attribute (that fails
+# in the compiled build only).
+
+GLOBAL_DECL = re.compile(
+    r"cdef (?!class |extern |struct |enum |inline |public |readonly )([\w ]+?) (\w+(?:, *\w+)*)\s*(#.*)?$"
+)
+SOURCES = sorted(p for top in ("sidecar", "tests", "bench") for p in (ROOT.parent / top).rglob("*.py"))
+
+
+@functools.cache
+def source(path: Path) -> tuple[str, list[ast.ImportFrom]]:
+    """A module's text and its ``from ... import`` statements (read once for every layout)."""
+    text = path.read_text(encoding="utf-8")
+    return text, [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ImportFrom)]
+
+
+def pxd_globals(text: str) -> set[str]:
+    """The module-level names a layout declares as C variables."""
+    names: set[str] = set()
+    for line in text.splitlines():
+        m = GLOBAL_DECL.match(line.rstrip())
+        if m and "(" not in line:
+            names.update(n.strip() for n in m.group(2).split(","))
+    return names
+
+
+def module_assigned(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level (imports and assignments, tuple targets included)."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update(a.asname or a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(e.id for e in ast.walk(t) if isinstance(e, ast.Name))
+    return names
+
+
+def module_name(pxd: Path) -> str:
+    return ".".join(pxd.with_suffix("").relative_to(ROOT.parent).parts)
+
+
+@pytest.mark.parametrize("pxd", PXDS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_c_global_is_set_by_its_module_and_read_by_no_other(pxd: Path) -> None:
+    declared = pxd_globals(pxd.read_text(encoding="utf-8"))
+    if not declared:
+        return
+    unset = declared - module_assigned(ast.parse(pxd.with_suffix(".py").read_text(encoding="utf-8")))
+    assert not unset, f"{pxd.name} declares {sorted(unset)}, which its module never sets at its top level"
+    module = module_name(pxd)
+    short = module.rsplit(".", 1)[1]
+    for path in SOURCES:
+        if path == pxd.with_suffix(".py"):
+            continue
+        text, imports = source(path)
+        for node in imports:
+            if node.module == module:
+                taken = declared & {a.name for a in node.names}
+                assert not taken, f"{path.name} imports {sorted(taken)} from {module}: C globals once compiled"
+        read = {n for n in declared if re.search(rf"\b{short}\.{n}\b", text)}
+        assert not read, f"{path.name} reads {sorted(read)} as attributes of {module}: C globals once compiled"
+
+
+def test_the_global_check_sees_declarations_and_bindings() -> None:
+    text = "cdef long A, B  # why\ncdef object f\ncdef class C:\n    cdef public long x\ncpdef g(long a)\n"
+    assert pxd_globals(text) == {"A", "B", "f"}
+    tree = ast.parse("from time import perf_counter as f\nA, B = range(2)\n")
+    assert module_assigned(tree) == {"f", "A", "B"}
+    assert module_name(ROOT / "engine" / "fast_exchange.pxd") == "sidecar.engine.fast_exchange"

@@ -136,6 +136,7 @@ LEAVES = [
     "sidecar.engine.idle_poll",
     "sidecar.engine.relay",
     "sidecar.engine.wire",
+    "sidecar.engine.phases",
     "sidecar.errors",
     "sidecar.headers",
     "sidecar.modes.ids",

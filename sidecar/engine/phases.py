@@ -1,0 +1,19 @@
+"""The fast engine's exchange phases and how an exchange's end leaves its client connection.
+
+A module of its own so that :mod:`sidecar.engine.fast_exchange` and
+:mod:`sidecar.engine.fast_connection` can each read them as C integers when compiled (their
+``.pxd`` files declare the names they import from here): a compiled module's own constants are
+not importable from Python.
+"""
+
+from __future__ import annotations
+
+# Exchange phases, in order. QUEUED: parsed, waiting its turn (not counted in flight yet);
+# LOADING: its session is being loaded from the shared store before routing; BUFFERING: started
+# (routing, or reading the body a mode needs); TRANSFORMING: the router's body work runs on a
+# worker thread; CONNECTING: waiting for an upstream connection; SENDING: the body streams to
+# the upstream; SENT: the whole request went out; DONE: ended (see Exchange._end). The response
+# runs beside SENDING / SENT: it has begun once ``resp_status`` is set.
+QUEUED, LOADING, BUFFERING, TRANSFORMING, CONNECTING, SENDING, SENT, DONE = range(8)
+# How an exchange's end leaves its client connection (ClientSide.finish_exchange).
+KEEP, CLOSE, ABORT = range(3)
