@@ -50,12 +50,13 @@ cdef class UpstreamConnection:
     cpdef direct_stop(self)
 
 cdef class UpstreamPool:
-    cdef public object loop, host, tls, server_hostname, idle, waiters, tasks
+    cdef public object loop, host, tls, server_hostname, waiters, tasks
+    cdef public list idle
     cdef public DirectReads direct
     cdef public long port, limit, total
     cdef public Py_ssize_t max_head
     cdef public bint closed
     cdef public IdlePoller poller
-    @cython.locals(conn=UpstreamConnection)
+    @cython.locals(conn=UpstreamConnection, idle=list)
     cpdef take(self, double now)
     cpdef release(self, UpstreamConnection conn, double now)

@@ -485,7 +485,9 @@ class UpstreamPool:
         self.limit = limit
         # A response head larger than this is a protocol error (502), never relayed.
         self.max_head = max_head
-        self.idle: deque[UpstreamConnection] = deque()
+        # A stack (most recently used on top): a list, whose append and pop the compiled build
+        # calls in C.
+        self.idle: list[UpstreamConnection] = []
         self.waiters: deque[UpstreamRequest] = deque()
         self.total = 0  # connecting + open
         self.tasks: set[asyncio.Task[None]] = set()
