@@ -7,8 +7,8 @@ from sidecar.engine.head cimport dot_segment, scan_request
 from sidecar.engine.relay cimport ClientOutput
 
 cdef tuple _SPECIAL
-cdef long _HOST_FACTS, _LISTED, _HOST_SEEN, _QUEUED, _DONE, _ABORT, _CLOSE, _PIPELINED
 # Read per request: C globals, not module-dict lookups (see fast_exchange.pxd).
+cdef long _HOST_FACTS, LISTED, HOST_SEEN, QUEUED, DONE, ABORT, CLOSE, PIPELINED
 cdef object perf_counter
 cdef Py_ssize_t _MAX_PIPELINED
 

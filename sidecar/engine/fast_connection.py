@@ -53,11 +53,6 @@ _MAX_PIPELINED = MAX_PIPELINED  # (the typed copy on_head reads; tests read the 
 
 _INF = float("inf")
 _HOST_FACTS = HOST_SEEN | HOST_REPEATED | HOST_INVALID
-# The same constants for this module's per-request tests: the compiled build declares these
-# private names as C longs (fast_connection.pxd), so the tests compare machine integers instead of
-# looking up module globals and making ints.
-_LISTED, _HOST_SEEN, _PIPELINED = LISTED, HOST_SEEN, PIPELINED
-_QUEUED, _DONE, _ABORT, _CLOSE = QUEUED, DONE, ABORT, CLOSE
 # Request headers whose presence takes the head checks and the forwarding off the fast path.
 _SPECIAL = name_table(
     frozenset({wire.CONNECTION, wire.TRANSFER_ENCODING, wire.EXPECT, wire.UPGRADE, wire.XFF, wire.XFP})
@@ -184,14 +179,14 @@ class ClientConnection(ClientSide):
             return
         ex = new_exchange(self, raw, first, end, method, target, keep_alive, length)
         facts = scan_request(raw, first, end, _SPECIAL)
-        ex.special = special = facts & _LISTED != 0
+        ex.special = special = facts & LISTED != 0
         # Without a Connection header (``special`` covers it), llhttp keeps a request alive only
         # for HTTP/1.1 (major and minor both > 0; it rejects versions other than 0.9, 1.0, 1.1
         # and 2.0): the common case (one valid Host, origin-form) needs no further check.
         if (
             not keep_alive
             or special
-            or facts & _HOST_FACTS != _HOST_SEEN
+            or facts & _HOST_FACTS != HOST_SEEN
             or not target
             or target[0] != 47  # not "/..."
             or method == b"CONNECT"
@@ -207,11 +202,11 @@ class ClientConnection(ClientSide):
         if ex.error is not None:
             self._stop()  # answered, then closed: later bytes are never read as requests
         elif waits:
-            self.pause(_PIPELINED)
+            self.pause(PIPELINED)
 
     def on_body(self, body: bytes) -> None:
         ex = self.cur
-        if ex is not None and ex.state != _DONE:  # (an answered or dropped request's body: dropped)
+        if ex is not None and ex.state != DONE:  # (an answered or dropped request's body: dropped)
             ex.body.append(body)
             ex.body_size += len(body)
 
@@ -231,7 +226,7 @@ class ClientConnection(ClientSide):
             try:
                 while queue:
                     ex = queue[0]
-                    if ex.state != _QUEUED:
+                    if ex.state != QUEUED:
                         ex.pump()
                         break
                     try:
@@ -243,8 +238,8 @@ class ClientConnection(ClientSide):
                         break  # started and in progress: it forwarded everything parsed so far
             finally:
                 self.advancing = False
-            if self.flow.reasons & _PIPELINED and len(queue) <= 1:
-                self.flow.resume(_PIPELINED)
+            if self.flow.reasons & PIPELINED and len(queue) <= 1:
+                self.flow.resume(PIPELINED)
         self.output.flush()
 
     def finish_exchange(self, ex: Exchange, close: int) -> None:
@@ -254,9 +249,9 @@ class ClientConnection(ClientSide):
         self.shared.request_done()
         if self.closing:  # gone or going: nothing more to serve
             return
-        if close == _ABORT:
+        if close == ABORT:
             self.abort()
-        elif close == _CLOSE or self.shared.draining:
+        elif close == CLOSE or self.shared.draining:
             self.close()  # (an unread rest of the request body is never read)
         else:
             if not queue:
@@ -322,7 +317,7 @@ class ClientConnection(ClientSide):
             ex = new_exchange(self, b"", 0, 0, b"", b"", False, -1)
             ex.error = (exc, reason)
             self.queue.append(ex)
-        elif ex.state == _QUEUED:
+        elif ex.state == QUEUED:
             ex.error = (exc, reason)  # its head was fine, its body was not: never forward it
         else:
             ex.refused(exc, reason)

@@ -14,15 +14,16 @@ from sidecar.router cimport Decision, RequestHead, Router
 
 cdef class Exchange(UpstreamRequest)
 
-cdef long _NAMES_HEADERS, _FRAMING, _HAS_CONTENT_LENGTH, _HAS_TRANSFER_ENCODING, _LENGTH, _CHUNKED, _DECHUNK
-cdef long _EOF_RAW, _EOF_CHUNKED
 cdef dict _ADD_NAMES
 # The module constants the per-request paths read, as C globals: a module global is a dict
 # lookup at each read (not cached from Python 3.12 on). Private to this module once compiled:
-# what other modules need comes from where it is defined (sidecar.engine.phases, wire, flow).
+# what other modules need comes from where it is defined (sidecar.engine.phases, wire, flow, head,
+# relay).
 cdef object perf_counter, _COMPLETED, _UPSTREAM_FAILED, _CLIENT_ABORTED
 cdef long QUEUED, LOADING, BUFFERING, TRANSFORMING, CONNECTING, SENDING, SENT, DONE, KEEP, CLOSE, ABORT
 cdef long PEER_FULL, WAITING, _IDLE_CHECKS
+cdef long NAMES_HEADERS, HAS_CONTENT_LENGTH, HAS_TRANSFER_ENCODING, _FRAMING, LENGTH, CHUNKED, DECHUNK, EOF_RAW
+cdef long EOF_CHUNKED
 cdef Py_ssize_t WAIT_BUFFER, _SEPARATE_WRITE
 cdef double _INF
 cdef bytes CHUNKED_LINE, CL_LINE, CL_ZERO, CLOSE_LINE, CONNECTION_B, CONTINUE, HTTP10, HTTP11, KEEPALIVE_LINE

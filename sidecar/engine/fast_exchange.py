@@ -123,11 +123,7 @@ log = logging.getLogger("sidecar.engine")
 WAIT_BUFFER = 64 * 1024
 # A buffered body larger than this goes to the transport in a write of its own.
 _SEPARATE_WRITE = 256 * 1024
-# Typed copies of the framing bits and body modes response_head tests (compiled, the imported
-# names are Python objects: each test would combine Python ints).
-_NAMES_HEADERS, _HAS_CONTENT_LENGTH, _HAS_TRANSFER_ENCODING = NAMES_HEADERS, HAS_CONTENT_LENGTH, HAS_TRANSFER_ENCODING
 _FRAMING = HAS_CONTENT_LENGTH | HAS_TRANSFER_ENCODING
-_LENGTH, _CHUNKED, _DECHUNK, _EOF_RAW, _EOF_CHUNKED = LENGTH, CHUNKED, DECHUNK, EOF_RAW, EOF_CHUNKED
 # While a response streams, the watchdog looks for reads this often (a share of the idle
 # timeout) instead of each read taking the time: a silence is noticed within 1.25x the timeout.
 _IDLE_CHECKS = 4
@@ -782,24 +778,22 @@ class Exchange(UpstreamRequest):
             )
         mark = len(out)
         framing = relay_block(raw, first, end, out, None)  # the header lines minus hop-by-hop ones
-        if framing & _NAMES_HEADERS:  # not the usual single "keep-alive" or "close"
+        if framing & NAMES_HEADERS:  # not the usual single "keep-alive" or "close"
             del out[mark:]
             relay_block(raw, first, end, out, token_set(header_values(raw, first, end, CONNECTION_B, False)))
         if self.method == b"HEAD" or status == 204 or status == 304:
             mode = -1  # no body
-        elif framing & _FRAMING == _HAS_CONTENT_LENGTH:
-            mode = _LENGTH
-        elif framing & _HAS_TRANSFER_ENCODING and _ends_chunked(
+        elif framing & _FRAMING == HAS_CONTENT_LENGTH:
+            mode = LENGTH
+        elif framing & HAS_TRANSFER_ENCODING and _ends_chunked(
             header_values(raw, first, end, TRANSFER_ENCODING_B, False)
         ):
-            mode = _DECHUNK if http10 else _CHUNKED
+            mode = DECHUNK if http10 else CHUNKED
         else:  # delimited by the upstream's close
-            mode = _EOF_RAW if http10 else _EOF_CHUNKED
-        if mode == _CHUNKED or mode == _EOF_CHUNKED:
+            mode = EOF_RAW if http10 else EOF_CHUNKED
+        if mode == CHUNKED or mode == EOF_CHUNKED:
             out.append(CHUNKED_LINE)
-        if not (
-            self.keep_alive and self.complete and mode != _DECHUNK and mode != _EOF_RAW and not self.shared.draining
-        ):
+        if not (self.keep_alive and self.complete and mode != DECHUNK and mode != EOF_RAW and not self.shared.draining):
             if not http10:  # closing is HTTP/1.0's default
                 out.append(CLOSE_LINE)
             self.close_after = True
@@ -810,7 +804,7 @@ class Exchange(UpstreamRequest):
             return None
         conn = self.conn
         assert conn is not None
-        return BodyRelay(output, mode, length if mode == _LENGTH else 0, conn.pool.max_head)
+        return BodyRelay(output, mode, length if mode == LENGTH else 0, conn.pool.max_head)
 
     def head_sent(self) -> None:
         """The response head went to the client: tell the router and the metrics now (off the

@@ -8,7 +8,7 @@ from sidecar.engine.head cimport cut, head_end, locate
 from sidecar.engine.idle_poll cimport IdlePoller
 from sidecar.engine.relay cimport BodyRelay
 
-cdef unsigned long _ENROLL_AFTER, _ENROLL_RETRY
+cdef unsigned long ENROLL_AFTER, _ENROLL_RETRY
 # Read per request: C globals, not module-dict lookups (see fast_exchange.pxd).
 cdef object perf_counter
 cdef long CLIENT_FULL, DIRECT

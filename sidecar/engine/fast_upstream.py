@@ -72,7 +72,6 @@ if TYPE_CHECKING:
 # same window: the TLS transport reports it only at connection_lost, one iteration later.)
 STALE_CHECK_AFTER = 0.05
 
-_ENROLL_AFTER = ENROLL_AFTER  # (C constants in the compiled build: see fast_upstream.pxd)
 _ENROLL_RETRY = 64  # reads of a body after an enrolment that could not be made before the next try
 
 
@@ -179,7 +178,7 @@ class UpstreamConnection:
         # Its socket (sidecar.engine.direct.DirectSocket) where the pool has DirectReads and the
         # upstream is plain TCP: requests are written through it and long bodies may be read directly.
         self.sock: Writer | None = None
-        self.enroll_at = _ENROLL_AFTER  # the relay's read count at which to enrol its body next
+        self.enroll_at = ENROLL_AFTER  # the relay's read count at which to enrol its body next
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -370,7 +369,7 @@ class UpstreamConnection:
             self._complete(now)
             return
         self.relay = relay
-        self.enroll_at = _ENROLL_AFTER
+        self.enroll_at = ENROLL_AFTER
         if stop < len(raw):
             self._body(relay, cut(raw, stop, len(raw)))  # the body's first bytes leave with the head
         else:
