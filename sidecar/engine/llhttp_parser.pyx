@@ -9,7 +9,9 @@ offsets: no copy when it arrived in one read (the usual case; ``raw`` is then th
 join of its reads otherwise. So a request costs the owner three Python calls (head, body, end)
 whatever its header count. Responses are parsed head by head, with no Python call back: the
 engine relays their bodies itself, so after each head llhttp is told there is no body and goes on
-to the next head. One llhttp serves both directions, so the engine runs one copy of its code.
+to the next head. A response head of the plainest form (``HTTP/1.1``, a length or chunked, no
+header llhttp gives meaning to but those) is read in one C pass instead, with the same outcome
+(:func:`_plain_head`): it is on the latency path, and most responses are of that form.
 
 Request bodies with a Transfer-Encoding are decoded here, not by llhttp (:class:`_Chunked`): llhttp
 refuses the whitespace RFC 9112 7.1.1 allows around ``;`` and ``=`` in chunk extensions and around
@@ -23,6 +25,7 @@ import re
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport uint8_t, uint16_t, uint64_t
+from libc.string cimport memcmp
 
 from sidecar.engine.head cimport locate
 
@@ -352,11 +355,18 @@ cdef class _Chunked:
 
 
 cdef class LlhttpResponseParser(_Llhttp):
-    """Response heads (see :mod:`sidecar.engine.parsers`)."""
+    """Response heads (see :mod:`sidecar.engine.parsers`).
+
+    A head of the plainest form is read by :func:`_plain_head`, one pass in C, instead of llhttp:
+    most responses are of that form, and they are read on the latency path (the response's
+    bytes wait for it). Any other head goes to llhttp, and so does everything after a span that
+    completed no head or a head after which the connection is not kept (llhttp then refuses more
+    bytes)."""
 
     cdef int status  # of the head completed in the bytes being fed (0: none yet)
     cdef readonly bint keep_alive
     cdef readonly object length  # a Python int: llhttp admits any uint64
+    cdef bint to_llhttp  # llhttp holds part of a head, or the connection ended its reuse
 
     def __init__(self):
         self._init(HTTP_RESPONSE, &_RESPONSE_SETTINGS)
@@ -375,9 +385,139 @@ cdef class LlhttpResponseParser(_Llhttp):
         if start < 0 or stop < start or stop > len(data):
             raise ValueError("feed_head: the span is outside the data")
         self.status = 0
+        if not self.to_llhttp and _plain_head(self, PyBytes_AS_STRING(data) + start, stop - start):
+            return self.status
+        return self.llhttp_head(data, start, stop)
+
+    def llhttp_head(self, bytes data not None, Py_ssize_t start, Py_ssize_t stop):
+        """:meth:`feed_head` by llhttp alone: the reference :func:`_plain_head` is tested against."""
+        if start < 0 or stop < start or stop > len(data):
+            raise ValueError("llhttp_head: the span is outside the data")
+        self.status = 0
         if self._execute_at(data, start, stop) == HPE_PAUSED_UPGRADE:
             raise ParseError("the response switches protocols")
+        self.to_llhttp = self.status == 0 or not self.keep_alive
         return self.status
+
+
+def plain_head(bytes data not None):
+    """``(status, keep_alive, length)`` when :func:`_plain_head` reads ``data`` (one whole head),
+    else None: for tests."""
+    cdef LlhttpResponseParser parser = LlhttpResponseParser()
+    if _plain_head(parser, PyBytes_AS_STRING(data), len(data)):
+        return parser.status, parser.keep_alive, parser.length
+    return None
+
+
+# Byte classes of _plain_head: a token character (RFC 9110 5.6.2), a character of a reason
+# phrase or field value it takes (HTAB, SP, visible ASCII; obs-text and the rest go to llhttp).
+cdef enum:
+    _TCHAR = 1
+    _VCHAR = 2
+cdef unsigned char _CLASSES[256]
+
+
+cdef void _fill_classes() noexcept:
+    cdef int c
+    for c in range(256):
+        _CLASSES[c] = 0
+        if c == 9 or 32 <= c <= 126:
+            _CLASSES[c] = _VCHAR
+        if (48 <= c <= 57) or (65 <= c <= 90) or (97 <= c <= 122) or c in b"!#$%&'*+-.^_`|~":
+            _CLASSES[c] |= _TCHAR
+
+
+_fill_classes()
+
+
+cdef bint _same(const unsigned char* s, const char* lower, Py_ssize_t n) noexcept:
+    """``s[:n]`` is ``lower`` (lower-case ASCII) but for the case of letters."""
+    cdef Py_ssize_t k
+    cdef unsigned char c
+    for k in range(n):
+        c = s[k]
+        if 65 <= c <= 90:
+            c += 32
+        if c != <unsigned char>lower[k]:
+            return False
+    return True
+
+
+cdef bint _plain_head(LlhttpResponseParser self, const char* at, Py_ssize_t n) except -1:
+    """Read ``at[:n]`` when it is exactly one response head of the plainest form and set
+    ``status``, ``keep_alive`` and ``length`` as llhttp would; return whether it did (False:
+    llhttp must read it, whether it is valid or not). The form: an ``HTTP/1.1`` status line
+    with a status of 200-599 other than 204 and 304 and a reason of HTAB, SP and visible ASCII;
+    header lines ``token ":" OWS value CRLF`` with such values; at most one Content-Length (1-18
+    digits, nothing else) or one ``Transfer-Encoding: chunked``, not both; at most one
+    ``Connection: keep-alive``; no Proxy-Connection and no Upgrade (llhttp gives them meaning);
+    a length or chunked (a body that runs until the close ends the connection's reuse, which
+    llhttp must know to refuse what follows). A subset of what llhttp (strict) accepts, read the
+    same way: tests/engine/test_parsers.py checks both on generated and altered heads."""
+    cdef const unsigned char* s = <const unsigned char*>at
+    cdef Py_ssize_t i, name, nlen, v, vend
+    cdef long long length = -1
+    cdef bint chunked = False, connection = False
+    cdef int status
+    if n < 17 or s[n - 4] != 13 or s[n - 3] != 10 or s[n - 2] != 13 or s[n - 1] != 10:
+        return False
+    if memcmp(s, b"HTTP/1.1 ", 9) != 0:
+        return False
+    if not (50 <= s[9] <= 53 and 48 <= s[10] <= 57 and 48 <= s[11] <= 57 and s[12] == 32):
+        return False
+    status = (s[9] - 48) * 100 + (s[10] - 48) * 10 + (s[11] - 48)
+    if status == 204 or status == 304:
+        return False
+    i = 13
+    while _CLASSES[s[i]] & _VCHAR:  # (the CRLF CRLF at the end stops every scan)
+        i += 1
+    if s[i] != 13 or s[i + 1] != 10:
+        return False
+    i += 2
+    while i < n - 2:  # a header line; the blank line is at n - 2
+        name = i
+        while _CLASSES[s[i]] & _TCHAR:
+            i += 1
+        nlen = i - name
+        if nlen == 0 or s[i] != 58:  # ":"
+            return False
+        i += 1
+        while s[i] == 32 or s[i] == 9:
+            i += 1
+        v = i
+        while _CLASSES[s[i]] & _VCHAR:
+            i += 1
+        if s[i] != 13 or s[i + 1] != 10:
+            return False
+        vend = i
+        i += 2
+        if nlen == 14 and _same(s + name, b"content-length", 14):
+            if length >= 0 or chunked or vend == v or vend - v > 18:
+                return False
+            length = 0
+            while v < vend:
+                if not 48 <= s[v] <= 57:
+                    return False
+                length = length * 10 + (s[v] - 48)
+                v += 1
+        elif nlen == 17 and _same(s + name, b"transfer-encoding", 17):
+            if chunked or length >= 0 or vend - v != 7 or not _same(s + v, b"chunked", 7):
+                return False
+            chunked = True
+        elif nlen == 10 and _same(s + name, b"connection", 10):
+            if connection or vend - v != 10 or not _same(s + v, b"keep-alive", 10):
+                return False
+            connection = True
+        elif (nlen == 16 and _same(s + name, b"proxy-connection", 16)) or (nlen == 7 and _same(s + name, b"upgrade", 7)):
+            return False
+    if i != n - 2:
+        return False
+    if length < 0 and not chunked:
+        return False
+    self.status = status
+    self.length = length
+    self.keep_alive = True  # HTTP/1.1, no Connection: close, a body that does not run until the close
+    return True
 
 
 cdef inline _Llhttp _parser(llhttp_t* p):

@@ -4,7 +4,8 @@ The compiled build parses with the vendored llhttp driven from C (``LlhttpParser
 ``LlhttpResponseParser``), the pure-Python build with httptools (``HttptoolsParser``,
 ``HttptoolsResponseParser``). Both must hand the engine the same requests and responses for the
 same bytes however the bytes are split into reads, and fail the same way; the compiled request
-parser must hand over the header lines exactly as they arrived.
+parser must hand over the header lines exactly as they arrived. The compiled response parser
+reads the plainest heads without llhttp: on generated heads, it must read exactly as llhttp does.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from sidecar.engine.parsers import (
 )
 
 try:
-    from sidecar.engine.llhttp_parser import LlhttpParser, LlhttpResponseParser
+    from sidecar.engine.llhttp_parser import LlhttpParser, LlhttpResponseParser, plain_head
 except ImportError:  # the pure-Python build (or SIDECAR_PURE_PYTHON=1)
-    LlhttpParser = LlhttpResponseParser = None
+    LlhttpParser = LlhttpResponseParser = plain_head = None
 
 COMPILED_ONLY = pytest.mark.skipif(LlhttpParser is None, reason="the llhttp parsers are compiled only")
 PARSERS = [HttptoolsParser] + ([LlhttpParser] if LlhttpParser is not None else [])
@@ -363,3 +364,171 @@ def test_compiled_parser_refuses_malformed_chunked_framing(name: str) -> None:
         owner, error = run(LlhttpParser, reads)
         assert error == "ParseError", reads
         assert ("end",) not in owner.events  # the request never completes
+
+
+# The compiled response parser's own reading of the plainest heads (llhttp_parser._plain_head)
+# against llhttp's. Heads are generated from pieces that sit on both sides of every rule of that
+# form (version, status, reason bytes, token names, the names llhttp gives meaning, their values,
+# line ends), then optionally mutated at one byte.
+PLAIN_HEADS = [
+    b"HTTP/1.1 200 OK\r\nServer: nginx\r\nContent-Type: application/json\r\nContent-Length: 1024\r\n"
+    b"Connection: keep-alive\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+    b"HTTP/1.1 404 Not Found\r\nContent-Length:0\r\n\r\n",
+    b"HTTP/1.1 503 \r\nx-a:\t\r\ntransfer-encoding: CHUNKED\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 12\r\n\r\n",
+]
+VERSIONS = [b"HTTP/1.1", b"HTTP/1.0", b"HTTP/1.2", b"HTTP/2.0", b"http/1.1", b"HTTP/1.1 "]
+STATUSES = [b"200", b"201", b"204", b"304", b"101", b"100", b"404", b"599", b"600", b"099", b"2000", b"20", b"2x0"]
+REASONS = [b" OK", b" ", b"", b" a\tb", b" \x01", b" \x7f", b" \xc3\xa9", b" OK ", b"\tOK"]
+NAMES = [
+    b"Content-Length",
+    b"content-length",
+    b"CONTENT-LENGTH",
+    b"Transfer-Encoding",
+    b"transfer-encoding",
+    b"Connection",
+    b"Proxy-Connection",
+    b"Upgrade",
+    b"Keep-Alive",
+    b"X-A",
+    b"Content-Lengths",
+    b"Content-Length ",
+    b"",
+    b"X A",
+    b"X\x00",
+    b"X-\xc3\xa9",
+    b" X-A",
+]
+SEPARATORS = [b":", b": ", b":\t", b" : ", b":  "]
+VALUES = [
+    b"5",
+    b"0",
+    b"00",
+    b"123456789012345678",
+    b"1234567890123456789",
+    b"99999999999999999999",
+    b"5 ",
+    b"-1",
+    b"5,5",
+    b"+5",
+    b"0x5",
+    b"chunked",
+    b"Chunked",
+    b"chunked, gzip",
+    b"gzip, chunked",
+    b"identity",
+    b"chunked ",
+    b"keep-alive",
+    b"Keep-Alive",
+    b"close",
+    b"upgrade",
+    b"keep-alive, close",
+    b"text/plain",
+    b"a\x01b",
+    b"a\x7fb",
+    b"\xc3\xa9",
+    b"",
+    b"a\tb",
+]
+EOLS = [b"\r\n", b"\r\n", b"\r\n", b"\n", b"\r\r\n"]
+
+
+def piece(plain: list[bytes], other: list[bytes]) -> Any:
+    """Mostly a piece of the plain form (else few heads would be), sometimes any."""
+    return st.one_of(*[st.sampled_from(plain)] * 4, st.sampled_from(other))
+
+
+PLAIN_LINES = [
+    b"X-A: text/plain",
+    b"Content-Length: 5",
+    b"transfer-encoding:chunked",
+    b"Connection: keep-alive",
+    b"X-B:",
+]
+
+
+@st.composite
+def response_heads(draw: Any) -> bytes:
+    head = draw(piece([b"HTTP/1.1"], VERSIONS)) + b" " + draw(piece([b"200", b"404", b"599"], STATUSES))
+    head += draw(piece([b" OK", b" ", b" a\tb"], REASONS)) + draw(piece([b"\r\n"], EOLS))
+    for _ in range(draw(st.integers(0, 4))):
+        if draw(st.integers(0, 3)):
+            head += draw(st.sampled_from(PLAIN_LINES))
+        else:
+            head += draw(st.sampled_from(NAMES)) + draw(st.sampled_from(SEPARATORS)) + draw(st.sampled_from(VALUES))
+        head += draw(piece([b"\r\n"], EOLS))
+    head += b"\r\n"
+    if draw(st.integers(0, 3)) == 0:  # one byte replaced, inserted or removed
+        at = draw(st.integers(0, len(head) - 1))
+        byte = bytes([draw(st.integers(0, 255))])
+        head = draw(
+            st.sampled_from(
+                [head[:at] + byte + head[at + 1 :], head[:at] + byte + head[at:], head[:at] + head[at + 1 :]]
+            )
+        )
+    return head
+
+
+def read_heads(parser: Any, data: bytes, method: str) -> list[object]:
+    """Feed ``data`` as the engine does (a span up to each head's empty line) with ``method``
+    (``feed_head`` or ``llhttp_head``): what each span gave, then the error, if any."""
+    out: list[object] = []
+    at = 0
+    while (k := data.find(b"\r\n\r\n", at)) >= 0:
+        try:
+            status = getattr(parser, method)(data, at, k + 4)
+        except ParseError as exc:
+            return [*out, type(exc).__name__]
+        out.append((status, parser.keep_alive, parser.length) if status else 0)
+        at = k + 4
+    return out
+
+
+@COMPILED_ONLY
+@pytest.mark.parametrize("head", PLAIN_HEADS)
+def test_the_plainest_response_heads_are_read_without_llhttp_as_llhttp_reads_them(head: bytes) -> None:
+    parser = LlhttpResponseParser()
+    status = parser.llhttp_head(head, 0, len(head))
+    assert plain_head(head) == (status, parser.keep_alive, parser.length)
+
+
+def llhttp_reading(head: bytes) -> object:
+    parser = LlhttpResponseParser()
+    try:
+        status = parser.llhttp_head(head, 0, len(head))
+    except ParseError:
+        return "refused"
+    return (status, parser.keep_alive, parser.length) if status else 0
+
+
+@COMPILED_ONLY
+@pytest.mark.parametrize("head", PLAIN_HEADS)
+def test_every_byte_of_a_plain_head_changed_is_read_as_llhttp_reads_it_or_left_to_llhttp(head: bytes) -> None:
+    taken = 0
+    for at in range(len(head) - 4):  # (the empty line stays: without it the engine feeds no head)
+        for byte in b"\x00\t\r\n :,;Aa05-\x7f\x80\xff":
+            changed = head[:at] + bytes([byte]) + head[at + 1 :]
+            plain = plain_head(changed)
+            if plain is not None:
+                taken += 1
+                assert plain == llhttp_reading(changed), changed
+    assert taken > len(head) // 2  # many changes keep the plain form (letters in names and values, digits...)
+
+
+@COMPILED_ONLY
+@settings(max_examples=300, deadline=None)
+@given(heads=st.lists(response_heads(), min_size=1, max_size=3))
+def test_response_heads_are_read_as_llhttp_reads_them(heads: list[bytes]) -> None:
+    # One head alone, where the plain reading either takes it as llhttp does or leaves it to it...
+    for head in heads:
+        plain = plain_head(head)
+        if plain is not None:
+            parser = LlhttpResponseParser()
+            assert plain == (parser.llhttp_head(head, 0, len(head)), parser.keep_alive, parser.length), head
+    # ...and the heads one after another on one connection, as the engine feeds them: the plain
+    # reading leaves llhttp ready for the next head, whichever of the two reads it.
+    data = b"".join(heads)
+    assert read_heads(LlhttpResponseParser(), data, "feed_head") == read_heads(
+        LlhttpResponseParser(), data, "llhttp_head"
+    )
