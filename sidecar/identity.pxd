@@ -1,5 +1,6 @@
 # Compiled layout of identity.py (Cython "augmenting" declarations; see setup.py). Keep
 # Identity's fields in its dataclass order and IdentityReader's equal to its __slots__.
+cimport cython
 from sidecar.engine.head cimport lookup
 from sidecar.headers cimport is_field_value
 
@@ -11,6 +12,9 @@ cdef class Identity:
 
 # Returned for every request without a session: a C global, not a module-dict lookup.
 cdef Identity NO_SESSION
+
+@cython.locals(ident=Identity)
+cdef Identity _identity(str session, parent, root, bint final)
 
 cdef class IdentityReader:
     cdef public tuple _session, _parent, _root, _final, _lineage, _body, body_keys

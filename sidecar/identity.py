@@ -61,6 +61,17 @@ class Identity:
 NO_SESSION = Identity(session=None)
 
 
+def _identity(session: str, parent: str | None, root: str | None, final: bool) -> Identity:
+    """``Identity(...)`` built field by field: compiled, an allocation and stores (calling the
+    class packs its arguments into a tuple and parses them; once per request of a session)."""
+    ident = Identity.__new__(Identity)
+    ident.session = session
+    ident.parent = parent
+    ident.root = root
+    ident.final = final
+    return ident
+
+
 class IdentityReader:
     """Reads :class:`Identity` from a request's headers, by the configured ordered signals."""
 
@@ -153,14 +164,14 @@ class IdentityReader:
             if lookup(headers, name):
                 break
         else:
-            return Identity(session, None, None, False)
+            return _identity(session, None, None, False)
         first = self._first
         parent = first(headers, self._parent) if self._parent else None
         if parent == session:
             parent = None
         root = first(headers, self._root) if self._root else None
         final = first(headers, self._final) if self._final else None
-        return Identity(session, parent, root, final is not None and final.lower() in _TRUE)
+        return _identity(session, parent, root, final is not None and final.lower() in _TRUE)
 
 
 def _string_field(name: str) -> Any:

@@ -33,7 +33,7 @@ cdef class SessionTree:
     cdef public dict _detached
     cdef public bint _conflict_logged, _shared
     @cython.locals(node=_Node, root=_Node, parent_node=_Node, prev=_Node, nxt=_Node, flags=long, pflags=long,
-                   in_flight=long, turns=long)
+                   in_flight=long, turns=long, ctx=RoutingContext, turn=Turn)
     cpdef begin(self, session, parent, root_hint, final, deployment)
     @cython.locals(node=_Node, root=_Node, in_flight=long)
     cpdef finish(self, Turn turn, outcome)

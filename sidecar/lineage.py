@@ -228,15 +228,15 @@ def _lru_append(lru: _Node, node: _Node) -> None:
 
 
 class Turn:
-    """Handle of one in-flight request; hand it back to :meth:`SessionTree.finish`."""
+    """Handle of one in-flight request; hand it back to :meth:`SessionTree.finish`. Made by
+    :meth:`SessionTree.begin` (``ctx``, ``_node``, ``_final``, ``_open``)."""
 
     __slots__ = ("ctx", "_node", "_final", "_open")
 
-    def __init__(self, node: _Node, ctx: RoutingContext, final: bool) -> None:
-        self.ctx = ctx
-        self._node = node
-        self._final = final
-        self._open = True
+    ctx: RoutingContext
+    _node: _Node
+    _final: bool
+    _open: bool
 
     def __repr__(self) -> str:
         return f"Turn({self.ctx!r}, open={self._open})"
@@ -365,18 +365,24 @@ class SessionTree:
             parent_id = parent_node.session
             pflags = parent_node.flags
             parent_final = None if pflags & _PLACEHOLDER else bool(pflags & (_FINAL_SEEN | _CLOSED | _ENDED))
-        ctx = RoutingContext(
-            node.session,
-            parent_id,
-            root.session,
-            final,
-            parent_final,
-            final and root.tree_live == 1 and root.tree_in_flight == 1,
-            turns,
-            deployment,
-            node.mode_state,
-        )
-        return Turn(node, ctx, final), evicted
+        # Built field by field: compiled, an allocation and stores (calling a class packs its
+        # arguments into a tuple and parses them, several hundred instructions per request).
+        ctx = RoutingContext.__new__(RoutingContext)
+        ctx.session = node.session
+        ctx.parent = parent_id
+        ctx.root = root.session
+        ctx.is_final_turn = final
+        ctx.is_parent_final = parent_final
+        ctx.is_tree_final = final and root.tree_live == 1 and root.tree_in_flight == 1
+        ctx.turn = turns
+        ctx.deployment = deployment
+        ctx.mode_state = node.mode_state
+        turn = Turn.__new__(Turn)
+        turn.ctx = ctx
+        turn._node = node
+        turn._final = final
+        turn._open = True
+        return turn, evicted
 
     def finish(self, turn: Turn, outcome: TurnOutcome) -> list[SessionEnd]:
         """The request of ``turn`` is over. Idempotent: a second call returns []."""

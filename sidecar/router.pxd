@@ -80,8 +80,11 @@ cdef object log, DEBUG
 cdef str _REQUEST_ID, _CONTENT_LENGTH, _TRANSFER_ENCODING
 cdef Py_ssize_t MAX_ADDABLE
 cdef bint _debug_on() except -1
+@cython.locals(decision=Decision)
+cdef Decision _decision(Deployment dep, upstream, frozenset drop, bint needs_body, ctx, limit, request_id, held)
 cpdef Decision _sessionless(Deployment dep, request_id)
 cpdef bint _declares_body(RequestHead head) except -1
 cpdef Decision _awaiting_body(Deployment dep, limit, _Pending pending, request_id)
+@cython.locals(admission=_Admission)
 cpdef Decision _admitted(Deployment dep, upstream, RoutingContext ctx, Turn turn, rec, request_id)
 cpdef _check_added(tuple add)

@@ -112,13 +112,12 @@ class _Pending:
 
 class _Admission:
     """The router's hold on an admitted request of a session: its turn in the lineage tree and
-    its API session, released once by :meth:`Router.finish`."""
+    its API session, released once by :meth:`Router.finish`. Made by :func:`_admitted`."""
 
     __slots__ = ("turn", "api_session")
 
-    def __init__(self, turn: Turn, api_session: ApiSession | None) -> None:
-        self.turn = turn
-        self.api_session = api_session
+    turn: Turn
+    api_session: ApiSession | None
 
 
 @dataclass
@@ -130,7 +129,7 @@ class Decision:
     bodies the sidecar reads as JSON) is final, and ``deployment`` labels errors. The engine
     reads the body and calls :meth:`Router.transform_body`, which returns the complete decision
     whose ``body`` is the body to forward. ``_held`` is the router's (what :meth:`Router.finish`
-    releases); engines never read it. Built only by the router's constructors below.
+    releases); engines never read it. Built only by :func:`_decision`.
     """
 
     deployment: Deployment
@@ -154,27 +153,55 @@ class Decision:
         return {"request_id": self.request_id, "deployment": self.deployment.name, "mode": self.deployment.mode_name}
 
 
-# The decisions' constructors. Positional: a class called with keywords costs a dict per call,
-# and these run once per request.
+# The decisions' constructors. Built field by field: compiled, an allocation and stores (calling
+# a class packs its arguments into a tuple and parses them), and these run once per request.
+
+
+def _decision(
+    dep: Deployment,
+    upstream: Upstream,
+    drop: frozenset[str],
+    needs_body: bool,
+    ctx: RoutingContext | None,
+    limit: int,
+    request_id: str | None,
+    held: _Pending | _Admission | None,
+) -> Decision:
+    decision = Decision.__new__(Decision)
+    decision.deployment = dep
+    decision.upstream = upstream
+    decision.drop = drop
+    decision.add = ()
+    decision.needs_body = needs_body
+    decision.ctx = ctx
+    decision.max_body_bytes = limit
+    decision.request_id = request_id
+    decision.body = None
+    decision.status = 0
+    decision._held = held
+    return decision
 
 
 def _sessionless(dep: Deployment, request_id: str | None) -> Decision:
     """A request of no session: forwarded as is (minus the deployment's sessionless drops)."""
-    return Decision(dep, dep.pick_upstream(None), dep.drop_sessionless, (), False, None, dep.max_body_bytes, request_id)
+    return _decision(
+        dep, dep.pick_upstream(None), dep.drop_sessionless, False, None, dep.max_body_bytes, request_id, None
+    )
 
 
 def _awaiting_body(dep: Deployment, limit: int, pending: _Pending, request_id: str | None) -> Decision:
     """A provisional decision: admission waits for the body (``limit``: the bytes to read at most)."""
-    return Decision(dep, dep.upstreams[0], dep.drop_sessionless, (), True, None, limit, request_id, None, 0, pending)
+    return _decision(dep, dep.upstreams[0], dep.drop_sessionless, True, None, limit, request_id, pending)
 
 
 def _admitted(
     dep: Deployment, upstream: Upstream, ctx: RoutingContext, turn: Turn, rec: ApiSession | None, request_id: str | None
 ) -> Decision:
     """An admitted request of a session (its mode's headers and body flag are set after)."""
-    return Decision(
-        dep, upstream, dep.drop, (), False, ctx, dep.max_body_bytes, request_id, None, 0, _Admission(turn, rec)
-    )
+    admission = _Admission.__new__(_Admission)
+    admission.turn = turn
+    admission.api_session = rec
+    return _decision(dep, upstream, dep.drop, False, ctx, dep.max_body_bytes, request_id, admission)
 
 
 class BodyWork:

@@ -77,7 +77,7 @@ cdef class Exchange(UpstreamRequest):
     @cython.locals(router=Router, decision=Decision, dep=Deployment)
     cpdef _route(self, bint loaded)
     @cython.locals(client=ClientSide, shared=Shared, conn=UpstreamConnection, pool=UpstreamPool, now=double,
-                   due=double, stats=DeploymentStats, dep=Deployment, raw=bytes, entry=tuple)
+                   due=double, stats=DeploymentStats, dep=Deployment, raw=bytes, entry=tuple, drops=dict, lines=list)
     cpdef _forward(self, Decision decision, length)
     @cython.locals(complete=bint)
     cpdef _send(self, UpstreamConnection conn, list parts)

@@ -494,38 +494,46 @@ class Exchange(UpstreamRequest):
         raw = self.raw
         dropped = decision.drop
         drops = shared.drops
-        drop = drops[dropped] if dropped in drops else shared.drop_for(dropped)
+        drop = drops.get(dropped)
+        if drop is None:
+            drop = shared.drop_for(dropped)
         if self.conn_tokens:
             drop = drop | self.conn_tokens
         add = decision.add
-        if add:
-            for name, _ in add:
-                entry = _ADD_NAMES[name] if name in _ADD_NAMES else _add_name(name)
-                key = entry[0]
-                if key not in drop and has_header(raw, self.first, self.end, entry[2]):
-                    drop = drop | {key}  # the mode's value replaces a client header of the same name
+        lines: list[bytes] = []  # the mode's header lines
+        for name, value in add:
+            entry = _ADD_NAMES.get(name)
+            if entry is None:
+                entry = _add_name(name)
+            key = entry[0]
+            if key not in drop and has_header(raw, self.first, self.end, entry[2]):
+                drop = drop | {key}  # the mode's value replaces a client header of the same name
+            lines.append(entry[1])
+            lines.append(value.encode("utf-8", "surrogateescape"))
+            lines.append(b"\r\n")
         parts = [self.method, base, self.target, version_host]
         copy_block(raw, self.first, self.end, parts, name_table(drop))
         if self.special:
             self._forwarded_for(parts, drop, dropped)
         else:
             parts.append(client.xff_xfp)
-        for name, value in add:
-            parts += (
-                (_ADD_NAMES[name] if name in _ADD_NAMES else _add_name(name))[1],
-                value.encode("utf-8", "surrogateescape"),
-                b"\r\n",
-            )
+        parts.extend(lines)
         # The framing, from what the parser found (never from the client's header lines).
         if length >= 0:
-            parts += (CL_LINE, decimal(length), b"\r\n\r\n")
+            parts.append(CL_LINE)
+            parts.append(decimal(length))
+            parts.append(b"\r\n\r\n")
         elif self.chunked:
-            parts += (CHUNKED_LINE, b"\r\n")
+            parts.append(CHUNKED_LINE)
+            parts.append(b"\r\n")
             self.frame_chunked = True
         elif self.length >= 0:
-            parts += (CL_LINE, decimal(self.length), b"\r\n\r\n")
+            parts.append(CL_LINE)
+            parts.append(decimal(self.length))
+            parts.append(b"\r\n\r\n")
         elif self.method not in NO_EMPTY_LENGTH:
-            parts += (CL_ZERO, b"\r\n")
+            parts.append(CL_ZERO)
+            parts.append(b"\r\n")
         else:
             parts.append(b"\r\n")
 

@@ -1,7 +1,7 @@
 # Compiled layout of head.py (Cython "augmenting" declarations; see setup.py): the scans index the
 # bytes as C chars. Keep the fields equal to HeaderBlock.__slots__.
 cimport cython
-from sidecar.engine._memscan cimport find_byte
+from sidecar.engine._memscan cimport decimal_bytes, find_byte
 
 cdef class HeaderBlock:
     cdef public bytes _raw
@@ -79,7 +79,9 @@ cdef (Py_ssize_t, Py_ssize_t) _next_listed(bytes raw, Py_ssize_t i, Py_ssize_t e
 cpdef copy_block(bytes raw, Py_ssize_t first, Py_ssize_t end, list out, tuple table)
 @cython.locals(bits=long, i=Py_ssize_t, at=Py_ssize_t, colon=Py_ssize_t, eol=Py_ssize_t, n=Py_ssize_t)
 cpdef long scan_request(bytes raw, Py_ssize_t first, Py_ssize_t end, tuple table) except -1
+@cython.locals(n=Py_ssize_t, i=Py_ssize_t, c=long)
 cpdef bint dot_segment(bytes target) except -1
+cdef bint _dot_segments(bytes target) except -1
 cpdef origin_form(bytes target)
 @cython.locals(i=Py_ssize_t)
 cpdef bint valid_host(bytes raw, Py_ssize_t start, Py_ssize_t stop)
