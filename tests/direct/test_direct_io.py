@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from sidecar.engine.direct import ENROLL_AFTER, DirectReads
+from tests.direct import until
 from tests.engine import (
     CUT_DATA,
     CUT_STREAM,
@@ -133,6 +134,7 @@ async def test_a_streams_events_and_its_end_are_relayed_by_the_thread(raw_upstre
     assert await read_chunked(reader) == b"".join(body)
     writer.close()
     direct = sc.engine.direct
+    await until(lambda: direct.handed_back == 1)  # (just after the thread wrote the last chunk)
     assert direct.enrolled == 1 and direct.reads > 0 and direct.handed_back == 1
     # What an operator sees.
     assert await stream_metrics(sc) == {
@@ -157,6 +159,8 @@ async def test_many_concurrent_streams_are_relayed_byte_exact(raw_upstream: Any,
     bodies = await asyncio.gather(*(read_chunked(reader) for reader, _, _ in opened))
     assert bodies == [b"".join(body)] * count
     direct = sc.engine.direct
+    # The thread hands a stream back just after writing its last chunk, which its client may read first.
+    await until(lambda: direct.handed_back == count)
     assert direct.enrolled == count and direct.handed_back == count
     assert direct.reads >= count * (len(body) - ENROLL_AFTER - 1) // 2  # (two events may share a read)
     reader, writer, _ = opened[0]

@@ -15,6 +15,7 @@ import pytest
 
 from sidecar.engine.direct import DirectReads, DirectSocket
 from sidecar.engine.relay import CHUNKED, LENGTH, BodyRelay, ClientOutput
+from tests.direct import until
 
 pytestmark = pytest.mark.skipif(DirectReads is None, reason="direct socket I/O is compiled only")
 
@@ -115,12 +116,6 @@ def relay_thread_cpu() -> float:
         if (task / "comm").read_text().strip() == "sidecar-streams":
             return int((task / "schedstat").read_text().split()[0]) / 1e9
     raise AssertionError("no stream thread")
-
-
-async def until(check: Any, timeout: float = 5) -> None:
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.002)
 
 
 async def read_until(stream: Stream, want: bytes, timeout: float = 5) -> bytes:
