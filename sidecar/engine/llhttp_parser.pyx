@@ -387,13 +387,17 @@ cdef class LlhttpResponseParser(_Llhttp):
         self.status = 0
         if not self.to_llhttp and _plain_head(self, PyBytes_AS_STRING(data) + start, stop - start):
             return self.status
-        return self.llhttp_head(data, start, stop)
+        return self._llhttp_head(data, start, stop)
 
     def llhttp_head(self, bytes data not None, Py_ssize_t start, Py_ssize_t stop):
         """:meth:`feed_head` by llhttp alone: the reference :func:`_plain_head` is tested against."""
         if start < 0 or stop < start or stop > len(data):
             raise ValueError("llhttp_head: the span is outside the data")
         self.status = 0
+        return self._llhttp_head(data, start, stop)
+
+    cdef int _llhttp_head(self, bytes data, Py_ssize_t start, Py_ssize_t stop) except -1:
+        """llhttp over the checked span (``status`` reset): a C call from :meth:`feed_head`."""
         if self._execute_at(data, start, stop) == HPE_PAUSED_UPGRADE:
             raise ParseError("the response switches protocols")
         self.to_llhttp = self.status == 0 or not self.keep_alive
