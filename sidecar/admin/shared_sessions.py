@@ -120,23 +120,21 @@ async def create(
         ttl = api_cfg.default_ttl_seconds
     now = state.wall()
     try:
-        seq = await state.create_api(
+        rec = await state.create_api(
             session=sid, deployment=deployment, workspace=who.workspace, parent=parent, ttl=ttl, now=now
         )
     except StoreUnavailable:
         raise _store_down() from None
-    if seq == 0:
-        raise StoreError(
-            errors.ProxyError(errors.SESSION_EXISTS, "a session with this id exists or was closed recently")
-        )
-    if seq == -2:
+    if rec == -2:
         raise StoreError(
             errors.ProxyError(
                 errors.SESSION_LIMIT_REACHED, f"{api_cfg.max_sessions} active sessions exist already; close some"
             )
         )
-    rec = await _record(router, sid)
-    assert rec is not None
+    if not isinstance(rec, Record):
+        raise StoreError(
+            errors.ProxyError(errors.SESSION_EXISTS, "a session with this id exists or was closed recently")
+        )
     router.store.cache(_api_session(rec))
     return resource(router, rec)
 

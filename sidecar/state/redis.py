@@ -726,15 +726,23 @@ class RedisState(SessionState):
 
     async def create_api(
         self, *, session: str, deployment: str, workspace: str | None, parent: str | None, ttl: float | None, now: float
-    ) -> int:
-        """Create an API session in the store: its sequence number, 0 when the id is taken, -2 at
-        the limit of active API sessions. Raises when the store is unavailable."""
+    ) -> Record | int:
+        """Create an API session in the store: its record as written, 0 when the id is taken, -2
+        at the limit of active API sessions. Raises when the store is unavailable.
+
+        The record is built from what the script wrote, not read back: a read failing after the
+        session was created would answer the caller an error for a create that happened (and its
+        retry a 409)."""
         if not await self._probe():
             raise StoreUnavailable("the shared session store is unavailable")
         deadline = "+inf" if ttl is None else ms(now + ttl)
         key_ttl = int((ttl if ttl is not None else 10 * 365 * 86400.0) + self.tomb_ttl + KEY_GRACE_SECONDS)
+        fields = {"d": deployment, "f": str(lua.API), "c": str(ms(now)), "a": str(ms(now)), "n": "0"}
+        for name, value in (("ws", workspace or ""), ("p", parent or ""), ("t", "" if ttl is None else repr(ttl))):
+            if value:
+                fields[name] = value
         try:
-            return int(
+            seq = int(
                 await self._timed(
                     "create",
                     self._create_script(
@@ -742,10 +750,10 @@ class RedisState(SessionState):
                             self.prefix,
                             session,
                             deployment,
-                            workspace or "",
-                            parent or "",
-                            "" if ttl is None else repr(ttl),
-                            ms(now),
+                            fields.get("ws", ""),
+                            fields.get("p", ""),
+                            fields.get("t", ""),
+                            fields["c"],
                             deadline,
                             key_ttl,
                             self.api_cfg.max_sessions,
@@ -757,6 +765,12 @@ class RedisState(SessionState):
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("create", exc)
             raise StoreUnavailable("the shared session store is unavailable") from exc
+        if seq <= 0:
+            return seq
+        fields["q"] = str(seq)
+        rec = decode(session, fields)
+        assert rec is not None
+        return rec
 
     # The reads below serve the admin listener (views, the sessions API): a failure or timeout
     # of one raises StoreUnavailable but leaves the breaker as it is, so that no admin call takes

@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any
 
+from sidecar.sessions import rfc3339
 from tests.state.fleet import api, finishes, metric, post
 from tests.waiting import eventually, wait_for
 
@@ -112,6 +113,32 @@ async def test_a_store_that_lost_its_data_gets_back_the_api_sessions_replicas_ho
     assert status == 201
     status, listed = await served("GET", sessions)
     assert [s["id"] for s in listed["data"]] == ["team-a:j1", "team-a:a2"]
+
+
+async def test_a_create_the_store_made_is_answered_created_even_when_reading_it_back_would_fail(
+    upstream, replicas, http, redis_server
+):
+    # The create is one atomic step in the store. A read failing right after it (a store that
+    # restarts, a timeout; here deterministically: a user that may not read hashes) must not
+    # answer 503 for a session that exists: the client's retry would then get 409 session_exists.
+    redis_server.cli("ACL", "SETUSER", "noread", "on", ">pw", "~*", "&*", "+@all", "-hgetall")
+    (a,) = await replicas(1, upstream=upstream.url, state={"url": f"redis://noread:pw@127.0.0.1:{redis_server.port}"})
+    body = {"deployment": "default", "session_id": "made", "ttl_seconds": 60}
+    status, created = await api(http, "POST", a.admin_url + "/v1/sessions", body)
+    assert status == 201, created
+    assert (created["id"], created["origin"], created["status"], created["ttl_seconds"]) == (
+        "made",
+        "api",
+        "active",
+        60,
+    )
+    assert (created["turns"], created["in_flight"], created["root"]) == (0, 0, "made")
+    stored = redis_server.cli("HGET", replicas.prefix + "s:made", "c").strip()
+    assert created["created_at"] == rfc3339(int(stored) / 1000)
+    status, again = await api(http, "POST", a.admin_url + "/v1/sessions", body)
+    assert status == 409 and again["error"]["type"] == "session_exists"
+    status, seen = await api(http, "GET", a.admin_url + "/v1/sessions/made")
+    assert status == 503 and seen["error"]["type"] == "store_unavailable"  # (reads fail for this user)
 
 
 async def test_a_view_of_a_huge_tree_is_bounded_and_leaves_the_replica_on_the_store(
