@@ -31,6 +31,13 @@ that leaves while in the set may still be named by an event the thread took: the
 when the thread says it holds no more reference to it (``K_FREE``, sent at the top of the
 thread's next iteration). Notes to the loop go through a locked queue and
 an eventfd the loop reads.
+
+Scheduling. After a batch of reads that handed anything back, the thread yields its core
+(``sched_yield``): the loop, woken by the eventfd, then runs before the thread relays its next
+batch. Where both threads share one core, a stream's end (the hand-back its client's next
+request waits behind) would otherwise wait for the thread's slice: measured on 200 paced
+streams, the loop's wait for the core per stream halved and the next streams' first events came
+sooner, at no cost per event (one syscall per batch that ends streams).
 """
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
@@ -64,6 +71,9 @@ cdef extern from "<signal.h>" nogil:
     int pthread_sigmask(int how, const sigset_t *set, sigset_t *old)
     enum:
         SIG_BLOCK
+
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
 
 cdef extern from "<sys/eventfd.h>" nogil:
     int eventfd(unsigned int initval, int flags)
@@ -346,6 +356,7 @@ cdef void *_run(void *arg) noexcept nogil:
     cdef int n, i
     cdef bint running, freed
     cdef uint64_t v
+    cdef unsigned long long handed
     cdef sigset_t blocked
     sigfillset(&blocked)  # signals are the main thread's (its handlers wake the event loop)
     pthread_sigmask(SIG_BLOCK, &blocked, NULL)
@@ -369,6 +380,7 @@ cdef void *_run(void *arg) noexcept nogil:
         if not running:
             return NULL
         n = epoll_wait(s.epfd, events, BATCH, -1)
+        handed = s.handed_back
         for i in range(n):
             e = <Entry *>events[i].data.ptr
             if e == NULL:  # the loop woke the thread (to stop, or to take entries that left)
@@ -378,6 +390,11 @@ cdef void *_run(void *arg) noexcept nogil:
             if not e.gone and not e.held:
                 _relay(s, e)
             pthread_mutex_unlock(&e.lock)
+        if s.handed_back != handed:
+            # The loop has work from this batch (a stream's end, most often: its client's next
+            # request waits for it). On a shared core the scheduler would let this thread go on
+            # relaying other streams' events first, up to its whole slice; yield it instead.
+            sched_yield()
     return NULL
 
 
