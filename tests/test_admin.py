@@ -26,6 +26,7 @@ from tests.sessions.support import (
     tokens_file,
 )
 from tests.state.conftest import redis_server  # noqa: F401  (the fixture, for the shared-store test)
+from tests.waiting import eventually
 
 
 @pytest.fixture
@@ -264,15 +265,15 @@ async def test_shared_store_answers_match_the_openapi_document(redis_server, lau
     await proxied(http, two, "orphan", **{"X-Parent-Session-ID": "ghost"})
     await proxied(http, two, "kid", **{"X-Parent-Session-ID": "api-1", "X-Session-Final": "true"})
 
-    async def fleet_view() -> bool:  # each replica writes behind: wait for the other's writes
-        status, tree = await api_two.tree("api-1")
-        return status == 200 and [c["ended"] for c in tree["children"]] == [True]
-
-    for _ in range(200):
-        if await fleet_view():
-            break
-        await asyncio.sleep(0.02)
-    assert await fleet_view()
+    # Each replica writes behind, and the kid's end is claimed in the store once its settle window
+    # passed (~0.7 s by default) and a flush ran: about 0.6 s here, bounded generously for a loaded
+    # machine (where a store call that times out also opens a replica's breaker for a second).
+    status, tree = await eventually(
+        lambda: api_two.tree("api-1"),
+        lambda got: got[0] == 200 and [c["ended"] for c in got[1]["children"]] == [True],
+        timeout=15,
+        interval=0.02,
+    )
     status, ghost = await api_one.tree("orphan")
     assert status == 200 and ghost["placeholder"] is True and [c["session"] for c in ghost["children"]] == ["orphan"]
     for api in (api_one, api_two):
