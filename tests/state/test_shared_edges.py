@@ -170,14 +170,16 @@ async def test_a_view_of_a_huge_tree_is_bounded_and_leaves_the_replica_on_the_st
     assert status == 200, tree
     assert tree["session"] == "ROOT" and tree["truncated"] is True and tree["omitted"] > 990_000
     # what the store did for it: bounded, whatever the children set holds (no SMEMBERS of a
-    # million ids; one scan step; the records of at most MAX_CHILDREN_READ children and the path)
+    # million ids; one scan step per node whose children were read: the root's, and those of the
+    # kids among the ids its step returned; the records of at most MAX_CHILDREN_READ children
+    # and the path)
     calls = {
         m.group(1): int(m.group(2))
         for m in re.finditer(r"^cmdstat_(\S+):calls=(\d+)", redis_server.cli("INFO", "commandstats"), re.M)
     }
     # (the replicas' write-behind may run meanwhile: its scripts' commands count here too)
     assert "smembers" not in calls and "sinter" not in calls and "sunion" not in calls, calls
-    assert calls["sscan"] == 1 and calls["hgetall"] <= MAX_CHILDREN_READ + 5, calls
+    assert 1 <= calls["sscan"] <= 4 and calls["hgetall"] <= MAX_CHILDREN_READ + 5, calls
     assert metric(b, "sidecar_state_store_up") == 1
     assert metric(b, "sidecar_state_ops_total", {"op": "read", "outcome": "error"}) == 0
     assert (await post(http, b, "after-view"))[0] == 200
