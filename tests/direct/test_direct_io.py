@@ -14,7 +14,6 @@ import aiohttp
 import pytest
 
 from sidecar.engine.direct import ENROLL_AFTER, DirectReads
-from tests.direct import until
 from tests.engine import (
     CUT_DATA,
     CUT_STREAM,
@@ -26,6 +25,7 @@ from tests.engine import (
     read_response,
     reset,
 )
+from tests.waiting import wait_for as until
 
 pytestmark = [
     pytest.mark.skipif(DirectReads is None, reason="direct socket I/O is compiled only"),

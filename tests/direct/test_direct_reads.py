@@ -15,7 +15,7 @@ import pytest
 
 from sidecar.engine.direct import DirectReads, DirectSocket
 from sidecar.engine.relay import CHUNKED, LENGTH, BodyRelay, ClientOutput
-from tests.direct import until
+from tests.waiting import wait_for as until
 
 pytestmark = pytest.mark.skipif(DirectReads is None, reason="direct socket I/O is compiled only")
 
