@@ -137,6 +137,12 @@ def bad_request(message: str) -> ProxyError:
     return ProxyError(BAD_REQUEST, message)
 
 
+def unsupported_transfer_coding() -> ProxyError:
+    """A request framed by a transfer coding the sidecar cannot forward faithfully (RFC 9112 6.1,
+    6.3): anything but a lone ``chunked``, or chunked on HTTP/1.0."""
+    return ProxyError(BAD_REQUEST, "unsupported Transfer-Encoding (only chunked, on HTTP/1.1)")
+
+
 def request_timeout(message: str) -> ProxyError:
     return ProxyError(REQUEST_TIMEOUT, message)
 

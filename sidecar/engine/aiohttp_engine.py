@@ -284,6 +284,11 @@ class AiohttpEngine(Engine):
                 else "invalid Host header (uri-host[:port] expected)"
             )
             return self._refuse(request, errors.bad_request(problem), "bad_request")
+        codings = in_headers.getall(h.TRANSFER_ENCODING, ())
+        if codings and (request.version < (1, 1) or len(codings) > 1 or codings[0].strip().lower() != "chunked"):
+            # aiohttp's parser undoes only the chunked framing: another coding's bytes would reach
+            # the upstream unlabelled, and chunked on HTTP/1.0 is faulty framing (RFC 9112 6.1).
+            return self._refuse(request, errors.unsupported_transfer_coding(), "bad_request")
         if h.UPGRADE in in_headers and "upgrade" in h.connection_tokens(in_headers.getall(h.CONNECTION, ())):
             # The rest of the stream belongs to the refused protocol.
             return self._refuse(request, errors.upgrade_not_supported(), "upgrade")

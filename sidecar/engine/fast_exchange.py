@@ -360,10 +360,7 @@ class Exchange(UpstreamRequest):
         te = header_values(raw, first, end, TRANSFER_ENCODING_B, False)
         if te:
             if self.http10 or len(te) > 1 or te[0].strip().lower() != b"chunked":
-                self.error = (
-                    errors.bad_request("unsupported Transfer-Encoding (only chunked, on HTTP/1.1)"),
-                    "bad_request",
-                )
+                self.error = (errors.unsupported_transfer_coding(), "bad_request")
                 return
             self.chunked = True
         if "upgrade" in self.conn_tokens and has_header(raw, first, end, UPGRADE_B):
