@@ -489,6 +489,20 @@ class AiohttpEngine(Engine):
             return self._upstream_failed(
                 decision, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
             )
+        codings = upstream.headers.getall(h.TRANSFER_ENCODING, ())
+        if (
+            codings
+            and (len(codings) > 1 or codings[0].strip().lower() != "chunked")
+            and request.method != "HEAD"
+            and upstream.status not in (204, 304)
+        ):
+            # aiohttp undoes only the chunked framing: another coding's bytes would reach the
+            # client unlabelled.
+            upstream.close()
+            reason = "invalid response: unsupported Transfer-Encoding (only chunked)"
+            return self._upstream_failed(
+                decision, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
+            )
         head_size = sum(len(k) + len(v) + 4 for k, v in upstream.raw_headers)
         if head_size > dep.limits.max_header_bytes:
             upstream.close()

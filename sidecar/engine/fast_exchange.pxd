@@ -84,8 +84,8 @@ cdef class Exchange(UpstreamRequest):
     cpdef _send_transformed(self)
     cpdef _body_ready(self, result)
     cpdef pump(self)
-    @cython.locals(client=ClientSide, conn=UpstreamConnection, output=ClientOutput, out=list, mark=Py_ssize_t,
-                   framing=long, mode=long, http10=bint)
+    @cython.locals(client=ClientSide, conn=UpstreamConnection, output=ClientOutput, out=list, base=Py_ssize_t,
+                   mark=Py_ssize_t, framing=long, mode=long, http10=bint)
     cpdef response_head(self, long status, bytes raw, Py_ssize_t start, Py_ssize_t first, Py_ssize_t end,
                         length, double now)
     @cython.locals(shared=Shared, stats=DeploymentStats, decision=Decision, headers=HeaderBlock)
@@ -98,7 +98,7 @@ cdef class Exchange(UpstreamRequest):
     @cython.locals(conn=UpstreamConnection)
     cpdef _end(self, long close)
 
-cdef bint _ends_chunked(list values) except -1
+cdef bint _lone_chunked(list values) except -1
 
 @cython.locals(ex=Exchange)
 cpdef Exchange new_exchange(ClientSide client, bytes raw, Py_ssize_t first, Py_ssize_t end, bytes method,

@@ -74,6 +74,7 @@ from sidecar.engine.head import (
     token_set,
 )
 from sidecar.engine.idle_poll import IdlePoller
+from sidecar.engine.parse_errors import ParseError
 from sidecar.engine.phases import (
     ABORT,
     BUFFERING,
@@ -359,7 +360,7 @@ class Exchange(UpstreamRequest):
             self.conn_tokens = token_set(connection)
         te = header_values(raw, first, end, TRANSFER_ENCODING_B, False)
         if te:
-            if self.http10 or len(te) > 1 or te[0].strip().lower() != b"chunked":
+            if self.http10 or not _lone_chunked(te):
                 self.error = (errors.unsupported_transfer_coding(), "bad_request")
                 return
             self.chunked = True
@@ -769,6 +770,7 @@ class Exchange(UpstreamRequest):
         http10 = self.http10
         output = client.output
         out = output.parts
+        base = len(out)
         if not http10 and raw.startswith(HTTP11, start) and raw[start + 12] == 32:
             # HTTP/1.1 both ways, and the SP before the reason is there (llhttp checked the
             # rest of the line): the status line goes as it came, in one piece.
@@ -790,9 +792,13 @@ class Exchange(UpstreamRequest):
             mode = -1  # no body
         elif framing & _FRAMING == HAS_CONTENT_LENGTH:
             mode = LENGTH
-        elif framing & HAS_TRANSFER_ENCODING and _ends_chunked(
-            header_values(raw, first, end, TRANSFER_ENCODING_B, False)
-        ):
+        elif framing & HAS_TRANSFER_ENCODING:
+            if not _lone_chunked(header_values(raw, first, end, TRANSFER_ENCODING_B, False)):
+                # Re-framed as chunked, another coding's bytes would reach the client unlabelled.
+                del out[base:]
+                self.resp_status = 0
+                self.resp_head = None
+                raise ParseError("unsupported Transfer-Encoding (only chunked)")
             mode = DECHUNK if http10 else CHUNKED
         else:  # delimited by the upstream's close
             mode = EOF_RAW if http10 else EOF_CHUNKED
@@ -1012,12 +1018,12 @@ class Exchange(UpstreamRequest):
         self.client.finish_exchange(self, close)
 
 
-def _ends_chunked(values: list[bytes]) -> bool:
-    """Whether the Transfer-Encoding ``values`` end with ``chunked`` (the usual single
-    ``chunked`` without a join, split and two copies)."""
+def _lone_chunked(values: list[bytes]) -> bool:
+    """Whether the Transfer-Encoding ``values`` are ``chunked`` alone, the one coding the sidecar
+    relays (the usual single ``chunked`` without a strip and a copy)."""
     if len(values) == 1 and values[0] == b"chunked":
         return True
-    return b",".join(values).rsplit(b",", 1)[-1].strip().lower() == b"chunked"
+    return len(values) == 1 and values[0].strip().lower() == b"chunked"
 
 
 def new_exchange(

@@ -358,6 +358,9 @@ class UpstreamConnection:
         now = perf_counter()
         try:
             relay = ex.response_head(status, raw, start, first, end, self.parser.length, now)
+        except ParseError as exc:  # framing the sidecar cannot relay faithfully
+            self._fail(f"invalid response: {exc}")
+            return
         except Exception as exc:  # a defect: it costs this response, not the connection's reads
             self._fail(f"response head not relayed: {exc!r}")
             return
