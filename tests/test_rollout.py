@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.engine import read_response
+from tests.engine import hang, read_response
 from tests.loopback_service import LoopbackService
 from tests.proxy.test_errors import free_ports
 from tests.test_cli import spawn, stop
@@ -77,6 +77,29 @@ async def test_within_the_delay_new_connections_are_served_while_readyz_is_503(u
     await asyncio.wait_for(shutdown, 10)
     with pytest.raises(OSError):  # the drain stopped accepting
         await asyncio.open_connection("127.0.0.1", port)
+
+
+async def test_the_drain_grace_bounds_the_shutdown_behind_an_upstream_that_never_answers(raw_upstream, start_sidecar):
+    # A Kubernetes pod gets shutdown_delay + drain_grace + a margin before SIGKILL: past the
+    # grace, requests still in flight are cut and the process goes on to end its sessions.
+    up = await raw_upstream({"/silent": hang})
+    sc = await start_sidecar(
+        upstream=up.url, readiness_check_upstream=False, drain_grace_seconds=0.5, timeouts={"first_byte": 600}
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", sc.engine.port)
+    try:
+        writer.write(b"GET /silent HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: stuck-1\r\n\r\n")
+        await wait_for(lambda: len(up.received) == 1)
+        # Within the grace plus a few seconds; aiohttp's default would hold it for two minutes.
+        await asyncio.wait_for(sc.shutdown(0.0, None), 10)
+        async with asyncio.timeout(5):
+            try:
+                cut = await reader.read() == b""
+            except ConnectionResetError:
+                cut = True
+        assert cut  # the client saw its connection end, no answer
+    finally:
+        writer.close()
 
 
 def log_lines(proc: subprocess.Popen) -> list[dict]:

@@ -44,6 +44,10 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # read and discarded for at most this long after an answer before closing (as the fast engine does).
 KEEPALIVE_TIMEOUT = 75.0
 LINGER_SECONDS = 2.0
+# How long close() lets aiohttp wait for a request still in flight, then again once it cancelled
+# it: drain() already gave requests the grace (aiohttp's own default, 60 s twice, would hold the
+# process for two minutes past drain_grace_seconds, behind an upstream that never answers).
+CLOSE_TIMEOUT = 0.5
 
 
 class _TooLarge(Exception):
@@ -195,7 +199,7 @@ class AiohttpEngine(Engine):
             max_field_size=self.config.limits.max_header_bytes,
             max_line_size=self.config.limits.max_header_bytes,
         )
-        self._runner = web.ServerRunner(server, handle_signals=False)
+        self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=CLOSE_TIMEOUT)
         await self._runner.setup()
         self._site = web.TCPSite(
             self._runner, self.config.listen.host, self.config.listen.port, backlog=1024, reuse_address=True

@@ -187,6 +187,12 @@ def reply(data: bytes, *, keep: bool = True) -> Handler:
     return handle
 
 
+async def hang(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Never answer; return when the proxy closes the connection."""
+    await reader.read()
+    return False
+
+
 def echo(delay: float = 0.0) -> Handler:
     """Answer with the request target and body size, after ``delay`` seconds."""
 

@@ -29,6 +29,7 @@ from tests.engine import (
     closed_soon,
     echo,
     exchange,
+    hang,
     read_response,
     refused_or_closed,
     reply,
@@ -37,12 +38,6 @@ from tests.engine.fuzz_request_path import fuzz
 from tests.waiting import wait_for
 
 FAST = pytest.mark.parametrize("engine", ["fast"])
-
-
-async def hang(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-    """Never answer; return when the proxy closes the connection."""
-    await reader.read()
-    return False
 
 
 def metric(sc: Any, name: str, labels: dict[str, str]) -> float:
