@@ -761,7 +761,8 @@ class Exchange(UpstreamRequest):
         """The upstream's final response head (status line at ``raw[start:first]``, header block
         ``raw[first:end]``, declared Content-Length ``length``, -1 without one): put the client's
         head in its output and return the relay of the body (None: no body). Flattened: once per
-        request; the router hears of the head in :meth:`head_sent`."""
+        request; the router hears of the head in :meth:`head_sent`. Raises :class:`ParseError`,
+        the client's output as it was, for a body framed by a coding besides chunked."""
         client = self.client
         self.resp_status = status
         self.last_io = now
