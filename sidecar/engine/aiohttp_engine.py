@@ -30,6 +30,7 @@ from sidecar import headers as h
 from sidecar.context import TurnOutcome
 from sidecar.engine.base import Engine
 from sidecar.engine.head import DOT_SEGMENT, dot_segment, origin_form, valid_host
+from sidecar.engine.parse_errors import UNSUPPORTED_CODING
 from sidecar.errors import failure_reason
 from sidecar.router import BodyWork, Decision, RequestHead, body_pool
 from sidecar.state import LoadNeeded
@@ -289,7 +290,7 @@ class AiohttpEngine(Engine):
             )
             return self._refuse(request, errors.bad_request(problem), "bad_request")
         codings = in_headers.getall(h.TRANSFER_ENCODING, ())
-        if codings and (request.version < (1, 1) or len(codings) > 1 or codings[0].strip().lower() != "chunked"):
+        if codings and (request.version < (1, 1) or not _lone_chunked(codings)):
             # aiohttp's parser undoes only the chunked framing: another coding's bytes would reach
             # the upstream unlabelled, and chunked on HTTP/1.0 is faulty framing (RFC 9112 6.1).
             return self._refuse(request, errors.unsupported_transfer_coding(), "bad_request")
@@ -494,16 +495,11 @@ class AiohttpEngine(Engine):
                 decision, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
             )
         codings = upstream.headers.getall(h.TRANSFER_ENCODING, ())
-        if (
-            codings
-            and (len(codings) > 1 or codings[0].strip().lower() != "chunked")
-            and request.method != "HEAD"
-            and upstream.status not in (204, 304)
-        ):
+        if codings and not _lone_chunked(codings) and request.method != "HEAD" and upstream.status not in (204, 304):
             # aiohttp undoes only the chunked framing: another coding's bytes would reach the
             # client unlabelled.
             upstream.close()
-            reason = "invalid response: unsupported Transfer-Encoding (only chunked)"
+            reason = f"invalid response: {UNSUPPORTED_CODING}"
             return self._upstream_failed(
                 decision, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
             )
@@ -578,6 +574,11 @@ class AiohttpEngine(Engine):
         return self._error(exc, dep.name, dep.mode_name)
 
 
+def _lone_chunked(codings: list[str]) -> bool:
+    """Whether the Transfer-Encoding field values are ``chunked`` alone, the one coding relayed."""
+    return len(codings) == 1 and codings[0].strip().lower() == "chunked"
+
+
 def _close_of(upstream: aiohttp.ClientResponse, method: str) -> asyncio.Future[None] | None:
     """For a body the upstream's close delimits (no Content-Length, not chunked), the future of
     its connection's close; else None. aiohttp ends such a body at any close, a reset too: only
@@ -586,10 +587,10 @@ def _close_of(upstream: aiohttp.ClientResponse, method: str) -> asyncio.Future[N
     if method == "HEAD" or upstream.status in (204, 304) or upstream.status < 200:
         return None
     headers = upstream.headers
-    coding = headers.get(h.TRANSFER_ENCODING)
-    if coding is None and h.CONTENT_LENGTH in headers:
+    codings = headers.getall(h.TRANSFER_ENCODING, ())
+    if not codings and h.CONTENT_LENGTH in headers:
         return None
-    if coding is not None and coding.rsplit(",", 1)[-1].strip().lower() == "chunked":
+    if codings and _lone_chunked(codings):  # (any other coding was refused before the body)
         return None
     connection = upstream.connection
     protocol = connection.protocol if connection is not None else None

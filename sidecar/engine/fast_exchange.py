@@ -74,7 +74,7 @@ from sidecar.engine.head import (
     token_set,
 )
 from sidecar.engine.idle_poll import IdlePoller
-from sidecar.engine.parse_errors import ParseError
+from sidecar.engine.parse_errors import UNSUPPORTED_CODING, ParseError
 from sidecar.engine.phases import (
     ABORT,
     BUFFERING,
@@ -799,7 +799,7 @@ class Exchange(UpstreamRequest):
                 del out[base:]
                 self.resp_status = 0
                 self.resp_head = None
-                raise ParseError("unsupported Transfer-Encoding (only chunked)")
+                raise ParseError(UNSUPPORTED_CODING)
             mode = DECHUNK if http10 else CHUNKED
         else:  # delimited by the upstream's close
             mode = EOF_RAW if http10 else EOF_CHUNKED

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# Why a response is refused whose body is framed by a transfer coding besides chunked (both engines).
+UNSUPPORTED_CODING = "unsupported Transfer-Encoding (only chunked)"
+
 
 class ParseError(Exception):
     """llhttp refused the bytes (the message is llhttp's reason)."""
