@@ -172,8 +172,10 @@ class Sidecar:
             await self.engine.close()
             self.engine.failures.close()
             self.router.shutdown()  # with a shared store: only forgets (the sessions live on in the store)
-            await self.state.stop()
+            # The end actions first: the store's last write confirms the ends they ran, and a
+            # claim this replica did not get to run goes to the fleet once its lease is gone.
             await self.effects.stop()
+            await self.state.stop()
             if self._admin_runner is not None:
                 await self._admin_runner.cleanup()
         finally:

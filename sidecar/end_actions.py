@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import aiohttp
 
@@ -28,17 +29,23 @@ class EndActionRunner:
         self.retries = retries
         self.backoff = backoff
         self.timeout = timeout
-        self._queue: asyncio.Queue[tuple[Deployment, EndAction, Upstream]] = asyncio.Queue(max_queue)
+        self._queue: asyncio.Queue[tuple[Deployment, EndAction, Upstream, Callable[[], None] | None]] = asyncio.Queue(
+            max_queue
+        )
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
-    def submit(self, dep: Deployment, action: EndAction, root: str) -> None:
+    def submit(self, dep: Deployment, action: EndAction, root: str, ran: Callable[[], None] | None = None) -> None:
         """Enqueue (synchronous; called by the router). ``root`` picks the tree's upstream, now:
-        the tree's failover override is dropped once it ended."""
+        the tree's failover override is dropped once it ended. ``ran`` is called once the action
+        was sent (whatever the answer) or given up: after its retries, or at once when the queue
+        is full (dropped)."""
         try:
-            self._queue.put_nowait((dep, action, dep.pick_upstream(root)))
+            self._queue.put_nowait((dep, action, dep.pick_upstream(root), ran))
         except asyncio.QueueFull:
             self.metrics.end_actions.labels(dep.mode_name, "dropped").inc()
+            if ran is not None:
+                ran()
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
@@ -61,11 +68,15 @@ class EndActionRunner:
 
     async def _run(self) -> None:
         while True:
-            dep, action, up = await self._queue.get()
+            dep, action, up, ran = await self._queue.get()
             try:
                 await self._perform(dep, action, up)
+            except Exception:  # a defect must not stop the runner
+                log.exception("end action %s %s failed", action.method, action.path)
             finally:
                 self._queue.task_done()
+            if ran is not None:  # (not when cancelled at shutdown: the action was not sent)
+                ran()
 
     async def _perform(self, dep: Deployment, action: EndAction, up: Upstream) -> None:
         assert self._session is not None

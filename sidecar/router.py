@@ -74,7 +74,9 @@ def _debug_on() -> bool:
     return log.isEnabledFor(DEBUG) if on is None else on
 
 
-EndActionSink = Callable[[Deployment, EndAction, str], None]
+# Takes one end action of a session: (deployment, action, tree root, called once it ran or was
+# given up, or None).
+EndActionSink = Callable[[Deployment, EndAction, str, "Callable[[], None] | None"], None]
 
 # Sessions one idle sweep ends at most before it yields the event loop (a few ms of work).
 EXPIRE_BATCH = 1000
@@ -819,18 +821,22 @@ class Router:
         for e in self.state.local_ends(ended):
             self.end_session(e)
 
-    def end_session(self, e: SessionEnd) -> None:
+    def end_session(self, e: SessionEnd, ran: Callable[[], None] | None = None) -> None:
         """The end of one session, exactly once: count it, run the mode's end-of-session hook
-        and hand its actions to the effects runner, forget the tree's upstream override."""
+        and hand its actions to the effects runner, forget the tree's upstream override.
+        ``ran`` is called once every end action ran or was given up (at once when there are
+        none): a shared store confirms its claim of the end then."""
         dep = self.deployment(e.deployment)
         # The label only takes configured names (a closed set).
         self.metrics.sessions_ended.labels(dep.name if dep is not None else "unknown", str(e.reason)).inc()
-        self._end_actions(e, dep)
+        self._end_actions(e, dep, ran)
         if dep is not None and dep.balancer.overrides and self.tree.get(e.root) is None:
             dep.balancer.forget(e.root)  # the tree is gone
 
-    def _end_actions(self, e: SessionEnd, dep: Deployment | None) -> None:
-        if dep is None or dep.mode is None:
+    def _end_actions(self, e: SessionEnd, dep: Deployment | None, ran: Callable[[], None] | None) -> None:
+        if dep is None or dep.mode is None or self.effects is None:
+            if ran is not None:
+                ran()
             return
         try:
             actions = tuple(dep.mode.on_session_end(e))
@@ -842,10 +848,29 @@ class Router:
                 exc,
                 extra={"deployment": dep.name, "mode": dep.mode_name, "hook": "on_session_end"},
             )
+            actions = ()
+        if not actions:
+            if ran is not None:
+                ran()
             return
-        if actions and self.effects is not None:
-            for action in actions:
-                self.effects(dep, action, e.root)
+        each = None if ran is None else _AllRan(len(actions), ran)
+        for action in actions:
+            self.effects(dep, action, e.root, each)
+
+
+class _AllRan:
+    """Calls ``ran`` when it was itself called ``n`` times: once per end action of a session."""
+
+    __slots__ = ("n", "ran")
+
+    def __init__(self, n: int, ran: Callable[[], None]) -> None:
+        self.n = n
+        self.ran = ran
+
+    def __call__(self) -> None:
+        self.n -= 1
+        if self.n == 0:
+            self.ran()
 
 
 def _check_added(add: tuple[tuple[str, str], ...]) -> None:

@@ -50,8 +50,9 @@ class SessionState:
     shared = False
 
     def __init__(self) -> None:
-        # Set by the app: runs the end-of-session actions of a session this replica claimed.
-        self.on_claimed: Callable[[SessionEnd], None] | None = None
+        # Set by the app: runs the end-of-session actions of a session this replica claimed, and
+        # calls its second argument once they ran (the claim is then confirmed in the store).
+        self.on_claimed: Callable[[SessionEnd, Callable[[], None]], None] | None = None
         # Set by the app: another replica started closing a session (id, reason).
         self.on_closing: Callable[[str, str], None] | None = None
 

@@ -5,11 +5,16 @@ Fields: ``d`` deployment, ``p`` parent (the root hint for a hinted session), ``r
 the id itself), ``f`` flags (:mod:`sidecar.state.scripts`), ``c`` created and ``a`` last active
 (unix ms), ``n`` turns, ``e`` end reason and ``z`` when it started closing or ended (ms), ``m``
 the mode's state, ``w``/``wt``/``mv`` the worker history, and for API sessions ``ws`` workspace,
-``t`` TTL seconds and ``q`` creation sequence. ``h:<replica>`` are holders (requests in flight).
+``t`` TTL seconds and ``q`` creation sequence. ``h:<replica>`` are holders (requests in flight),
+``o`` the replica that claimed the session's end and has not confirmed it yet.
+
+A record comes from a server anyone with access can write to, or from a newer version: it is
+untrusted input. One that does not decode raises :class:`BadRecord` naming its field.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,16 +73,45 @@ class Record:
         return bool(self.flags & API)
 
 
+class BadRecord(ValueError):
+    """A stored record that does not decode."""
+
+    def __init__(self, session: str, field: str) -> None:
+        super().__init__(f"the stored record of session {session!r} cannot be read (field {field!r})")
+        self.session = session
+        self.field = field
+
+
 def decode(session: str, fields: dict[str, str]) -> Record | None:
-    """The record of ``session`` from its hash fields (as HGETALL returns them), None when empty."""
+    """The record of ``session`` from its hash fields (as HGETALL returns them), None when empty.
+    Raises :class:`BadRecord` when a field does not decode."""
     if not fields:
         return None
-    flags = int(fields.get("f", "0"))
-    above = fields.get("p") or None
-    in_flight = sum(int(v) for k, v in fields.items() if k.startswith("h:") and v.lstrip("-").isdigit())
-    workers = fields.get("w")
-    ttl = fields.get("t")
-    ended_at = fields.get("z")
+    field = "f"
+    try:
+        flags = int(fields.get("f", "0"))
+        if flags < 0:
+            raise ValueError(flags)
+        above = fields.get("p") or None
+        in_flight = sum(int(v) for k, v in fields.items() if k.startswith("h:") and v.lstrip("-").isdigit())
+        field, workers = "w", fields.get("w")
+        workers_list = orjson.loads(workers) if workers else None
+        if workers_list is not None and not isinstance(workers_list, list):
+            raise ValueError(workers)
+        field, ttl = "t", fields.get("t")
+        ttl_seconds = float(ttl) if ttl else None
+        if ttl_seconds is not None and not math.isfinite(ttl_seconds):
+            raise ValueError(ttl)
+        field, ended_at = "z", fields.get("z")
+        ended = int(ended_at) / 1000 if ended_at else None
+        field, created = "c", int(fields.get("c", "0")) / 1000
+        field, last_active = "a", int(fields.get("a", "0")) / 1000
+        field, turns = "n", int(fields.get("n", "0"))
+        field, worker_turns = "wt", int(fields.get("wt", "0"))
+        field, moves = "mv", int(fields.get("mv", "0"))
+        field, seq = "q", int(fields.get("q", "0"))
+    except (ValueError, TypeError, orjson.JSONDecodeError):
+        raise BadRecord(session, field) from None
     return Record(
         id=session,
         deployment=fields.get("d", ""),
@@ -85,18 +119,18 @@ def decode(session: str, fields: dict[str, str]) -> Record | None:
         parent=None if flags & HINTED else above,
         above=above,
         root=fields.get("r") or session,
-        created=int(fields.get("c", "0")) / 1000,
-        last_active=int(fields.get("a", "0")) / 1000,
-        turns=int(fields.get("n", "0")),
+        created=created,
+        last_active=last_active,
+        turns=turns,
         end_reason=fields.get("e") or None,
-        ended_at=int(ended_at) / 1000 if ended_at else None,
+        ended_at=ended,
         mode_state=fields.get("m") or None,
-        workers=orjson.loads(workers) if workers else None,
-        worker_turns=int(fields.get("wt", "0")),
-        moves=int(fields.get("mv", "0")),
+        workers=workers_list,
+        worker_turns=worker_turns,
+        moves=moves,
         workspace=fields.get("ws") or None,
-        ttl=float(ttl) if ttl else None,
-        seq=int(fields.get("q", "0")),
+        ttl=ttl_seconds,
+        seq=seq,
         in_flight=in_flight,
     )
 

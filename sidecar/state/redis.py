@@ -18,14 +18,27 @@ How it keeps the request path free of round trips:
   intervals: every holder is written by then) passed and no live replica holds a request of it,
   for exactly one caller, who runs the end-of-session actions. Idle expiry and the live-session
   cap are swept in the store by whichever replica's sweep claims them first.
+- **Claims survive lost replies**: the store records which replica claimed an end; until that
+  replica confirms it ran the end (after its end actions), a retry or a later sweep of the same
+  replica is handed the claim again, and once the claimer's lease expired (it died) another
+  replica's sweep is. A replica runs a claim it is already running once.
 - **Faults**: a failed or slow store call opens a circuit breaker: the request that met it waited
-  at most ``timeout_ms``, later ones do not wait at all and go on with local state (the admin
-  listener's reads answer their caller's failure alone: they never open it). The breaker
-  probes with a read-only script and TIME (1 s, doubling to 30 s): a store must be usable, not
-  only reachable, and its clock is the fleet's (:meth:`RedisState.wall`). Once the store
-  answers, pending writes go out and every live session held here is republished (it fills
-  records the store lost, never overwrites). The dirty table is bounded; what an overflow drops
-  is counted.
+  at most ``timeout_ms``, later ones do not wait at all and go on with local state. The admin
+  listener's calls use a connection pool of their own with a longer timeout
+  (:data:`ADMIN_TIMEOUT_SECONDS`) and answer their caller's failure alone: they never open the
+  breaker. The breaker is probed off the request path, by the writer task (1 s, doubling to
+  30 s), with a script and TIME: a store must be usable, not only reachable, and its clock is
+  the fleet's (:meth:`RedisState.wall`). Once the store answers, pending writes go out and every
+  live session held here is republished (it fills records the store lost, with this replica's
+  requests in flight and turn count, never lowering what the store has). A store that lost its
+  data (its epoch changed) is republished to the same way. The dirty table is bounded; what an
+  overflow drops (the oldest first, in O(1)) is counted.
+- **Events**: closes and ends arrive through a subscription, which is pinged when silent: one
+  that does not answer (a connection a NAT or conntrack entry silently dropped) is replaced and
+  every session held here is checked against the store. The writes' replies report closes too,
+  so a replica learns of one with its next write of the session even without events.
+- **Untrusted records**: a record that does not decode is an error for that session only: its
+  requests are served on local state, it is logged once, and no request waits on it.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ import os
 import ssl
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,7 +67,7 @@ from sidecar.metrics import Metrics
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
 from sidecar.state import LoadNeeded, SessionState, StoreUnavailable
 from sidecar.state import scripts as lua
-from sidecar.state.records import Record, decode, ms
+from sidecar.state.records import BadRecord, Record, decode, ms
 
 log = logging.getLogger("sidecar.state")
 
@@ -66,6 +80,14 @@ MAX_DIRTY = 200_000  # sessions with unwritten changes; beyond it the oldest are
 REPUBLISH_BATCH = 1000
 MAX_CHILDREN_READ = 1000  # child ids a view reads of one session (a children set may hold millions)
 KEY_GRACE_SECONDS = 60
+# The admin listener's calls (views, the sessions API) wait this long for the store: they are off
+# the request path, and a view of a large tree is a large read on a loaded store.
+ADMIN_TIMEOUT_SECONDS = 5.0
+# A silent subscription is pinged after this long, and replaced when the ping is not answered
+# within EVENTS_DEAF_SECONDS (a connection that stays open but delivers nothing).
+EVENTS_PING_SECONDS = 1.0
+EVENTS_DEAF_SECONDS = 5.0
+MAX_LOGGED_BAD = 1024  # unreadable records logged once each, up to this many ids remembered
 
 
 class _Dirty:
@@ -109,6 +131,7 @@ class RedisState(SessionState):
         self.prefix = sc.key_prefix
         self.channel = self.prefix + "ev"
         self.timeout = sc.timeout_ms / 1000
+        self._admin_timeout = max(ADMIN_TIMEOUT_SECONDS, self.timeout)
         self.tick = sc.flush_interval_ms / 1000
         # A holder reaches the store within a tick and two writes (one may be running when the
         # request starts; a write that takes longer than the timeout fails and opens the
@@ -131,16 +154,24 @@ class RedisState(SessionState):
         self._next_sync = 0.0
         self.replica = uuid.uuid4().hex[:12]
         self.client: aioredis.Redis | None = None
+        self.admin_client: aioredis.Redis | None = None
         self.up = False
         self._retry_at = 0.0
         self._backoff = BREAKER_MIN
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._dirty: dict[str, _Dirty] = {}
+        # Sessions with unwritten changes, oldest first (an overflow drops from the front: O(1)).
+        self._dirty: OrderedDict[str, _Dirty] = OrderedDict()
         self._urgent: set[str] = set()
         self._ending: dict[str, str] = {}  # id -> reason: local ends to close and claim
         self._checks: dict[str, float] = {}  # id -> loop time: end checks to run again
         self._republish: list[str] = []
+        # Claims (id -> token) this replica is running (their end actions not done yet), and the
+        # ones it ran and has yet to confirm in the store (op K of the next write).
+        self._running: dict[str, str] = {}
+        self._acks: dict[str, str] = {}
+        self._epoch: str | None = None  # the store's epoch as last seen: a change means data lost
+        self._bad_logged: OrderedDict[str, None] = OrderedDict()
         self._next_lazy = 0.0
         self._kicked = False
         self._stopping = False
@@ -165,17 +196,19 @@ class RedisState(SessionState):
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._flushing = asyncio.Lock()
-        self.client = self._connect()
+        self.client = self._connect(self.timeout)
+        self.admin_client = self._connect(self._admin_timeout)
+        self._hello_script = self.client.register_script(lua.HELLO)
         self._flush_script = self.client.register_script(lua.FLUSH)
         self._close_script = self.client.register_script(lua.CLOSE)
         self._end_script = self.client.register_script(lua.END_CHECK)
         self._sweep_script = self.client.register_script(lua.SWEEP)
         self._create_script = self.client.register_script(lua.API_CREATE)
         try:
-            await self._check()
+            await self._check(quiet_ms=0)
         except (RedisError, OSError, TimeoutError) as exc:
             if self.config.required:
-                await self.client.aclose()
+                await self._close_clients()
                 raise StoreUnavailable(
                     f"state.url: the shared store cannot be used ({_reason(exc)}{_hint(exc)}) and state.required is true"
                 ) from None
@@ -183,6 +216,7 @@ class RedisState(SessionState):
         else:
             self._set_up(True)
             log.info("shared session store connected", extra={"replica": self.replica, "prefix": self.prefix})
+            await self._check_eviction()
         loop = self._loop
         self._tasks = [
             loop.create_task(self._flusher(), name="sidecar-state-flush"),
@@ -203,17 +237,24 @@ class RedisState(SessionState):
         if self.client is None:
             return
         if self.up:
+            # The last writes (confirmations of the ends run here included); then the lease goes,
+            # so that the fleet takes over at once any claim this replica did not get to run.
             with contextlib.suppress(RedisError, OSError, TimeoutError):
-                await self._flush(everything=True)
+                await self._flush(everything=True, claims=False)
                 await self._timed("lease", self.client.delete(self.prefix + "rep:" + self.replica), commands=1)
-        await self.client.aclose()
+        await self._close_clients()
 
-    def _connect(self) -> aioredis.Redis:
+    async def _close_clients(self) -> None:
+        for client in (self.client, self.admin_client):
+            if client is not None:
+                await client.aclose()
+
+    def _connect(self, timeout: float) -> aioredis.Redis:
         sc = self.config
         # No retries inside the client: a failure reaches the breaker at once.
         kwargs: dict[str, Any] = {
-            "socket_timeout": self.timeout,
-            "socket_connect_timeout": self.timeout,
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
             "decode_responses": True,
             "encoding_errors": "surrogateescape",
             "retry_on_timeout": False,
@@ -254,14 +295,15 @@ class RedisState(SessionState):
 
     async def _probe(self) -> bool:
         """Closed breaker: True. Open: check the store (:meth:`_check`) when the backoff
-        elapsed; on success close it and republish what this replica holds."""
+        elapsed; on success close it and republish what this replica holds. Only the writer
+        task probes: no request and no admin call waits for a store the breaker found down."""
         if self.up:
             return True
         assert self._loop is not None and self.client is not None
         if self._loop.time() < self._retry_at:
             return False
         try:
-            await self._check()
+            await self._check(quiet_ms=lua.QUIET_MS)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("ping", exc)
             return False
@@ -270,12 +312,43 @@ class RedisState(SessionState):
         self._republish = self.tree.held_sessions()
         return True
 
-    async def _check(self) -> None:
-        """Prove the store usable, not only reachable: a script that reads one key and writes
-        nothing (a user the store's ACL lets PING but not run scripts would otherwise pass, then
-        fail every write); then read its clock."""
-        await self._scripts("ping", [(self._close_script, [self.prefix, "", 0, str(EndReason.API_CLOSED), 0])])
+    async def _check(self, *, quiet_ms: int) -> None:
+        """Prove the store usable, not only reachable (a user the store's ACL lets PING but not
+        run scripts would otherwise pass, then fail every write): read its clock, then run a
+        script that reads the store's epoch (creating it, with ``quiet_ms``, when missing)."""
         await self._sync_clock()
+        (epoch,) = await self._scripts("ping", [(self._hello_script, [self.prefix, ms(self.wall()), quiet_ms])])
+        self._saw_epoch(str(epoch))
+
+    def _saw_epoch(self, epoch: str) -> None:
+        """The store's epoch as a script returned it: a new one means the store lost its data
+        (a restart without persistence, a flush): every live session held here goes to it again,
+        with this replica's requests in flight and turn counts."""
+        if self._epoch is not None and epoch != self._epoch:
+            log.warning(
+                "the shared session store lost its data: republishing the live sessions held here",
+                extra={"replica": self.replica},
+            )
+            self._republish = self.tree.held_sessions()
+        self._epoch = epoch
+
+    async def _check_eviction(self) -> None:
+        """Warn when the store may evict session state under memory pressure (every key here has
+        a TTL, so a ``volatile-*`` policy evicts live sessions as readily as ``allkeys-*``)."""
+        assert self.client is not None
+        try:
+            info = await self._timed("ping", self.client.info("memory"), commands=1)
+        except (RedisError, OSError, TimeoutError):
+            return  # (a user without INFO: nothing to check with; the docs say what to set)
+        policy = str(info.get("maxmemory_policy", "noeviction"))
+        if policy != "noeviction":
+            log.warning(
+                "the shared session store's maxmemory-policy is %s: under memory pressure it evicts live "
+                "sessions (their ends and closes are then lost); set it to noeviction, where a full store "
+                "is an outage the sidecar rides out on local state",
+                policy,
+                extra={"replica": self.replica, "maxmemory_policy": policy},
+            )
 
     def wall(self) -> float:
         """Now on the store's clock (Unix seconds): what this replica writes and compares there."""
@@ -291,11 +364,12 @@ class RedisState(SessionState):
         assert self._loop is not None
         self._next_sync = self._loop.time() + CLOCK_SYNC_SECONDS
 
-    async def _timed(self, op: str, awaitable: Any, *, commands: int) -> Any:
-        """Await one store round trip within the timeout, counted by outcome."""
+    async def _timed(self, op: str, awaitable: Any, *, commands: int, timeout: float | None = None) -> Any:
+        """Await one store round trip within the timeout (``timeout_ms`` unless given), counted by
+        outcome."""
         t0 = time.perf_counter()
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(self.timeout if timeout is None else timeout):
                 result = await awaitable
         except (RedisError, OSError, TimeoutError):
             self._op_counts.labels(op, "error").inc()
@@ -309,8 +383,8 @@ class RedisState(SessionState):
     # -- loads ---------------------------------------------------------------------------------
 
     async def load(self, identity: Any) -> None:
-        if not self.up and not await self._probe():
-            return
+        if not self.up:
+            return  # the breaker is open: no request waits for the store (the writer probes it)
         assert self._loop is not None
         ids = [identity.session] + [i for i in (identity.parent, identity.root) if i]
         future = self._batch_future
@@ -331,20 +405,58 @@ class RedisState(SessionState):
         task.add_done_callback(self._tasks.remove)
 
     async def _read_batch(self, ids: list[str], identities: list[Any], future: asyncio.Future[Any]) -> None:
-        assert self.client is not None
+        """Read the records of ``ids`` and place them; the waiting requests are released however
+        this ends (a store failure, a record that does not decode, a defect)."""
         try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for i in ids:
-                    pipe.hgetall(self.prefix + "s:" + i)
-                rows = await self._timed("load", pipe.execute(), commands=len(ids))
+            rows = await self._hashes("load", ids)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("load", exc)
+        except Exception:
+            log.exception("shared store load failed")
         else:
-            records = {i: decode(i, row) for i, row in zip(ids, rows, strict=True)}
+            records = self._decoded(zip(ids, rows, strict=True))
             for identity in identities:
-                self._place(identity, records)
-        if not future.done():
-            future.set_result(None)
+                try:
+                    self._place(identity, records)
+                except Exception:  # a record that decodes but does not fit the tree
+                    self._unreadable(identity.session, "its place in the tree")
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _hashes(self, op: str, ids: Sequence[str]) -> list[dict[str, str]]:
+        """The stored hashes of these sessions: one pipelined round trip of the request path's."""
+        assert self.client is not None
+        async with self.client.pipeline(transaction=False) as pipe:
+            for sid in ids:
+                pipe.hgetall(self.prefix + "s:" + sid)
+            return list(await self._timed(op, pipe.execute(), commands=len(ids)))
+
+    def _decoded(self, rows: Any) -> dict[str, Record | None]:
+        """Records by id; one that does not decode is left out (its session is served on local
+        state here, as during an outage) and logged once."""
+        out: dict[str, Record | None] = {}
+        for sid, row in rows:
+            try:
+                out[sid] = decode(sid, row)
+            except BadRecord as exc:
+                self._unreadable(sid, exc.field)
+        return out
+
+    def _unreadable(self, sid: str, what: str) -> None:
+        """Log, once per id (a bounded memory of ids), that the store's record of ``sid`` cannot
+        be used."""
+        if sid in self._bad_logged:
+            return
+        self._bad_logged[sid] = None
+        if len(self._bad_logged) > MAX_LOGGED_BAD:
+            self._bad_logged.popitem(last=False)
+        self._op_counts.labels("read", "unreadable").inc()
+        log.warning(
+            "the shared store's record of a session cannot be read (%s): serving the session on local state",
+            what,
+            extra={"replica": self.replica, "key": self.prefix + "s:" + sid},
+        )
 
     def _place(self, identity: Any, records: dict[str, Record | None]) -> None:
         """Put what the store knows of a request's session (and parent, root hint) into the cache."""
@@ -441,8 +553,8 @@ class RedisState(SessionState):
         return ()
 
     def _drop_oldest(self) -> None:
-        for sid in list(self._dirty)[: len(self._dirty) - MAX_DIRTY]:
-            del self._dirty[sid]
+        while len(self._dirty) > MAX_DIRTY:
+            sid, _ = self._dirty.popitem(last=False)
             self._urgent.discard(sid)
             self.dropped += 1
             self._dropped.inc()
@@ -458,7 +570,7 @@ class RedisState(SessionState):
             now = self._loop.time()
             lazy = now >= self._next_lazy
             due = [sid for sid, at in self._checks.items() if at <= now]
-            if not (lazy or self._urgent or self._ending or due or self._republish):
+            if not (lazy or self._urgent or self._ending or due or self._republish or self._acks):
                 continue
             if not await self._probe():
                 continue
@@ -475,8 +587,10 @@ class RedisState(SessionState):
             except Exception:  # a defect must not stop the writer
                 log.exception("shared store flush failed")
 
-    async def _flush(self, *, everything: bool, checks: Sequence[str] = ()) -> None:
-        """One round trip: the batched writes, then the closes and end checks pending here.
+    async def _flush(self, *, everything: bool, checks: Sequence[str] = (), claims: bool = True) -> None:
+        """One round trip: the batched writes (confirmations of ends run here included), then the
+        closes and end checks pending here (no end checks without ``claims``: a stopping replica
+        claims nothing more).
 
         What a write carries is taken from the dirty table when the operations are built; what
         changes during the round trip stays pending, and a failed write puts back what it took.
@@ -484,6 +598,9 @@ class RedisState(SessionState):
         assert self.client is not None and self._flushing is not None
         async with self._flushing:
             urgent, self._urgent = self._urgent, set()
+            # (confirmations stay in _acks until written: a sweep running meanwhile may hand
+            # these claims back, and must see them as run here)
+            acks = dict(self._acks)
             sids = list(self._dirty) if everything else [s for s in urgent if s in self._dirty]
             ending = dict(self._ending)
             for sid in ending:
@@ -494,8 +611,10 @@ class RedisState(SessionState):
             republish = self._republish[:REPUBLISH_BATCH]
             del self._republish[:REPUBLISH_BATCH]
             args += self._republish_ops(republish)
+            for sid, token in acks.items():
+                args += ("K", sid, token)
             now_ms = ms(self.wall())
-            checked = [*ending, *(c for c in checks if c not in ending)]
+            checked = [*ending, *(c for c in checks if c not in ending)] if claims else []
             calls: list[tuple[Any, list[Any]]] = [
                 (
                     self._flush_script,
@@ -514,7 +633,10 @@ class RedisState(SessionState):
                 (self._close_script, [self.prefix, sid, now_ms, reason, self.settle_ms])
                 for sid, reason in ending.items()
             ]
-            calls += [(self._end_script, [self.prefix, sid, now_ms, self.tomb_ttl, self.settle_ms]) for sid in checked]
+            calls += [
+                (self._end_script, [self.prefix, sid, now_ms, self.tomb_ttl, self.settle_ms, self.replica])
+                for sid in checked
+            ]
             try:
                 results = await self._scripts("flush", calls)
             except BaseException:
@@ -538,12 +660,20 @@ class RedisState(SessionState):
                     del self._dirty[sid]
             for sid in ending:
                 self._ending.pop(sid, None)
-            for sid in checks:
+            for sid, token in acks.items():
+                if self._acks.get(sid) == token:
+                    del self._acks[sid]
+            for sid in checked:
                 self._checks.pop(sid, None)
-            missing, ended = results[0]
+            missing, ended, closing, bad, epoch = results[0]
             self._republish.extend(missing)
-            for sid in ended:
-                self._forget(sid, None)
+            for i in range(0, len(ended), 2):
+                self._forget(ended[i], ended[i + 1] or None)
+            for i in range(0, len(closing), 2):
+                self._closing(closing[i], closing[i + 1])
+            for sid in bad:
+                self._unreadable(sid, "its flags")
+            self._saw_epoch(str(epoch))
             for sid, outcome in zip(checked, results[1 + len(ending) :], strict=True):
                 self._end_outcome(sid, outcome)
 
@@ -557,19 +687,28 @@ class RedisState(SessionState):
                 entry.mode |= w.mode
                 entry.workers |= w.workers
 
-    async def _scripts(self, op: str, calls: Sequence[tuple[Any, list[Any]]]) -> list[Any]:
-        """Run these script calls in one pipelined round trip, by hash. A script the store does
-        not have (it restarted, or its scripts were flushed) did not run: it is loaded and run
-        again on its own (redis-py's pipelines would ask SCRIPT EXISTS on every execute)."""
-        assert self.client is not None
-        async with self.client.pipeline(transaction=False) as pipe:
+    async def _scripts(
+        self,
+        op: str,
+        calls: Sequence[tuple[Any, list[Any]]],
+        *,
+        client: aioredis.Redis | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Run these script calls in one pipelined round trip, by hash (on the request path's
+        client unless given). A script the store does not have (it restarted, or its scripts
+        were flushed) did not run: it is loaded and run again on its own (redis-py's pipelines
+        would ask SCRIPT EXISTS on every execute)."""
+        client = client or self.client
+        assert client is not None
+        async with client.pipeline(transaction=False) as pipe:
             for script, args in calls:
                 pipe.evalsha(script.sha, 0, *args)
-            results = await self._timed(op, pipe.execute(raise_on_error=False), commands=len(calls))
+            results = await self._timed(op, pipe.execute(raise_on_error=False), commands=len(calls), timeout=timeout)
         for i, result in enumerate(results):
             if isinstance(result, NoScriptError):
                 script, args = calls[i]
-                results[i] = await self._timed(op, script(args=args), commands=2)
+                results[i] = await self._timed(op, script(args=args, client=client), commands=2, timeout=timeout)
             elif isinstance(result, Exception):
                 raise result
         return list(results)
@@ -635,10 +774,11 @@ class RedisState(SessionState):
         return out
 
     def _republish_ops(self, sids: Sequence[str]) -> list[Any]:
-        """Records for sessions this replica holds live, written only where the store has none
-        (after an outage, or a store restart that lost data). A session held in the API table
-        goes out as the API session it is (its fields, creation time), so the store lists and
-        counts it again."""
+        """Records for sessions this replica holds live, written where the store has none (after
+        an outage, or a store restart that lost data), with this replica's requests in flight
+        (so that no end misses them) and its turn count (a record the store has keeps the higher
+        count). A session held in the API table goes out as the API session it is (its fields,
+        creation time), so the store lists and counts it again."""
         tree_now = self.tree.now()
         wall = self.wall()
         out: list[Any] = []
@@ -664,6 +804,9 @@ class RedisState(SessionState):
                 key_ttl,
                 *_api_fields(rec),
             )
+            held = self.tree.in_flight_of(sid)
+            if held:
+                out += ("H", sid, held)
         return out
 
     def _held_api(self, sid: str) -> ApiSession | None:
@@ -690,11 +833,29 @@ class RedisState(SessionState):
         self._claimed(outcome)
 
     def _claimed(self, row: list[Any]) -> None:
-        """This replica ended a session in the store: tell the cache, run its end actions."""
-        sid, deployment, parent, root, turns, reason = row[0], row[1], row[2] or None, row[3], int(row[4]), row[5]
+        """The store handed this replica the end of a session (a claim, or a claim handed again
+        because its reply may have been lost): tell the cache, run its end actions, and confirm
+        the claim once they ran. A claim this replica is running or has run is not run again."""
+        sid, token = row[0], row[8]
+        if self._running.get(sid) == token or self._acks.get(sid) == token:
+            return
+        deployment, parent, root, reason = row[1], row[2] or None, row[3], row[5]
+        turns = int(row[4]) if str(row[4]).isdigit() else 0  # (a record's count: untrusted)
+        why = EndReason(reason) if reason in _REASONS else EndReason.API_CLOSED
         self._forget(sid, reason)
-        if self.on_claimed is not None:
-            self.on_claimed(SessionEnd(sid, parent, root, deployment, EndReason(reason), turns))
+        if self.on_claimed is None:
+            self._acks[sid] = token
+            return
+        self._running[sid] = token
+        self.on_claimed(SessionEnd(sid, parent, root, deployment, why, turns), lambda: self._ran(sid, token))
+
+    def _ran(self, sid: str, token: str) -> None:
+        """The end actions of a claimed session ran (or were given up): confirm the claim."""
+        if self._running.get(sid) == token:
+            del self._running[sid]
+        self._acks[sid] = token
+        if not self._kicked and self.up and not self._stopping:
+            self._kick()
 
     def _forget(self, sid: str, reason: str | None) -> None:
         """The session ended in the store: this cache drops it (no local end actions)."""
@@ -706,91 +867,97 @@ class RedisState(SessionState):
         self._dirty.pop(sid, None)
         self._urgent.discard(sid)
 
+    def _closing(self, sid: str, reason: str) -> None:
+        """The store says ``sid`` is closing (an event, or a write's reply): stop admitting it here
+        unless this replica knows already."""
+        if self.on_closing is None:
+            return
+        if self.tree.joinable(sid) or self._held_api(sid) is not None:
+            self.on_closing(sid, reason)
+
     async def close(self, session: str, reason: str) -> int:
         """Start closing ``session`` fleet-wide (the sessions API): 1 closing now, 2 already
-        closing, 0 unknown, -1 already ended. Raises when the store is unavailable."""
-        if not await self._probe():
-            raise StoreUnavailable("the shared session store is unavailable")
-        assert self.client is not None
-        try:
-            return int(
-                await self._timed(
-                    "close",
-                    self._close_script(args=[self.prefix, session, ms(self.wall()), reason, self.settle_ms]),
-                    commands=1,
-                )
-            )
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed("close", exc)
-            raise StoreUnavailable("the shared session store is unavailable") from exc
+        closing, 0 unknown, -1 already ended. Raises StoreUnavailable when the store is
+        unavailable (the breaker is left alone: an admin call)."""
+        (result,) = await self._admin_scripts(
+            "close", [(self._close_script, [self.prefix, session, ms(self.wall()), reason, self.settle_ms])]
+        )
+        return int(result)
 
     async def create_api(
         self, *, session: str, deployment: str, workspace: str | None, parent: str | None, ttl: float | None, now: float
     ) -> Record | int:
         """Create an API session in the store: its record as written, 0 when the id is taken, -2
-        at the limit of active API sessions. Raises when the store is unavailable.
+        at the limit of active API sessions. Raises StoreUnavailable when the store is
+        unavailable.
 
         The record is built from what the script wrote, not read back: a read failing after the
         session was created would answer the caller an error for a create that happened (and its
         retry a 409)."""
-        if not await self._probe():
-            raise StoreUnavailable("the shared session store is unavailable")
         deadline = "+inf" if ttl is None else ms(now + ttl)
         key_ttl = int((ttl if ttl is not None else 10 * 365 * 86400.0) + self.tomb_ttl + KEY_GRACE_SECONDS)
         fields = {"d": deployment, "f": str(lua.API), "c": str(ms(now)), "a": str(ms(now)), "n": "0"}
         for name, value in (("ws", workspace or ""), ("p", parent or ""), ("t", "" if ttl is None else repr(ttl))):
             if value:
                 fields[name] = value
-        try:
-            seq = int(
-                await self._timed(
-                    "create",
-                    self._create_script(
-                        args=[
-                            self.prefix,
-                            session,
-                            deployment,
-                            fields.get("ws", ""),
-                            fields.get("p", ""),
-                            fields.get("t", ""),
-                            fields["c"],
-                            deadline,
-                            key_ttl,
-                            self.api_cfg.max_sessions,
-                        ]
-                    ),
-                    commands=1,
-                )
-            )
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed("create", exc)
-            raise StoreUnavailable("the shared session store is unavailable") from exc
-        if seq <= 0:
-            return seq
+        args = [
+            self.prefix,
+            session,
+            deployment,
+            fields.get("ws", ""),
+            fields.get("p", ""),
+            fields.get("t", ""),
+            fields["c"],
+            deadline,
+            key_ttl,
+            self.api_cfg.max_sessions,
+        ]
+        (seq,) = await self._admin_scripts("create", [(self._create_script, args)])
+        if int(seq) <= 0:
+            return int(seq)
         fields["q"] = str(seq)
         rec = decode(session, fields)
         assert rec is not None
         return rec
 
-    # The reads below serve the admin listener (views, the sessions API): a failure or timeout
-    # of one raises StoreUnavailable but leaves the breaker as it is, so that no admin call takes
+    # The calls below serve the admin listener (views, the sessions API). They run on their own
+    # connection pool with ADMIN_TIMEOUT_SECONDS, never wait for a store the breaker found down,
+    # and a failure raises StoreUnavailable but leaves the breaker as it is: no admin call takes
     # this replica's request path off the store. The request path meets a store that is really
     # down on its own calls.
 
-    async def fetch(self, sessions: Sequence[str], *, breaker: bool = False) -> dict[str, Record | None]:
-        """Records of these ids, as the store holds them now (views, the sessions API).
-        ``breaker``: a failure opens the breaker (a read of this replica's own, not an admin's)."""
+    def _admin(self) -> aioredis.Redis:
+        if not self.up or self.admin_client is None:
+            raise StoreUnavailable("the shared session store is unavailable")
+        return self.admin_client
+
+    async def _admin_scripts(self, op: str, calls: Sequence[tuple[Any, list[Any]]]) -> list[Any]:
+        client = self._admin()
+        try:
+            return await self._scripts(op, calls, client=client, timeout=self._admin_timeout)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise StoreUnavailable("the shared session store is unavailable") from exc
+
+    async def fetch(self, sessions: Sequence[str], *, skip_unreadable: bool = False) -> dict[str, Record | None]:
+        """Records of these ids, as the store holds them now (views, the sessions API). A record
+        that does not decode raises StoreUnavailable naming it, or with ``skip_unreadable`` is
+        left out (a view of many sessions)."""
         if not sessions:
             return {}
         if self.up:
             await self._flush_now()
         rows = await self._read(
-            "read",
-            lambda pipe: [pipe.hgetall(self.prefix + "s:" + s) for s in sessions],
-            len(sessions),
-            breaker=breaker,
+            "read", lambda pipe: [pipe.hgetall(self.prefix + "s:" + s) for s in sessions], len(sessions)
         )
-        return {sid: decode(sid, row) for sid, row in zip(sessions, rows, strict=True)}
+        out: dict[str, Record | None] = {}
+        for sid, row in zip(sessions, rows, strict=True):
+            try:
+                out[sid] = decode(sid, row)
+            except BadRecord as exc:
+                self._unreadable(sid, exc.field)
+                if not skip_unreadable:
+                    raise StoreUnavailable(str(exc)) from None
+        return out
 
     async def children(self, sessions: Sequence[str], limit: int) -> dict[str, tuple[list[str], int]]:
         """For each of these sessions: at most ``limit`` (and MAX_CHILDREN_READ) of the child ids
@@ -827,64 +994,72 @@ class RedisState(SessionState):
         return int(count)
 
     async def api_page(self, after: int, count: int) -> list[Record]:
-        """Up to ``count`` API sessions created after sequence number ``after``, in creation order."""
+        """Up to ``count`` API sessions created after sequence number ``after``, in creation order
+        (records that do not decode are left out)."""
         (ids,) = await self._read(
             "read", lambda pipe: [pipe.zrangebyscore(self.prefix + "api", f"({after}", "+inf", start=0, num=count)], 1
         )
-        records = await self.fetch(list(ids))
+        records = await self.fetch(list(ids), skip_unreadable=True)
         return [r for r in records.values() if r is not None]
 
-    async def _read(self, op: str, queue: Any, commands: int, *, breaker: bool = False) -> list[Any]:
-        """One pipelined read (``queue(pipe)`` adds the commands); raises StoreUnavailable, and
-        opens the breaker only when ``breaker`` is set."""
-        if not await self._probe():
-            raise StoreUnavailable("the shared session store is unavailable")
-        assert self.client is not None
+    async def _read(self, op: str, queue: Any, commands: int) -> list[Any]:
+        """One pipelined read of the admin listener (``queue(pipe)`` adds the commands); raises
+        StoreUnavailable."""
+        client = self._admin()
         try:
-            async with self.client.pipeline(transaction=False) as pipe:
+            async with client.pipeline(transaction=False) as pipe:
                 queue(pipe)
-                return list(await self._timed(op, pipe.execute(), commands=commands))
+                return list(await self._timed(op, pipe.execute(), commands=commands, timeout=self._admin_timeout))
         except (RedisError, OSError, TimeoutError) as exc:
-            if breaker:
-                self._failed(op, exc)
             raise StoreUnavailable("the shared session store is unavailable") from exc
 
     async def _flush_now(self) -> None:
-        """Write what this replica has pending (so a view read next sees it)."""
+        """Write what this replica has pending (so a view read next sees it). A failure leaves
+        the breaker to the writer task, whose next write meets the same store."""
         if self._dirty or self._ending:
-            try:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
                 await self._flush(everything=True)
-            except (RedisError, OSError, TimeoutError) as exc:
-                self._failed("flush", exc)
 
     # -- the sweep and events ------------------------------------------------------------------
 
     async def _sweep(self) -> None:
-        """Claim the idle expiries and cap evictions that are due fleet-wide, in batches."""
+        """Claim the idle expiries and cap evictions that are due fleet-wide, and the claims not
+        confirmed in time (this replica's, whose reply may have been lost, and dead replicas'),
+        in batches. Each batch runs under the writes' lock: a confirmation written while the
+        sweep is in flight could otherwise land after the sweep handed its claim back, and the
+        end would run twice."""
+        assert self._flushing is not None
         while True:
-            claimed = await self._timed(
-                "sweep",
-                self._sweep_script(
-                    args=[
-                        self.prefix,
-                        ms(self.wall()),
-                        SWEEP_BATCH,
-                        self.cap,
-                        self.tomb_ttl,
-                        self.settle_ms,
-                        int(self.idle_ttl * 1000),
-                    ]
-                ),
-                commands=1,
-            )
-            for row in claimed:
-                self._claimed(row)
+            async with self._flushing:
+                claimed, bad = await self._timed(
+                    "sweep",
+                    self._sweep_script(
+                        args=[
+                            self.prefix,
+                            ms(self.wall()),
+                            SWEEP_BATCH,
+                            self.cap,
+                            self.tomb_ttl,
+                            self.settle_ms,
+                            int(self.idle_ttl * 1000),
+                            self.replica,
+                            self.settle_ms,  # a claim's reply is lost or in hand by then
+                        ]
+                    ),
+                    commands=1,
+                )
+                for row in claimed:
+                    self._claimed(row)
+                for sid in bad:
+                    self._unreadable(sid, "its flags")
             if len(claimed) < SWEEP_BATCH:
                 return
             await asyncio.sleep(0)
 
     async def _listener(self) -> None:
-        """Closes and ends published by any replica, applied here within milliseconds."""
+        """Closes and ends published by any replica, applied here within milliseconds. After a
+        gap (an outage, a subscription found deaf) every session held here is checked against
+        the store."""
         gap = False
         while not self._stopping:
             if not self.up:
@@ -894,15 +1069,13 @@ class RedisState(SessionState):
             assert self.client is not None
             pubsub = self.client.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(self.channel)
+                await self._timed("events", pubsub.subscribe(self.channel), commands=1, timeout=self._admin_timeout)
                 if gap:
                     await self._revalidate()
                     gap = False
-                while self.up and not self._stopping:
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is not None:
-                        self._on_event(message["data"])
-            except (RedisError, OSError, StoreUnavailable) as exc:
+                await self._receive(pubsub)
+                gap = True  # deaf: subscribe again
+            except (RedisError, OSError, TimeoutError, StoreUnavailable) as exc:
                 gap = True
                 if not isinstance(exc, StoreUnavailable):
                     self._failed("events", exc)
@@ -910,32 +1083,67 @@ class RedisState(SessionState):
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()
 
+    async def _receive(self, pubsub: Any) -> None:
+        """Apply events until the breaker opens or the subscription proves deaf: silent for
+        EVENTS_PING_SECONDS, it is pinged; no answer within EVENTS_DEAF_SECONDS (a connection
+        that stays open and delivers nothing: an expired NAT or conntrack entry) ends this."""
+        assert self._loop is not None
+        heard = self._loop.time()
+        pinged: float | None = None
+        while self.up and not self._stopping:
+            message = await pubsub.get_message(timeout=EVENTS_PING_SECONDS)
+            now = self._loop.time()
+            if message is not None:
+                heard, pinged = now, None
+                if message.get("type") == "message":
+                    self._on_event(message["data"])
+            elif pinged is None:
+                if now - heard >= EVENTS_PING_SECONDS:
+                    await self._timed("events", pubsub.ping(), commands=1, timeout=self._admin_timeout)
+                    pinged = now
+            elif now - pinged >= EVENTS_DEAF_SECONDS:
+                self._op_counts.labels("events", "deaf").inc()
+                log.warning(
+                    "the shared store's event subscription did not answer a ping: subscribing again and "
+                    "checking the sessions held here",
+                    extra={"replica": self.replica},
+                )
+                return
+
     def _on_event(self, data: str) -> None:
         self._events += 1
         kind, _, rest = data.partition(" ")
+        # "c <id> <reason>", "e <id> <reason>": the reason (an EndReason value) is one word and
+        # comes last; the id may hold spaces, so it is everything before the last one.
+        sid, _, reason = rest.rpartition(" ")
+        if reason not in _REASONS:  # (an end event of an older version: "e <id>")
+            sid, reason = rest, ""
         if kind == "c":
-            # "c <id> <reason>": the reason (an EndReason value) is one word and comes last; the
-            # id may hold spaces, so it is everything before the last one.
-            sid, _, reason = rest.rpartition(" ")
             if sid in self._urgent and not self._kicked:
                 self._kick()  # a holder of it is not written yet: the end waits for it
             if self.on_closing is not None:
-                self.on_closing(sid, reason)
+                self.on_closing(sid, reason or EndReason.API_CLOSED)
         elif kind == "e":
-            self._forget(rest, None)
+            self._forget(sid, reason or None)
 
     async def _revalidate(self) -> None:
-        """After a gap in the events: ask the store about every session held here."""
+        """After a gap in the events: ask the store about every session held here (a failure
+        opens the breaker: this is the replica's own read)."""
         held = self.tree.held_sessions()
         for i in range(0, len(held), REPUBLISH_BATCH):
-            records = await self.fetch(held[i : i + REPUBLISH_BATCH], breaker=True)
-            for sid, rec in records.items():
+            batch = held[i : i + REPUBLISH_BATCH]
+            try:
+                rows = await self._hashes("read", batch)
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._failed("read", exc)
+                raise StoreUnavailable("the shared session store is unavailable") from exc
+            for sid, rec in self._decoded(zip(batch, rows, strict=True)).items():
                 if rec is None:
                     self._republish.append(sid)
                 elif rec.ended:
                     self._forget(sid, rec.end_reason)
-                elif rec.closing and self.on_closing is not None:
-                    self.on_closing(sid, rec.end_reason or EndReason.API_CLOSED)
+                elif rec.closing:
+                    self._closing(sid, rec.end_reason or EndReason.API_CLOSED)
 
     def stats(self) -> dict[str, Any]:
         return {"up": self.up, "dirty": len(self._dirty), "dropped": self.dropped, "replica": self.replica}

@@ -94,7 +94,7 @@ async def tree_view(
         showing = depth < max_depth and budget > 0
         kids = await state.children([sid for sid, _ in level], budget if showing else 0)
         ids = [kid for sid, _ in level for kid in kids[sid][0]]
-        records = await state.fetch(ids[:budget]) if showing else {}
+        records = await state.fetch(ids[:budget], skip_unreadable=True) if showing else {}
         next_level = []
         for sid, d in level:
             listed, total = kids[sid]
@@ -138,7 +138,7 @@ async def ui_snapshot(state: RedisState, *, limit: int, max_nodes: int, max_dept
     shape of sidecar.admin.ui's local snapshot; times are unix seconds, ``now`` included)."""
     roots: list[str] = []
     recent = await state.recent(limit * 4)
-    records = await state.fetch(recent)
+    records = await state.fetch(recent, skip_unreadable=True)
     for sid in recent:
         rec = records.get(sid)
         if rec is not None and rec.root not in roots:
