@@ -941,6 +941,7 @@ def test_chart_valkey(render) -> None:
     args = valkey["args"]
     assert args[0] == "valkey-server"
     assert args[args.index("--appendonly") + 1] == "yes", "AOF on"
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction", "session state is never evicted"
     assert args[args.index("--dir") + 1] == "/data"
     assert args[args.index("--requirepass") + 1] == "$(VALKEY_PASSWORD)"
     assert_hardened(valkey)

@@ -9,7 +9,9 @@ Faults are armed by what passes through, never by the clock:
   (a session id the reply names; events on subscription connections do not count) for
   ``seconds``, then forwards it (to a caller that has usually given up and closed by then);
 - :meth:`FaultProxy.silence_subscriptions` makes every connection that sent ``SUBSCRIBE`` deaf:
-  it stays open, nothing is forwarded either way.
+  it stays open, nothing is forwarded either way;
+- :meth:`FaultProxy.blackhole` resets every open connection and then accepts new ones that never
+  answer (a store that hangs after a failure: a probe waits its whole timeout).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class FaultProxy:
         self.port = 0
         self._delays: list[_Delay] = []
         self._deaf = False
+        self._blackhole = False
         self._subscribers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
@@ -57,6 +60,12 @@ class FaultProxy:
         self._delays.append(delay)
         return delay.fired
 
+    def blackhole(self) -> None:
+        """Reset the open connections; from now on new ones are accepted and never answered."""
+        self._blackhole = True
+        for w in list(self._writers):
+            w.transport.abort()
+
     def silence_subscriptions(self) -> None:
         """From now on every subscription connection is open and deaf."""
         self._deaf = True
@@ -73,6 +82,9 @@ class FaultProxy:
                 await task
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        if self._blackhole:
+            return  # (held open until the proxy closes)
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         except OSError:

@@ -76,3 +76,126 @@ async def test_an_idle_sweep_whose_reply_is_late_still_ends_every_session_it_cla
         metric(sc, "sidecar_sessions_ended_total", {"deployment": "default", "reason": "idle_expired"}) for sc in (a, b)
     )
     assert total == len(sessions)
+
+
+async def test_no_request_waits_for_a_hung_store_once_the_breaker_opened(faults, upstream, replicas, http):
+    # A store that fails and then hangs: the request path never waits for the breaker's probe,
+    # which runs off it (here each probe would hang its whole 10 s timeout).
+    (a,) = await replicas(1, upstream=upstream.url, mode="vllm_router", state={"url": faults.url, "timeout_ms": 10000})
+    assert (await post(http, a, "before-the-hang"))[0] == 200
+    faults.blackhole()
+    await wait_for(lambda: metric(a, "sidecar_state_store_up") == 0, timeout=15)
+    await asyncio.sleep(2)  # (the breaker's first backoff passed: a probe is due, and hangs)
+    probes_failed = metric(a, "sidecar_state_ops_total", {"op": "ping", "outcome": "error"})
+    statuses = [(await post(http, a, f"during-the-hang-{i}"))[0] for i in range(10)]
+    assert statuses == [200] * 10
+    # answered while every probe still hangs: none of them waited for one
+    assert metric(a, "sidecar_state_ops_total", {"op": "ping", "outcome": "error"}) == probes_failed
+
+
+async def test_a_store_that_lost_its_data_gets_back_the_requests_in_flight_and_the_turns(
+    upstream, replicas, http, redis_server
+):
+    # B streams a session when the store restarts without its data. Both replicas republish what
+    # they hold: B its request in flight and its turn count. A close on A then ends the session
+    # only after B's stream, and the turns are the fleet's.
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
+    sid = "lost-data"
+    assert (await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default", "session_id": sid}))[
+        0
+    ] == 201
+    assert (await post(http, a, sid))[0] == 200
+
+    async def stream() -> bytes:
+        async with http.get(b.proxy_url + "/sse?chunks=30&gap=0.2", headers={"X-Correlation-ID": sid}) as resp:
+            assert resp.status == 200
+            return await resp.read()
+
+    streaming = asyncio.create_task(stream())
+    key = replicas.prefix + "s:" + sid
+    holder = "h:" + b.state.replica
+    await wait_for(lambda: redis_server.cli("HGET", key, holder).strip() == "1", timeout=10)
+    redis_server.restart_empty()
+    await wait_for(lambda: redis_server.cli("HGET", key, holder).strip() == "1", timeout=20)
+    await wait_for(lambda: redis_server.cli("HGET", key, "n").strip() == "2", timeout=10)
+    status, closed = await api(http, "POST", a.admin_url + f"/v1/sessions/{sid}/close")
+    assert status == 200 and closed["status"] == "closed"
+    body = await streaming
+    assert body.count(b"data: ") == 31  # the stream finished whole
+    await wait_for(lambda: finishes(upstream, sid), timeout=20)
+    (finish,) = finishes(upstream, sid)
+    assert finish.at >= upstream.sse_sent_at[-1]  # after the last byte of B's request
+
+
+async def test_a_deaf_subscription_is_found_and_the_replica_learns_the_close(
+    faults, upstream, replicas, http, redis_server
+):
+    # B's event subscription stays open and delivers nothing (an expired NAT entry). B finds it
+    # deaf, subscribes again and checks what it holds against the store: it stops admitting the
+    # session A closed, without a request of it.
+    from sidecar.sessions import SessionStatus
+
+    a = await replicas.one(upstream=upstream.url, mode="vllm_router")
+    b = await replicas.one(upstream=upstream.url, mode="vllm_router", state={"url": faults.url})
+    sid = "deaf-close"
+    assert (await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default", "session_id": sid}))[
+        0
+    ] == 201
+    assert (await post(http, b, sid))[0] == 200
+    faults.silence_subscriptions()
+    assert (await api(http, "POST", a.admin_url + f"/v1/sessions/{sid}/close"))[0] == 200
+    await wait_for(lambda: metric(b, "sidecar_state_ops_total", {"op": "events", "outcome": "deaf"}) >= 1, timeout=30)
+    await wait_for(lambda: b.router.store.get(sid).status is SessionStatus.CLOSED, timeout=10)
+    assert (await post(http, b, sid))[0] == 410
+    await _ends_once(upstream, [sid])
+
+
+async def test_a_replica_with_a_deaf_subscription_learns_a_close_from_its_writes(
+    faults, upstream, replicas, http, monkeypatch
+):
+    # Events are not the only way: the writes of a session's turns are answered with its state,
+    # so B stops admitting the session A closed even while its subscription is not (yet) found
+    # deaf (here it never is).
+    monkeypatch.setattr("sidecar.state.redis.EVENTS_DEAF_SECONDS", 3600.0)
+    a = await replicas.one(upstream=upstream.url, mode="vllm_router")
+    b = await replicas.one(upstream=upstream.url, mode="vllm_router", state={"url": faults.url})
+    sid = "deaf-close-write"
+    assert (await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default", "session_id": sid}))[
+        0
+    ] == 201
+    assert (await post(http, b, sid))[0] == 200
+    faults.silence_subscriptions()
+    assert (await api(http, "POST", a.admin_url + f"/v1/sessions/{sid}/close"))[0] == 200
+    statuses: list[int] = []
+    while not statuses or statuses[-1] != 410:
+        statuses.append((await post(http, b, sid))[0])
+        assert len(statuses) <= 200, statuses
+        await asyncio.sleep(0.05)
+    assert set(statuses[:-1]) <= {200}
+    assert metric(b, "sidecar_state_ops_total", {"op": "events", "outcome": "deaf"}) == 0
+    await _ends_once(upstream, [sid])
+
+
+async def test_no_shared_index_expires_before_what_it_indexes(upstream, replicas, http, redis_server):
+    # An API session that outlives idle TTL + tombstone TTL: the listing, the count, the live set
+    # and its parent's children set live at least as long as its record.
+    a, b = await replicas(
+        2, upstream=upstream.url, mode="vllm_router", sessions={"idle_ttl_seconds": 1, "tombstone_ttl_seconds": 0}
+    )
+    for sid, parent in (("long-parent", None), ("long-child", "long-parent")):
+        body = {"deployment": "default", "session_id": sid, "ttl_seconds": 600000}
+        if parent:
+            body["parent"] = parent
+        assert (await api(http, "POST", a.admin_url + "/v1/sessions", body))[0] == 201
+    assert (await post(http, b, "a-traffic-session"))[0] == 200
+    sweeps = metric(a, "sidecar_state_ops_total", {"op": "sweep", "outcome": "ok"})
+    await wait_for(lambda: metric(a, "sidecar_state_ops_total", {"op": "sweep", "outcome": "ok"}) >= sweeps + 2)
+    p = replicas.prefix
+
+    def ttl(key: str) -> int:
+        return int(redis_server.cli("TTL", p + key))
+
+    record = ttl("s:long-child")
+    assert record > 600000
+    for index in ("live", "api", "seq", "apin", "k:long-parent"):
+        assert ttl(index) >= record, (index, ttl(index), record)
