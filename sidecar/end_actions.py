@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from urllib.parse import quote
 
 import aiohttp
+from yarl import URL
 
 from sidecar.deployments import Deployment, Upstream
 from sidecar.metrics import Metrics
@@ -80,13 +82,12 @@ class EndActionRunner:
 
     async def _perform(self, dep: Deployment, action: EndAction, up: Upstream) -> None:
         assert self._session is not None
-        url = up.url + action.path
+        url = _url(up.url + action.path, action.query)
         for attempt in range(self.retries + 1):
             try:
                 async with self._session.request(
                     action.method,
                     url,
-                    params=action.query or None,
                     data=action.body,
                     ssl=up.tls_context or True,
                     server_hostname=up.server_hostname,
@@ -101,3 +102,18 @@ class EndActionRunner:
             if attempt < self.retries:
                 await asyncio.sleep(self.backoff * (2**attempt))
         self.metrics.end_actions.labels(dep.mode_name, "failed").inc()
+
+
+def _url(base: str, query: dict[str, str]) -> URL:
+    """``base`` with ``query`` percent-encoded byte for byte: a session id holds exactly the bytes
+    the client sent (headers are read as UTF-8 with surrogate escapes), so a session named by
+    bytes that are not UTF-8 is finished under those bytes, never under what is left of it."""
+    if not query:
+        return URL(base, encoded=True)
+    pairs = (
+        quote(k.encode("utf-8", "surrogateescape"), safe="")
+        + "="
+        + quote(v.encode("utf-8", "surrogateescape"), safe="")
+        for k, v in query.items()
+    )
+    return URL(base + "?" + "&".join(pairs), encoded=True)

@@ -48,3 +48,22 @@ async def test_finish_session_retried_on_failure_without_blocking_traffic(upstre
     assert (
         sc.metrics.registry.get_sample_value("sidecar_end_actions_total", {"mode": "vllm_router", "outcome": "ok"}) == 1
     )
+
+
+async def test_a_session_id_that_is_not_utf8_is_finished_under_its_own_bytes(upstream, start_sidecar):
+    # The client's id bytes reach the gateway as they were sent (x-session-id), and the end
+    # action names exactly those bytes, percent-encoded: never a different session ("raw").
+    sc = await start_sidecar(upstream=upstream.url, mode="vllm_router")
+    host, port = sc.proxy_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: \xff\xfe\x80raw\r\n"
+        b"X-Session-Final: true\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+    )
+    await writer.drain()
+    assert (await reader.read()).startswith(b"HTTP/1.1 200")
+    writer.close()
+    await wait_for(lambda: finishes(upstream))
+    assert finishes(upstream) == ["/finish_session?session_id=%FF%FE%80raw"]
+    (chat,) = [r for r in upstream.received if r.path == "/v1/chat/completions"]
+    assert [v.encode("latin-1") for v in chat.all("x-session-id")] == [b"\xff\xfe\x80raw"]

@@ -117,3 +117,29 @@ async def test_a_full_store_is_an_outage_the_proxy_rides_out(upstream, replicas,
     redis_server.cli("CONFIG", "SET", "maxmemory", "0")
     await wait_for(lambda: metric(a, "sidecar_state_store_up") == 1, timeout=60)
     await wait_for(lambda: redis_server.cli("EXISTS", p + "s:while-full-19").strip() == "1", timeout=10)
+
+
+async def test_a_session_id_that_is_not_utf8_is_shared_and_finished_under_its_own_bytes(upstream, replicas):
+    # The bytes travel through the store unchanged (its keys and events): the session is one for
+    # the fleet, and its end names exactly the bytes the gateway saw.
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
+
+    async def send(sc, final: bool) -> bytes:
+        host, port = sc.proxy_url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: \xff\xfe\x80raw\r\n"
+            + (b"X-Session-Final: true\r\n" if final else b"")
+            + b"Content-Length: 2\r\nConnection: close\r\n\r\n{}"
+        )
+        await writer.drain()
+        answer = await reader.read()
+        writer.close()
+        return answer
+
+    assert (await send(a, final=False)).startswith(b"HTTP/1.1 200")
+    assert (await send(b, final=True)).startswith(b"HTTP/1.1 200")
+    await wait_for(lambda: [r for r in upstream.received if r.path.startswith("/finish_session")], timeout=10)
+    await asyncio.sleep(1.0)  # (a second end would have run by now)
+    ended = [r.path for r in upstream.received if r.path.startswith("/finish_session")]
+    assert ended == ["/finish_session?session_id=%FF%FE%80raw"]
