@@ -66,6 +66,10 @@ class FaultProxy:
         for w in list(self._writers):
             w.transport.abort()
 
+    def restore(self) -> None:
+        """New connections reach the store again (those held in the blackhole stay dead)."""
+        self._blackhole = False
+
     def silence_subscriptions(self) -> None:
         """From now on every subscription connection is open and deaf."""
         self._deaf = True

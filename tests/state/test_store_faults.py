@@ -199,3 +199,27 @@ async def test_no_shared_index_expires_before_what_it_indexes(upstream, replicas
     assert record > 600000
     for index in ("live", "api", "seq", "apin", "k:long-parent"):
         assert ttl(index) >= record, (index, ttl(index), record)
+
+
+async def test_pending_writes_past_their_bound_drop_the_oldest_and_the_republish_recovers_them(
+    faults, upstream, replicas, http, redis_server, monkeypatch
+):
+    # During an outage the table of pending writes keeps the newest MAX_DIRTY sessions (the
+    # oldest are dropped first and counted); when the store is back, every live session held
+    # here is republished, the dropped ones included.
+    monkeypatch.setattr("sidecar.state.redis.MAX_DIRTY", 50)
+    (a,) = await replicas(1, upstream=upstream.url, mode="vllm_router", state={"url": faults.url})
+    assert (await post(http, a, "before-outage"))[0] == 200
+    faults.blackhole()
+    await wait_for(lambda: metric(a, "sidecar_state_store_up") == 0, timeout=15)
+    for i in range(80):
+        assert (await post(http, a, f"pending-{i:02d}"))[0] == 200
+    # (30 new sessions, and the first session's last write if it was still pending)
+    assert metric(a, "sidecar_state_dropped_writes_total") in (30, 31)
+    faults.restore()
+    await wait_for(lambda: metric(a, "sidecar_state_store_up") == 1, timeout=40)
+    p = replicas.prefix
+    await wait_for(
+        lambda: all(redis_server.cli("EXISTS", p + f"s:pending-{i:02d}").strip() == "1" for i in (0, 29, 30, 79)),
+        timeout=10,
+    )
