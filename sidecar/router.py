@@ -834,7 +834,7 @@ class Router:
             dep.balancer.forget(e.root)  # the tree is gone
 
     def _end_actions(self, e: SessionEnd, dep: Deployment | None, ran: Callable[[], None] | None) -> None:
-        if dep is None or dep.mode is None or self.effects is None:
+        if dep is None or dep.mode is None:
             if ran is not None:
                 ran()
             return
@@ -849,7 +849,7 @@ class Router:
                 extra={"deployment": dep.name, "mode": dep.mode_name, "hook": "on_session_end"},
             )
             actions = ()
-        if not actions:
+        if not actions or self.effects is None:
             if ran is not None:
                 ran()
             return

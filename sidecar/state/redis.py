@@ -25,8 +25,8 @@ How it keeps the request path free of round trips:
 - **Faults**: a failed or slow store call opens a circuit breaker: the request that met it waited
   at most ``timeout_ms``, later ones do not wait at all and go on with local state. The admin
   listener's calls use a connection pool of their own with a longer timeout
-  (:data:`ADMIN_TIMEOUT_SECONDS`) and answer their caller's failure alone: they never open the
-  breaker. The breaker is probed off the request path, by the writer task (1 s, doubling to
+  (:data:`ADMIN_TIMEOUT_SECONDS`), do not depend on the breaker and answer their caller's
+  failure alone: they never open it. The breaker is probed off the request path, by the writer task (1 s, doubling to
   30 s), with a script and TIME: a store must be usable, not only reachable, and its clock is
   the fleet's (:meth:`RedisState.wall`). Once the store answers, pending writes go out and every
   live session held here is republished (it fills records the store lost, with this replica's
@@ -921,13 +921,13 @@ class RedisState(SessionState):
         return rec
 
     # The calls below serve the admin listener (views, the sessions API). They run on their own
-    # connection pool with ADMIN_TIMEOUT_SECONDS, never wait for a store the breaker found down,
-    # and a failure raises StoreUnavailable but leaves the breaker as it is: no admin call takes
-    # this replica's request path off the store. The request path meets a store that is really
-    # down on its own calls.
+    # connection pool with ADMIN_TIMEOUT_SECONDS and do not depend on the breaker (a slow moment
+    # of the request path must not fail the admin's calls, nor the reverse): each asks the store
+    # and raises StoreUnavailable when it does not answer in time, leaving the breaker as it is.
+    # The request path meets a store that is really down on its own calls.
 
     def _admin(self) -> aioredis.Redis:
-        if not self.up or self.admin_client is None:
+        if self.admin_client is None:
             raise StoreUnavailable("the shared session store is unavailable")
         return self.admin_client
 

@@ -4,6 +4,7 @@ the dead replica's trees, failback on or off, health checks active and passive."
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections import defaultdict
 
 import aiohttp
@@ -17,13 +18,16 @@ CHILDREN = 2
 
 
 class Replica:
-    """One upstream replica that can be killed and brought back on the same port."""
+    """One upstream replica that can be killed and brought back on the same port. While dead
+    its port stays bound (not listening: connections are refused), so that no other server
+    on the machine takes it meanwhile and answers its health checks."""
 
     def __init__(self, index: int, served: dict[str, list[int]]) -> None:
         self.index = index
         self.served = served  # X-Correlation-ID -> replicas that answered it, in order
         self.port = 0
         self.runner: web.AppRunner | None = None
+        self._held: socket.socket | None = None
 
     @property
     def url(self) -> str:
@@ -36,6 +40,9 @@ class Replica:
         return web.json_response({"replica": self.index})
 
     async def start(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self.handle)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
@@ -48,6 +55,10 @@ class Replica:
         assert self.runner is not None
         await self.runner.cleanup()
         self.runner = None
+        held = socket.socket()
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", self.port))
+        self._held = held
 
 
 def sessions_of(tree: str) -> list[tuple[str, str | None]]:
@@ -88,6 +99,8 @@ async def replicas():
     for r in reps:
         if r.runner is not None:
             await r.stop()
+        if r._held is not None:
+            r._held.close()
 
 
 def pool(reps, **keys) -> list[dict]:
