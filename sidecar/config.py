@@ -124,22 +124,33 @@ class _Strict(BaseModel):
 BODY_SIGNALS = ("prompt_cache_key", "user", "metadata.user_id")
 
 
+# The header families identity is read from (identity.clients); each one's headers are in
+# docs/reference.md.
+Client = Literal["generic", "claude_code", "codex"]
+CLIENTS: tuple[Client, ...] = ("generic", "claude_code", "codex")
+# The headers each client family reads itself: a generic tier naming one of them would shadow
+# the family (its sub-agents would merge into one session, or lose their parent).
+CLIENT_HEADERS = {
+    "claude_code": (h.X_CLAUDE_CODE_SESSION_ID, h.X_CLAUDE_CODE_AGENT_ID, h.X_CLAUDE_CODE_PARENT_AGENT_ID),
+    "codex": (h.CODEX_THREAD_ID, h.CODEX_SESSION_ID, h.X_CODEX_PARENT_THREAD_ID),
+}
+
+
 class IdentityConfig(_Strict):
     """Ordered signals of session identity; the first present one wins.
 
-    Header signals come first. Body signals (``body``, then ``fingerprint``) are read only when
-    configured and only when no header named a session: they cost a parse of the request body.
+    Header signals come in families (``clients``), tried in order: the first family whose
+    session signal a request carries gives its session, parent and root, all three from that
+    family. ``generic`` is the ordered header lists below; ``claude_code`` and ``codex`` read
+    those clients' own headers (a sub-agent is its own session, a child of the agent that spawned
+    it). The final-turn flag is read for every family. Body signals (``body``, then
+    ``fingerprint``) are read only when configured and only when no header named a session: they
+    cost a parse of the request body.
     """
 
-    # AIPerf, opencode, generic, Claude Code, Codex (session_id, thread-id).
-    session: HeaderList = [
-        h.X_CORRELATION_ID,
-        h.X_SESSION_AFFINITY,
-        h.X_SESSION_ID,
-        h.X_CLAUDE_CODE_SESSION_ID,
-        h.SESSION_ID,
-        h.THREAD_ID,
-    ]
+    clients: list[Client] = list(CLIENTS)
+    # The generic family: AIPerf, opencode, generic clients.
+    session: HeaderList = [h.X_CORRELATION_ID, h.X_SESSION_AFFINITY, h.X_SESSION_ID]
     parent: HeaderList = [h.X_PARENT_SESSION_ID, h.X_DYNAMO_PARENT_SESSION_ID]
     root: HeaderList = [h.X_ROOT_SESSION_ID]
     final: HeaderList = [h.X_SESSION_FINAL, h.X_DYNAMO_SESSION_FINAL]
@@ -154,9 +165,17 @@ class IdentityConfig(_Strict):
     def reads_body(self) -> bool:
         return bool(self.body) or self.fingerprint
 
+    @field_validator("clients")
+    @classmethod
+    def _unique_clients(cls, v: list[str]) -> list[str]:
+        twice = sorted({c for c in v if v.count(c) > 1})
+        if twice:
+            raise ValueError(f"names {twice[0]!r} twice")
+        return v
+
     @field_validator("session", "parent", "root", "final")
     @classmethod
-    def _tokens(cls, v: list[str]) -> list[str]:
+    def _tokens(cls, v: list[str], info: ValidationInfo) -> list[str]:
         for name in v:
             check_token(name)
         if h.X_REQUEST_ID.lower() in (n.lower() for n in v):
@@ -164,6 +183,17 @@ class IdentityConfig(_Strict):
         owned = [n for n in v if n.lower() in h.PROXY_OWNED]
         if owned:
             raise ValueError(f"{owned[0]!r} frames or routes the message itself and cannot carry a session signal")
+        # (validated after `clients`, which is declared first; only lists given are validated)
+        clients = info.data.get("clients", CLIENTS)
+        for name in v:
+            for client in clients:
+                if name.lower() in CLIENT_HEADERS.get(client, ()):
+                    raise ValueError(
+                        f"{name!r} is read by the {client} client family (identity.clients): remove it "
+                        f"here, or remove {client} from identity.clients"
+                    )
+        if info.field_name != "final" and "generic" not in clients:
+            raise ValueError("applies to the generic client family, which identity.clients leaves out")
         return v
 
 

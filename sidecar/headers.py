@@ -79,10 +79,17 @@ def connection_tokens(values: Iterable[str]) -> frozenset[str]:
     return frozenset(t.strip().lower() for value in values for t in value.split(",") if t.strip())
 
 
-# Session signals of agent clients (issue: real agent clients).
+# Session signals of coding-agent clients (identity.clients; docs/reference.md, per client).
+# Claude Code: the main conversation on every request; a sub-agent's own id (not scoped by the
+# conversation); a nested sub-agent's parent agent.
 X_CLAUDE_CODE_SESSION_ID = "x-claude-code-session-id"
-SESSION_ID = "session_id"  # Codex
-THREAD_ID = "thread-id"  # Codex
+X_CLAUDE_CODE_AGENT_ID = "x-claude-code-agent-id"
+X_CLAUDE_CODE_PARENT_AGENT_ID = "x-claude-code-parent-agent-id"
+# Codex CLI: the main thread on every request (the tree's root), the agent's own thread, a
+# sub-agent's parent thread.
+CODEX_SESSION_ID = "session-id"
+CODEX_THREAD_ID = "thread-id"
+X_CODEX_PARENT_THREAD_ID = "x-codex-parent-thread-id"
 
 # llm-d endpoint picker session token (response header the client must echo).
 X_SESSION_TOKEN = "x-session-token"

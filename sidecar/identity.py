@@ -1,7 +1,21 @@
 """Which session, parent, root and final-turn flag a request declares.
 
-Each is an ordered list of header signals; the first one present with a non-empty value wins.
-Header signals never touch the body. When configured, body signals name the session of a
+Header signals come in families (``identity.clients``), tried in the configured order; the
+first family whose session signal a request carries (with a non-empty value) gives the
+request's session, parent and root, all from that family:
+
+- ``generic``: ordered header lists (``identity.session``, ``parent``, ``root``): AIPerf,
+  opencode, any client that names its session, parent and root in headers of its own;
+- ``claude_code``: ``x-claude-code-session-id`` names the conversation on every request; a
+  sub-agent's requests add its own ``x-claude-code-agent-id``, which is not unique beyond the
+  conversation, so its session is ``<conversation>.<agent>`` (:func:`agent_session`); its parent
+  is the agent named by ``x-claude-code-parent-agent-id`` (same form), else the conversation;
+  its root is the conversation;
+- ``codex``: ``thread-id`` is the agent's own thread (the session), ``x-codex-parent-thread-id``
+  a sub-agent's parent, ``session-id`` the main thread (the root, never the session).
+
+The final-turn flag (``identity.final``) is read whatever the family. Header signals never
+touch the body. When configured, body signals name the session of a
 request whose headers name none (the router then scans the body once, locating the top-level
 members in :attr:`IdentityReader.body_keys`; see :meth:`IdentityReader.read_body`). Only the
 values a signal needs are decoded, each within a bound:
@@ -27,6 +41,7 @@ from typing import Any
 
 import orjson
 
+from sidecar import headers as h
 from sidecar.config import IdentityConfig
 from sidecar.engine.head import lookup
 from sidecar.headers import is_field_value
@@ -43,6 +58,26 @@ FINGERPRINT_MAX_MESSAGES = 64
 FINGERPRINT_PARSE_BYTES = 64 * 1024
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
+
+# The client families (identity.clients), as the small integers the reader dispatches on.
+_GENERIC, _CLAUDE_CODE, _CODEX = 0, 1, 2
+_FAMILIES = {"generic": _GENERIC, "claude_code": _CLAUDE_CODE, "codex": _CODEX}
+_CLAUDE_SESSION = h.X_CLAUDE_CODE_SESSION_ID.lower()
+_CLAUDE_AGENT = h.X_CLAUDE_CODE_AGENT_ID.lower()
+_CLAUDE_PARENT_AGENT = h.X_CLAUDE_CODE_PARENT_AGENT_ID.lower()
+_CODEX_THREAD = h.CODEX_THREAD_ID.lower()
+_CODEX_ROOT = h.CODEX_SESSION_ID.lower()
+_CODEX_PARENT = h.X_CODEX_PARENT_THREAD_ID.lower()
+# Between a Claude Code conversation and one of its agents in the agent's session id: a
+# character that no conversation (a UUID) or agent id holds, that is safe in a URL path (the
+# sessions API names sessions in paths) and in every gateway's id (`[A-Za-z0-9._-]`).
+AGENT_SEPARATOR = "."
+
+
+def agent_session(conversation: str, agent: str) -> str:
+    """The session id of Claude Code agent ``agent`` of ``conversation``: agent ids are short and
+    random, unique within a conversation only."""
+    return conversation + AGENT_SEPARATOR + agent
 
 
 # Not frozen: a frozen dataclass costs more per construction (once per request with a session).
@@ -76,6 +111,7 @@ class IdentityReader:
     """Reads :class:`Identity` from a request's headers, by the configured ordered signals."""
 
     __slots__ = (
+        "_families",
         "_session",
         "_parent",
         "_root",
@@ -102,14 +138,21 @@ class IdentityReader:
         self.reads_body = cfg.reads_body
         keys = [_BODY_KEYS[signal] for signal in cfg.body] + ([b"system", b"messages"] if cfg.fingerprint else [])
         self.body_keys = tuple(dict.fromkeys(keys))
-        self._session = tuple(n.lower() for n in cfg.session)
-        self._parent = tuple(n.lower() for n in cfg.parent)
-        self._root = tuple(n.lower() for n in cfg.root)
+        self._families = tuple(_FAMILIES[c] for c in cfg.clients)
+        generic = "generic" in cfg.clients
+        self._session = tuple(n.lower() for n in cfg.session) if generic else ()
+        self._parent = tuple(n.lower() for n in cfg.parent) if generic else ()
+        self._root = tuple(n.lower() for n in cfg.root) if generic else ()
         self._final = tuple(n.lower() for n in cfg.final)
         # Every lineage signal (parent, root, final), for the one scan that usually finds none.
         self._lineage = self._parent + self._root + self._final
         # Every header the reader consumes (lower-case), for engines that index only these.
-        self.header_names = frozenset(self._session + self._parent + self._root + self._final)
+        names = self._session + self._parent + self._root + self._final
+        if "claude_code" in cfg.clients:
+            names += (_CLAUDE_SESSION, _CLAUDE_AGENT, _CLAUDE_PARENT_AGENT)
+        if "codex" in cfg.clients:
+            names += (_CODEX_THREAD, _CODEX_ROOT, _CODEX_PARENT)
+        self.header_names = frozenset(names)
 
     def _first(self, headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:
         for name in names:
@@ -131,14 +174,69 @@ class IdentityReader:
 
     def read(self, headers: Mapping[str, str]) -> Identity:
         """``headers`` maps lower-case names to values (first occurrence)."""
-        # Flattened: this runs once per request (the common miss costs one lookup per name).
-        for name in self._session:
-            value = lookup(headers, name)
-            if value:
-                value = value.strip()
+        # Flattened: this runs once per request (the common miss costs one lookup per session
+        # signal of each family).
+        for family in self._families:
+            if family == _GENERIC:
+                for name in self._session:
+                    value = lookup(headers, name)
+                    if value:
+                        value = value.strip()
+                        if value:
+                            return self._with_session(headers, value)
+            elif family == _CLAUDE_CODE:
+                value = lookup(headers, _CLAUDE_SESSION)
                 if value:
-                    return self._with_session(headers, value)
+                    value = value.strip()
+                    if value:
+                        return self._claude_code(headers, value)
+            else:
+                value = lookup(headers, _CODEX_THREAD)
+                if value:
+                    value = value.strip()
+                    if value:
+                        return self._codex(headers, value)
         return NO_SESSION
+
+    def _claude_code(self, headers: Mapping[str, str], conversation: str) -> Identity:
+        """A Claude Code request of ``conversation``: the conversation's own, or one of its
+        agents' (a child of its parent agent, else of the conversation)."""
+        final = self._final_flag(headers)
+        agent = self._value(headers, _CLAUDE_AGENT)
+        if agent is None or agent == conversation:
+            return _identity(self._bounded(conversation), None, None, final)
+        parent_agent = self._value(headers, _CLAUDE_PARENT_AGENT)
+        if parent_agent is not None and parent_agent != agent:
+            parent = self._bounded(agent_session(conversation, parent_agent))
+        else:
+            parent = self._bounded(conversation)
+        session = self._bounded(agent_session(conversation, agent))
+        return _identity(session, parent, self._bounded(conversation), final)
+
+    def _codex(self, headers: Mapping[str, str], thread: str) -> Identity:
+        """A Codex request of agent thread ``thread``: its parent thread, and the main thread as
+        the root."""
+        parent = self._value(headers, _CODEX_PARENT)
+        root = self._value(headers, _CODEX_ROOT)
+        return _identity(
+            self._bounded(thread),
+            None if parent is None or parent == thread else self._bounded(parent),
+            None if root is None or root == thread else self._bounded(root),
+            self._final_flag(headers),
+        )
+
+    def _value(self, headers: Mapping[str, str], name: str) -> str | None:
+        """The stripped value of header ``name``; None when absent or blank."""
+        value = lookup(headers, name)
+        if value:
+            value = value.strip()
+            if value:
+                return value
+        return None
+
+    def _final_flag(self, headers: Mapping[str, str]) -> bool:
+        final = self._first(headers, self._final) if self._final else None
+        return final is not None and final.lower() in _TRUE
 
     def read_body(self, headers: Mapping[str, str], body: ScannedBody) -> Identity:
         """The identity of a request whose headers named no session, from its ``body`` (scanned

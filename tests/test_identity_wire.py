@@ -24,7 +24,6 @@ def sessions(upstream) -> list[str | None]:
     [
         ("X-Session-Affinity", "opencode / AIPerf"),
         ("x-claude-code-session-id", "Claude Code"),
-        ("session_id", "Codex"),
         ("thread-id", "Codex"),
     ],
 )
@@ -32,6 +31,17 @@ async def test_agent_client_header_signals(upstream, start_sidecar, header, clie
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
     await post(sc, b"{}", {header: f"id-{client}"})
     assert sessions(upstream) == [f"id-{client}"]
+
+
+async def test_codex_session_id_names_the_root_never_the_session(upstream, start_sidecar):
+    # Codex sends `session-id` (the main thread) on every request, its sub-agents' included:
+    # alone it names no session; with `thread-id` it is the thread's root.
+    sc = await start_sidecar(upstream=upstream.url, mode="identity_headers", mode_opt=["session=X-S", "root=X-R"])
+    await post(sc, b"{}", {"session-id": "main"})
+    await post(sc, b"{}", {"session-id": "main", "session_id": "main"})
+    await post(sc, b"{}", {"session-id": "main", "thread-id": "sub"})
+    got = [(r.header("X-S"), r.header("X-R")) for r in upstream.received]
+    assert got == [(None, None), (None, None), ("sub", "main")]
 
 
 async def test_header_signal_precedence(upstream, start_sidecar):

@@ -25,14 +25,9 @@ def test_defaults():
     cfg = build_config(flags={"upstream": UP}, env={})
     assert str(cfg.listen) == "127.0.0.1:8080"
     assert str(cfg.admin) == "127.0.0.1:9091"
-    assert cfg.identity.session == [
-        "X-Correlation-ID",
-        "X-Session-Affinity",
-        "X-Session-ID",
-        "x-claude-code-session-id",
-        "session_id",
-        "thread-id",
-    ]
+    # the generic family's ordered headers, then Claude Code's and Codex's own families
+    assert cfg.identity.clients == ["generic", "claude_code", "codex"]
+    assert cfg.identity.session == ["X-Correlation-ID", "X-Session-Affinity", "X-Session-ID"]
     assert cfg.identity.body == [] and cfg.identity.fingerprint is False  # body signals are opt-in
     [dep] = cfg.resolved_deployments()
     assert dep.name == "default" and dep.upstreams == [UP] and dep.mode is None
