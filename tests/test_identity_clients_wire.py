@@ -5,15 +5,19 @@ every sub-agent (its own session, its parent, the conversation's root), end acti
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import aiohttp
 import pytest
+import yaml
 
 from tests.client_headers import CLAUDE_CODE, CODEX, OPENCODE, Headers
 from tests.modes.wire import settled
 from tests.waiting import wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def header(headers: Headers, name: str) -> str:
@@ -154,3 +158,17 @@ async def test_end_actions_name_the_scoped_agent_sessions(upstream, start_sideca
 
     await wait_for(lambda: len(finished()) == len(sessions))
     assert sorted(finished()) == sorted(sessions)
+
+
+async def test_llmd_header_affinity_sends_each_agents_session_and_echoes_nothing(upstream, start_sidecar):
+    """config/examples/llmd.yaml (llm-d's session_id_header algorithm): every request of a
+    session carries `x-session-token: <session>`, its first one included; the upstream's own
+    `x-session-token` answers are never echoed, a client's copy never forwarded."""
+    example = yaml.safe_load((ROOT / "config" / "examples" / "llmd.yaml").read_text())
+    options = [f"{k}={v}" for k, v in example["mode_options"].items()]
+    requests, lineage = claude_code()
+    sc = await start_sidecar(upstream=upstream.url, mode=example["mode"], mode_opt=options)
+    spoofed = [[*headers, ("x-session-token", "from-client")] for headers in requests]
+    # /llmd answers with an x-session-token of its own, as an endpoint picker that issues tokens
+    await replay(sc, spoofed, lineage, "/llmd?token=picker-token")
+    assert [r.all("x-session-token") for r in upstream.received] == [[s] for s, _, _ in lineage]
