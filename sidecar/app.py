@@ -63,7 +63,7 @@ class Sidecar:
         )
         # Where sessions live beyond this process; the tree and the API table are its cache here.
         self.state: SessionState = (
-            RedisState(config, self.metrics, tree, store) if config.state.shared else MemoryState()
+            RedisState(config, self.metrics, tree, store) if config.state.shared else MemoryState(config)
         )
         self.router = Router(
             config, self.metrics, tree=tree, store=store, effects=self.effects.submit, state=self.state

@@ -121,7 +121,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-BODY_SIGNALS = ("prompt_cache_key", "user", "metadata.user_id")
+BODY_SIGNALS = ("prompt_cache_key", "user", "metadata.user_id", "conversation", "previous_response_id")
 
 
 # The header families identity is read from (identity.clients); each one's headers are in
@@ -155,8 +155,10 @@ class IdentityConfig(_Strict):
     root: HeaderList = [h.X_ROOT_SESSION_ID]
     final: HeaderList = [h.X_SESSION_FINAL, h.X_DYNAMO_SESSION_FINAL]
     # OpenAI-compatible `prompt_cache_key` / `user`, Anthropic-style `metadata.user_id` (a JSON
-    # object with `session_id`), in the order given.
-    body: list[Literal["prompt_cache_key", "user", "metadata.user_id"]] = []
+    # object with `session_id`), the Responses API's `conversation` (a string or an object's
+    # `id`) and `previous_response_id` (continues the session that produced that response; a
+    # Responses request continuing none starts one), in the order given.
+    body: list[Literal["prompt_cache_key", "user", "metadata.user_id", "conversation", "previous_response_id"]] = []
     # Last resort for clients that send nothing: a stable hash of the system prompt and the first
     # user message, the same for every turn of one conversation.
     fingerprint: bool = False
@@ -337,6 +339,10 @@ class SessionsConfig(_Strict):
     max_id_bytes: int = Field(512, ge=64, le=65536)
     tombstone_max: int = Field(100_000, ge=0)
     tombstone_ttl_seconds: float = Field(600.0, ge=0)
+    # Response ids remembered for `identity.body: [previous_response_id]` (which session produced
+    # each), at most this many (the oldest forgotten first) and for at most this long.
+    response_ids_max: int = Field(100_000, ge=1)
+    response_ids_ttl_seconds: float = Field(3600.0, gt=0)
     api: ApiSessionsConfig = ApiSessionsConfig()
 
 

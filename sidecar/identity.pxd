@@ -9,6 +9,7 @@ cdef class Identity:
     cdef public object parent
     cdef public object root
     cdef public bint final
+    cdef public object response
 
 # Returned for every request without a session: a C global, not a module-dict lookup.
 cdef Identity NO_SESSION
@@ -30,5 +31,6 @@ cdef class IdentityReader:
     cpdef Identity _with_session(self, headers, str session)
     cpdef Identity _claude_code(self, headers, str conversation)
     cpdef Identity _codex(self, headers, str thread)
+    cpdef Identity _chained(self, headers, str previous)
     cpdef _value(self, headers, str name)
     cpdef bint _final_flag(self, headers) except -1

@@ -24,6 +24,13 @@ values a signal needs are decoded, each within a bound:
 - ``metadata.user_id``: Anthropic-style ``/v1/messages`` bodies (Claude Code), whose
   ``metadata.user_id`` is a JSON object string carrying ``session_id`` (older clients: a string
   ending in ``_session_<id>``).
+- ``conversation``: OpenAI Responses API bodies naming their conversation (a string, or an
+  object's ``id``).
+- ``previous_response_id``: OpenAI Responses API bodies (those with ``input``) that chain on a
+  previous response: the identity names no session but the response it continues
+  (:attr:`Identity.response`, ``""`` for a Responses request that names none); the router looks
+  the session that produced it up (:mod:`sidecar.state`), and starts a new one when there is
+  none.
 - ``fingerprint``: a stable hash of the system prompt and the first user message, identical on
   every turn of one conversation (each turn resends the whole history) and different across
   conversations that start differently. It reads at most :data:`FINGERPRINT_MAX_MESSAGES`
@@ -91,6 +98,9 @@ class Identity:
     parent: str | None = None
     root: str | None = None
     final: bool = False
+    # Body signal previous_response_id: the response this request continues ("" for a Responses
+    # request that continues none); the router resolves it to a session. None otherwise.
+    response: str | None = None
 
 
 NO_SESSION = Identity(session=None)
@@ -104,6 +114,7 @@ def _identity(session: str, parent: str | None, root: str | None, final: bool) -
     ident.parent = parent
     ident.root = root
     ident.final = final
+    ident.response = None
     return ident
 
 
@@ -136,7 +147,8 @@ class IdentityReader:
         # Whether a request whose headers name no session must have its body scanned, and the
         # top-level keys the scan must locate for read_body.
         self.reads_body = cfg.reads_body
-        keys = [_BODY_KEYS[signal] for signal in cfg.body] + ([b"system", b"messages"] if cfg.fingerprint else [])
+        keys = [key for signal in cfg.body for key in _BODY_KEYS[signal]]
+        keys += [b"system", b"messages"] if cfg.fingerprint else []
         self.body_keys = tuple(dict.fromkeys(keys))
         self._families = tuple(_FAMILIES[c] for c in cfg.clients)
         generic = "generic" in cfg.clients
@@ -245,6 +257,11 @@ class IdentityReader:
         if not body.is_object:
             return NO_SESSION
         for signal in self._body:
+            if signal == "previous_response_id":
+                previous = previous_response(body)
+                if previous is not None:
+                    return self._chained(headers, previous)
+                continue
             session = _BODY_READERS[signal](body)
             if session:
                 return self._with_session(headers, session)
@@ -253,6 +270,14 @@ class IdentityReader:
             if session:
                 return self._with_session(headers, session)
         return NO_SESSION
+
+    def _chained(self, headers: Mapping[str, str], previous: str) -> Identity:
+        """A Responses request continuing response ``previous`` ("": none), its lineage from
+        the headers; the router names its session."""
+        first = self._first
+        parent = first(headers, self._parent) if self._parent else None
+        root = first(headers, self._root) if self._root else None
+        return Identity(None, parent, root, self._final_flag(headers), self._bounded(previous) if previous else "")
 
     def _with_session(self, headers: Mapping[str, str], session: str) -> Identity:
         # Flattened: most requests carry no lineage header, and one scan settles that without a
@@ -344,11 +369,44 @@ def conversation_fingerprint(body: ScannedBody) -> str | None:
     return None
 
 
+def conversation_session(body: ScannedBody) -> str | None:
+    """The Responses API's ``conversation``: a string, or an object's ``id``."""
+    span = body.member(b"conversation")
+    data = body.data
+    if span is None:
+        return None
+    if data[span[0]] == 0x7B:  # an object: {"id": ...}
+        try:
+            found = members(data, span[0], span[1], (b"id",))
+        except RepeatedKeys:
+            return None
+        value = string_at(data, found[-1][3], found[-1][4], MAX_ID_BYTES) if found else None
+    else:
+        value = body.string(b"conversation", MAX_ID_BYTES)
+    return value.strip() or None if value is not None else None
+
+
+def previous_response(body: ScannedBody) -> str | None:
+    """The ``previous_response_id`` of a Responses API request (one with ``input``): the id,
+    ``""`` when it names none (or not as a string), None for a body that is no Responses request."""
+    previous = body.string(b"previous_response_id", MAX_ID_BYTES)
+    if previous is not None and previous.strip():
+        return previous.strip()
+    return "" if body.member(b"input") is not None else None
+
+
 _MESSAGE_KEYS = (b"role", b"content")
-# The top-level key each body signal reads.
-_BODY_KEYS = {"prompt_cache_key": b"prompt_cache_key", "user": b"user", "metadata.user_id": b"metadata"}
+# The top-level keys each body signal reads (the first one names the signal's value).
+_BODY_KEYS = {
+    "prompt_cache_key": (b"prompt_cache_key",),
+    "user": (b"user",),
+    "metadata.user_id": (b"metadata",),
+    "conversation": (b"conversation",),
+    "previous_response_id": (b"previous_response_id", b"input"),
+}
 _BODY_READERS = {
     "prompt_cache_key": _string_field("prompt_cache_key"),
     "user": _string_field("user"),
     "metadata.user_id": metadata_session,
+    "conversation": conversation_session,
 }

@@ -36,6 +36,8 @@ cdef class Decision:
     cdef public object body
     cdef public long status
     cdef public object _held
+    cdef public bint reads_response_id
+    cdef public object first_bytes
 
 cdef class Router:
     cdef public object config, metrics, deployments, _by_name, _by_model, _selection_body_limit, store, effects
@@ -77,7 +79,7 @@ cdef dict _LOG_CACHE, _ADDABLE
 # Read per request: C globals, not module-dict lookups (a dict lookup at each read, not cached
 # from Python 3.12 on).
 cdef object log, DEBUG
-cdef str _REQUEST_ID, _CONTENT_LENGTH, _TRANSFER_ENCODING
+cdef str _REQUEST_ID, _CONTENT_LENGTH, _CONTENT_ENCODING, _TRANSFER_ENCODING
 cdef Py_ssize_t MAX_ADDABLE
 cdef bint _debug_on() except -1
 @cython.locals(decision=Decision)

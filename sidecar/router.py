@@ -31,6 +31,7 @@ members routing reads; a body mode's patch is spliced into those bytes. A body l
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,7 @@ from sidecar.lineage import SessionTree, Turn
 from sidecar.metrics import Metrics
 from sidecar.modes.base import EndAction, Mode
 from sidecar.modes.ids import fit_id
+from sidecar.responses import FirstBytes
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
 from sidecar.state import LoadNeeded, MemoryState, SessionState
 from sidecar.validation import TOKEN_RE
@@ -87,6 +89,9 @@ MAX_INTERNED_WORKERS = 4096
 MAX_WORKER_BYTES = 256
 # Threads an engine runs BodyWork on (see body_pool): large bodies only, a few at a time.
 BODY_THREADS = 2
+# The session a Responses request starts when it continues no known response: this prefix and
+# 128 random bits (every replica learns it from the store, with the response ids it produced).
+CHAIN_PREFIX = "chain-"
 # A body's `model` longer than this names no deployment.
 MAX_MODEL_BYTES = 4096
 # Top-level keys a scan locates at most (the scanner's bound).
@@ -149,6 +154,11 @@ class Decision:
     # The upstream's response status once its head arrived (0 before).
     status: int = 0
     _held: _Pending | _Admission | None = None
+    # The request was chained by the body signal previous_response_id: the engine hands the
+    # response body's first bytes to Router.response_start (see Router.reads_response).
+    reads_response_id: bool = False
+    # What response_start gathered of them so far (the router's).
+    first_bytes: FirstBytes | None = None
 
     def log_fields(self) -> dict[str, Any]:
         """What every log line about this request carries: request id and deployment."""
@@ -181,6 +191,8 @@ def _decision(
     decision.body = None
     decision.status = 0
     decision._held = held
+    decision.reads_response_id = False
+    decision.first_bytes = None
     return decision
 
 
@@ -386,6 +398,27 @@ class Router:
                 ident = self.identity.read_body(pending.headers, scanned)
         return scanned, ident, model_dep
 
+    def _chained(
+        self, decision: Decision, pending: _Pending, read: _Read, model_dep: Deployment | None, loaded: bool
+    ) -> tuple[Identity, bool]:
+        """The identity of a Responses request chained by ``previous_response_id`` (its
+        ``response``): the session that produced that response on the deployment the request
+        goes to, else a new session (``chain-<32 hex>``), and whether that session is new. With
+        a store that shares response ids, an id this replica does not know raises
+        :class:`~sidecar.state.LoadNeeded` (``loaded``: the store was asked)."""
+        ident = read[1]
+        previous = ident.response
+        known = self.state.response_session(previous) if previous else None
+        if known is None and previous and self.state.shares_responses and not loaded:
+            raise LoadNeeded(ident, partial(self._admit_body, decision, pending, read, True))
+        if self._single:
+            dep = self.default
+        else:
+            dep = self._choose(None, None, pending.selected, model_dep) or self.default
+        fresh = known is None or known[0] != dep.name
+        session = CHAIN_PREFIX + os.urandom(16).hex() if fresh else known[1]  # type: ignore[index]
+        return Identity(session, ident.parent, ident.root, ident.final, previous), fresh
+
     def _not_held(self, session: str | None) -> bool:
         """With a shared store: ``session`` names a session this replica holds neither in its tree
         nor as an API session, so the store must be read first."""
@@ -398,6 +431,9 @@ class Router:
         With a shared store, a session the body names that this replica does not hold raises
         :class:`~sidecar.state.LoadNeeded` whose ``resume`` continues here once loaded."""
         scanned, ident, model_dep = read
+        if ident.response is not None:  # (a chained Responses request names no session itself)
+            ident, fresh = self._chained(decision, pending, read, model_dep, loaded)
+            loaded = loaded or fresh  # a new session's id is in no store
         session = ident.session
         if self._shared and not loaded and self._not_held(session):
             raise LoadNeeded(ident, partial(self._admit_body, decision, pending, read, True))
@@ -423,6 +459,8 @@ class Router:
             raise _too_deep(dep, dep.max_json_depth)
         self._check_session(dep, session, rec)
         admitted = self._admit(dep, ident, pending.headers, rec, decision.request_id)
+        if ident.response is not None and admitted.ctx is not None:
+            admitted.reads_response_id = True
         if admitted.ctx is None or not dep.rewrites_body:
             admitted.body = body
             return admitted
@@ -692,6 +730,29 @@ class Router:
                 self._record_worker(decision, turn, worker.strip())
                 return
 
+    def reads_response(self, decision: Decision, status: int, headers: Mapping[str, str]) -> bool:
+        """Whether the engine must hand the first bytes of this response's body to
+        :meth:`response_start`: a request chained by ``previous_response_id`` answered 200 with
+        a body that is not content-encoded (``headers``: lower-case name lookup)."""
+        return decision.reads_response_id and status == 200 and not lookup(headers, _CONTENT_ENCODING)
+
+    def response_start(self, decision: Decision, data: bytes, chunked: bool) -> bool:
+        """One read of the beginning of a response body :meth:`reads_response` asked for
+        (``chunked``: with its chunked framing), in order; True once no more is needed. When the
+        body names the response's id, which session produced it is remembered."""
+        reader = decision.first_bytes
+        if reader is None:
+            reader = decision.first_bytes = FirstBytes(chunked)
+        done, response_id = reader.feed(data)
+        if not done:
+            return False
+        decision.first_bytes = None
+        decision.reads_response_id = False
+        ctx = decision.ctx
+        if response_id is not None and ctx is not None:
+            self.state.remember_response(response_id, decision.deployment.name, ctx.session)
+        return True
+
     def _record_worker(self, decision: Decision, turn: Turn, worker: str) -> None:
         worker = fit_id(worker, MAX_WORKER_BYTES)
         interned = self._workers.get(worker)
@@ -943,6 +1004,7 @@ def _session_required(dep: Deployment) -> errors.ProxyError:
 
 
 _CONTENT_LENGTH = h.CONTENT_LENGTH.lower()
+_CONTENT_ENCODING = h.CONTENT_ENCODING.lower()
 _REQUEST_ID = h.X_REQUEST_ID.lower()
 _TRANSFER_ENCODING = h.TRANSFER_ENCODING.lower()
 # Header names modes asked to add, checked once each (_check_added); bounded.

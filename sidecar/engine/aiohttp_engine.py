@@ -527,8 +527,17 @@ class AiohttpEngine(Engine):
             if not self._keepalive:
                 resp.force_close()
             closed = _close_of(upstream, request.method)
+            # Only for a request chained by previous_response_id (opt-in): the body's first
+            # bytes (aiohttp has taken its chunked framing off) until they named its id.
+            first = (
+                decision.reads_response_id
+                and request.method != "HEAD"
+                and router.reads_response(decision, upstream.status, upstream.headers)
+            )
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():
+                if first:
+                    first = not router.response_start(decision, chunk, False)
                 await resp.write(chunk)
             if closed is not None and (lost := _lost(closed)) is not None:
                 raise lost

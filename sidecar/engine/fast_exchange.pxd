@@ -85,11 +85,12 @@ cdef class Exchange(UpstreamRequest):
     cpdef _body_ready(self, result)
     cpdef pump(self)
     @cython.locals(client=ClientSide, conn=UpstreamConnection, output=ClientOutput, out=list, base=Py_ssize_t,
-                   mark=Py_ssize_t, framing=long, mode=long, http10=bint)
+                   mark=Py_ssize_t, framing=long, mode=long, http10=bint, decision=Decision)
     cpdef response_head(self, long status, bytes raw, Py_ssize_t start, Py_ssize_t first, Py_ssize_t end,
                         length, double now)
     @cython.locals(shared=Shared, stats=DeploymentStats, decision=Decision, headers=HeaderBlock)
     cpdef head_sent(self)
+    cpdef bint response_start(self, bytes data, bint chunked) except -1
     @cython.locals(stats=DeploymentStats, decision=Decision)
     cpdef response_end(self, double now)
     @cython.locals(conn=UpstreamConnection, state=long)

@@ -49,7 +49,7 @@ from typing import Any
 
 from sidecar import errors
 from sidecar.context import TurnOutcome
-from sidecar.engine.fast_upstream import UpstreamConnection, UpstreamPool, UpstreamRequest
+from sidecar.engine.fast_upstream import FIRST_CHUNKED, FIRST_RAW, UpstreamConnection, UpstreamPool, UpstreamRequest
 from sidecar.engine.flow import PEER_FULL, WAITING
 from sidecar.engine.head import (
     DOT_SEGMENT,
@@ -815,7 +815,11 @@ class Exchange(UpstreamRequest):
         if mode < 0:
             return None
         conn = self.conn
-        assert conn is not None
+        decision = self.decision
+        assert conn is not None and decision is not None
+        if decision.reads_response_id and self.shared.router.reads_response(decision, status, self.resp_head):
+            # (a request chained by previous_response_id: the router reads the body's first bytes)
+            conn.first_bytes = FIRST_CHUNKED if mode == CHUNKED or mode == DECHUNK else FIRST_RAW
         return BodyRelay(output, mode, length if mode == LENGTH else 0, conn.pool.max_head)
 
     def head_sent(self) -> None:
@@ -843,6 +847,13 @@ class Exchange(UpstreamRequest):
         stats = decision.deployment.stats
         stats.ttfb.observe(self.head_at - self.t0)  # type: ignore[union-attr]
         shared.router.on_response(decision, self.resp_status, headers)
+
+    def response_start(self, data: bytes, chunked: bool) -> bool:
+        """A read of the beginning of the response body the router asked for (see
+        response_head): to the router, until it wants no more."""
+        decision = self.decision
+        assert decision is not None
+        return self.shared.router.response_start(decision, data, chunked)
 
     def response_end(self, now: float) -> None:
         """The last response byte went to the client (the connection has unbound itself): count,

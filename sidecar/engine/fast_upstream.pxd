@@ -17,6 +17,7 @@ cdef class UpstreamRequest:
     cpdef response_head(self, long status, bytes raw, Py_ssize_t start, Py_ssize_t first, Py_ssize_t end, length,
                         double now)
     cpdef head_sent(self)
+    cpdef bint response_start(self, bytes data, bint chunked) except -1
     cpdef response_end(self, double now)
 
 cdef class UpstreamConnection:
@@ -32,6 +33,7 @@ cdef class UpstreamConnection:
     cdef public Enrolled direct
     cdef public DirectSocket sock
     cdef public unsigned long enroll_at
+    cdef public long first_bytes
     @cython.locals(relay=BodyRelay)
     cpdef data_received(self, bytes data)
     @cython.locals(used=Py_ssize_t, direct=DirectReads, entry=Enrolled)

@@ -73,6 +73,8 @@ if TYPE_CHECKING:
 STALE_CHECK_AFTER = 0.05
 
 _ENROLL_RETRY = 64  # reads of a body after an enrolment that could not be made before the next try
+# UpstreamConnection.first_bytes: the body's first bytes are wanted, as they came / chunked.
+FIRST_RAW, FIRST_CHUNKED = 1, 2
 
 
 if TYPE_CHECKING:
@@ -116,6 +118,11 @@ class UpstreamRequest:
         """The head went to the client (it may hear of it later, at the latest on its end)."""
         raise NotImplementedError
 
+    def response_start(self, data: bytes, chunked: bool) -> bool:
+        """A read of the body's beginning, for a response whose head set the connection's
+        ``first_bytes`` (``chunked``: with its chunked framing); True once no more is wanted."""
+        raise NotImplementedError
+
     def response_end(self, now: float) -> None:
         raise NotImplementedError
 
@@ -150,6 +157,7 @@ class UpstreamConnection:
         "direct",
         "sock",
         "enroll_at",
+        "first_bytes",
     )
 
     def __init__(self, pool: UpstreamPool) -> None:
@@ -179,6 +187,9 @@ class UpstreamConnection:
         # upstream is plain TCP: requests are written through it and long bodies may be read directly.
         self.sock: Writer | None = None
         self.enroll_at = ENROLL_AFTER  # the relay's read count at which to enrol its body next
+        # Set by the exchange for a response whose body's first bytes it wants (FIRST_RAW, or
+        # FIRST_CHUNKED with the framing): reads go to it until it has them; 0 otherwise.
+        self.first_bytes = 0
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -302,6 +313,7 @@ class UpstreamConnection:
         ex = self.ex
         self.ex = None
         self.relay = None
+        self.first_bytes = 0
         if self.direct:
             self.direct_stop()
         if self.flow.reasons:
@@ -382,6 +394,12 @@ class UpstreamConnection:
 
     def _body(self, relay: BodyRelay, data: bytes) -> None:
         """Response body bytes: to the client through the relay; complete at the body's end."""
+        if self.first_bytes:  # (only a response whose exchange asked: see first_bytes)
+            assert self.ex is not None
+            if self.ex.response_start(data, self.first_bytes == FIRST_CHUNKED):
+                self.first_bytes = 0
+            else:
+                self.enroll_at = relay.reads + 2  # its next read comes here too
         try:
             used = relay.feed(data)
         except ParseError as exc:

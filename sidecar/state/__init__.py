@@ -10,19 +10,77 @@ round trip: the router reports turns to the backend (:meth:`SessionState.begun`,
 :meth:`SessionState.finished`, :meth:`SessionState.touched`), which writes them behind, batched.
 Ends are claimed in the store, exactly once across the fleet, and handed back through
 ``on_claimed``.
+
+Responses API chaining (``identity.body: [previous_response_id]``) keeps which session produced
+each response id (:class:`ResponseIds`, bounded in count and age): the router remembers it
+(:meth:`SessionState.remember_response`) once the response's first bytes named it, and looks it
+up (:meth:`SessionState.response_session`) when a request names it as its previous response.
 """
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from sidecar.config import Config
     from sidecar.context import SessionEnd
     from sidecar.identity import Identity
     from sidecar.lineage import Turn
 
-__all__ = ["LoadNeeded", "MemoryState", "SessionState", "StoreUnavailable"]
+__all__ = ["LoadNeeded", "MemoryState", "ResponseIds", "SessionState", "StoreUnavailable"]
+
+
+class ResponseIds:
+    """Which session, of which deployment, produced each response id: at most ``max_ids``
+    (the oldest forgotten first), each for at most ``ttl`` seconds (``sessions.response_ids_*``).
+    O(1) per call: entries are kept in the order remembered."""
+
+    __slots__ = ("max_ids", "ttl", "_clock", "_ids")
+
+    def __init__(
+        self, max_ids: int = 100_000, ttl: float = 3600.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.max_ids = max_ids
+        self.ttl = ttl
+        self._clock = clock
+        self._ids: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
+
+    @classmethod
+    def from_config(cls, config: Config) -> ResponseIds:
+        s = config.sessions
+        return cls(s.response_ids_max, s.response_ids_ttl_seconds)
+
+    def remember(self, response_id: str, deployment: str, session: str) -> None:
+        ids = self._ids
+        now = self._clock()
+        ids[response_id] = (deployment, session, now)
+        ids.move_to_end(response_id)
+        while len(ids) > self.max_ids:
+            ids.popitem(last=False)
+        # Up to two expired ones from the old end: more leave than come, at O(1) a call (a
+        # lookup never returns an expired one; the count bound holds meanwhile).
+        for _ in range(2):
+            oldest, (_, _, at) = next(iter(ids.items()))
+            if now - at < self.ttl:
+                break
+            del ids[oldest]
+
+    def get(self, response_id: str) -> tuple[str, str] | None:
+        """(deployment, session) that produced ``response_id``; None when unknown or expired."""
+        found = self._ids.get(response_id)
+        if found is None:
+            return None
+        deployment, session, at = found
+        if self._clock() - at >= self.ttl:
+            del self._ids[response_id]
+            return None
+        return deployment, session
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 class LoadNeeded(Exception):
@@ -48,13 +106,18 @@ class SessionState:
 
     # Whether sessions are shared with other replicas (the router then reports to this object).
     shared = False
+    # Whether response ids are shared too: a response id this replica does not know makes the
+    # router raise LoadNeeded, and :meth:`load` looks it up in the store.
+    shares_responses = False
 
-    def __init__(self) -> None:
+    def __init__(self, config: Config | None = None) -> None:
         # Set by the app: runs the end-of-session actions of a session this replica claimed, and
         # calls its second argument once they ran (the claim is then confirmed in the store).
         self.on_claimed: Callable[[SessionEnd, Callable[[], None]], None] | None = None
         # Set by the app: another replica started closing a session (id, reason).
         self.on_closing: Callable[[str, str], None] | None = None
+        # The response ids this replica knows (Responses API chaining).
+        self.responses = ResponseIds.from_config(config) if config is not None else ResponseIds()
 
     async def start(self) -> None:
         """Connect (a shared backend); raises when the store is required and unreachable."""
@@ -81,6 +144,16 @@ class SessionState:
         end-of-session actions run now; a shared backend claims them first (exactly once across
         the fleet) and hands them to ``on_claimed`` later."""
         return ended
+
+    def remember_response(self, response_id: str, deployment: str, session: str) -> None:
+        """A response of ``session`` on ``deployment`` is named ``response_id`` (its body's
+        first bytes said so): a request naming it as ``previous_response_id`` continues the
+        session."""
+        self.responses.remember(response_id, deployment, session)
+
+    def response_session(self, response_id: str) -> tuple[str, str] | None:
+        """(deployment, session) that produced ``response_id``, as far as this replica knows."""
+        return self.responses.get(response_id)
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics (empty for the memory backend)."""
