@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the tests need into .venv and runs them.
 #   ./scripts/test.sh           ruff, mypy, default suite (compiled build, then again as pure Python)
-#                               + real-gateway + packaging tests, then the default suite on the
-#                               newest other Python 3.12-3.14 found (what CI runs)
+#                               + real-gateway + real-agent-client (both builds) + packaging tests,
+#                               then the default suite on the newest other Python 3.12-3.14 found
+#                               (what CI runs)
 #   ./scripts/test.sh --quick   ruff, mypy and the default suite, on the installed build (~3 min on 2 cores)
 # Extra arguments after the options go to pytest.
 set -euo pipefail
@@ -22,12 +23,16 @@ status=0
 .venv/bin/ruff check . || status=$?
 .venv/bin/ruff format --check . || status=$?
 .venv/bin/mypy || status=$?
-.venv/bin/python -m pytest -m "not gateway and not deploy" "$@" || status=$?
+.venv/bin/python -m pytest -m "not gateway and not deploy and not agents" "$@" || status=$?
 if [[ $quick == 0 ]]; then
   # The same sources uncompiled (what installs where there is no C compiler).
-  SIDECAR_PURE_PYTHON=1 .venv/bin/python -m pytest -m "not gateway and not deploy" "$@" || status=$?
+  SIDECAR_PURE_PYTHON=1 .venv/bin/python -m pytest -m "not gateway and not deploy and not agents" "$@" || status=$?
   ./scripts/install_gateways.sh
   .venv/bin/python -m pytest -m gateway "$@" || status=$?
+  # The real coding-agent clients (npm, pinned, into .agents/), through the sidecar, both builds.
+  ./scripts/install_agents.sh || status=$?
+  .venv/bin/python -m pytest -m agents "$@" || status=$?
+  SIDECAR_PURE_PYTHON=1 .venv/bin/python -m pytest -m agents "$@" || status=$?
   ./scripts/install_deploy_tools.sh
   ./scripts/install_browser.sh
   .venv/bin/python -m pytest -m deploy "$@" || status=$?
@@ -49,7 +54,7 @@ if [[ $quick == 0 ]]; then
     echo "default suite on $newest (compiled)"
     [[ -x .venv-newest/bin/python ]] || "$newest" -m venv .venv-newest
     SIDECAR_REQUIRE_COMPILED=1 .venv-newest/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
-    .venv-newest/bin/python -m pytest -m "not gateway and not deploy" "$@" || status=$?
+    .venv-newest/bin/python -m pytest -m "not gateway and not deploy and not agents" "$@" || status=$?
   else
     echo "default suite on a newer Python: skipped, no python3.12 to python3.14 on this machine"
   fi

@@ -146,7 +146,7 @@ def _user_texts(messages: list[dict[str, Any]]) -> list[str]:
     return texts
 
 
-def _anthropic_texts(payload: dict[str, Any]) -> tuple[list[str], bool]:
+def anthropic_texts(payload: dict[str, Any]) -> tuple[list[str], bool]:
     """The user's texts, and whether a tool result came back (each agent of the script calls
     one tool: it then answers)."""
     messages = payload.get("messages") or []
@@ -160,7 +160,7 @@ def _anthropic_texts(payload: dict[str, Any]) -> tuple[list[str], bool]:
 
 
 async def anthropic(request: web.Request, payload: dict[str, Any]) -> web.StreamResponse:
-    texts, came_back = _anthropic_texts(payload)
+    texts, came_back = anthropic_texts(payload)
     tools = {t.get("name") for t in payload.get("tools") or []}
     spawn = plan(texts, "Agent" in tools, came_back)
     msg_id = f"msg_{next(_ids)}"
@@ -212,7 +212,7 @@ async def anthropic(request: web.Request, payload: dict[str, Any]) -> web.Stream
 SPAWN_NAMESPACE = "multi_agent_v1"
 
 
-def _responses_input(payload: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
+def responses_input(payload: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
     """The user's own texts, and the function calls and outputs of the input (in order)."""
     items = payload.get("input")
     if isinstance(items, str):
@@ -258,7 +258,7 @@ def responses_step(payload: dict[str, Any]) -> tuple[str, dict[str, Any] | str]:
     """What a Codex agent does next: ("call", a function call item) or ("text", the answer).
 
     spawn_agent(task) -> wait_agent([its id]) -> answer; the deepest agent answers at once."""
-    texts, calls = _responses_input(payload)
+    texts, calls = responses_input(payload)
     names = {c.get("call_id"): c.get("name") for c in calls if c.get("type") == "function_call"}
     outputs = [c for c in calls if c.get("type") == "function_call_output"]
     last = outputs[-1] if outputs and calls[-1] is outputs[-1] else None
@@ -338,13 +338,13 @@ async def responses(request: web.Request, payload: dict[str, Any]) -> web.Stream
 # -- OpenAI chat completions (opencode) -----------------------------------------------------
 
 
-def _chat_texts(payload: dict[str, Any]) -> tuple[list[str], bool]:
+def chat_texts(payload: dict[str, Any]) -> tuple[list[str], bool]:
     messages = payload.get("messages") or []
     return _user_texts(messages), any(m.get("role") == "tool" for m in messages)
 
 
 async def chat(request: web.Request, payload: dict[str, Any]) -> web.StreamResponse:
-    texts, came_back = _chat_texts(payload)
+    texts, came_back = chat_texts(payload)
     tools = {(t.get("function") or {}).get("name") for t in payload.get("tools") or []}
     spawn = plan(texts, "task" in tools, came_back)
     cid = f"chatcmpl-{next(_ids)}"
@@ -384,6 +384,19 @@ async def chat(request: web.Request, payload: dict[str, Any]) -> web.StreamRespo
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+def depth_of_request(request: Request) -> int | None:
+    """The depth of the agent that sent ``request`` (0: the main agent), by its task's marker."""
+    payload = request.json() or {}
+    path = request.path.split("?")[0]
+    if path.endswith("/messages"):
+        texts, _ = anthropic_texts(payload)
+    elif path.endswith("/responses"):
+        texts, _ = responses_input(payload)
+    else:
+        texts, _ = chat_texts(payload)
+    return depth_of(texts)
 
 
 # -- SSE ------------------------------------------------------------------------------------
