@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import ssl
 import time
@@ -62,6 +63,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError, NoScriptErr
 
 from sidecar.config import Config
 from sidecar.context import EndReason, SessionEnd
+from sidecar.identity import Identity
 from sidecar.lineage import SessionTree, Turn
 from sidecar.metrics import Metrics
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
@@ -125,7 +127,7 @@ class RedisState(SessionState):
     def __init__(
         self, config: Config, metrics: Metrics, tree: SessionTree, api: SessionStore, *, clock: Any = time.time
     ) -> None:
-        super().__init__()
+        super().__init__(config)
         sc = config.state
         self.config = sc
         self.prefix = sc.key_prefix
@@ -172,6 +174,8 @@ class RedisState(SessionState):
         self._acks: dict[str, str] = {}
         self._epoch: str | None = None  # the store's epoch as last seen: a change means data lost
         self._bad_logged: OrderedDict[str, None] = OrderedDict()
+        # Response ids remembered here and not written yet: id -> "<deployment> <session>".
+        self._response_writes: dict[str, str] = {}
         self._next_lazy = 0.0
         self._kicked = False
         self._stopping = False
@@ -383,6 +387,8 @@ class RedisState(SessionState):
     # -- loads ---------------------------------------------------------------------------------
 
     async def load(self, identity: Any) -> None:
+        if identity.session is None:  # a request chained by a response id (see "response ids")
+            return await self._load_response(identity)
         if not self.up:
             return  # the breaker is open: no request waits for the store (the writer probes it)
         assert self._loop is not None
@@ -1144,6 +1150,66 @@ class RedisState(SessionState):
                     self._forget(sid, rec.end_reason)
                 elif rec.closing:
                     self._closing(sid, rec.end_reason or EndReason.API_CLOSED)
+
+    # -- response ids (identity.body: previous_response_id) -------------------------------------
+    #
+    # Which session produced each response id, shared: one key per id, ``rid:<id>`` holding
+    # ``<deployment> <session>`` for ``sessions.response_ids_ttl_seconds``, written behind (each
+    # id as it is remembered: one SET, the ids of one loop iteration in one pipelined round
+    # trip) and read when a request names an id this replica does not know, before that
+    # request's session is loaded as any other (a second read: the session is not known before).
+
+    shares_responses = True
+    MAX_PENDING_RESPONSE_IDS = 10_000  # unwritten ids beyond this are dropped (counted)
+
+    def remember_response(self, response_id: str, deployment: str, session: str) -> None:
+        super().remember_response(response_id, deployment, session)
+        if not self.up:
+            return  # the breaker is open: this replica's own map only
+        pending = self._response_writes
+        if len(pending) >= self.MAX_PENDING_RESPONSE_IDS:
+            self.dropped += 1
+            self._dropped.inc()
+            return
+        pending[response_id] = f"{deployment} {session}"
+        if len(pending) == 1:  # the first since the last write: written after this loop iteration
+            assert self._loop is not None
+            task = self._loop.create_task(self._write_responses())
+            self._tasks.append(task)
+            task.add_done_callback(self._tasks.remove)
+
+    async def _write_responses(self) -> None:
+        assert self.client is not None
+        pending = self._response_writes
+        batch = dict(pending)
+        pending.clear()
+        ttl = max(1, math.ceil(self.responses.ttl))
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for response_id, value in batch.items():
+                    pipe.set(self.prefix + "rid:" + response_id, value, ex=ttl)
+                await self._timed("response_ids", pipe.execute(), commands=len(batch))
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("response_ids", exc)
+
+    async def _load_response(self, identity: Any) -> None:
+        """The session that produced ``identity.response``, from the store (nothing when it
+        does not know it, or cannot answer: the request then starts a new session), loaded."""
+        if not identity.response or not self.up:
+            return
+        assert self.client is not None
+        try:
+            value = await self._timed(
+                "response_ids", self.client.get(self.prefix + "rid:" + identity.response), commands=1
+            )
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("response_ids", exc)
+            return
+        deployment, _, session = (value or "").partition(" ")
+        if not session:  # unknown, or a value that does not decode: an unknown id
+            return
+        self.responses.remember(identity.response, deployment, session)
+        await self.load(Identity(session, identity.parent, identity.root, identity.final))
 
     def stats(self) -> dict[str, Any]:
         return {"up": self.up, "dirty": len(self._dirty), "dropped": self.dropped, "replica": self.replica}
