@@ -51,6 +51,23 @@ SCALAR_KEYS = (
     "idle_poll_us",
     "stream_batch_us",
 )
+# SIDECAR_* variables the sidecar reads outside the configuration (docs/reference.md).
+OUTSIDE_CONFIG_ENV = (
+    "SIDECAR_PURE_PYTHON",  # at install and at start: run the .py sources (sidecar/__init__.py, setup.py)
+    "SIDECAR_REQUIRE_COMPILED",  # at install only (setup.py); accepted at start: an image or a shell may carry it
+    "SIDECAR_STATE_PASSWORD",  # the shared store's password (sidecar.state.redis)
+)
+# Read only by this repository's scripts and tests, never by the sidecar: ignored, so that a
+# developer's shell (or a test run) that exports them can still run `sidecar`. Nothing under
+# sidecar/ reads them (tests/code/test_environment.py).
+TOOLING_ENV = (
+    "SIDECAR_TOOLS_DIR",
+    "SIDECAR_TOOLS_PYTHON",
+    "SIDECAR_GATEWAYS_DIR",
+    "SIDECAR_GATEWAYS_PYTHON",
+    "SIDECAR_IMAGE_PYTHON",
+    "SIDECAR_UI_SCREENSHOT",
+)
 
 
 HeaderName = Annotated[str, BeforeValidator(lambda v: v.strip() if isinstance(v, str) else v)]
@@ -615,6 +632,95 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
     return layer
 
 
+def config_env_names() -> tuple[str, ...]:
+    """Every environment variable that sets a configuration setting."""
+    return (
+        *(ENV_PREFIX + k.upper() for k in SCALAR_KEYS),
+        ENV_PREFIX + "STATE",
+        ENV_PREFIX + "MODE_OPTS",
+        ENV_PREFIX + "CONFIG",
+    )
+
+
+# Kubernetes gives every container <SERVICE>_SERVICE_HOST, <SERVICE>_PORT=tcp://..., ... for each
+# Service of its namespace (enableServiceLinks, on by default), so a Service named `sidecar-...`
+# (a Helm release named `sidecar`) puts SIDECAR_* names in the environment: never refused.
+_SERVICE_LINK = re.compile(
+    r"SIDECAR(?:_[A-Z0-9_]+?)?_(SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?|PORT|PORT_\d+_(?:TCP|UDP|SCTP)(?:_PROTO|_PORT|_ADDR)?)"
+)
+
+
+def _service_link(name: str, value: str) -> bool:
+    """A variable Kubernetes sets for a Service: its name and its value both have the form."""
+    m = _SERVICE_LINK.fullmatch(name)
+    if m is None:
+        return False
+    kind = m.group(1)
+    if kind == "SERVICE_HOST" or kind.endswith("_ADDR"):
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            return False
+        return True
+    if kind.startswith("SERVICE_PORT") or (kind.startswith("PORT_") and kind.endswith("_PORT")):
+        return value.isdigit()
+    if kind.endswith("_PROTO"):
+        return value in ("tcp", "udp", "sctp")
+    return re.fullmatch(r"(?:tcp|udp|sctp)://\S+", value) is not None  # PORT, PORT_<n>_<proto>
+
+
+def _setting_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Dotted paths of every setting of ``model``, nested models walked (``sessions.api.max_sessions``)."""
+    import typing
+
+    paths = []
+    for name, field in model.model_fields.items():
+        paths.append(prefix + name)
+        if typing.get_origin(field.annotation) is list:
+            continue  # deployments[]: a variable could not name one
+        for tp in (field.annotation, *typing.get_args(field.annotation)):
+            if isinstance(tp, type) and issubclass(tp, BaseModel) and tp is not HostPort:
+                paths.extend(_setting_paths(tp, f"{prefix}{name}."))
+                break
+    return paths
+
+
+def unknown_env_problems(env: Mapping[str, str]) -> list[str]:
+    """One line per SIDECAR_* variable the sidecar does not know, naming the nearest valid name:
+    a typo must not be ignored while the setting it meant silently keeps its default."""
+    import difflib
+
+    known = set(config_env_names()) | set(OUTSIDE_CONFIG_ENV) | set(TOOLING_ENV)
+    # Settings under the name a variable of theirs would have: the two whose variable is named
+    # otherwise, and those without one (set in the file only).
+    aliases = {ENV_PREFIX + "STATE_URL": ENV_PREFIX + "STATE", ENV_PREFIX + "MODE_OPTIONS": ENV_PREFIX + "MODE_OPTS"}
+    file_only = {
+        ENV_PREFIX + path.replace(".", "_").upper(): path
+        for path in _setting_paths(Config)
+        if ENV_PREFIX + path.replace(".", "_").upper() not in known | aliases.keys()
+    }
+    # Compared without the common prefix, which would make every name look alike.
+    candidates = {n.removeprefix(ENV_PREFIX): n for n in [*sorted(known - set(TOOLING_ENV)), *file_only]}
+    problems = []
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or name in known or _service_link(name, env[name]):
+            continue
+        if name in file_only or name in aliases:
+            meant: str | None = aliases.get(name, name)
+        else:
+            near = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), candidates, 1, 0.7)
+            meant = candidates[near[0]] if near else None
+        if meant is None:
+            hint = ""
+        elif meant in file_only:
+            setting = file_only[meant] if meant == name else f"did you mean the setting {file_only[meant]}? It"
+            hint = f"; {setting} has no variable: set it in the configuration file (--config / SIDECAR_CONFIG)"
+        else:
+            hint = f"; did you mean {meant}?"
+        problems.append(f"{name}: unknown environment variable{hint}")
+    return problems
+
+
 def _overlay(base: dict[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     if "mode" in layer and layer["mode"] != base.get("mode"):
@@ -671,10 +777,13 @@ def build_config(
     if "mode_opt" in flag_layer:
         flag_layer["mode_options"] = parse_kv_list(flag_layer.pop("mode_opt") or [], "--mode-opt")
     data = _overlay(data, flag_layer)
+    problems = unknown_env_problems(env)
     try:
         cfg = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
+        raise ConfigError("\n".join([*problems, format_validation_error(exc)])) from None
+    if problems:
+        raise ConfigError("\n".join(problems))
     _validate_modes(cfg)
     _validate_tls(cfg)
     _validate_state(cfg.state)
