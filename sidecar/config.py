@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -132,6 +132,9 @@ def check_url(value: str) -> str:
 
 
 UpstreamURL = Annotated[str, BeforeValidator(lambda v: check_url(v) if isinstance(v, str) else v)]
+
+
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class _Strict(BaseModel):
@@ -777,21 +780,52 @@ def build_config(
     if "mode_opt" in flag_layer:
         flag_layer["mode_options"] = parse_kv_list(flag_layer.pop("mode_opt") or [], "--mode-opt")
     data = _overlay(data, flag_layer)
+    # Every problem at once: the settings, then what is checked on the merged data even where
+    # other settings are invalid (each mode's options, TLS and store files, the tokens file).
     problems = unknown_env_problems(env)
+    cfg: Config | None = None
     try:
         cfg = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError("\n".join([*problems, format_validation_error(exc)])) from None
-    if problems:
-        raise ConfigError("\n".join(problems))
-    _validate_modes(cfg)
-    _validate_tls(cfg)
-    _validate_state(cfg.state)
-    if cfg.admin_tokens_file is not None:
+        problems.append(format_validation_error(exc))
+    problems += _mode_problems(data)
+    problems += _tls_problems(cfg.resolved_deployments() if cfg is not None else _raw_deployments(data))
+    state = cfg.state if cfg is not None else _valid_or_none(StateConfig, data.get("state") or {})
+    if state is not None:
+        problems += _state_problems(state)
+    tokens_file = data.get("admin_tokens_file")
+    if isinstance(tokens_file, str):
         from sidecar.auth import load_tokens
 
-        load_tokens(cfg.admin_tokens_file)  # refuse a bad tokens file now, naming the problem
+        try:
+            load_tokens(tokens_file)  # refuse a bad tokens file now, naming the problem
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if problems or cfg is None:
+        raise ConfigError("\n".join(problems))
     return cfg
+
+
+def _valid_or_none(model: type[_M], raw: Any) -> _M | None:
+    try:
+        return model.model_validate(raw)
+    except ValidationError:
+        return None  # reported with the whole configuration
+
+
+def _raw_deployments(data: Mapping[str, Any]) -> list[DeploymentConfig]:
+    """The deployments that are valid on their own, when the configuration as a whole is not."""
+    deps = data.get("deployments")
+    if not deps:
+        one = _valid_or_none(DeploymentConfig, {"upstreams": [data.get("upstream")], "tls": data.get("tls")})
+        return [one] if one is not None else []
+    found = []
+    for i, raw in enumerate(deps if isinstance(deps, list) else []):
+        d = _valid_or_none(DeploymentConfig, raw)
+        if d is not None:
+            d._path = f"deployments[{i}]."
+            found.append(d)
+    return found
 
 
 # Settings still accepted but without effect: the warning each one logs at start when set.
@@ -812,13 +846,13 @@ def log_deprecated(cfg: Config) -> None:
             log.warning(message, extra={"setting": name})
 
 
-def _validate_tls(cfg: Config) -> None:
+def _tls_problems(deployments: Sequence[DeploymentConfig]) -> list[str]:
     """``tls`` only with https:// upstreams; its files readable and consistent (the context is
     built once here to prove it, and again when the deployment starts)."""
     from sidecar.tls import client_context
 
     problems: list[str] = []
-    for d in cfg.resolved_deployments():
+    for d in deployments:
         if d.tls is None:
             continue
         plain = [i for i, url in enumerate(d.upstreams) if not url.startswith("https://")]
@@ -830,11 +864,10 @@ def _validate_tls(cfg: Config) -> None:
             client_context(d.tls, d._path)
         except ConfigError as exc:
             problems.append(str(exc))
-    if problems:
-        raise ConfigError("\n".join(problems))
+    return problems
 
 
-def _validate_state(state: StateConfig) -> None:
+def _state_problems(state: StateConfig) -> list[str]:
     """The shared store's files are readable now and apply to its URL: a missing one would
     otherwise fail at the first connection, naming neither the setting nor the file."""
     from sidecar.tls import check_ca_file, readable
@@ -857,28 +890,33 @@ def _validate_state(state: StateConfig) -> None:
                 check_ca_file(state.ca_file, "state.ca_file")
             except ConfigError as exc:
                 problems.append(str(exc))
-    if problems:
-        raise ConfigError("\n".join(problems))
+    return problems
 
 
-def _validate_modes(cfg: Config) -> None:
+def _mode_problems(data: Mapping[str, Any]) -> list[str]:
+    """Each deployment's mode and its options, read from the merged settings so that they are
+    checked even where other settings are invalid (malformed entries are the model's to report)."""
     from sidecar.modes.base import ModeContractError
     from sidecar.modes.registry import UnknownMode, load_mode
 
+    deps = data.get("deployments")
+    entries = [("", data), *((f"deployments[{i}].", d) for i, d in enumerate(deps if isinstance(deps, list) else []))]
     problems: list[str] = []
-    for d in cfg.resolved_deployments():
-        if not d.mode:
+    for path, d in entries:
+        if not isinstance(d, Mapping):
+            continue
+        mode, options = d.get("mode"), d.get("mode_options") or {}
+        if not mode or not isinstance(mode, str) or not isinstance(options, dict):
             continue
         try:
-            mode_cls = load_mode(d.mode)
+            mode_cls = load_mode(mode)
         except (UnknownMode, ModeContractError) as exc:
-            problems.append(f"{d._path}mode: {exc}")
+            problems.append(f"{path}mode: {exc}")
             continue
         try:
-            mode_cls.Options.model_validate(d.mode_options)
+            mode_cls.Options.model_validate(options)
         except ValidationError as exc:
-            problems.append(format_validation_error(exc, prefix=f"{d._path}mode_options."))
+            problems.append(format_validation_error(exc, prefix=f"{path}mode_options."))
         except ValueError as exc:
-            problems.append(f"{d._path}mode_options: {exc}")
-    if problems:
-        raise ConfigError("\n".join(problems))
+            problems.append(f"{path}mode_options: {exc}")
+    return problems

@@ -129,6 +129,50 @@ def test_check_config_shows_the_configuration_in_effect(tmp_path):
     assert yaml.safe_load(result.stdout)["deployments"][0]["upstreams"] == [UP]
 
 
+def test_every_problem_is_reported_at_once(tmp_path):
+    """A mode's options are checked in the same pass as the other settings, and so are the files
+    the configuration names: one run shows everything to fix."""
+    f = write(tmp_path, f"upstream: {UP}\nlisten: 8080\ntimeouts: {{connect: 0}}\nmode: smg_routing_key\n")
+    result = check_config(str(f), env=clean_env(SIDECAR_MODE_OPTS="scope=forest"))
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "sidecar: invalid configuration:",
+        "listen: must be HOST:PORT, e.g. 0.0.0.0:8080 (got 8080)",
+        "timeouts.connect: Input should be greater than 0 (got 0)",
+        "mode_options.scope: Input should be 'session' or 'tree' (got 'forest')",
+    ]
+    missing = tmp_path / "missing"
+    f = write(
+        tmp_path,
+        yaml.safe_dump(
+            {
+                "admin_tokens_file": str(missing / "tokens.yaml"),
+                "state": {"url": "redis://store:6379", "password_file": str(missing / "password")},
+                "deployments": [
+                    {"name": "a", "upstreams": ["http://gw:1"], "timeouts": {"connect": 0}},
+                    {
+                        "name": "b",
+                        "upstreams": ["https://gw:2"],
+                        "tls": {"ca_file": str(missing / "ca.pem")},
+                        "mode": "dynamo_nvext",
+                        "mode_options": {"timeout_secs": 5},
+                    },
+                ],
+            }
+        ),
+    )
+    result = check_config(str(f), env=clean_env())
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "sidecar: invalid configuration:",
+        "deployments[0].timeouts.connect: Input should be greater than 0 (got 0)",
+        "deployments[1].mode_options.timeout_secs: unknown setting",
+        f"deployments[1].tls.ca_file: cannot read {missing}/ca.pem: No such file or directory",
+        f"state.password_file: cannot read {missing}/password: No such file or directory",
+        f"admin_tokens_file ({missing}/tokens.yaml): No such file or directory",
+    ]
+
+
 def test_check_config_without_a_complete_configuration_exits_2():
     result = check_config(env=clean_env())
     assert result.returncode == 2

@@ -4,7 +4,6 @@ Service named `sidecar-...`) legitimately sets is accepted."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -12,14 +11,7 @@ import pytest
 import yaml
 
 from sidecar.config import OUTSIDE_CONFIG_ENV, TOOLING_ENV, config_env_names
-
-UP = "http://127.0.0.1:18000"
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The test process's environment without SIDECAR_* variables (the build switch stays)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_") or k == "SIDECAR_PURE_PYTHON"}
-    return {**env, **extra}
+from tests.config.test_early import UP, clean_env
 
 
 def sidecar(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
