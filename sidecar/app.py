@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from sidecar import __version__
 from sidecar.admin.server import build_admin_app
 from sidecar.auth import TokenSet, load_tokens
-from sidecar.config import Config, log_deprecated
+from sidecar.config import Config
 from sidecar.end_actions import EndActionRunner
 from sidecar.engine.aiohttp_engine import AiohttpEngine
 from sidecar.engine.base import Engine
@@ -48,7 +48,6 @@ class Sidecar:
         self, config: Config, *, registry: CollectorRegistry | None = None, session_clock: Clock | None = None
     ) -> None:
         self.config = config
-        log_deprecated(config)  # settings still accepted that no longer do anything, once at start
         self.metrics = Metrics(registry)
         self.effects = EndActionRunner(self.metrics)
         # ``session_clock``: wall-clock seconds of the API session store (tests inject one).

@@ -7,7 +7,6 @@ Precedence is flags > environment > file > defaults. Every error names the setti
 from __future__ import annotations
 
 import ipaddress
-import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -32,8 +31,6 @@ from sidecar import headers as h
 from sidecar.errors import ConfigError
 from sidecar.validation import check_token, split_names, yaml_error_where, yaml_problem
 
-log = logging.getLogger("sidecar.config")
-
 ENV_PREFIX = "SIDECAR_"
 # Flag / env name -> top-level config key. Env vars are SIDECAR_<NAME>.
 SCALAR_KEYS = (
@@ -49,8 +46,12 @@ SCALAR_KEYS = (
     "admin_tokens_file",
     "admin_insecure",
     "idle_poll_us",
-    "stream_batch_us",
 )
+# Settings that were removed, with why: a configuration that still gives one is refused with this
+# (file: the key; environment: SIDECAR_<KEY>), rather than as an unknown setting.
+REMOVED = {
+    "stream_batch_us": "it had no effect: streamed bodies are relayed by the engine's stream thread without batching",
+}
 # SIDECAR_* variables the sidecar reads outside the configuration (docs/reference.md).
 OUTSIDE_CONFIG_ENV = (
     "SIDECAR_PURE_PYTHON",  # at install and at start: run the .py sources (sidecar/__init__.py, setup.py)
@@ -427,16 +428,6 @@ class Config(_Strict):
     # events arrive closer together than this (sidecar.engine.idle_poll). 0 (default): never
     # poll; polling trades CPU for a tenth of a millisecond of latency at low concurrency.
     idle_poll_us: int = Field(0, ge=0, le=10_000)
-    # Deprecated, no effect: streamed bodies are relayed by the engine's stream thread as they
-    # arrive, without batching. Still accepted (same range) so existing configs start; setting
-    # it logs a warning at start (:func:`log_deprecated`).
-    stream_batch_us: int = Field(
-        1000,
-        ge=0,
-        le=10_000,
-        description="Deprecated, no effect: streamed bodies are relayed by the engine's stream thread without "
-        "batching. Still accepted (a warning at start); will be removed.",
-    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     drain_grace_seconds: float = Field(25.0, ge=0)
     # On SIGTERM: /readyz answers 503 at once while the proxy keeps accepting and serving this
@@ -708,6 +699,10 @@ def unknown_env_problems(env: Mapping[str, str]) -> list[str]:
     for name in sorted(env):
         if not name.startswith(ENV_PREFIX) or name in known or _service_link(name, env[name]):
             continue
+        removed = name.removeprefix(ENV_PREFIX).lower()
+        if removed in REMOVED:
+            problems.append(f"{name}: {removed} was removed ({REMOVED[removed]}): delete the variable")
+            continue
         if name in file_only or name in aliases:
             meant: str | None = aliases.get(name, name)
         else:
@@ -783,6 +778,9 @@ def build_config(
     # Every problem at once: the settings, then what is checked on the merged data even where
     # other settings are invalid (each mode's options, TLS and store files, the tokens file).
     problems = unknown_env_problems(env)
+    for key in REMOVED.keys() & data.keys():
+        problems.append(f"{key}: removed ({REMOVED[key]}): delete it from the configuration")
+        del data[key]
     cfg: Config | None = None
     try:
         cfg = Config.model_validate(data)
@@ -826,24 +824,6 @@ def _raw_deployments(data: Mapping[str, Any]) -> list[DeploymentConfig]:
             d._path = f"deployments[{i}]."
             found.append(d)
     return found
-
-
-# Settings still accepted but without effect: the warning each one logs at start when set.
-DEPRECATED = {
-    "stream_batch_us": (
-        "stream_batch_us (SIDECAR_STREAM_BATCH_US) is deprecated and has no effect: streamed bodies are "
-        "relayed by the engine's stream thread without batching. It will be removed: delete it from the "
-        "configuration"
-    ),
-}
-
-
-def log_deprecated(cfg: Config) -> None:
-    """Log one warning per deprecated setting the configuration gives (file, environment or flag),
-    whatever its value; a setting not given logs nothing."""
-    for name, message in DEPRECATED.items():
-        if name in cfg.model_fields_set:
-            log.warning(message, extra={"setting": name})
 
 
 def _tls_problems(deployments: Sequence[DeploymentConfig]) -> list[str]:

@@ -73,7 +73,6 @@ SETTING_VALUES = {
     "SIDECAR_ADMIN_INSECURE": "false",
     "SIDECAR_IDLE_POLL_US": "0",
     "SIDECAR_STATE": "memory://",
-    "SIDECAR_STREAM_BATCH_US": "1000",
 }
 
 

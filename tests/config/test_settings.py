@@ -136,47 +136,25 @@ def test_full_example_documents_exactly_the_defaults():
     assert full.normalized() == defaults.normalized()
 
 
-STREAM_BATCH_DEPRECATED = (
-    "stream_batch_us (SIDECAR_STREAM_BATCH_US) is deprecated and has no effect: streamed bodies are "
-    "relayed by the engine's stream thread without batching. It will be removed: delete it from the "
-    "configuration"
-)
+STREAM_BATCH_REMOVED = "it had no effect: streamed bodies are relayed by the engine's stream thread without batching"
 
 
-def config_warnings(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
-    return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "sidecar.config"]
+def test_stream_batch_us_is_removed_and_refused_with_why(tmp_path):
+    """It did nothing any more (streamed bodies are relayed without batching): `check-config` no
+    longer shows it, and a configuration that still sets it is told to delete it."""
+    from tests.config.test_early import check_config, clean_env
 
-
-@pytest.mark.parametrize("where", ["file", "env"])
-def test_stream_batch_us_is_accepted_and_warns_once_that_it_does_nothing(tmp_path, caplog, where):
-    """An existing config or values file that sets it still starts; the operator is told to drop it."""
-    from sidecar.config import log_deprecated
-
-    if where == "file":
-        cfg = build_config(env={}, file=write(tmp_path, f"upstream: {UP}\nstream_batch_us: 2000\n"))
-    else:
-        cfg = build_config(flags={"upstream": UP}, env={"SIDECAR_STREAM_BATCH_US": "0"})
-    with caplog.at_level("WARNING", logger="sidecar.config"):
-        log_deprecated(cfg)
-    assert config_warnings(caplog) == [("WARNING", STREAM_BATCH_DEPRECATED)]
-
-
-def test_stream_batch_us_keeps_its_range():
-    with pytest.raises(ConfigError, match=r"stream_batch_us: Input should be less than or equal to 10000"):
-        build_config(flags={"upstream": UP}, env={"SIDECAR_STREAM_BATCH_US": "10001"})
-
-
-def test_no_deprecation_warning_when_stream_batch_us_is_unset(tmp_path, caplog):
-    from sidecar.config import log_deprecated
-
-    cfg = build_config(env={"SIDECAR_STREAM_BATCH_US": ""}, file=write(tmp_path, f"upstream: {UP}\nidle_poll_us: 0\n"))
-    with caplog.at_level("WARNING", logger="sidecar.config"):
-        log_deprecated(cfg)
-    assert config_warnings(caplog) == []
-
-
-@pytest.mark.parametrize("keys", [{}, {"stream_batch_us": 1000}], ids=["unset", "set"])
-async def test_the_deprecation_warning_is_logged_at_start(start_sidecar, caplog, keys):
-    with caplog.at_level("WARNING", logger="sidecar.config"):
-        await start_sidecar(upstream=UP, readiness_check_upstream=False, **keys)
-    assert config_warnings(caplog) == ([("WARNING", STREAM_BATCH_DEPRECATED)] if keys else [])
+    shown = check_config(env=clean_env(SIDECAR_UPSTREAM=UP))
+    assert shown.returncode == 0 and "stream_batch_us" not in shown.stdout
+    result = check_config(str(write(tmp_path, f"upstream: {UP}\nstream_batch_us: 2000\n")), env=clean_env())
+    assert (result.returncode, result.stderr) == (
+        2,
+        f"sidecar: invalid configuration:\nstream_batch_us: removed ({STREAM_BATCH_REMOVED}): delete it from the "
+        "configuration\n",
+    )
+    result = check_config(env=clean_env(SIDECAR_UPSTREAM=UP, SIDECAR_STREAM_BATCH_US="1000"))
+    assert (result.returncode, result.stderr) == (
+        2,
+        f"sidecar: invalid configuration:\nSIDECAR_STREAM_BATCH_US: stream_batch_us was removed "
+        f"({STREAM_BATCH_REMOVED}): delete the variable\n",
+    )
