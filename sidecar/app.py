@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from sidecar import __version__
 from sidecar.admin.server import build_admin_app
 from sidecar.auth import TokenSet, load_tokens
-from sidecar.config import Config
+from sidecar.config import Config, redact_url
 from sidecar.end_actions import EndActionRunner
 from sidecar.engine.aiohttp_engine import AiohttpEngine
 from sidecar.engine.base import Engine
@@ -127,6 +127,7 @@ class Sidecar:
                 "compiled": self.engine.compiled,
                 "listen": _address(cfg.listen.host, self.engine.port),
                 "admin": _address(cfg.admin.host, admin_port),
+                "state": redact_url(cfg.state.url),
                 "deployments": [
                     {"name": d.name, "mode": d.mode_name, "upstreams": [u.display for u in d.upstreams]}
                     for d in self.router.deployments

@@ -370,20 +370,61 @@ class SessionsConfig(_Strict):
 STATE_SCHEMES = ("memory", "redis", "rediss", "unix")
 
 
+# The one option a store URL may carry in its query: the database (which a unix:// URL can give no
+# other way). The sidecar sets every other connection option itself (timeouts from
+# state.timeout_ms, no retries: the breaker serves on local state instead), and redis-py would let
+# the URL's override them, or fail at the first connection on one it does not know.
+_HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?|[0-9A-Fa-f:.]+")
+
+
 def check_state_url(value: str) -> str:
+    """``state.url``: its scheme, host, port, database and query, so that a URL that passes here
+    connects (or fails to reach its store) rather than failing in the client library at start.
+    The messages leave the URL out (it may carry a password): the error formatter appends it,
+    password masked."""
+    from urllib.parse import parse_qsl
+
     from yarl import URL
 
     try:
         url = URL(value)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"not a URL: {value!r}") from exc
+        raise ValueError(f"not a URL ({exc})" if isinstance(exc, ValueError) else "not a URL") from None
     if url.scheme not in STATE_SCHEMES:
         raise ValueError(
             "must be memory://, redis://HOST:PORT[/DB], rediss://HOST:PORT[/DB] (TLS) or unix:///PATH/TO/SOCKET"
         )
-    if url.scheme in ("redis", "rediss") and not url.host:
-        raise ValueError("a redis:// or rediss:// URL needs a host")
+    if url.fragment:
+        raise ValueError("must not carry a fragment")
+    query = parse_qsl(url.raw_query_string, keep_blank_values=True)
+    for name, option in query:
+        if name != "db":
+            raise ValueError(
+                f"query option {name!r} is not supported: the only one is db (the database number); "
+                "timeouts come from state.timeout_ms"
+            )
+        if not option.isdigit():
+            raise ValueError(f"query option 'db' must be a database number >= 0 (got {option!r})")
+    if url.scheme in ("redis", "rediss"):
+        if not url.host or not _HOSTNAME.fullmatch(url.host):
+            raise ValueError("a redis:// or rediss:// URL needs a host name or an IP address")
+        if url.path not in ("", "/") and not url.path[1:].isdigit():
+            raise ValueError(f"the path is the database number, e.g. {url.scheme}://HOST:PORT/0 (got {url.path!r})")
+        if url.path not in ("", "/") and query:
+            raise ValueError("gives the database twice: in the path and as ?db=")
+    elif url.scheme == "unix" and url.path in ("", "/"):
+        raise ValueError("a unix:// URL needs the socket's path: unix:///PATH/TO/SOCKET")
     return value
+
+
+def redact_url(value: str) -> str:
+    """``value`` with the password of its user information masked (``redis://:***@host:6379``),
+    for everything that shows a URL: printed configuration, errors, logs."""
+    return _USERINFO.sub(lambda m: f"{m[1]}{m[2].split(':', 1)[0]}:***@" if ":" in m[2] else m[0], value, count=1)
+
+
+# scheme://userinfo@ : greedy up to the last "@" before the path, as URL parsers split it.
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*)@")
 
 
 class StateConfig(_Strict):
@@ -562,6 +603,9 @@ class Config(_Strict):
             deps.append(dd)
         data["listen"] = str(self.listen)
         data["admin"] = str(self.admin)
+        data["state"]["url"] = redact_url(self.state.url)
+        for dd in deps:
+            dd["upstreams"] = [redact_url(u) for u in dd["upstreams"]]
         data["deployments"] = deps
         return data
 
@@ -589,6 +633,8 @@ def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
         got_s = (
             ""
             if err["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) or quoted
+            else f" (got {redact_url(got)!r})"
+            if isinstance(got, str)
             else f" (got {got!r})"
         )
         if err["type"] == "extra_forbidden":
