@@ -36,6 +36,7 @@ class EndActionRunner:
         )
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._sending = False  # the worker is performing an action taken off the queue
 
     def submit(self, dep: Deployment, action: EndAction, root: str, ran: Callable[[], None] | None = None) -> None:
         """Enqueue (synchronous; called by the router). ``root`` picks the tree's upstream, now:
@@ -57,9 +58,11 @@ class EndActionRunner:
         """Flush what is queued for up to ``grace`` seconds, then stop."""
         if self._task is not None:
             try:
-                await asyncio.wait_for(self._queue.join(), grace)
+                # (asyncio.timeout: with nothing queued the join returns at once, even for grace 0)
+                async with asyncio.timeout(grace):
+                    await self._queue.join()
             except TimeoutError:
-                log.warning("%d end-of-session actions not sent at shutdown", self._queue.qsize())
+                log.warning("%d end-of-session actions not sent at shutdown", self._queue.qsize() + self._sending)
             self._task.cancel()
             try:
                 await self._task
@@ -71,11 +74,13 @@ class EndActionRunner:
     async def _run(self) -> None:
         while True:
             dep, action, up, ran = await self._queue.get()
+            self._sending = True
             try:
                 await self._perform(dep, action, up)
             except Exception:  # a defect must not stop the runner
                 log.exception("end action %s %s failed", action.method, action.path)
             finally:
+                self._sending = False
                 self._queue.task_done()
             if ran is not None:  # (not when cancelled at shutdown: the action was not sent)
                 ran()

@@ -132,6 +132,33 @@ def test_env_only_configuration_refuses_bad_listen():
     assert "listen: must be HOST:PORT, e.g. 0.0.0.0:8080 (got '8080')\n" in proc.stderr
 
 
+@pytest.mark.parametrize("taken", ["listen", "admin"])
+def test_a_listener_that_cannot_bind_is_one_clear_line(taken):
+    """Nothing about a shutdown that never was ("0 end-of-session actions not sent") comes
+    before, or after, the reason."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy = holder.getsockname()[1]
+        port, admin_port = free_ports(2)
+        ports = {"listen": port, "admin": admin_port, taken: busy}
+        proc = subprocess.run(
+            [sys.executable, "-m", "sidecar", "run", "--upstream", "http://127.0.0.1:1"]
+            + ["--listen", f"127.0.0.1:{ports['listen']}", "--admin", f"127.0.0.1:{ports['admin']}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if "open file limit" not in line]
+    assert lines == [
+        f"sidecar: cannot start: error while attempting to bind on address ('127.0.0.1', {busy}): address already "
+        f"in use (listen 127.0.0.1:{ports['listen']}, admin 127.0.0.1:{ports['admin']})"
+    ]
+
+
 def test_modes_lists_every_mode_with_options():
     out = subprocess.run([sys.executable, "-m", "sidecar", "modes"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0
