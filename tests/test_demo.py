@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -25,7 +28,7 @@ from sidecar.demo.gateway import (
     render_chat,
     reply_words,
 )
-from sidecar.demo.report import RunMetrics, count_switches, format_table, percentile
+from sidecar.demo.report import AddedLatency, RunMetrics, added_latency, count_switches, format_table, percentile
 from sidecar.demo.workload import RequestRecord
 from sidecar.headers import CONTENT_TYPE, X_CORRELATION_ID, X_DYNAMO_SESSION_ID, X_REQUEST_ID
 
@@ -203,12 +206,29 @@ def test_percentile_and_table_alignment() -> None:
     assert percentile([1.0], 99) == 1.0
     direct = RunMetrics(80, 0, 31, 14000, 6000, 0.43, 20.0, 30.0, 0.2)
     via = RunMetrics(80, 0, 0, 14000, 10500, 0.75, 21.5, 32.0, 0.2)
-    table = format_table(direct, via, title="t")
+    table = format_table(direct, via, AddedLatency(1.5, 1.2, 1.8, 400), title="t")
     lines = table.splitlines()
     assert lines[0] == "t"
     assert "direct" in lines[1] and "via sidecar" in lines[1]
-    assert len({len(line) for line in lines[1:] if not line.endswith("-")}) == 1
+    assert len({len(line) for line in lines[1:-1] if not line.endswith("-")}) == 1
     assert any("+1.5" in line for line in lines)
+
+
+def test_added_latency_below_its_noise_is_never_a_negative_figure() -> None:
+    """A sidecar that measured "faster" than no sidecar (the two medians 0.02 ms apart, noise) is
+    reported as within measurement noise, bounded by the interval's top."""
+    direct = [0.20 + 0.01 * (i % 7) for i in range(400)]
+    via = [d + (-0.05 if i % 2 else 0.03) for i, d in enumerate(direct)]
+    added = added_latency(direct, via)
+    assert added.median_ms < 0 and not added.measurable
+    row = format_table(
+        RunMetrics(1, 0, 0, 1, 1, 1.0, 1.0, 1.0, 0.1), RunMetrics(1, 0, 0, 1, 1, 1.0, 1.0, 1.0, 0.1), added
+    )
+    assert re.search(r"\nsidecar added latency \(ms\) +- +< 0\.03\n", row), row
+    assert row.splitlines()[-1].startswith("sidecar added latency: within measurement noise (at most 0.03 ms")
+    assert not re.search(r"added latency.*-\d", row)
+    clear = added_latency(direct, [d + 0.08 + 0.001 * (i % 5) for i, d in enumerate(direct)])
+    assert clear.measurable and clear.cell() == "+0.08"
 
 
 # ---------------------------------------------------------------- full demo
@@ -298,3 +318,46 @@ async def test_demo_with_an_injected_sidecar() -> None:
     result = await run_demo(sessions=SESSIONS, turns=TURNS, out=out, sidecar_factory=factory)
     _check_demo(result, out.getvalue())
     assert len(proxies) == 1 and len(proxies[0].seen_sessions) == SESSIONS
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_demo_command_reports_a_readable_added_latency() -> None:
+    """The added latency printed is a figure above its noise floor with its interval, or "within
+    measurement noise" with the most it can be: never a bare signed difference of two medians."""
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar", "demo", "--sessions", str(SESSIONS), "--turns", str(TURNS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith("sidecar added latency (ms)")]
+    (note,) = [line for line in out.stdout.splitlines() if line.startswith("sidecar added latency:")]
+    figure = row.split()[-1]
+    if row.split()[-2] == "<":  # within noise: the most it can be
+        assert re.fullmatch(r"\d+\.\d\d", figure) and note.startswith(
+            f"sidecar added latency: within measurement noise (at most {figure} ms: the 95% confidence interval of "
+            "the median of 400 paired sequential requests reaches 0)"
+        ), (row, note)
+    else:
+        assert re.fullmatch(r"\+\d+\.\d\d", figure), row
+        m = re.fullmatch(
+            r"sidecar added latency: median of 400 paired sequential requests, 95% confidence "
+            r"\+(\d+\.\d\d) to \+(\d+\.\d\d) ms",
+            note,
+        )
+        assert m is not None, note
+        low, high = m.groups()
+        assert float(low) <= float(figure) <= float(high)
+
+
+def test_demo_help_describes_each_option() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar", "demo", "--help"], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0
+    assert re.search(r"--sessions N +concurrent conversations \(default 16\)", out.stdout), out.stdout
+    assert re.search(r"--turns N +streamed turns per conversation \(default 5\)", out.stdout), out.stdout
+    assert "mock gateway" in out.stdout and "Exit 0 when" in " ".join(out.stdout.split())

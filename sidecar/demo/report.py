@@ -33,6 +33,52 @@ class RunMetrics:
     probe_p50_ms: float = math.nan
 
 
+@dataclass(frozen=True, slots=True)
+class AddedLatency:
+    """What the sidecar adds to one request, from ``pairs`` pairs of small sequential requests
+    (one direct, one through the sidecar, back to back, nothing else in flight): the median of
+    the per-pair differences and its 95% confidence interval (distribution-free, from order
+    statistics). The noise floor is the interval itself: when it reaches 0 the added latency
+    is within measurement noise, at most ``high_ms``; a negative figure is never shown."""
+
+    median_ms: float
+    low_ms: float
+    high_ms: float
+    pairs: int
+
+    @property
+    def measurable(self) -> bool:
+        """Above the noise floor: the whole interval is above 0."""
+        return self.low_ms > 0
+
+    def cell(self) -> str:
+        """The table's figure: ``+0.09``, or ``< 0.03`` within measurement noise."""
+        return f"{self.median_ms:+.2f}" if self.measurable else f"< {max(self.high_ms, 0.01):.2f}"
+
+    def note(self) -> str:
+        """What the figure means, one line."""
+        if self.measurable:
+            return (
+                f"sidecar added latency: median of {self.pairs} paired sequential requests, 95% confidence "
+                f"{self.low_ms:+.2f} to {self.high_ms:+.2f} ms"
+            )
+        return (
+            f"sidecar added latency: within measurement noise (at most {max(self.high_ms, 0.01):.2f} ms: "
+            f"the 95% confidence interval of the median of {self.pairs} paired sequential requests reaches 0)"
+        )
+
+
+def added_latency(direct_ms: Sequence[float], via_ms: Sequence[float]) -> AddedLatency:
+    """The added latency of paired measurements (``via_ms[i]`` pairs with ``direct_ms[i]``)."""
+    diffs = sorted(v - d for d, v in zip(direct_ms, via_ms, strict=True))
+    n = len(diffs)
+    if not n:
+        return AddedLatency(math.nan, math.nan, math.nan, 0)
+    # The median's 95% interval lies between the order statistics n/2 -/+ 1.96 sqrt(n)/2.
+    k = max(0, math.floor(n / 2 - 0.98 * math.sqrt(n)))
+    return AddedLatency(percentile(diffs, 50), diffs[k], diffs[n - 1 - k], n)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (``q`` in 0..100) of ``values``; ``nan`` if empty."""
     if not values:
@@ -74,15 +120,13 @@ def summarize(records: Sequence[RequestRecord], *, wall_s: float) -> RunMetrics:
 def format_table(
     direct: RunMetrics,
     via_sidecar: RunMetrics,
+    added: AddedLatency,
     *,
     title: str = "",
     labels: tuple[str, str] = ("direct", "via sidecar"),
 ) -> str:
-    """The two runs side by side as aligned plain text, ending with a newline."""
-    added = via_sidecar.probe_p50_ms - direct.probe_p50_ms
-    added_label = "sidecar added latency p50 (ms)"
-    if math.isnan(added):
-        added = via_sidecar.latency_p50_ms - direct.latency_p50_ms
+    """The two runs side by side as aligned plain text, then what the added latency means;
+    ending with a newline."""
     rows: list[tuple[str, str, str]] = [
         ("", labels[0], labels[1]),
         ("requests", str(direct.requests), str(via_sidecar.requests)),
@@ -97,7 +141,7 @@ def format_table(
         ("latency p50 (ms)", f"{direct.latency_p50_ms:.1f}", f"{via_sidecar.latency_p50_ms:.1f}"),
         ("latency p99 (ms)", f"{direct.latency_p99_ms:.1f}", f"{via_sidecar.latency_p99_ms:.1f}"),
         ("probe latency p50 (ms)", f"{direct.probe_p50_ms:.2f}", f"{via_sidecar.probe_p50_ms:.2f}"),
-        (added_label, "-", f"{added:+.2f}"),
+        ("sidecar added latency (ms)", "-", added.cell()),
         ("wall time (s)", f"{direct.wall_s:.2f}", f"{via_sidecar.wall_s:.2f}"),
     ]
     w0 = max(len(r[0]) for r in rows)
@@ -105,4 +149,5 @@ def format_table(
     w2 = max(len(r[2]) for r in rows)
     lines = [title] if title else []
     lines += [f"{a:<{w0}}  {b:>{w1}}  {c:>{w2}}".rstrip() for a, b, c in rows]
+    lines.append(added.note())
     return "\n".join(lines) + "\n"

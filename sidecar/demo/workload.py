@@ -191,19 +191,27 @@ async def run_workload(
     return records
 
 
-async def probe_latency(base_url: str, *, requests: int = 200) -> list[float]:
-    """Latencies (ms) of ``requests`` sequential small requests on one keep-alive connection.
+async def probe_pairs(direct_url: str, via_url: str, *, pairs: int = 400) -> tuple[list[float], list[float]]:
+    """Latencies (ms) of ``pairs`` pairs of small sequential requests: one to ``direct_url``, one
+    to ``via_url``, back to back, each on its own keep-alive connection, the first of a pair
+    alternating between them (so neither always runs on a cache the other warmed).
 
-    Run with nothing else in flight, so the difference between a direct and a proxied probe is
-    the proxy's own cost rather than event-loop contention with the concurrent workload.
+    Run with nothing else in flight, so the difference within a pair is the proxy's own cost
+    rather than event-loop contention with the concurrent workload or a drift of the machine
+    between two separate measurements.
     """
-    out: list[float] = []
+    direct: list[float] = []
+    via: list[float] = []
     headers = {X_CORRELATION_ID: f"probe-{uuid.uuid4()}"}
-    connector = aiohttp.TCPConnector(limit=1)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        for _ in range(requests):
-            start = time.perf_counter()
-            async with session.get(f"{base_url}/v1/models", headers=headers) as resp:
-                await resp.read()
-            out.append((time.perf_counter() - start) * 1000)
-    return out
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as to_direct,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as to_via,
+    ):
+        legs = ((to_direct, direct_url, direct), (to_via, via_url, via))
+        for i in range(pairs):
+            for session, url, out in legs if i % 2 == 0 else legs[::-1]:
+                start = time.perf_counter()
+                async with session.get(f"{url}/v1/models", headers=headers) as resp:
+                    await resp.read()
+                out.append((time.perf_counter() - start) * 1000)
+    return direct, via
