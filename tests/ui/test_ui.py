@@ -634,17 +634,23 @@ async def test_browser_draws_worker_history(tmp_path):
     assert 'class="w moved"' in row.group(0)
 
 
-async def test_live_view_data_needs_an_admin_token_when_tokens_are_configured(upstream, start_sidecar, tmp_path):
-    import aiohttp as _aiohttp
-
+async def with_tokens_and_a_session(upstream: Any, start_sidecar: Any, tmp_path: Path) -> Any:
+    """A sidecar with a tokens file (a workspace token and an admin token) that has proxied one
+    request of the session ``secret-session``."""
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text(
         "tokens:\n  - {token: ws-a-token-0123456789, workspace: ws-a}\n  - {token: admin-token-0123456789, admin: true}\n"
     )
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers", admin_tokens_file=str(tokens))
-    async with _aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession() as s:
         async with s.get(f"{sc.proxy_url}/x", headers={"X-Correlation-ID": "secret-session"}) as resp:
             assert resp.status == 200
+    return sc
+
+
+async def test_live_view_data_needs_an_admin_token_when_tokens_are_configured(upstream, start_sidecar, tmp_path):
+    sc = await with_tokens_and_a_session(upstream, start_sidecar, tmp_path)
+    async with aiohttp.ClientSession() as s:
         async with s.get(f"{sc.admin_url}/ui") as resp:
             assert resp.status == 200  # the page holds no data
         async with s.get(f"{sc.admin_url}/ui/data.json") as resp:
@@ -660,3 +666,49 @@ async def test_live_view_data_needs_an_admin_token_when_tokens_are_configured(up
         ) as resp:
             assert resp.status == 200
             assert "secret-session" in await resp.text()
+
+
+def _text(dom_html: str) -> str:
+    dom = _Dom()
+    dom.feed(dom_html)
+    return " ".join(" ".join(dom.text).split())
+
+
+@pytest.mark.deploy
+@pytest.mark.parametrize("engine", ["aiohttp"])
+async def test_browser_without_the_token_says_one_is_needed_and_how_to_give_it(upstream, start_sidecar, tmp_path):
+    """With a tokens file, /ui opened without a token (or with one that cannot see the view) says
+    so and shows the #token= form, instead of "cannot reach the sidecar" over "Loading..."."""
+    binary = _chromium()
+    sc = await with_tokens_and_a_session(upstream, start_sidecar, tmp_path)
+    page = f"{sc.admin_url}/ui"
+
+    async def shown(url: str, name: str) -> str:
+        return (await _run_chromium(binary, tmp_path / name, "--dump-dom", url)).decode()
+
+    how = f"Open this page with an admin token after #token= in the address: {page}#token=<admin token>"
+    for name, url, first in [
+        ("none", page, "This sidecar's admin listener needs a token to show its sessions."),
+        ("wrong", f"{page}#token=not-a-token-0123456789", "The token given was refused (HTTP 401)."),
+        (
+            "workspace",
+            f"{page}#token=ws-a-token-0123456789",
+            "This token may not open the live view: it needs an admin token (an entry with admin: true in the "
+            "sidecar's tokens file).",
+        ),
+    ]:
+        text = _text(await shown(url, name))
+        assert f"{first} {how}" in text, (name, text)
+        assert "the part after # is never sent to the sidecar" in text
+        assert "Loading" not in text and "cannot reach the sidecar" not in text
+        assert "secret-session" not in text
+    text = _text(await shown(f"{page}#token=admin-token-0123456789", "admin"))
+    assert "secret-session" in text and "needs a token" not in text
+    # The same page, drawn: the help is on screen below the header, centred, in dark text.
+    png_path = tmp_path / "token.png"
+    await _run_chromium(binary, tmp_path / "shot", f"--screenshot={png_path}", page)
+    width, height, rows = read_png(png_path.read_bytes())
+    assert (width, height) == (1200, 800)
+    ink = [y for y in range(90, 240) if any(sum(rows[y][3 * x : 3 * x + 3]) < 300 for x in range(300, 900))]
+    assert len(ink) >= 30, f"dark text on {len(ink)} lines of the help's band"
+    assert rows[400][3 * 600 : 3 * 600 + 3] == bytes.fromhex("f6f6f3")  # the stylesheet's background

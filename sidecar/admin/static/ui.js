@@ -200,18 +200,42 @@
   }
 
   // A bearer token for sidecars whose admin API needs one: /ui#token=<token> (the fragment never
-  // leaves the browser); kept for this tab only.
+  // leaves the browser); kept for this tab only. Typing it after the address later (which does
+  // not reload the page) works too.
   var token = null;
-  var m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
-  if (m) {
+  function readToken() {
+    var m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
+    if (!m) return false;
     token = decodeURIComponent(m[1]);
     try { sessionStorage.setItem("sidecar-token", token); } catch (e) {}
     history.replaceState(null, "", location.pathname + location.search);
-  } else {
+    return true;
+  }
+  if (!readToken()) {
     try { token = sessionStorage.getItem("sidecar-token"); } catch (e) {}
   }
 
   function setStatus(text, cls) { statusEl.textContent = text; statusEl.className = cls || ""; }
+
+  // 401 / 403: say which token is needed and how to give it, and wait for one (no polling).
+  function needToken(status) {
+    var page = location.origin + location.pathname;
+    var box = el("div", "empty tokenhelp");
+    if (status === 403) {
+      box.appendChild(el("p", null, "This token may not open the live view: it needs an admin token " +
+        "(an entry with admin: true in the sidecar's tokens file)."));
+    } else {
+      box.appendChild(el("p", null, token ? "The token given was refused (HTTP 401)." :
+        "This sidecar's admin listener needs a token to show its sessions."));
+    }
+    box.appendChild(el("p", null, "Open this page with an admin token after #token= in the address:"));
+    box.appendChild(el("code", null, page + "#token=<admin token>"));
+    box.appendChild(el("p", "hint", "The token stays in this browser tab: the part after # is never sent to the sidecar."));
+    treesEl.replaceChildren(box);
+    last = null;
+    if (token) { token = null; try { sessionStorage.removeItem("sidecar-token"); } catch (e) {} }
+    setStatus(status === 403 ? "admin token needed" : "token needed", "error");
+  }
 
   function tick() {
     timer = null;
@@ -219,16 +243,29 @@
     var ctrl = new AbortController();
     var abort = setTimeout(function () { ctrl.abort(); }, 5000);
     var headers = token ? {"Authorization": "Bearer " + token} : {};
+    var again = true;
     fetch("ui/data.json", {cache: "no-store", signal: ctrl.signal, headers: headers})
-      .then(function (r) { if (!r.ok) throw new Error("HTTP " + r.status); return r.json(); })
+      .then(function (r) {
+        if (r.status === 401 || r.status === 403) { again = false; needToken(r.status); return null; }
+        if (!r.ok) throw new Error("HTTP " + r.status);
+        return r.json();
+      })
       .then(function (d) {
+        if (d === null) return;
         last = d;
         render(d);
         setStatus("updated " + new Date().toLocaleTimeString(), "");
       })
       .catch(function (e) { setStatus("cannot reach the sidecar (" + (e && e.message || e) + ")", "error"); })
-      .finally(function () { clearTimeout(abort); if (!paused) timer = setTimeout(tick, REFRESH_MS); });
+      .finally(function () { clearTimeout(abort); if (again && !paused) timer = setTimeout(tick, REFRESH_MS); });
   }
+
+  window.addEventListener("hashchange", function () {
+    if (!readToken()) return;
+    if (timer) clearTimeout(timer);
+    treesEl.replaceChildren(el("div", "empty", "Loading\u2026"));
+    tick();
+  });
 
   filterEl.addEventListener("input", function () { if (last) render(last); });
   pauseEl.addEventListener("click", function () {
