@@ -84,7 +84,9 @@ def per_call(fn: Callable[[], Any], seconds: float) -> float:
 
 
 def router_path() -> Callable[[bytes], Any]:
-    cfg = build_config(flags={"upstream": "http://127.0.0.1:9", "mode": "dynamo_nvext"}, env={})
+    # protocol bind: every turn carries the whole patch, as in earlier results.
+    flags = {"upstream": "http://127.0.0.1:9", "mode": "dynamo_nvext", "mode_opt": ["protocol=bind"]}
+    cfg = build_config(flags=flags, env={})
     router = Router(cfg, Metrics(CollectorRegistry()))
     head = RequestHead("POST", {"x-correlation-id": "bench-session", "content-length": "1024"})
 

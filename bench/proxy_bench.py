@@ -682,6 +682,8 @@ class Lab:
                     f"{'https' if spec.tls else 'http'}://{HOST}:{upstream_port}",
                     "--mode",
                     spec.mode,
+                    # dynamo_nvext: the form whose every turn carries the whole patch, as in earlier results.
+                    *(["--mode-opt", "protocol=bind"] if spec.mode == "dynamo_nvext" else []),
                     "--engine",
                     str(spec.engine),
                     "--log-level",

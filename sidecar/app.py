@@ -134,6 +134,10 @@ class Sidecar:
                 ],
             },
         )
+        for d in self.router.deployments:
+            notice = d.mode.notice() if d.mode is not None else None
+            if notice:
+                log.warning(notice, extra={"deployment": d.name, "mode": d.mode_name})
 
     async def _expiry_loop(self) -> None:
         while True:

@@ -72,6 +72,11 @@ class Mode:
         """Validate raw options (raises pydantic ``ValidationError``) and build the mode."""
         return cls(cls.Options.model_validate(raw))
 
+    def notice(self) -> str | None:
+        """A line the sidecar logs at warning when it starts, once for each deployment in this
+        mode: what the gateway must be for the mode to work (versions, flags); None: nothing."""
+        return None
+
     def emitted_headers(self) -> Sequence[str]:
         """Header names this mode sets; client-supplied copies are removed first unless trusted."""
         return ()

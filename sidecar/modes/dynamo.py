@@ -4,16 +4,26 @@
 parent, ``X-Dynamo-Parent-Session-ID: <parent>``. No options. This is the mode for Dynamo 1.3.0
 and later (run the frontend with ``--router-session-affinity-ttl-secs``).
 
-``dynamo_nvext`` writes ``nvext.session_control`` into the JSON request body, for Dynamo builds
-that still have that field (Dynamo 1.3.0 and later answer HTTP 400 to any ``session_control``:
-use ``dynamo_headers`` there). Options: ``timeout_seconds`` (int >= 1, default 300), ``scope``
-(``session`` or ``tree``), ``protocol``:
+``dynamo_nvext`` writes ``nvext.session_control`` into the JSON request body. Which Dynamo
+releases accept what (each checked against the release's frontend on loopback):
 
-- ``bind`` (default): ``{"session_id", "action": "bind", "timeout"}`` on every non-final turn,
-  ``{"session_id", "action": "close"}`` on the final one.
-- ``open`` (released Dynamo up to 1.2.x): ``{"session_id", "action": "open", "timeout"}`` on the
-  session's first turn, ``{"session_id"}`` on middle turns, ``{"session_id", "action": "close"}``
-  on the final turn; a session whose first turn is also its last gets no ``session_control``.
+- 1.1.x and 1.2.x have ``session_control`` with the actions ``open`` and ``close`` (and none, to
+  continue a session); they answer ``bind`` with HTTP 400 (unknown variant). They apply it only
+  for workers that serve sessions (SGLang started with ``--enable-streaming-session``); with
+  other workers they accept it and log that session control is ignored.
+- ``bind`` existed only in 1.3.0 development builds (and is AIPerf's convention for them).
+- 1.3.0 and later have no ``session_control``: any request carrying it is answered HTTP 400
+  (unknown field). Use ``dynamo_headers`` there.
+
+Options: ``timeout_seconds`` (int >= 1, default 300), ``scope`` (``session`` or ``tree``),
+``protocol``:
+
+- ``open`` (default: what the releases accept): ``{"session_id", "action": "open", "timeout"}``
+  on the session's first turn, ``{"session_id"}`` on middle turns, ``{"session_id", "action":
+  "close"}`` on the final turn; a session whose first turn is also its last gets no
+  ``session_control``.
+- ``bind`` (1.3.0 development builds): ``{"session_id", "action": "bind", "timeout"}`` on every
+  non-final turn, ``{"session_id", "action": "close"}`` on the final one.
 
 With ``scope: tree`` the id is the tree's root and the close is sent only on the turn that makes
 the whole tree final (``is_tree_final``); under ``open`` the tree is opened by the root's first turn.
@@ -88,14 +98,31 @@ class DynamoHeaders(Mode):
 
 
 class NvextOptions(Scoped):
-    timeout_seconds: Seconds = Field(300, description="affinity timeout sent with bind/open, seconds >= 1")
-    protocol: Annotated[Literal["bind", "open"], BeforeValidator(canonical_word)] = Field(
-        "bind", description="bind: bind/close on every turn; open: open/-/close (Dynamo <= 1.2.x)"
+    timeout_seconds: Seconds = Field(300, description="affinity timeout sent with open/bind, seconds >= 1")
+    protocol: Annotated[Literal["open", "bind"], BeforeValidator(canonical_word)] = Field(
+        "open",
+        description="open: open / - / close, what Dynamo 1.1.x-1.2.x accept; bind: bind / close, accepted only by "
+        "1.3.0 development builds",
     )
 
 
+# Logged at start for each deployment in this mode (Mode.notice), by protocol.
+_RELEASES = {
+    "open": (
+        "dynamo_nvext sends nvext.session_control open / close, which only Dynamo 1.1.x-1.2.x accept, and apply "
+        "only for workers that serve sessions (SGLang with --enable-streaming-session); Dynamo 1.3.0 and later "
+        "answer it with HTTP 400 (unknown field session_control): use dynamo_headers for them"
+    ),
+    "bind": (
+        "dynamo_nvext sends nvext.session_control bind / close (protocol: bind), which only Dynamo 1.3.0 "
+        "development builds accept; released Dynamo 1.1.x-1.2.x answer HTTP 400 (unknown variant bind: use "
+        "protocol: open), 1.3.0 and later HTTP 400 (unknown field session_control: use dynamo_headers)"
+    ),
+}
+
+
 class DynamoNvext(Mode):
-    """Dynamo builds with nvext.session_control (up to 1.2.x): session affinity in the JSON body."""
+    """Dynamo 1.1.x-1.2.x only: nvext.session_control open/close in the JSON body (bind: 1.3.0 dev builds only; 1.3.0 and later reject it: use dynamo_headers)."""  # noqa: E501
 
     name = "dynamo_nvext"
     Options = NvextOptions
@@ -108,6 +135,9 @@ class DynamoNvext(Mode):
         self._tree = options.scope == "tree"
         self._bind = options.protocol == "bind"
         self._timeout = options.timeout_seconds
+
+    def notice(self) -> str:
+        return _RELEASES[self.options.protocol]
 
     def session_control(self, ctx: RoutingContext) -> dict[str, Any] | None:
         """The ``session_control`` object for this request, or None to send none."""

@@ -93,7 +93,7 @@ METRICS: dict[str, frozenset[str]] = {
     "sidecar_build_info": frozenset({"version", "engine", "compiled"}),
     "sidecar_upstream_healthy": frozenset({"deployment", "upstream"}),
     "sidecar_upstream_failovers_total": frozenset({"deployment"}),
-    # The shared session store (SPEC section 8).
+    # The shared session store (docs/state.md).
     "sidecar_state_store_up": frozenset(),
     "sidecar_state_ops_total": frozenset({"op", "outcome"}),
     "sidecar_state_dropped_writes_total": frozenset(),

@@ -19,6 +19,8 @@ from sidecar.jsonscan import INLINE_BYTES
 from tests.modes.wire import settled
 
 BIND = b'"session_control":{"session_id":"s-1","action":"bind","timeout":300}'
+# The splice is the same for both protocols; bind's every turn carries all of the mode's keys.
+BIND_OPTIONS = ["protocol=bind"]
 PARSED_LIMIT = 8 * 1024 * 1024
 
 
@@ -65,7 +67,7 @@ ODD = (
 
 
 async def test_the_upstream_gets_the_clients_bytes_plus_the_field(upstream, start_sidecar) -> None:
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext")
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", mode_opt=BIND_OPTIONS)
     for _ in range(2):  # the first request of a deployment and a later one (the scan then locates nvext)
         assert (await post(sc, ODD))[0] == 200
     want = ODD[:-4] + b',"nvext":{' + BIND + b"}" + ODD[-4:]
@@ -98,7 +100,7 @@ MERGES = [
 async def test_session_ids_are_escaped_in_the_spliced_field(upstream, start_sidecar, session: str) -> None:
     """The members the sidecar writes itself (plain ASCII ids) and those it leaves to orjson (ids
     with bytes JSON escapes) reach the upstream as the same valid JSON."""
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext")
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", mode_opt=BIND_OPTIONS)
     assert (await post(sc, b'{"model":"m"}', session=session))[0] == 200
     body = upstream.received[0].body
     control = {"session_id": session, "action": "bind", "timeout": 300}
@@ -108,7 +110,7 @@ async def test_session_ids_are_escaped_in_the_spliced_field(upstream, start_side
 
 @pytest.mark.parametrize(("body", "want"), MERGES)
 async def test_nvext_merges_on_the_wire(upstream, start_sidecar, body: bytes, want: bytes) -> None:
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext")
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", mode_opt=BIND_OPTIONS)
     assert (await post(sc, body))[0] == 200
     assert upstream.received[0].body == want
 
@@ -123,7 +125,7 @@ async def _chunks(data: bytes) -> AsyncIterator[bytes]:
 
 @pytest.mark.parametrize("chunked", [False, True])
 async def test_a_body_over_the_parsed_limit_is_413_and_never_forwarded(upstream, start_sidecar, chunked: bool) -> None:
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext")
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", mode_opt=BIND_OPTIONS)
     body = b'{"model":"m","pad":"' + b"x" * (9 * 1024 * 1024) + b'"}'
     status, answer = await post(sc, _chunks(body) if chunked else body)
     assert status == 413
@@ -142,7 +144,9 @@ async def test_a_body_over_the_parsed_limit_is_413_and_never_forwarded(upstream,
 
 
 async def test_the_parsed_limit_is_configurable(upstream, start_sidecar) -> None:
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", limits={"max_parsed_body_bytes": 100})
+    sc = await start_sidecar(
+        upstream=upstream.url, mode="dynamo_nvext", mode_opt=BIND_OPTIONS, limits={"max_parsed_body_bytes": 100}
+    )
     assert (await post(sc, b'{"model":"m"}'))[0] == 200
     status, answer = await post(sc, b'{"pad":"' + b"x" * 100 + b'"}')
     assert (status, answer["error"]["limit"]) == (413, 100)
@@ -153,7 +157,7 @@ async def test_the_parsed_limit_is_configurable(upstream, start_sidecar) -> None
 async def test_a_body_nested_too_deep_is_400_and_the_session_is_not_left_in_flight(
     upstream, start_sidecar, depth: int
 ) -> None:
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext")
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", mode_opt=BIND_OPTIONS)
     assert (await post(sc, b'{"model":"m"}'))[0] == 200  # the session exists
     deep = b'{"a":' * (depth - 1) + b"[]" + b"}" * (depth - 1)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
@@ -170,7 +174,9 @@ async def test_a_body_nested_too_deep_is_400_and_the_session_is_not_left_in_flig
 
 
 async def test_the_depth_limit_is_configurable_and_nesting_within_it_passes(upstream, start_sidecar) -> None:
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", limits={"max_json_depth": 255})
+    sc = await start_sidecar(
+        upstream=upstream.url, mode="dynamo_nvext", mode_opt=BIND_OPTIONS, limits={"max_json_depth": 255}
+    )
     ok = b'{"a":' * 254 + b"1" + b"}" * 254
     assert (await post(sc, ok))[0] == 200
     assert upstream.received[0].body == ok[:-1] + b',"nvext":{' + BIND + b"}}"
@@ -179,7 +185,7 @@ async def test_the_depth_limit_is_configurable_and_nesting_within_it_passes(upst
 
 
 async def test_non_object_bodies_pass_unchanged_large_or_small(upstream, start_sidecar) -> None:
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext")
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", mode_opt=BIND_OPTIONS)
     bodies = [b"[1, 2]", b"[" + b"1," * INLINE_BYTES + b"1]", b'{"a": 1', b'{"a":"' + b"x" * INLINE_BYTES + b'"']
     for body in bodies:
         assert (await post(sc, body))[0] == 200
@@ -226,7 +232,7 @@ def empties(size: int) -> bytes:
 
 async def test_a_large_body_is_read_while_other_requests_are_answered(upstream, start_sidecar, gate) -> None:
     entered, release = gate
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext")
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", mode_opt=BIND_OPTIONS)
     assert (await post(sc, b'{"model":"m"}', session="small-0"))[0] == 200
     big = empties(PARSED_LIMIT)
     assert len(big) <= PARSED_LIMIT
@@ -251,7 +257,7 @@ async def test_a_large_body_is_read_while_other_requests_are_answered(upstream, 
 
 async def test_a_client_that_leaves_during_body_work_ends_its_turn(upstream, start_sidecar, gate) -> None:
     entered, release = gate
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext")
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", mode_opt=BIND_OPTIONS)
     assert (await post(sc, b'{"model":"m"}'))[0] == 200
     body = b'{"model":"m","pad":"' + b"x" * (2 * INLINE_BYTES) + b'"}'
     task = asyncio.ensure_future(post(sc, body))
@@ -272,7 +278,13 @@ async def test_large_bodies_name_sessions_and_deployments(two_upstreams, start_s
     a, b = two_upstreams
     deployments = [
         {"name": "a", "upstreams": [a.url], "models": ["ma"], "mode": "dynamo_headers"},
-        {"name": "b", "upstreams": [b.url], "models": ["mb"], "mode": "dynamo_nvext"},
+        {
+            "name": "b",
+            "upstreams": [b.url],
+            "models": ["mb"],
+            "mode": "dynamo_nvext",
+            "mode_options": {"protocol": "bind"},
+        },
     ]
     sc = await start_sidecar(deployments=deployments, identity={"body": ["user"]})
     pad = b"x" * (2 * INLINE_BYTES)
@@ -303,7 +315,7 @@ async def two_upstreams() -> AsyncIterator[tuple[Any, Any]]:
 async def test_a_defect_in_body_work_is_a_500_not_a_dropped_connection(
     upstream, start_sidecar, monkeypatch, size: int
 ) -> None:
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext")
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", mode_opt=BIND_OPTIONS)
 
     def broken(data: bytes, max_depth: int, names: tuple[bytes, ...]) -> Any:
         raise RuntimeError("scanner defect")

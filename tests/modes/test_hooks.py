@@ -100,7 +100,7 @@ def sc(m: Mode, c: RoutingContext, body: dict[str, Any] | None = None) -> Any:
 
 
 def test_nvext_bind_protocol_session_scope() -> None:
-    m = mode("dynamo_nvext", timeout_seconds=123)
+    m = mode("dynamo_nvext", protocol="bind", timeout_seconds=123)
     assert sc(m, ctx("s1", turn=1)) == {"session_id": "s1", "action": "bind", "timeout": 123}
     assert sc(m, ctx("s1", turn=2)) == {"session_id": "s1", "action": "bind", "timeout": 123}
     assert sc(m, ctx("s1", turn=3, final=True)) == {"session_id": "s1", "action": "close"}
@@ -110,11 +110,17 @@ def test_nvext_bind_protocol_session_scope() -> None:
 
 
 def test_nvext_default_timeout_is_300() -> None:
-    assert sc(mode("dynamo_nvext"), ctx()) == {"session_id": "s1", "action": "bind", "timeout": 300}
+    assert sc(mode("dynamo_nvext", protocol="bind"), ctx()) == {"session_id": "s1", "action": "bind", "timeout": 300}
+
+
+def test_nvext_default_protocol_is_open() -> None:
+    m = mode("dynamo_nvext")
+    assert sc(m, ctx("s1", turn=1)) == {"session_id": "s1", "action": "open", "timeout": 300}
+    assert sc(m, ctx("s1", turn=2)) == {"session_id": "s1"}
 
 
 def test_nvext_tree_scope_uses_root_and_closes_only_when_tree_final() -> None:
-    m = mode("dynamo_nvext", scope="tree", timeout_seconds=7)
+    m = mode("dynamo_nvext", protocol="bind", scope="tree", timeout_seconds=7)
     assert sc(m, ctx("c1", parent="r1", turn=1)) == {"session_id": "r1", "action": "bind", "timeout": 7}
     # The child's final turn while the tree lives on: still a bind on the root.
     assert sc(m, ctx("c1", parent="r1", final=True)) == {"session_id": "r1", "action": "bind", "timeout": 7}
@@ -146,15 +152,15 @@ def test_nvext_open_protocol_tree_scope_opens_on_root_first_turn_only() -> None:
 
 
 def test_nvext_fits_long_ids() -> None:
-    m = mode("dynamo_nvext")
+    m = mode("dynamo_nvext", protocol="bind")
     got = sc(m, ctx(LONG))
     assert got["session_id"] == fit_id(LONG, 256) and len(got["session_id"].encode()) <= 256
-    got = sc(mode("dynamo_nvext", scope="tree"), ctx("c", parent=LONG))
+    got = sc(mode("dynamo_nvext", protocol="bind", scope="tree"), ctx("c", parent=LONG))
     assert got["session_id"] == fit_id(LONG, 256)
 
 
 def test_nvext_merge_keeps_client_keys_and_mode_keys_win() -> None:
-    m = mode("dynamo_nvext", timeout_seconds=123)
+    m = mode("dynamo_nvext", protocol="bind", timeout_seconds=123)
     body = {
         "model": "m",
         "messages": [{"role": "user", "content": "hi"}],
@@ -183,24 +189,30 @@ def test_nvext_merge_keeps_client_keys_and_mode_keys_win() -> None:
 
 def test_nvext_close_drops_client_timeout_and_middle_open_turn_drops_action() -> None:
     client = {"nvext": {"session_control": {"action": "open", "timeout": 9, "keep": 1}}}
-    assert sc(mode("dynamo_nvext"), ctx(final=True), client) == {"session_id": "s1", "action": "close", "keep": 1}
+    assert sc(mode("dynamo_nvext", protocol="bind"), ctx(final=True), client) == {
+        "session_id": "s1",
+        "action": "close",
+        "keep": 1,
+    }
     assert sc(mode("dynamo_nvext", protocol="open"), ctx(turn=2), client) == {"session_id": "s1", "keep": 1}
 
 
 @pytest.mark.parametrize("nvext", [None, "text", 7, ["a"], True])
 def test_nvext_non_object_nvext_is_replaced(nvext: Any) -> None:
-    out = orjson.loads(apply(mode("dynamo_nvext"), ctx(), {"model": "m", "nvext": nvext}))
+    out = orjson.loads(apply(mode("dynamo_nvext", protocol="bind"), ctx(), {"model": "m", "nvext": nvext}))
     assert out == {"model": "m", "nvext": {"session_control": {"session_id": "s1", "action": "bind", "timeout": 300}}}
 
 
 @pytest.mark.parametrize("control", [None, "open", 3, ["x"]])
 def test_nvext_non_object_session_control_is_replaced(control: Any) -> None:
-    out = orjson.loads(apply(mode("dynamo_nvext"), ctx(), {"nvext": {"session_control": control, "k": 1}}))
+    out = orjson.loads(
+        apply(mode("dynamo_nvext", protocol="bind"), ctx(), {"nvext": {"session_control": control, "k": 1}})
+    )
     assert out == {"nvext": {"k": 1, "session_control": {"session_id": "s1", "action": "bind", "timeout": 300}}}
 
 
 def test_nvext_body_without_nvext() -> None:
-    out = orjson.loads(apply(mode("dynamo_nvext"), ctx(), {"model": "m", "stream": True}))
+    out = orjson.loads(apply(mode("dynamo_nvext", protocol="bind"), ctx(), {"model": "m", "stream": True}))
     assert out == {
         "model": "m",
         "stream": True,

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import yaml
 
 from sidecar.config import build_config
 from sidecar.errors import ConfigError
+from tests.proxy.test_errors import free_ports
 
 UP = "http://127.0.0.1:9"
 
@@ -39,7 +42,7 @@ def test_flag_strings_are_coerced_and_canonicalized() -> None:
         "timeout_seconds": 123,
         "protocol": "open",
     }
-    assert options("dynamo_nvext") == {"scope": "session", "timeout_seconds": 300, "protocol": "bind"}
+    assert options("dynamo_nvext") == {"scope": "session", "timeout_seconds": 300, "protocol": "open"}
     assert options("smg_routing_key", "scope=TREE") == {"scope": "tree"}
     assert options("session_id_header", "header_name= X-Mine ") == {"scope": "session", "header_name": "X-Mine"}
     assert options("session_id_header") == {"scope": "session", "header_name": "X-Session-ID"}
@@ -280,7 +283,63 @@ def test_check_config_prints_canonical_options(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     dep = yaml.safe_load(proc.stdout)["deployments"][0]
-    assert dep["mode_options"] == {"scope": "tree", "timeout_seconds": 123, "protocol": "bind"}
+    assert dep["mode_options"] == {"scope": "tree", "timeout_seconds": 123, "protocol": "open"}
+
+
+def test_modes_command_says_which_dynamo_releases_dynamo_nvext_is_for() -> None:
+    out = subprocess.run([sys.executable, "-m", "sidecar", "modes"], capture_output=True, text=True, timeout=30).stdout
+    lines = out.splitlines()
+    at = lines.index("dynamo_nvext (mutates the request body)")
+    assert lines[at + 1] == (
+        "    Dynamo 1.1.x-1.2.x only: nvext.session_control open/close in the JSON body (bind: 1.3.0 dev builds "
+        "only; 1.3.0 and later reject it: use dynamo_headers)."
+    )
+    assert (
+        "    protocol: open|bind, default 'open' - open: open / - / close, what Dynamo 1.1.x-1.2.x accept; bind: bind "
+        "/ close, accepted only by 1.3.0 development builds"
+    ) in lines[at + 2 : at + 5]
+
+
+@pytest.mark.parametrize(
+    "protocol, notice",
+    [
+        (
+            [],
+            "dynamo_nvext sends nvext.session_control open / close, which only Dynamo 1.1.x-1.2.x accept, and apply "
+            "only for workers that serve sessions (SGLang with --enable-streaming-session); Dynamo 1.3.0 and later "
+            "answer it with HTTP 400 (unknown field session_control): use dynamo_headers for them",
+        ),
+        (
+            ["--mode-opt", "protocol=bind"],
+            "dynamo_nvext sends nvext.session_control bind / close (protocol: bind), which only Dynamo 1.3.0 "
+            "development builds accept; released Dynamo 1.1.x-1.2.x answer HTTP 400 (unknown variant bind: use "
+            "protocol: open), 1.3.0 and later HTTP 400 (unknown field session_control: use dynamo_headers)",
+        ),
+    ],
+)
+async def test_run_logs_which_dynamo_releases_the_mode_works_with(upstream, protocol, notice) -> None:
+    from tests.test_cli import spawn, stop, wait_healthy
+
+    port, admin_port = free_ports(2)
+    proc = spawn(
+        *["--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin_port}", "--upstream", upstream.url],
+        *["--mode", "dynamo_nvext", *protocol],
+        env={"SIDECAR_SHUTDOWN_DELAY_SECONDS": "0"},
+    )
+    try:
+        await wait_healthy(f"http://127.0.0.1:{admin_port}", proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        lines = [orjson.loads(line) for line in (proc.stderr.read() if proc.stderr else "").splitlines()]
+    finally:
+        stop(proc)
+    (line,) = [x for x in lines if x["msg"].startswith("dynamo_nvext sends")]
+    assert (line["level"], line["msg"], line["deployment"], line["mode"]) == (
+        "warning",
+        notice,
+        "default",
+        "dynamo_nvext",
+    )
 
 
 def test_modes_command_lists_every_builtin_with_options() -> None:

@@ -408,7 +408,9 @@ async def test_non_object_body_passes_through_and_is_counted(
 
 @pytest.mark.parametrize("body", [b"[1,2]", b'{"model": "m",'])
 async def test_non_object_body_rejected_when_the_deployment_says_so(upstream, start_sidecar, body: bytes) -> None:
-    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_nvext", non_object_body="reject")
+    sc = await start_sidecar(
+        upstream=upstream.url, mode="dynamo_nvext", mode_opt=["protocol=bind"], non_object_body="reject"
+    )
     async with aiohttp.ClientSession() as client:
         async with client.post(
             sc.proxy_url + "/v1/chat/completions",

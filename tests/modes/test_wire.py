@@ -152,7 +152,9 @@ async def run_nvext(
 
 
 async def test_dynamo_nvext_bind_tree_matrix(upstream, start_sidecar) -> None:
-    steps = await run_nvext(upstream, start_sidecar, ["timeout_seconds=123", "scope=tree"], ROOT_AND_CHILD, ORDER)
+    steps = await run_nvext(
+        upstream, start_sidecar, ["timeout_seconds=123", "protocol=bind", "scope=tree"], ROOT_AND_CHILD, ORDER
+    )
     root = fit_id(LONG_A, 256)
     bind = {"session_id": root, "action": "bind", "timeout": 123}
     # B's final turn leaves the tree alive: still a bind; A's final turn ends the tree: close.
@@ -163,7 +165,9 @@ async def test_dynamo_nvext_bind_tree_matrix(upstream, start_sidecar) -> None:
 
 async def test_dynamo_nvext_bind_session_matrix(upstream, start_sidecar) -> None:
     sessions = [(LONG_A, None), ("conv-C", None)]
-    steps = await run_nvext(upstream, start_sidecar, ["timeout_seconds=123"], sessions, [0, 1, 0, 1, 0, 1])
+    steps = await run_nvext(
+        upstream, start_sidecar, ["timeout_seconds=123", "protocol=bind"], sessions, [0, 1, 0, 1, 0, 1]
+    )
     for rec, step in zip(upstream.received, steps, strict=True):
         sid = fit_id(step.session, 256)
         control = (
@@ -171,6 +175,18 @@ async def test_dynamo_nvext_bind_session_matrix(upstream, start_sidecar) -> None
             if step.final
             else {"session_id": sid, "action": "bind", "timeout": 123}
         )
+        assert rec.json() == nvext_expected(step, control), step
+
+
+async def test_dynamo_nvext_sends_what_the_releases_accept_by_default(upstream, start_sidecar) -> None:
+    """No options: open / - / close (Dynamo 1.1.x-1.2.x answer bind with HTTP 400)."""
+    steps = await run_nvext(upstream, start_sidecar, [], [("conv-D", None)], [0, 0, 0])
+    expected = [
+        {"session_id": "conv-D", "action": "open", "timeout": 300},
+        {"session_id": "conv-D"},
+        {"session_id": "conv-D", "action": "close"},
+    ]
+    for rec, step, control in zip(upstream.received, steps, expected, strict=True):
         assert rec.json() == nvext_expected(step, control), step
 
 
