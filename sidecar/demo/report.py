@@ -60,7 +60,7 @@ class AddedLatency:
         if self.measurable:
             return (
                 f"sidecar added latency: median of {self.pairs} paired sequential requests, 95% confidence "
-                f"{self.low_ms:+.2f} to {self.high_ms:+.2f} ms"
+                f"{self.low_ms:+.3f} to {self.high_ms:+.3f} ms"
             )
         return (
             f"sidecar added latency: within measurement noise (at most {max(self.high_ms, 0.01):.2f} ms: "
