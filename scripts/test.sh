@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# Installs what the tests need into .venv and runs them.
+# Installs what the tests need and runs them.
 #   ./scripts/test.sh           ruff, mypy, default suite (compiled build, then again as pure Python)
-#                               + real-gateway + real-agent-client (both builds) + packaging tests,
-#                               then the default suite on the newest other Python 3.12-3.14 found
-#                               (what CI runs)
-#   ./scripts/test.sh --quick   ruff, mypy and the default suite, on the installed build (~3 min on 2 cores)
+#                               + real-gateway + real-agent-client (both builds) + packaging and
+#                               browser tests, then the default suite on the newest other Python
+#                               3.12-3.14 found (what CI runs)
+#   ./scripts/test.sh --quick   ruff, mypy and the default suite, on the installed build: measured
+#                               9 min 27 s on 2 cores busy with other work (the suite: 6 min 24 s)
 # Extra arguments after the options go to pytest.
+#
+# What it installs, and where (README.md, "Quick start"):
+#   both       the package and its test extra into .venv (pip); redis-server, the Debian package,
+#              with apt-get as root (scripts/install_redis.sh; without root the shared-store tests
+#              are skipped, and fail in CI)
+#   full run   the gateways into .gateways/ (pip), the packaging linters into .tools/ (pip),
+#              the agent clients into .agents/ (npm) and strace (Debian, apt-get as root;
+#              scripts/install_agents.sh), Chromium, the Debian package, with apt-get (sudo when
+#              not root; scripts/install_browser.sh), and .venv-newest for the newest other Python
 set -euo pipefail
 cd "$(dirname "$0")/.."
 quick=0
