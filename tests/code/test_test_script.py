@@ -16,6 +16,7 @@ ROWS = {
     "install_gateways.sh": "`.gateways/`",
     "install_deploy_tools.sh": "`.tools/`",
     "install_browser.sh": "Chromium",
+    "install_agents.sh": "`.agents/`",
 }
 
 
