@@ -8,6 +8,7 @@ stops the process at start instead of failing each request.
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
@@ -61,6 +62,33 @@ def client_context(tls: TlsConfig | None, where: str = "") -> ssl.SSLContext:
         ctx.verify_mode = ssl.CERT_NONE
     ctx.set_alpn_protocols(ALPN)
     return ctx
+
+
+class RefusedAfterHandshake(ssl.SSLError):
+    """A TLS 1.3 upstream ended a new connection after the handshake without an alert, before
+    confirming the session: how servers on asyncio's TLS (aiohttp, uvicorn) refuse a client
+    certificate, which TLS 1.3 checks only once the client's side of the handshake is done."""
+
+    reason = "closed by the upstream after the handshake (no alert)"
+
+
+def refused_after_handshake(transport: asyncio.BaseTransport | None) -> RefusedAfterHandshake | None:
+    """The refusal of the TLS session of ``transport``, a new connection that ended (closed or
+    reset, no alert read) before any byte of a response; None if it was refused nothing.
+
+    Only TLS 1.3 leaves a refusal to after the client's handshake, and a server that accepted
+    the session sends its session tickets at once: a connection that carried a ticket, or TLS
+    1.2, was refused nothing. (A server without tickets that closed right after accepting
+    cannot be told apart: it counts as a refusal.) An alert that a reset overtook (the kernel
+    drops unread bytes when a reset arrives) is found here too, without its name.
+    """
+    sslobj = transport.get_extra_info("ssl_object") if transport is not None else None
+    if sslobj is None or sslobj.version() != "TLSv1.3":
+        return None
+    session = sslobj.session
+    if session is not None and session.has_ticket:
+        return None
+    return RefusedAfterHandshake(RefusedAfterHandshake.reason)
 
 
 def check_ca_file(path: str, setting: str) -> None:

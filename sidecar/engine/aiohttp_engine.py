@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import http_writer, web, web_protocol
+from aiohttp.client_proto import ResponseHandler
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from multidict import CIMultiDict
 from yarl import URL
@@ -34,6 +35,7 @@ from sidecar.engine.parse_errors import UNSUPPORTED_CODING
 from sidecar.errors import failure_reason
 from sidecar.router import BodyWork, Decision, RequestHead, body_pool
 from sidecar.state import LoadNeeded
+from sidecar.tls import refused_after_handshake
 
 log = logging.getLogger("sidecar.engine")
 
@@ -151,6 +153,27 @@ class _Connection(web_protocol.RequestHandler):
         return resp
 
 
+class _UpstreamProtocol(ResponseHandler):
+    """aiohttp's protocol of an upstream connection, which also tells a TLS session the upstream
+    refused after the handshake without an alert (:func:`sidecar.tls.refused_after_handshake`)
+    from a close: the close becomes that refusal, an ``ssl.SSLError`` as an alert would be."""
+
+    answered = False  # a response head arrived on this connection
+
+    def feed_data(self, data: Any, size: int = 0) -> None:
+        # Called once per response head (its body goes to the response's own stream).
+        self.answered = True
+        super().feed_data(data, size)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        # (``transport`` is None after the sidecar's own close or abort: never a refusal.)
+        if not self.answered and not isinstance(exc, ssl.SSLError):
+            refusal = refused_after_handshake(self.transport)
+            if refusal is not None:
+                exc = refusal
+        super().connection_lost(exc)
+
+
 class _Server(web.Server):
     """``web.Server`` whose connections are :class:`_Connection`."""
 
@@ -177,8 +200,12 @@ class AiohttpEngine(Engine):
         deps = self.router.deployments
         limit = max(d.limits.max_connections_per_upstream for d in deps)
         head_cap = max(d.limits.max_header_bytes for d in deps)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=limit, enable_cleanup_closed=False)
+        # aiohttp has no public hook for the protocol of its connections; this is the factory
+        # every one of them comes from.
+        connector._factory = partial(_UpstreamProtocol, loop=asyncio.get_running_loop())  # type: ignore[assignment]
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=limit, enable_cleanup_closed=False),
+            connector=connector,
             auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=None),

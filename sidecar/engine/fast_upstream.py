@@ -60,6 +60,7 @@ from sidecar.engine.idle_poll import IdlePoller
 from sidecar.engine.parsers import ParseError, ResponseParser
 from sidecar.engine.relay import BodyRelay
 from sidecar.errors import failure_reason
+from sidecar.tls import refused_after_handshake
 
 if TYPE_CHECKING:
     from sidecar.engine.direct import Writer
@@ -231,15 +232,21 @@ class UpstreamConnection:
             self._complete(perf_counter())
             return
         self._unbind()
+        if self.fresh and relay is None and self.pool.tls is not None:
+            # A TLS 1.3 server checks the client's certificate after the client's side of the
+            # handshake is done, and refuses with an alert the client reads only now, or (on
+            # asyncio's TLS) with a bare close: the request never reached the application, like
+            # a refused connect. A pooled connection's close is never a refusal.
+            refusal = exc if isinstance(exc, ssl.SSLError) else None
+            if refusal is None and not self.pieces:
+                refusal = refused_after_handshake(self.transport)
+            if refusal is not None:
+                ex.connect_failed("tls", refusal)
+                return
         if exc is None:
             ex.upstream_failed(
                 "the upstream closed the connection" + ("" if relay is not None else " before responding")
             )
-        elif self.fresh and relay is None and isinstance(exc, ssl.SSLError):
-            # A TLS 1.3 server checks the client's certificate after the client's side of the
-            # handshake is done, and refuses with an alert the client reads only now: the
-            # request never reached the application, like a refused connect.
-            ex.connect_failed("tls", exc)
         else:
             ex.upstream_failed(_failed(exc))
 

@@ -45,6 +45,8 @@ class Pki:
     cert_file: str  # client certificate of the sidecar, for mutual TLS
     key_file: str
     other_key_file: str  # a valid key that is not the client certificate's
+    foreign_cert_file: str  # a client certificate (and its key) from the CA nobody trusts
+    foreign_key_file: str
     dir: Path
 
     def server_context(
@@ -71,6 +73,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     client.cert_chain_pems[0].write_to_path(str(d / "client.pem"))
     client.private_key_pem.write_to_path(str(d / "client.key"))
     ca.issue_cert("someone-else.test").private_key_pem.write_to_path(str(d / "other.key"))
+    foreign = other.issue_cert("sidecar.test")
+    foreign.cert_chain_pems[0].write_to_path(str(d / "foreign.pem"))
+    foreign.private_key_pem.write_to_path(str(d / "foreign.key"))
     return Pki(
         ca=ca,
         server=ca.issue_cert(SERVER_NAME, "127.0.0.1"),
@@ -80,6 +85,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
         cert_file=str(d / "client.pem"),
         key_file=str(d / "client.key"),
         other_key_file=str(d / "other.key"),
+        foreign_cert_file=str(d / "foreign.pem"),
+        foreign_key_file=str(d / "foreign.key"),
         dir=d,
     )
 
@@ -156,14 +163,17 @@ class ThreadedTlsUpstream:
 
     Unlike an asyncio TLS server, it sends the alert of a failed handshake and closes gently
     (it reads what the client still sends before closing, so no reset destroys the alert), as
-    production servers do. It answers ``GET`` requests with ``{"target", "conn"}``. After the
-    first response on a connection it waits for ``close_now``, if set up with ``close_notify``,
-    then sends a TLS close_notify and closes, from its own thread.
+    production servers do; with ``gentle=False`` it closes at once, as a plain Python ``ssl``
+    server does (a reset then follows the alert when request bytes were unread, and the client's
+    kernel may drop the alert before it is read). It answers ``GET`` requests with
+    ``{"target", "conn"}``. After the first response on a connection it waits for ``close_now``,
+    if set up with ``close_notify``, then sends a TLS close_notify and closes, from its own thread.
     """
 
-    def __init__(self, ctx: ssl.SSLContext, *, close_notify: bool = False) -> None:
+    def __init__(self, ctx: ssl.SSLContext, *, close_notify: bool = False, gentle: bool = True) -> None:
         self.ctx = ctx
         self.close_notify = close_notify
+        self.gentle = gentle
         self.close_now = threading.Event()
         self.handshake_errors: list[str] = []
         self.received: list[tuple[int, str]] = []  # (connection number, target)
@@ -213,7 +223,10 @@ class ThreadedTlsUpstream:
             tls.do_handshake()
         except (ssl.SSLError, OSError) as exc:
             self.handshake_errors.append(getattr(exc, "reason", None) or type(exc).__name__)
-            _linger_close(tls)
+            if self.gentle:
+                _linger_close(tls)
+            else:
+                tls.close()
             return
         buf = b""
         try:

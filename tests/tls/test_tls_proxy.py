@@ -15,11 +15,13 @@ import orjson
 import pytest
 
 from sidecar.engine.fast_upstream import STALE_CHECK_AFTER
-from tests.engine import RawMessage, echo, read_response
+from tests.engine import RawMessage, echo, read_response, reply
 from tests.tls.conftest import SERVER_NAME, Pki
 from tests.waiting import wait_for
 
 FAST = pytest.mark.parametrize("engine", ["fast"])
+# The reason of a refusal that came without an alert (or whose alert a reset destroyed).
+NO_ALERT = "closed by the upstream after the handshake (no alert)"
 
 
 async def get(sc: Any, target: str = "/v1/models", headers: dict[str, str] | None = None) -> RawMessage:
@@ -142,6 +144,16 @@ async def test_mutual_tls_without_client_certificate_is_502(pki, threaded_tls_up
     assert set(up.handshake_errors) == {"PEER_DID_NOT_RETURN_A_CERTIFICATE"}
 
 
+async def tree_on_first_of(start_sidecar: Any, urls: list[str], tls: dict[str, str]) -> tuple[Any, str]:
+    """A sidecar whose deployment has the upstreams ``urls``, and a tree root the balancer
+    places on the first."""
+    sc = await start_sidecar(
+        readiness_check_upstream=False, deployments=[{"name": "default", "upstreams": urls, "tls": tls}]
+    )
+    dep = sc.router.deployments[0]
+    return sc, next(f"tree-{i}" for i in range(1000) if dep.pick_upstream(f"tree-{i}").index == 0)
+
+
 @pytest.mark.parametrize("failure", ["verify", "client_certificate"])
 async def test_tls_failure_fails_the_tree_over_like_a_refused_connect(
     pki, tls_upstream, threaded_tls_upstream, start_sidecar, failure
@@ -151,18 +163,108 @@ async def test_tls_failure_fails_the_tree_over_like_a_refused_connect(
     else:
         bad = threaded_tls_upstream(pki.server_context(client_cert="required"))
     good = await tls_upstream(pki.server_context(), {"/r": echo()})
-    sc = await start_sidecar(
-        readiness_check_upstream=False,
-        deployments=[{"name": "default", "upstreams": [bad.url, good.url], "tls": {"ca_file": pki.ca_file}}],
-    )
-    dep = sc.router.deployments[0]
-    root = next(f"tree-{i}" for i in range(1000) if dep.pick_upstream(f"tree-{i}").index == 0)
+    sc, root = await tree_on_first_of(start_sidecar, [bad.url, good.url], {"ca_file": pki.ca_file})
     first = await get(sc, "/r", {"X-Correlation-ID": root})
     assert first.status == 502 and error_of(first)["type"] == "upstream_unreachable"
     assert error_of(first)["upstream"] == 0
     second = await get(sc, "/r", {"X-Correlation-ID": root})
     assert second.status == 200
     assert [r.target for r in good.received] == ["/r"]
+
+
+# A TLS 1.3 upstream refusing the sidecar's client certificate after the sidecar's side of the
+# handshake, as servers do it: an alert then a gentle close (nginx, Envoy); an alert then an
+# immediate close (a plain Python ``ssl`` server: a reset follows, and may overtake the alert
+# in the sidecar's kernel); a bare close, no alert (servers on asyncio's TLS: aiohttp, uvicorn).
+REFUSERS = ["alert", "alert_then_close", "bare_close"]
+# The sidecar's client certificate: none, or one from a CA the upstream does not trust.
+CLIENT_CERTS = {"none": "TLSV13_ALERT_CERTIFICATE_REQUIRED", "foreign": "TLSV1_ALERT_UNKNOWN_CA"}
+
+
+async def refusing_upstream(refuser: str, pki: Pki, tls_upstream: Any, threaded_tls_upstream: Any) -> Any:
+    """A TLS 1.3 upstream that requires a client certificate of the test CA."""
+    ctx = pki.server_context(client_cert="required")
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    if refuser == "bare_close":
+        return await tls_upstream(ctx, {"/r": echo()})
+    return threaded_tls_upstream(ctx, gentle=refuser == "alert")
+
+
+def refusal_reasons(refuser: str, client_cert: str) -> set[str]:
+    """The TLS reasons the sidecar may give for the refusal."""
+    alert = CLIENT_CERTS[client_cert]
+    return {"alert": {alert}, "alert_then_close": {alert, NO_ALERT}, "bare_close": {NO_ALERT}}[refuser]
+
+
+def client_tls(pki: Pki, client_cert: str) -> dict[str, str]:
+    tls = {"ca_file": pki.ca_file}
+    if client_cert == "foreign":
+        tls.update(cert_file=pki.foreign_cert_file, key_file=pki.foreign_key_file)
+    return tls
+
+
+@pytest.mark.parametrize("client_cert", list(CLIENT_CERTS))
+@pytest.mark.parametrize("refuser", REFUSERS)
+async def test_tls13_refused_client_certificate_is_a_tls_failure(
+    pki, tls_upstream, threaded_tls_upstream, start_sidecar, caplog, refuser, client_cert
+):
+    """502 upstream_unreachable with the TLS reason, in the answer and in the log line, as for a
+    failed handshake; never "closed before responding" or "connection reset"."""
+    up = await refusing_upstream(refuser, pki, tls_upstream, threaded_tls_upstream)
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, tls=client_tls(pki, client_cert))
+    with caplog.at_level("WARNING", logger="sidecar.upstream"):
+        resp = await get(sc, "/r")
+    assert resp.status == 502, resp.body
+    err = error_of(resp)
+    assert err["type"] == "upstream_unreachable", err
+    reason = err["message"].removeprefix("upstream 0 of deployment 'default' is unreachable: TLS: ")
+    assert reason in refusal_reasons(refuser, client_cert), err
+    assert "127.0.0.1" not in resp.body.decode() and str(pki.dir) not in resp.body.decode()
+    lines = [r.getMessage() for r in caplog.records if r.name == "sidecar.upstream"]
+    assert f"upstream failed: TLS: {reason}" in lines, lines
+    assert up.received == []
+    assert (
+        sc.metrics.registry.get_sample_value(
+            "sidecar_upstream_errors_total", {"deployment": "default", "kind": "connect"}
+        )
+        == 1
+    )
+
+
+@pytest.mark.parametrize("client_cert", list(CLIENT_CERTS))
+@pytest.mark.parametrize("refuser", REFUSERS)
+async def test_tls13_refused_client_certificate_fails_the_tree_over(
+    pki, tls_upstream, threaded_tls_upstream, tls_recording_upstream, start_sidecar, refuser, client_cert
+):
+    """The tree's first request meets the refusal; every later one goes to the healthy upstream."""
+    bad = await refusing_upstream(refuser, pki, tls_upstream, threaded_tls_upstream)
+    good = await tls_recording_upstream(pki.server_context())
+    sc, root = await tree_on_first_of(start_sidecar, [bad.url, good.url], client_tls(pki, client_cert))
+    answers = [await get(sc, f"/r{n}", {"X-Correlation-ID": root}) for n in range(6)]
+    assert [a.status for a in answers] == [502] + [200] * 5, [a.body for a in answers]
+    assert error_of(answers[0])["type"] == "upstream_unreachable"
+    assert error_of(answers[0])["upstream"] == 0
+    assert [r.path for r in good.received] == [f"/r{n}" for n in range(1, 6)]
+    assert bad.received == []
+
+
+async def test_tls13_upstream_that_accepted_then_closed_is_no_tls_failure(
+    pki, tls_upstream, tls_recording_upstream, start_sidecar
+):
+    """A TLS 1.3 upstream that accepted the session (it sent its session tickets) and closed a new
+    connection without responding failed the request, not the handshake: 502
+    upstream_protocol_error, and the tree stays on it."""
+    ctx = pki.server_context()
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    closing = await tls_upstream(ctx, {"/close": reply(b"", keep=False), "/r": echo()})
+    good = await tls_recording_upstream(pki.server_context())
+    sc, root = await tree_on_first_of(start_sidecar, [closing.url, good.url], {"ca_file": pki.ca_file})
+    first = await get(sc, "/close", {"X-Correlation-ID": root})
+    assert first.status == 502 and error_of(first)["type"] == "upstream_protocol_error", first.body
+    second = await get(sc, "/r", {"X-Correlation-ID": root})
+    assert second.status == 200
+    assert [r.target for r in closing.received][-1] == "/r"
+    assert good.received == []
 
 
 # -- pooling -----------------------------------------------------------------------------------
