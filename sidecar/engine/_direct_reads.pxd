@@ -66,6 +66,7 @@ cdef class DirectReads:
     cdef public unsigned long long enrolled
     cpdef Enrolled enroll(self, object conn, int fd, BodyRelay relay)
     cpdef leave(self, Enrolled entry, int fd)
+    cpdef settle(self, Enrolled entry)
     cpdef unwatch(self, int fd)
     cdef void _stop(self) noexcept
     cdef void _shutdown(self) noexcept

@@ -9,7 +9,9 @@ Content-Length body; a close-delimited body to an HTTP/1.0 client), sends it to 
 socket at once: per event one ``epoll_wait``, one ``recv`` and one ``send``, the loop never
 woken. The read that ends the body the usual way (whole chunks then the last chunk with no
 extension or trailer, ending the read; the last bytes of a Content-Length body) is sent the
-same way, then handed back (``K_END``) for the loop to end the response. Every other read is
+same way, then handed back (``K_END``) for the loop to end the response; a loop that learns of
+the client's close before that note (a client that closes once it has the last byte) acts on
+the note first (:meth:`DirectReads.settle`): a body delivered whole is complete. Every other read is
 handed back to the loop whole (``K_READ``), which feeds it to the response's
 :class:`~sidecar.engine.relay.BodyRelay` as its transport's reads are fed (trailers,
 extensions, bytes after the body, invalid framing all stay in one place), then enrols the
@@ -603,6 +605,24 @@ cdef class DirectReads:
         e.next_retired = s.retired
         s.retired = e
         pthread_mutex_unlock(&s.qlock)
+
+    cpdef settle(self, Enrolled entry):
+        """Act now on ``entry``'s hand-back if it is the body's end, sent whole to the client:
+        the loop is about to give the response up because its client left, perhaps before the
+        thread's note of that end reached it (a client that closes as soon as it has the last
+        byte). A body delivered whole is complete, whatever its client did after. Waits for a
+        read the thread is relaying for ``entry`` to be done, as :meth:`leave` does."""
+        cdef Entry *e = entry.c
+        cdef bint whole
+        if e == NULL or self.s == NULL:
+            return
+        pthread_mutex_lock(&e.lock)
+        whole = e.held and e.queued and e.back.kind == K_END and e.back.data == NULL
+        pthread_mutex_unlock(&e.lock)
+        if whole:
+            # (the note stays queued: the connection leaves as the response ends, and the
+            # entry, dead, is freed when the loop takes it)
+            self._back(entry, K_END, None, 0)
 
     cpdef unwatch(self, int fd):
         """Take the socket ``fd`` out of the event loop's own epoll set: its transport was just

@@ -1000,6 +1000,11 @@ class Exchange(UpstreamRequest):
         """The client connection closed: abandon the upstream side (an abandoned stream must not keep a GPU busy)."""
         if self.state == QUEUED or self.state == DONE:
             return
+        conn = self.conn
+        if conn is not None:
+            conn.client_gone()  # the body's end may have gone out already: then the response ended
+            if self.state == DONE:
+                return
         if self.decision is not None:
             self._finish_turn(_CLIENT_ABORTED)
         self._end(ABORT)

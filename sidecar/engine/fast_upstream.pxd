@@ -50,6 +50,8 @@ cdef class UpstreamConnection:
     cpdef _unbind(self)
     @cython.locals(entry=Enrolled)
     cpdef direct_stop(self)
+    @cython.locals(entry=Enrolled)
+    cpdef client_gone(self)
 
 cdef class UpstreamPool:
     cdef public object loop, host, tls, server_hostname, waiters, tasks

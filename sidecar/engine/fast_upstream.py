@@ -311,6 +311,14 @@ class UpstreamConnection:
             self.pool.direct.leave(entry, self.sock.fd)  # type: ignore[union-attr]  # (enrolled: it has one)
             self.flow.resume(DIRECT)
 
+    def client_gone(self) -> None:
+        """The client connection closed: a body whose end the stream thread already sent to the
+        client completes now (``response_end``), though the thread's note of it has not reached
+        the loop yet (see :meth:`DirectReads.settle`)."""
+        entry = self.direct
+        if entry:
+            self.pool.direct.settle(entry)
+
     def abort(self) -> None:
         """The exchange gave up on this connection (client gone, timeout, bad request body)."""
         self._unbind()

@@ -8,6 +8,7 @@ import asyncio
 import os
 import resource
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +257,71 @@ async def test_a_last_read_the_client_socket_cannot_take_ends_through_the_transp
         assert s.ended == [False] and s.relay.done and direct.handed_back == 1
         assert s.transport.writes == [b"z" * 100]  # (the transport's buffer: after the socket's bytes)
         assert s.received() == b"f" * filler
+    finally:
+        s.close()
+
+
+async def test_a_body_end_the_thread_sent_is_settled_before_its_note_reaches_the_loop(direct: Any) -> None:
+    """The client has the body's last byte and leaves while the loop has not taken the thread's
+    note yet: ``settle`` ends the body then and there, and the note, taken later, changes nothing."""
+    s = Stream(direct, CHUNKED, 0)
+    try:
+        s.enroll()
+        s.origin.sendall(b"3\r\nabc\r\n")
+        assert await read_until(s, b"3\r\nabc\r\n") == b"3\r\nabc\r\n"
+        last = b"3\r\ndef\r\n0\r\n\r\n"
+        s.origin.sendall(last)
+        assert blocking_read(s, last) == last and s.ended == []  # (the loop has not run)
+        direct.settle(s.entry)  # (waits for the thread to be done with the read it sent)
+        assert s.ended == [False] and s.relay.done and direct.handed_back == 1
+        await asyncio.sleep(0.05)  # the loop takes the note: nothing more happens
+        assert s.ended == [False] and s.calls == []
+    finally:
+        s.close()
+
+
+def blocking_until(condition: Any, timeout: float = 5) -> None:
+    """Wait for ``condition()`` with the event loop blocked (the thread's notes stay queued)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+async def test_a_body_end_the_client_socket_did_not_take_whole_is_not_settled(direct: Any) -> None:
+    """The read that ends the body finds the client's socket full: the rest waits for the
+    client's transport, so ``settle`` ends nothing; the loop ends the body when it takes the note."""
+    s = Stream(direct, LENGTH, 100, sndbuf=4096)
+    try:
+        s.enroll()
+        while True:  # the client does not read: fill its socket
+            try:
+                s.ours.send(b"f" * 4096)
+            except BlockingIOError:
+                break
+        s.origin.sendall(b"z" * 100)
+        blocking_until(lambda: direct.handed_back == 1)
+        direct.settle(s.entry)
+        assert s.ended == [] and s.transport.writes == []
+        await until(lambda: s.ended)
+        assert s.ended == [False] and s.transport.writes == [b"z" * 100]
+    finally:
+        s.close()
+
+
+async def test_a_body_whose_end_has_not_gone_out_is_not_settled(direct: Any) -> None:
+    """A client that leaves mid-body left it: ``settle`` ends nothing and the thread goes on."""
+    s = Stream(direct, LENGTH, 100)
+    try:
+        s.enroll()
+        s.origin.sendall(b"z" * 50)
+        assert await read_until(s, b"z" * 50) == b"z" * 50
+        direct.settle(s.entry)
+        assert s.ended == [] and s.calls == []
+        s.origin.sendall(b"z" * 50)  # still relayed by the thread, to the body's end
+        assert await read_until(s, b"z" * 50) == b"z" * 50
+        await until(lambda: s.ended)
+        assert s.ended == [False] and direct.handed_back == 1 and s.transport.writes == []
     finally:
         s.close()
 
