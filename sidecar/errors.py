@@ -137,6 +137,12 @@ def bad_request(message: str) -> ProxyError:
     return ProxyError(BAD_REQUEST, message)
 
 
+def unsupported_version(major: int, minor: int) -> ProxyError:
+    """A request in an HTTP version the sidecar does not proxy: any but 1.0 and 1.1 (a request
+    line without a version is HTTP/0.9, refused as soon as the line ends)."""
+    return ProxyError(BAD_REQUEST, f"unsupported HTTP version {major}.{minor}")
+
+
 def unsupported_transfer_coding() -> ProxyError:
     """A request framed by a transfer coding the sidecar cannot forward faithfully (RFC 9112 6.1,
     6.3): anything but a lone ``chunked``, or chunked on HTTP/1.0."""

@@ -23,6 +23,7 @@ import aiohttp
 from aiohttp import http_writer, web, web_protocol
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.streams import EMPTY_PAYLOAD
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -32,6 +33,7 @@ from sidecar.context import TurnOutcome
 from sidecar.engine.base import Engine
 from sidecar.engine.head import DOT_SEGMENT, dot_segment, origin_form, valid_host
 from sidecar.engine.parse_errors import UNSUPPORTED_CODING
+from sidecar.engine.wire import error_response
 from sidecar.errors import failure_reason
 from sidecar.router import BodyWork, Decision, RequestHead, body_pool
 from sidecar.state import LoadNeeded
@@ -89,16 +91,27 @@ def _install_raw_header_serializer() -> None:
 class _Connection(web_protocol.RequestHandler):
     """aiohttp's handler of one client connection, with a head timeout and quiet, JSON refusals."""
 
-    __slots__ = ("_head_timer", "_head_timeout", "_on_refused")
+    __slots__ = ("_head_timer", "_head_timeout", "_on_refused", "_line")
 
     def __init__(self, manager: Any, *, head_timeout: float, on_refused: Any, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_timeout = head_timeout
         self._on_refused = on_refused  # counts a refusal: on_refused(reason)
+        # The bytes of the next head's request line while they are known to start it: at the
+        # connection's start, and after a read that ended with a whole request without a body.
+        # None once that line ended (or where a head starts is not known).
+        self._line: bytes | None = b""
 
     def data_received(self, data: bytes) -> None:
+        line = self._line
+        if line is not None and self._request_line_without_version(line + data):
+            return
+        messages = len(self._messages)
         super().data_received(data)
+        if len(self._messages) > messages:  # (aiohttp queues what it parsed; its task takes it later)
+            ended = data.endswith(b"\r\n\r\n") and self._messages[-1][1] is EMPTY_PAYLOAD
+            self._line = b"" if ended else None
         # Bytes that complete no request while none is being handled: a head in progress. It
         # must complete within the head timeout (a head dribbled byte by byte holds a
         # connection and a parser buffer for as long as it lasts).
@@ -108,6 +121,23 @@ class _Connection(web_protocol.RequestHandler):
         elif not waiting and self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+
+    def _request_line_without_version(self, line: bytes) -> bool:
+        """Watch a request line (``line``: its bytes so far): one that ended without an HTTP
+        version, or with 0.9, is refused now, as the fast engine does (aiohttp would read header
+        lines until an empty line that an HTTP/0.9 client never sends)."""
+        line = line.lstrip(b"\r\n")  # (empty lines before a request are skipped)
+        end = line.find(b"\n")
+        if end < 0:
+            self._line = line if len(line) <= self.max_line_size else None
+            return False
+        self._line = None
+        method, _, rest = line[:end].rstrip(b"\r").partition(b" ")
+        target, space, version = rest.partition(b" ")
+        if not method or not target or (space and version != b"HTTP/0.9"):
+            return False  # a version (or not a request line: the parser's to judge)
+        self._refuse_head(errors.unsupported_version(0, 9), "bad_request")
+        return True
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._head_timer is not None:
@@ -119,12 +149,16 @@ class _Connection(web_protocol.RequestHandler):
         self._head_timer = None
         if self.transport is None or self._current_request is not None or self._messages:
             return
-        self._on_refused("request_timeout")
-        body = errors.request_timeout(f"the request head did not arrive within {self._head_timeout:g} s").body()
-        self.transport.write(
-            b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+        self._refuse_head(
+            errors.request_timeout(f"the request head did not arrive within {self._head_timeout:g} s"),
+            "request_timeout",
         )
+
+    def _refuse_head(self, exc: errors.ProxyError, reason: str) -> None:
+        """Answer a head that will never be served, as the fast engine does, and close."""
+        self._on_refused(reason)
+        if self.transport is not None:
+            self.transport.write(error_response(exc, http10=False, keep_alive=False, head_only=False))
         self.force_close()
 
     def handle_error(
@@ -294,7 +328,7 @@ class AiohttpEngine(Engine):
         if request.version < (1, 0) or request.version > (1, 1):
             return self._refuse(
                 request,
-                errors.bad_request(f"unsupported HTTP version {request.version[0]}.{request.version[1]}"),
+                errors.unsupported_version(request.version[0], request.version[1]),
                 "bad_request",
             )
         hosts = in_headers.getall(h.HOST, ())

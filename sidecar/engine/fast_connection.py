@@ -31,7 +31,7 @@ from sidecar.engine.direct import DirectSocket
 from sidecar.engine.fast_exchange import ClientSide, Exchange, Shared, new_exchange
 from sidecar.engine.flow import PIPELINED, STOPPED, ReadFlow
 from sidecar.engine.head import HOST_INVALID, HOST_REPEATED, HOST_SEEN, LISTED, dot_segment, name_table, scan_request
-from sidecar.engine.parsers import CallbackError, HeadTooLarge, ParseError, RequestParser, UpgradeRequest
+from sidecar.engine.parsers import CallbackError, HeadTooLarge, Http09Request, ParseError, RequestParser, UpgradeRequest
 from sidecar.engine.phases import ABORT, CLOSE, DONE, QUEUED
 from sidecar.engine.relay import ClientOutput
 
@@ -119,6 +119,8 @@ class ClientConnection(ClientSide):
             self._stop()  # the upgrade/CONNECT request is queued and refused; nothing after it is read
         except HeadTooLarge:
             self._refuse(errors.headers_too_large(self.max_head), "headers_too_large")
+        except Http09Request:
+            self._refuse(errors.unsupported_version(0, 9), "bad_request")
         except ParseError as exc:
             if isinstance(exc, CallbackError):
                 log.error("request parser callback failed", exc_info=exc.__cause__)

@@ -342,7 +342,7 @@ class Exchange(UpstreamRequest):
         raw, first, end = self.raw, self.first, self.end
         self.http10 = version == 10
         if version != 11 and not self.http10:
-            self.error = (errors.bad_request(f"unsupported HTTP version {version // 10}.{version % 10}"), "bad_request")
+            self.error = (errors.unsupported_version(version // 10, version % 10), "bad_request")
             return
         # RFC 9112 3.2: one valid Host, required in HTTP/1.1.
         if facts & HOST_REPEATED or facts & HOST_INVALID or not (facts & HOST_SEEN or self.http10):

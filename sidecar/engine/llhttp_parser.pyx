@@ -29,7 +29,7 @@ from libc.string cimport memcmp
 
 from sidecar.engine.head cimport locate
 
-from sidecar.engine.parse_errors import CallbackError, HeadTooLarge, ParseError, UpgradeRequest
+from sidecar.engine.parse_errors import CallbackError, HeadTooLarge, Http09Request, ParseError, UpgradeRequest
 
 # RFC 9112 7.1.1 chunk extensions (after the size), bad whitespace included; RFC 9112 7.1.2 trailer
 # field lines. Both are checked only when present.
@@ -206,6 +206,8 @@ cdef class LlhttpParser(_Llhttp):
                 break
             pos = self.paused_at  # the head of a body decoded here ended there
         if self.in_head:  # the head continues in the next read: keep its bytes so far
+            if self.p.http_major == 0 and self.p.http_minor == 9:  # (a request line saying HTTP/0.9)
+                raise Http09Request()
             if self.start > 0:
                 data = data[self.start:]
             size = self.held + len(data)
@@ -235,6 +237,8 @@ cdef class LlhttpParser(_Llhttp):
         start, first, end = locate(raw, start)
         if end + 2 - start > self.max_head:
             raise HeadTooLarge()
+        if p.http_major == 0 and p.http_minor == 9:  # (a request line saying HTTP/0.9)
+            raise Http09Request()
         method = _METHODS[p.method]
         if method is None:
             method = _METHODS[p.method] = <bytes>llhttp_method_name(<llhttp_method_t>p.method)
@@ -543,10 +547,16 @@ cdef int _on_method(llhttp_t* p, const char* at, size_t length) noexcept:
 
 
 cdef int _on_url(llhttp_t* p, const char* at, size_t length) noexcept:
+    """A piece of the request target. The one that ends at a line's end ends a request line
+    without an HTTP version: refused now (llhttp would read header lines until an empty line
+    that an HTTP/0.9 client never sends)."""
     cdef LlhttpParser self = <LlhttpParser>p.data
+    cdef const char* after = at + length
     try:
         piece = PyBytes_FromStringAndSize(at, length)
         self.target = piece if not self.target else self.target + piece
+        if after < self.buf + len(self.data) and (after[0] == 13 or after[0] == 10):
+            return _fail(self, Http09Request())
     except BaseException as exc:
         return _fail(self, exc)
     return 0

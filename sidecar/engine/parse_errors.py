@@ -14,6 +14,12 @@ class HeadTooLarge(ParseError):
     """A request head, or a request's trailers, exceeds the head limit."""
 
 
+class Http09Request(ParseError):
+    """A request line without an HTTP version (or with version 0.9), raised as soon as the line
+    ended: llhttp would read such a request's header lines until an empty line that an HTTP/0.9
+    client never sends."""
+
+
 class CallbackError(ParseError):
     """An owner callback raised (the cause): a defect, not the client's."""
 

@@ -24,7 +24,9 @@ The owner provides (called from inside :meth:`feed_data`, in stream order):
   limit and dropped).
 
 :meth:`feed_data` raises :class:`HeadTooLarge` when a head (or the trailers) exceeds
-``max_head`` bytes, even before its line ends; :class:`UpgradeRequest` after the head of an
+``max_head`` bytes, even before its line ends; :class:`Http09Request` once a request line ended
+without an HTTP version (or with version 0.9), without waiting for the rest of the head;
+:class:`UpgradeRequest` after the head of an
 upgrade or CONNECT request (nothing after it is parsed); :class:`ParseError` for bytes llhttp
 refuses; :class:`CallbackError` when an owner callback raised (its exception is the cause).
 After any of them the parser is unusable.
@@ -51,12 +53,22 @@ from typing import Any
 
 import httptools
 
-from sidecar.engine.parse_errors import CallbackError, HeadTooLarge, ParseError, UpgradeRequest
+from sidecar.engine.parse_errors import CallbackError, HeadTooLarge, Http09Request, ParseError, UpgradeRequest
 
-__all__ = ["CallbackError", "HeadTooLarge", "ParseError", "RequestParser", "ResponseParser", "UpgradeRequest"]
+__all__ = [
+    "CallbackError",
+    "HeadTooLarge",
+    "Http09Request",
+    "ParseError",
+    "RequestParser",
+    "ResponseParser",
+    "UpgradeRequest",
+]
 
 
 _CONTENT_LENGTH = b"content-length"
+# Bytes of the request stream kept between heads: a method cut into reads, and the byte before it.
+_METHOD_TAIL = 32
 _REASON_REFUSED = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
@@ -75,6 +87,7 @@ class HttptoolsParser:
         "length",
         "size",
         "fed",
+        "tail",
     )
 
     def __init__(self, owner: Any, max_head: int) -> None:
@@ -89,6 +102,7 @@ class HttptoolsParser:
         self.length = -1  # the declared Content-Length (llhttp refuses a second one)
         self.size = 0  # head bytes so far as llhttp reported them (target, names, values, separators)
         self.fed = 0  # bytes fed since the read in which the head began
+        self.tail = b""  # the last bytes of the stream (see _tail)
         self.parser = httptools.HttpRequestParser(self)
 
     def feed_data(self, data: bytes) -> None:
@@ -100,13 +114,39 @@ class HttptoolsParser:
             raise UpgradeRequest from None
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
-            if isinstance(cause, HeadTooLarge):
-                raise HeadTooLarge() from None
+            if isinstance(cause, (HeadTooLarge, Http09Request)):
+                raise type(cause)() from None
             raise CallbackError(str(exc)) from cause
         except httptools.HttpParserError as exc:
             raise ParseError(str(exc)) from None
-        if self.in_head and self.fed > self.max_head:
-            raise HeadTooLarge()  # llhttp holds a partial header line until it ends: bound it
+        if self.in_head:
+            if self.fed > self.max_head:
+                raise HeadTooLarge()  # llhttp holds a partial header line until it ends: bound it
+            self._check_version(data)
+        else:
+            self._tail(data, _METHOD_TAIL)  # (a method cut into reads: no target yet)
+
+    def _check_version(self, data: bytes) -> None:
+        """Raise :class:`Http09Request` when the head in progress has a request line that ended
+        without a version, or with version 0.9. llhttp says 0.9 once a byte follows such a
+        line; until then it only waits, and httptools reports no version callback: the line is
+        found as the stream's last line, ``METHOD SP target``, which no header line can be."""
+        parser = self.parser
+        if parser.get_http_version() == "0.9":
+            raise Http09Request()
+        line = parser.get_method() + b" " + self.target
+        tail = self._tail(data, len(line) + 3)
+        ending = 2 if tail.endswith(b"\r\n") else 1 if tail.endswith(b"\n") else 0
+        at = len(tail) - ending - len(line)
+        if ending and at >= 0 and tail.startswith(line, at) and (at == 0 or tail[at - 1] == 10):
+            raise Http09Request()
+
+    def _tail(self, data: bytes, keep: int) -> bytes:
+        """The last ``keep`` bytes of the request stream, ``data`` its latest read (kept: the
+        bytes of a request line cut into reads). ``at == 0`` above is the stream's start: every
+        read keeps enough for the line and the byte before it."""
+        tail = self.tail = data[-keep:] if len(data) >= keep else (self.tail + data)[-keep:]
+        return tail
 
     # No on_message_begin: a head begins with the first piece of its target (llhttp refuses an
     # empty one), which saves a callback per request.
@@ -140,7 +180,10 @@ class HttptoolsParser:
         self.size = 0  # trailers get a budget of their own
         raw = b"".join(self.lines)
         parser = self.parser
-        major, _, minor = parser.get_http_version().partition(".")
+        version = parser.get_http_version()
+        if version == "0.9":
+            raise Http09Request()
+        major, _, minor = version.partition(".")
         self.on_head(
             raw,
             0,

@@ -305,6 +305,11 @@ CORPUS: dict[str, Case] = {
         b"POST /d HTTP/1.0\r\nHost: c\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
         refused=400,
     ),
+    # A request line without an HTTP version is HTTP/0.9: refused as soon as the line ends,
+    # whether header lines follow or not (an HTTP/0.9 client sends none), as is version 0.9.
+    "request_line_without_version": Case(b"GET /d\r\n", refused=400),
+    "request_line_without_version_then_a_head": Case(b"GET /d\r\nHost: c\r\n\r\n", refused=400),
+    "http09_version": Case(b"GET /d HTTP/0.9\r\nHost: c\r\n\r\n", refused=400),
     "http2_version_on_http1": Case(
         b"GET /d HTTP/2.0\r\nHost: c\r\n\r\n",
         known="refusal-body",

@@ -88,6 +88,10 @@ def run(parser_class: Any, reads: list[bytes], limit: int = LIMIT) -> tuple[Reco
     return owner, None
 
 
+def heads_of(owner: Recorder) -> list[tuple[Any, ...]]:
+    return [e for e in owner.events if e[0] == "head"]
+
+
 def split(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
     return [data[a:b] for a, b in zip(points, points[1:]) if b > a]
@@ -123,6 +127,12 @@ CORPUS: dict[str, bytes] = {
     "length_overflow": head(b"/x", b"Content-Length: 99999999999999999999\r\n", b"POST"),
     "control_char_in_value": head(b"/x", b"X-C: a\x01b\r\n"),
     "unknown_version": b"GET /x HTTP/3.7\r\nHost: h\r\n\r\n",
+    # HTTP/0.9: refused as soon as the request line ended (its client sends no header lines)
+    "http09_line": head(b"/1") + b"GET /x\r\n",
+    "http09_line_lf": b"GET /x\n",
+    "http09_line_then_a_head": b"GET /x\r\nHost: h\r\n\r\n",
+    "http09_version": b"GET /x HTTP/0.9\r\nHost: h\r\n\r\n",
+    "http09_version_head_in_progress": b"GET /x HTTP/0.9\r\nHost: h\r\n",
     # protocol switches: the head is handed over, then parsing stops
     "upgrade": head(b"/ws", b"Upgrade: websocket\r\nConnection: Upgrade\r\n") + head(b"/never"),
     "connect": b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n" + head(b"/never"),
@@ -160,6 +170,9 @@ def test_corpus_outcomes() -> None:
     errors = {name: error for name, (_, error) in outcomes.items()}
     assert errors["oversized_header"] == errors["oversized_trailers"] == "HeadTooLarge"
     assert errors["upgrade"] == errors["connect"] == "UpgradeRequest"
+    for name in CORPUS:
+        assert (errors[name] == "Http09Request") == name.startswith("http09"), name
+    assert [h[2] for h in heads_of(outcomes["http09_line"][0])] == [b"/1"]  # the request before it is handed over
     for name in (
         "length_and_chunked",
         "double_length",

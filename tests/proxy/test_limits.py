@@ -50,6 +50,58 @@ async def test_a_head_dribbled_byte_by_byte_is_timed_out(head, upstream, start_s
     assert reg.get_sample_value("sidecar_rejected_requests_total", {"reason": "request_timeout"}) == 1
 
 
+HTTP09 = {"error": {"type": "bad_request", "message": "unsupported HTTP version 0.9"}}
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [b"GET /v1/models\r\n"],  # an HTTP/0.9 request: the line, nothing more
+        [b"GET /v1/models\n"],
+        [b"\r\nGET /v1/models\r\n"],  # (an empty line before a request is skipped)
+        [b"GET /v1/mod", b"els\r", b"\n"],  # the line in pieces
+        [b"GET /v1/models\r\nHost: x\r\n"],  # header lines after it: still no version
+        [b"GET /v1/models HTTP/0.9\r\nHost: x\r\n"],
+    ],
+)
+async def test_a_request_line_without_a_version_is_refused_as_it_ends(pieces, upstream, start_sidecar):
+    """Not held until the head timeout (30 s here): the answer comes long before it."""
+    sc = await start_sidecar(upstream=upstream.url, head_timeout_seconds=30, **ONE_TURN)
+    reader, writer = await asyncio.open_connection("127.0.0.1", sc.engine.port)
+    try:
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.02)  # (so that the pieces tend to arrive as separate reads)
+        async with asyncio.timeout(10):
+            resp = await read_response(reader)
+        closed = await closed_soon(reader, 5)
+    finally:
+        writer.close()
+    assert resp.start == "HTTP/1.1 400 Bad Request" and closed
+    assert orjson.loads(resp.body) == HTTP09
+    assert upstream.received == []
+    reg = sc.metrics.registry
+    assert reg.get_sample_value("sidecar_rejected_requests_total", {"reason": "bad_request"}) == 1
+
+
+async def test_a_request_line_without_a_version_after_a_request_is_refused_as_it_ends(upstream, start_sidecar):
+    sc = await start_sidecar(upstream=upstream.url, head_timeout_seconds=30, **ONE_TURN)
+    reader, writer = await asyncio.open_connection("127.0.0.1", sc.engine.port)
+    try:
+        writer.write(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
+        async with asyncio.timeout(10):
+            assert (await read_response(reader)).status == 200
+        writer.write(b"GET /v1/models\r\n")
+        async with asyncio.timeout(10):
+            resp = await read_response(reader)
+        closed = await closed_soon(reader, 5)
+    finally:
+        writer.close()
+    assert (resp.status, orjson.loads(resp.body), closed) == (400, HTTP09, True)
+    assert [r.path for r in upstream.received] == ["/first"]
+
+
 async def test_a_kept_alive_connection_gets_a_fresh_head_timeout_per_request(upstream, start_sidecar):
     sc = await start_sidecar(upstream=upstream.url, head_timeout_seconds=0.6, **ONE_TURN)
     reader, writer = await asyncio.open_connection("127.0.0.1", sc.engine.port)
