@@ -367,14 +367,18 @@ def _traffic_node(router: Router, who: Principal, sid: str) -> dict[str, Any] | 
 
 async def get_tree(request: web.Request) -> web.Response:
     """The tree a session belongs to, from its root, cut like the live view (``omitted``
-    markers); node timestamps in RFC 3339. Built in slices: see :mod:`sidecar.admin.views`."""
+    markers); node timestamps in RFC 3339. Built under the views lock, in slices (memory store:
+    :mod:`sidecar.admin.views`) or in steps of the store's reads (:mod:`sidecar.state.views`)."""
     router = request.app[ROUTER_KEY]
     who = caller(request)
     if router.state.shared:
         from sidecar.admin import shared_sessions as shared
 
         with _store_errors():
-            top = await shared.tree(router, who, request.match_info["root"], max_depth=MAX_DEPTH, max_nodes=MAX_NODES)
+            async with request.app[VIEWS_LOCK]:  # one view at a time, as with the memory store
+                top = await shared.tree(
+                    router, who, request.match_info["root"], max_depth=MAX_DEPTH, max_nodes=MAX_NODES
+                )
         if top is None:
             raise ApiError(errors.TREE_NOT_FOUND, "no such session tree")
         return _json(top)

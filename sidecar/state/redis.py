@@ -81,6 +81,9 @@ BREAKER_MIN, BREAKER_MAX = 1.0, 30.0
 MAX_DIRTY = 200_000  # sessions with unwritten changes; beyond it the oldest are dropped (counted)
 REPUBLISH_BATCH = 1000
 MAX_CHILDREN_READ = 1000  # child ids a view reads of one session (a children set may hold millions)
+# Records an admin read decodes per round trip: the decoding runs on the event loop the proxy
+# shares, between two awaits, so each such run stays short (about a millisecond).
+READ_STEP = 128
 KEY_GRACE_SECONDS = 60
 # The admin listener's calls (views, the sessions API) wait this long for the store: they are off
 # the request path, and a view of a large tree is a large read on a loaded store.
@@ -944,55 +947,81 @@ class RedisState(SessionState):
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailable("the shared session store is unavailable") from exc
 
-    async def fetch(self, sessions: Sequence[str], *, skip_unreadable: bool = False) -> dict[str, Record | None]:
-        """Records of these ids, as the store holds them now (views, the sessions API). A record
-        that does not decode raises StoreUnavailable naming it, or with ``skip_unreadable`` is
-        left out (a view of many sessions)."""
+    async def fetch(
+        self, sessions: Sequence[str], *, skip_unreadable: bool = False, fresh: bool = True
+    ) -> dict[str, Record | None]:
+        """Records of these ids, as the store holds them now (views, the sessions API), read
+        ``READ_STEP`` per round trip (decoding a round trip's records is one uninterrupted run on
+        the event loop). ``fresh``: this replica's pending writes go out first, so the read sees
+        them (a view that reads in many steps asks it of its first read only). A record that does
+        not decode raises StoreUnavailable naming it, or with ``skip_unreadable`` is left out (a
+        view of many sessions)."""
         if not sessions:
             return {}
-        if self.up:
-            await self._flush_now()
-        rows = await self._read(
-            "read", lambda pipe: [pipe.hgetall(self.prefix + "s:" + s) for s in sessions], len(sessions)
-        )
+        if fresh:
+            await self.flush_pending()
         out: dict[str, Record | None] = {}
-        for sid, row in zip(sessions, rows, strict=True):
-            try:
-                out[sid] = decode(sid, row)
-            except BadRecord as exc:
-                self._unreadable(sid, exc.field)
-                if not skip_unreadable:
-                    raise StoreUnavailable(str(exc)) from None
+        for start in range(0, len(sessions), READ_STEP):
+            step = sessions[start : start + READ_STEP]
+            rows = await self._read(
+                "read", lambda pipe, step=step: [pipe.hgetall(self._key(s)) for s in step], len(step)
+            )
+            for sid, row in zip(step, rows, strict=True):
+                try:
+                    out[sid] = decode(sid, row)
+                except BadRecord as exc:
+                    self._unreadable(sid, exc.field)
+                    if not skip_unreadable:
+                        raise StoreUnavailable(str(exc)) from None
         return out
 
-    async def children(self, sessions: Sequence[str], limit: int) -> dict[str, tuple[list[str], int]]:
-        """For each of these sessions: at most ``limit`` (and MAX_CHILDREN_READ) of the child ids
-        the store records under it, sorted, and how many it records. One round trip that costs
-        the same however large a children set grew (SCARD, SSCAN with a COUNT); ``limit`` 0
-        reads the counts only."""
+    def _key(self, session: str) -> str:
+        return self.prefix + "s:" + session
+
+    async def child_counts(self, sessions: Sequence[str]) -> list[int]:
+        """How many child ids the store records under each of these sessions (ended children
+        included): one round trip that costs the same however large a children set grew."""
         if not sessions:
-            return {}
-        limit = min(limit, MAX_CHILDREN_READ)
-        per = 2 if limit > 0 else 1
+            return []
+        rows = await self._read(
+            "read", lambda pipe: [pipe.scard(self.prefix + "k:" + s) for s in sessions], len(sessions)
+        )
+        return [int(n) for n in rows]
+
+    async def child_ids(self, reads: Sequence[tuple[str, int]]) -> list[list[str]]:
+        """For each (session, limit): at most ``limit`` (and MAX_CHILDREN_READ) of the child ids
+        the store records under it, sorted; one round trip, one scan step per session (no read
+        of a whole children set, which may hold millions)."""
+        if not reads:
+            return []
 
         def queue(pipe: Any) -> None:
-            for sid in sessions:
-                pipe.scard(self.prefix + "k:" + sid)
-                if limit > 0:
-                    pipe.sscan(self.prefix + "k:" + sid, 0, count=limit)
+            for sid, limit in reads:
+                pipe.sscan(self.prefix + "k:" + sid, 0, count=max(1, min(limit, MAX_CHILDREN_READ)))
 
-        rows = await self._read("read", queue, per * len(sessions))
-        out: dict[str, tuple[list[str], int]] = {}
-        for n, sid in enumerate(sessions):
-            # (COUNT is a hint: a scan step may return a few more, or an id twice)
-            ids = sorted(set(rows[per * n + 1][1]))[:limit] if limit > 0 else []
-            out[sid] = (ids, int(rows[per * n]))
-        return out
+        rows = await self._read("read", queue, len(reads))
+        # (COUNT is a hint: a scan step may return a few more, or an id twice)
+        return [
+            sorted(set(row[1]))[: min(limit, MAX_CHILDREN_READ)] for row, (_, limit) in zip(rows, reads, strict=True)
+        ]
 
-    async def recent(self, count: int) -> list[str]:
-        """Ids of the live sessions that stay live the longest (the most recently active)."""
-        (rows,) = await self._read("read", lambda pipe: [pipe.zrevrange(self.prefix + "live", 0, count - 1)], 1)
+    async def recent(self, start: int, count: int) -> list[str]:
+        """Ids of live sessions by rank, those that stay live the longest (the most recently
+        active) first: ``count`` of them from rank ``start``."""
+        (rows,) = await self._read(
+            "read", lambda pipe: [pipe.zrevrange(self.prefix + "live", start, start + count - 1)], 1
+        )
         return list(rows)
+
+    async def roots(self, sessions: Sequence[str]) -> list[str | None]:
+        """The root id of each of these sessions; None for one the store no longer holds. One
+        round trip of small replies (the root field, and the flags that tell a record exists)."""
+        if not sessions:
+            return []
+        rows = await self._read(
+            "read", lambda pipe: [pipe.hmget(self._key(s), "r", "f") for s in sessions], len(sessions)
+        )
+        return [None if f is None else (r or sid) for sid, (r, f) in zip(sessions, rows, strict=True)]
 
     async def live_count(self) -> int:
         """Sessions live in the whole fleet."""
@@ -1019,10 +1048,10 @@ class RedisState(SessionState):
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailable("the shared session store is unavailable") from exc
 
-    async def _flush_now(self) -> None:
+    async def flush_pending(self) -> None:
         """Write what this replica has pending (so a view read next sees it). A failure leaves
         the breaker to the writer task, whose next write meets the same store."""
-        if self._dirty or self._ending:
+        if self.up and (self._dirty or self._ending):
             with contextlib.suppress(RedisError, OSError, TimeoutError):
                 await self._flush(everything=True)
 

@@ -13,10 +13,8 @@ import aiohttp
 
 from sidecar.admin.server import build_admin_app
 from sidecar.admin.views import MAX_DEPTH, MAX_NODES, VIEWS_LOCK
-from sidecar.context import TurnOutcome
-from sidecar.lineage import SessionTree
 from tests.modes.wire import settled
-from tests.sessions.support import metrics_text
+from tests.sessions.support import fill, metrics_text, walk
 from tests.upstream import RecordingUpstream
 
 FINAL = {"X-Session-Final": "true"}
@@ -44,15 +42,6 @@ def gauge(text: str, name: str) -> float:
     match = re.search(rf"^{name} (\S+)$", text, re.M)
     assert match is not None, name
     return float(match.group(1))
-
-
-def walk(node: dict[str, Any]) -> list[dict[str, Any]]:
-    out, stack = [], [node]
-    while stack:
-        n = stack.pop()
-        out.append(n)
-        stack.extend(n["children"])
-    return out
 
 
 async def test_reused_root_id_keeps_its_live_child_reachable(upstream: RecordingUpstream, start_sidecar, http):
@@ -119,25 +108,11 @@ async def _get_counting_ticks(http: aiohttp.ClientSession, url: str, building: a
     return status, body, ticks
 
 
-def fill(tree: SessionTree, children: int, grandchildren: int) -> None:
-    """One tree straight into the sidecar's lineage tree (as its requests would make it)."""
-
-    def one(session: str, parent: str | None) -> None:
-        turn, _ = tree.begin(session, parent=parent, root_hint=None, final=False, deployment="default")
-        tree.finish(turn, TurnOutcome.COMPLETED)
-
-    one("big", None)
-    for i in range(children):
-        one(f"a{i}", "big")
-    for i in range(grandchildren):
-        one(f"b{i}", f"a{i % children}")
-
-
 async def test_views_of_a_100k_session_tree_are_cut_and_let_the_proxy_run(
     upstream: RecordingUpstream, start_sidecar, http, aiohttp_server
 ):
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers", sessions={"max_live_sessions": 200_000})
-    fill(sc.router.tree, 300, 99_699)
+    fill(sc.router, 300, 99_699)
     # a second admin listener on the same router, to watch when its views are being built
     admin = build_admin_app(sc.router, sc.health, sc.metrics)
     base = str((await aiohttp_server(admin)).make_url(""))
