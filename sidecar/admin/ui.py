@@ -22,11 +22,17 @@ attributes, never as markup.
 Shape::
 
     {"now": <tree clock, seconds>, "generated_at": <unix time>,
-     "live_sessions": int, "live_trees": int, "limit": int, "shown_trees": int,
-     "truncated": bool,
+     "live_sessions": int, "live_trees": int, "live_trees_exact": bool, "limit": int,
+     "shown_trees": int, "truncated": bool,
      "trees": [{"root": id, "last_active_at": float, "sessions": int, "live": int,
                 "in_flight": int, "final": bool, "omitted": int,
                 "tree": {<node dict as SessionTree.get() returns it>, "children": [...]}}]}
+
+``live_trees`` counts the trees with a live session, exactly here; with a shared store
+(:func:`sidecar.state.views.ui_snapshot`) it is exact when ``live_trees_exact``, else a lower
+bound (the store's snapshot reads the roots of at most 10,000 live sessions). ``truncated`` is
+true when trees or sessions are not shown: fewer trees than ``live_trees`` (or than there may be),
+or a tree cut.
 
 ``sessions`` counts every node of the tree (placeholders and held ended sessions included),
 ``live`` the ones neither ended nor placeholders, ``final`` is True when every such session
@@ -206,6 +212,7 @@ def snapshot_steps(
         "generated_at": time.time(),
         "live_sessions": tree.live_sessions,
         "live_trees": tree.live_trees,
+        "live_trees_exact": True,
         "limit": limit,
         "shown_trees": len(trees),
         "truncated": len(trees) < tree.live_trees or any(t["omitted"] for t in trees),

@@ -230,22 +230,25 @@ async def live_trees(state: RedisState) -> tuple[list[str], int, bool]:
     read = 0
     every = False
     while read < LIVE_READ:
-        ids = await state.recent(read, min(ROOTS_STEP, LIVE_READ - read))
+        asked = min(ROOTS_STEP, LIVE_READ - read)
+        ids = await state.recent(read, asked)
         for root in await state.roots(ids):
             if root is not None:
                 roots[root] = None
         read += len(ids)
-        if len(ids) < ROOTS_STEP:
-            every = True  # the end of the live set (it may have changed meanwhile: a snapshot)
+        if len(ids) < asked:
+            every = True  # the end of the live set (it may change meanwhile: a snapshot)
             break
-    return list(roots), live, every
+    return list(roots), live, every or read >= live
 
 
 async def ui_snapshot(state: RedisState, *, limit: int, max_nodes: int, max_depth: int) -> dict[str, Any]:
     """``/ui/data.json`` from the store: the most recently active trees of the whole fleet (the
-    shape of sidecar.admin.ui's local snapshot; times are unix seconds, ``now`` included)."""
+    shape of sidecar.admin.ui's local snapshot; times are unix seconds, ``now`` included).
+    ``live_trees`` counts the trees of the live sessions read (:func:`live_trees`), exact when
+    ``live_trees_exact``, else a lower bound."""
     await state.flush_pending()
-    roots, live, _ = await live_trees(state)
+    roots, live, exact = await live_trees(state)
     trees = []
     budget = max_nodes
     for root in roots[:limit]:
@@ -274,10 +277,11 @@ async def ui_snapshot(state: RedisState, *, limit: int, max_nodes: int, max_dept
         "now": now,
         "generated_at": now,
         "live_sessions": live,
-        "live_trees": None,
+        "live_trees": len(roots),
+        "live_trees_exact": exact,
         "limit": limit,
         "shown_trees": len(trees),
-        "truncated": len(trees) < live or any(t["omitted"] for t in trees),
+        "truncated": not exact or len(trees) < len(roots) or any(t["omitted"] for t in trees),
         "trees": trees,
     }
 

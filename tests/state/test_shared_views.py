@@ -6,16 +6,20 @@ one schema in every view."""
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import aiohttp
+import pytest
 
 from sidecar.admin.server import build_admin_app
 from sidecar.admin.views import MAX_NODES, VIEWS_LOCK
 from sidecar.lineage import VIEW_STEP
+from sidecar.state.views import LIVE_READ
 from tests.sessions.support import fill, walk
 from tests.state.fleet import api, metric, post
-from tests.waiting import wait_for
+from tests.ui.test_ui import _chromium, _Dom, _run_chromium
+from tests.waiting import eventually, wait_for
 
 
 async def _get_watching(
@@ -65,3 +69,57 @@ async def test_a_view_of_a_large_tree_on_the_store_is_read_in_steps_under_the_vi
     assert (await post(http, a, "b17", parent="a17"))[0] == 200
     status, node = await api(http, "GET", f"{a.admin_url}/v1/sessions/b17")
     assert status == 200 and node["turns"] == 2
+
+
+async def test_the_live_view_on_the_store_counts_the_fleets_trees(upstream, replicas, http):
+    a, b = await replicas(2, upstream=upstream.url, mode="dynamo_headers")
+    for i in range(4):
+        assert (await post(http, a, f"r{i}"))[0] == 200
+        assert (await post(http, b, f"c{i}", parent=f"r{i}"))[0] == 200
+    for sc in (a, b):
+        # (the replicas write behind, and a snapshot is reused for a second: wait for both)
+        _, data = await eventually(
+            lambda sc=sc: api(http, "GET", sc.admin_url + "/ui/data.json"),
+            lambda got: got[0] == 200 and got[1]["live_sessions"] == 8 and got[1]["shown_trees"] == 4,
+        )
+        assert (data["live_trees"], data["live_trees_exact"], data["truncated"]) == (4, True, False)
+        assert data["limit"] == 200
+        assert sorted((t["root"], [c["session"] for c in t["tree"]["children"]]) for t in data["trees"]) == [
+            (f"r{i}", [f"c{i}"]) for i in range(4)
+        ]
+        _, two = await api(http, "GET", sc.admin_url + "/ui/data.json?limit=2")
+        assert (two["live_trees"], two["shown_trees"], two["truncated"]) == (4, 2, True)
+
+
+async def test_the_live_view_of_more_live_sessions_than_it_reads_counts_at_least_their_trees(
+    upstream, replicas, http, redis_server
+):
+    (a,) = await replicas(1, upstream=upstream.url, mode="dynamo_headers", state={"timeout_ms": 5000})
+    fill(a.router, 50, LIVE_READ)  # one tree of LIVE_READ + 51 live sessions
+    total = LIVE_READ + 51
+    await wait_for(lambda: redis_server.cli("ZCARD", replicas.prefix + "live").strip() == str(total), timeout=30)
+    status, data = await api(http, "GET", a.admin_url + "/ui/data.json")
+    assert status == 200 and data["live_sessions"] == total
+    # the roots of LIVE_READ of them were read: one tree at least, and maybe more not shown
+    assert (data["live_trees"], data["live_trees_exact"], data["truncated"]) == (1, False, True)
+    assert [t["root"] for t in data["trees"]] == ["big"]
+
+
+@pytest.mark.deploy
+@pytest.mark.parametrize("engine", ["aiohttp"])
+async def test_browser_draws_the_fleets_trees_and_their_count_from_the_store(upstream, replicas, http, tmp_path):
+    binary = _chromium()
+    a, b = await replicas(2, upstream=upstream.url, mode="dynamo_headers")
+    for i in range(4):
+        assert (await post(http, a, f"r{i}"))[0] == 200
+        assert (await post(http, b, f"c{i}", parent=f"r{i}"))[0] == 200
+    await eventually(
+        lambda: api(http, "GET", b.admin_url + "/ui/data.json"),
+        lambda got: got[0] == 200 and got[1]["live_sessions"] == 8 and got[1]["shown_trees"] == 4,
+    )
+    dom_html = (await _run_chromium(binary, tmp_path / "profile", "--dump-dom", b.admin_url + "/ui")).decode()
+    dom = _Dom()
+    dom.feed(dom_html)
+    assert dom.parent_of == {**{f"r{i}": None for i in range(4)}, **{f"c{i}": f"r{i}" for i in range(4)}}
+    assert re.search(r'<b id="n-trees">4</b>', dom_html), dom_html
+    assert "null" not in " ".join(dom.text) and "most recently active" not in " ".join(dom.text)
