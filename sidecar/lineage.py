@@ -764,6 +764,30 @@ class SessionTree:
         node.moves = moves
         _lru_append(self._lru, node)
 
+    def place_parent(self, session: str, parent: str, root: str, deployment: str) -> None:
+        """Before the first request of ``session``, whose declared ``parent`` this tree does not
+        hold: hold ``parent`` as a placeholder below ``root`` (a placeholder too when unknown),
+        so that the request joins ``root``'s tree. For lineage known elsewhere than from
+        requests (an API session whose parent, created with a parent of its own, had no request
+        yet), as :meth:`seed` places what a shared store knows. No-op when ``session`` is held
+        (other than as a placeholder), when ``parent`` is, or when new sessions' lineage is
+        ignored (see :meth:`_crowded`): the request then places ``session`` as it would have."""
+        node = self._nodes.get(session)
+        if (node is not None and not node.flags & _PLACEHOLDER) or parent in self._nodes or root == parent:
+            return
+        if root == session or self._crowding():
+            return
+        now = self._clock()
+        self._attach(
+            self._known_or_placeholder(parent, deployment, now), self._known_or_placeholder(root, deployment, now), 0
+        )
+
+    def named_only(self, session: str) -> bool:
+        """True when this tree holds ``session`` only as a placeholder: named by a child or a
+        root hint, no request of its own."""
+        node = self._nodes.get(session)
+        return node is not None and bool(node.flags & _PLACEHOLDER)
+
     def is_closed(self, session: str) -> bool:
         """True while ``session`` is tombstoned: ended or closed, and not yet forgotten."""
         return session in self._tombs
@@ -993,7 +1017,7 @@ class SessionTree:
         lineage is ignored (it starts a tree of its own) until they go. Without this, a chain of
         parents longer than the cap keeps every link (evicting one with a child frees nothing)
         and its growth evicts every other session."""
-        if self._held_ended * 2 <= self._max_live:
+        if not self._crowding():
             return False
         self.lineage_dropped += 1
         if self.lineage_dropped == 1:
@@ -1002,6 +1026,10 @@ class SessionTree:
                 "sessions' parents are ignored until they end (counted in sidecar_lineage_dropped_total)"
             )
         return True
+
+    def _crowding(self) -> bool:
+        """Ended sessions held only as ancestors of live ones fill half the cap (no count)."""
+        return self._held_ended * 2 > self._max_live
 
     def _evict(self, now: float) -> list[SessionEnd]:
         evicted: list[SessionEnd] = []

@@ -580,6 +580,9 @@ class Router:
             self.store.begin(rec)
             if dep.strict or rec.parent is not None:
                 parent, root_hint = rec.parent, None  # the API's lineage wins
+                if parent is not None and rec.root is not None and rec.root != parent:
+                    # its parent may have had no request yet: the tree learns the parent's root
+                    self.tree.place_parent(session, parent, rec.root, dep.name)
         turn, evicted = self.tree.begin(
             session, parent=parent, root_hint=root_hint, final=ident.final, deployment=dep.name
         )

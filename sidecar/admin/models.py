@@ -119,7 +119,10 @@ class Session(_Answer):
     last_active_at: datetime | None
     expires_at: datetime | None
     ended_at: datetime | None
-    root: str | None = Field(description="root of its lineage tree, once it had a request")
+    root: str = Field(
+        description="root of its lineage tree: itself, or for a session created with a `parent`, the "
+        "parent's root from creation"
+    )
     turns: int = Field(ge=0)
     in_flight: int = Field(ge=0)
     final_turn_seen: bool

@@ -107,7 +107,6 @@ def _wall_offset(router: Router) -> float:
 
 
 _LINEAGE_DEFAULTS: dict[str, Any] = {
-    "root": None,
     "turns": 0,
     "in_flight": 0,
     "final_turn_seen": False,
@@ -116,11 +115,22 @@ _LINEAGE_DEFAULTS: dict[str, Any] = {
 }
 
 
+def api_root(router: Router, rec: ApiSession) -> str:
+    """The root of an API session's tree: the lineage tree's once it holds the session or its
+    parent (a request placed it), else the root it was created with (its parent's)."""
+    tree = router.tree
+    root = tree.root_of(rec.id)
+    if root is None and rec.parent is not None:
+        root = tree.root_of(rec.parent)
+    return root or rec.root or rec.id
+
+
 def api_resource(router: Router, rec: ApiSession) -> dict[str, Any]:
     """An API session, with the lineage facts of its live node when the tree holds one."""
     out = rec.as_dict()
     out["origin"] = "api"
     out.update(_LINEAGE_DEFAULTS)
+    out["root"] = api_root(router, rec)
     out["in_flight"] = rec.in_flight
     node = router.tree.get(rec.id)
     if node is not None and node["deployment"] == rec.deployment and not node["placeholder"]:
@@ -234,17 +244,24 @@ async def create_session(request: web.Request) -> web.Response:
                 router, who, session=body.session_id, deployment=dep.name, ttl=ttl, parent=body.parent
             )
         return _json(created, 201, headers={h.LOCATION: f"/v1/sessions/{created['id']}"})
+    root = None
     if body.parent is not None:
         parent = _visible(router, who, body.parent)
         if parent is None or parent.status is not SessionStatus.ACTIVE or parent.deployment != dep.name:
             raise ApiError(
                 errors.PARENT_NOT_FOUND, f"parent: no active session of deployment {dep.name!r} that you created"
             )
+        root = api_root(router, parent)  # the session joins its parent's tree
     if body.session_id is not None and router.tree.bound_deployment(body.session_id) is not None:
         raise ApiError(errors.SESSION_EXISTS, "a live session with this id exists (learned from traffic)")
     try:
         rec = router.store.create(
-            deployment=dep.name, workspace=who.workspace, session_id=body.session_id, ttl=ttl, parent=body.parent
+            deployment=dep.name,
+            workspace=who.workspace,
+            session_id=body.session_id,
+            ttl=ttl,
+            parent=body.parent,
+            root=root,
         )
     except SessionExists:
         raise ApiError(errors.SESSION_EXISTS, "a session with this id exists or was closed recently") from None

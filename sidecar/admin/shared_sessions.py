@@ -101,6 +101,7 @@ async def create(
 ) -> dict[str, Any]:
     state = _state(router)
     api_cfg = router.store.cfg
+    prec = None
     if parent is not None:
         prec = await _record(router, parent)
         if (
@@ -121,7 +122,13 @@ async def create(
     now = state.wall()
     try:
         rec = await state.create_api(
-            session=sid, deployment=deployment, workspace=who.workspace, parent=parent, ttl=ttl, now=now
+            session=sid,
+            deployment=deployment,
+            workspace=who.workspace,
+            parent=parent,
+            root=None if prec is None else prec.root,  # the session joins its parent's tree
+            ttl=ttl,
+            now=now,
         )
     except StoreUnavailable:
         raise _store_down() from None

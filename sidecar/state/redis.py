@@ -894,11 +894,20 @@ class RedisState(SessionState):
         return int(result)
 
     async def create_api(
-        self, *, session: str, deployment: str, workspace: str | None, parent: str | None, ttl: float | None, now: float
+        self,
+        *,
+        session: str,
+        deployment: str,
+        workspace: str | None,
+        parent: str | None,
+        root: str | None,
+        ttl: float | None,
+        now: float,
     ) -> Record | int:
         """Create an API session in the store: its record as written, 0 when the id is taken, -2
-        at the limit of active API sessions. Raises StoreUnavailable when the store is
-        unavailable.
+        at the limit of active API sessions. ``root``: the root of ``parent``'s tree (recorded
+        with the session, as the first request of a traffic session records its own). Raises
+        StoreUnavailable when the store is unavailable.
 
         The record is built from what the script wrote, not read back: a read failing after the
         session was created would answer the caller an error for a create that happened (and its
@@ -906,7 +915,12 @@ class RedisState(SessionState):
         deadline = "+inf" if ttl is None else ms(now + ttl)
         key_ttl = int((ttl if ttl is not None else 10 * 365 * 86400.0) + self.tomb_ttl + KEY_GRACE_SECONDS)
         fields = {"d": deployment, "f": str(lua.API), "c": str(ms(now)), "a": str(ms(now)), "n": "0"}
-        for name, value in (("ws", workspace or ""), ("p", parent or ""), ("t", "" if ttl is None else repr(ttl))):
+        for name, value in (
+            ("ws", workspace or ""),
+            ("p", parent or ""),
+            ("r", "" if root is None or root == session else root),
+            ("t", "" if ttl is None else repr(ttl)),
+        ):
             if value:
                 fields[name] = value
         args = [
@@ -920,6 +934,7 @@ class RedisState(SessionState):
             deadline,
             key_ttl,
             self.api_cfg.max_sessions,
+            fields.get("r", ""),
         ]
         (seq,) = await self._admin_scripts("create", [(self._create_script, args)])
         if int(seq) <= 0:
@@ -1278,6 +1293,7 @@ def _api_session(rec: Record) -> ApiSession:
         status=status,
         last_active_at=rec.last_active or None,
         ended_at=rec.ended_at,
+        root=None if rec.root == rec.id else rec.root,
     )
 
 

@@ -368,7 +368,8 @@ return {out, bad}
 )
 
 # ARGV: prefix, id, deployment, workspace, parent, ttl_s ('' = none), now_ms, deadline_ms
-# ('+inf' without ttl), key ttl s, max active. Creates an API session. Returns its sequence
+# ('+inf' without ttl), key ttl s, max active, root (the parent's root; '' without a parent).
+# Creates an API session. Returns its sequence
 # number, 0 when the id is taken (a session, live or remembered, a live traffic session, or a
 # record this version cannot read), -2 when max active API sessions exist already.
 API_CREATE = (
@@ -384,6 +385,7 @@ if f >= 0 then redis.call('DEL', k) end
 redis.call('HSET', k, 'd', ARGV[3], 'f', 32, 'c', now, 'a', now, 'n', 0, 'q', seq)
 if ARGV[4] ~= '' then redis.call('HSET', k, 'ws', ARGV[4]) end
 if ARGV[5] ~= '' then redis.call('HSET', k, 'p', ARGV[5]) end
+if ARGV[11] ~= '' and ARGV[11] ~= id then redis.call('HSET', k, 'r', ARGV[11]) end
 if ARGV[6] ~= '' then redis.call('HSET', k, 't', ARGV[6]) end
 redis.call('EXPIRE', k, ttl)
 redis.call('ZADD', P .. 'live', ARGV[8], id)

@@ -22,6 +22,36 @@ from tests.ui.test_ui import _chromium, _Dom, _run_chromium
 from tests.waiting import eventually, wait_for
 
 
+@pytest.fixture(params=["memory", "store"])
+def fleet(request: pytest.FixtureRequest, engine: str) -> Any:
+    """``await fleet(upstream=url, **config_keys)``: the sidecars of one store, of the engine
+    under test: one with the memory store, or two replicas sharing a redis-server."""
+    if request.param == "memory":
+        start = request.getfixturevalue("start_sidecar")
+
+        async def one(**keys: Any) -> list[Any]:
+            return [await start(**keys)]
+
+        return one
+    replicas = request.getfixturevalue("replicas")
+
+    async def two(**keys: Any) -> list[Any]:
+        return list(await replicas(2, **keys))
+
+    return two
+
+
+async def create(http: aiohttp.ClientSession, sc: Any, session: str, parent: str | None = None) -> dict[str, Any]:
+    body = {"deployment": "default", "session_id": session, **({"parent": parent} if parent else {})}
+    status, made = await api(http, "POST", sc.admin_url + "/v1/sessions", body)
+    assert status == 201, made
+    return made
+
+
+def _shape(node: dict[str, Any]) -> Any:
+    return (node["session"], [_shape(c) for c in node["children"]])
+
+
 async def _get_watching(
     http: aiohttp.ClientSession, url: str, building: asyncio.Lock, sc: Any
 ) -> tuple[int, Any, int, float]:
@@ -123,3 +153,48 @@ async def test_browser_draws_the_fleets_trees_and_their_count_from_the_store(ups
     assert dom.parent_of == {**{f"r{i}": None for i in range(4)}, **{f"c{i}": f"r{i}" for i in range(4)}}
     assert re.search(r'<b id="n-trees">4</b>', dom_html), dom_html
     assert "null" not in " ".join(dom.text) and "most recently active" not in " ".join(dom.text)
+
+
+LINEAGE = (("tp", None), ("tc", "tp"), ("tcc", "tc"))  # API sessions: a root, a child, a grandchild
+
+
+async def test_an_api_session_created_with_a_parent_has_its_parents_root_from_creation(fleet, upstream, http):
+    keyed = {
+        "name": "default",
+        "upstreams": [upstream.url],
+        "mode": "smg_routing_key",
+        "mode_options": {"scope": "tree"},
+    }
+    scs = await fleet(upstream=None, deployments=[keyed])
+    for sid, parent in LINEAGE:
+        assert (await create(http, scs[0], sid, parent))["root"] == "tp"
+
+    async def roots() -> None:
+        for sc in scs:
+            for sid, parent in LINEAGE:
+                status, seen = await api(http, "GET", f"{sc.admin_url}/v1/sessions/{sid}")
+                assert status == 200 and (seen["parent"], seen["root"]) == (parent, "tp"), seen
+
+    await roots()
+    # the grandchild's first request (its parent and root had none): keyed by its tree's root on
+    # every replica, and its root stays
+    for sc in scs:
+        assert (await post(http, sc, "tcc"))[0] == 200
+        assert upstream.received[-1].header("X-SMG-Routing-Key") == "tp"
+    await roots()
+
+
+async def test_an_api_session_created_with_a_parent_is_in_its_parents_tree_on_the_store(upstream, replicas, http):
+    a, b = await replicas(2, upstream=upstream.url, mode="dynamo_headers")
+    for sid, parent in LINEAGE:
+        await create(http, a, sid, parent)
+    for sc in (a, b):
+        for sid, _ in LINEAGE:
+            status, tree = await api(http, "GET", f"{sc.admin_url}/v1/trees/{sid}")
+            assert status == 200 and _shape(tree) == ("tp", [("tc", [("tcc", [])])]), tree
+        _, data = await eventually(
+            lambda sc=sc: api(http, "GET", sc.admin_url + "/ui/data.json"),
+            lambda got: got[0] == 200 and got[1]["live_sessions"] == 3,
+        )
+        assert [(t["root"], _shape(t["tree"])) for t in data["trees"]] == [("tp", ("tp", [("tc", [("tcc", [])])]))]
+        assert (data["live_trees"], data["truncated"]) == (1, False)
