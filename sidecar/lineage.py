@@ -67,6 +67,7 @@ __all__ = [
     "TreeView",
     "VIEW_STEP",
     "exhaust",
+    "unknown_node",
     "FORGETTING",
 ]
 
@@ -663,6 +664,10 @@ class SessionTree:
         """Root ids of the held trees, the most recently active tree first (a tree's activity is
         the newest ``last_active_at`` of its nodes), at most ``limit``. A builder like
         :meth:`view`; touches every held node once."""
+        return [session for session, _ in (yield from self.recent_trees(limit, step=step))]
+
+    def recent_trees(self, limit: int, *, step: int = VIEW_STEP) -> Generator[None, None, list[tuple[str, float]]]:
+        """:meth:`recent_roots` with each tree's activity: (root id, newest ``last_active_at``)."""
         nodes = self._nodes
         held = list(nodes.values())  # one C-level copy: the dict may change while the walk pauses
         newest: dict[_Node, float] = {}  # tree root -> the tree's newest activity
@@ -692,7 +697,7 @@ class SessionTree:
             elif (at, top.session) > heap[0]:
                 heapq.heapreplace(heap, (at, top.session))
         heap.sort(reverse=True)
-        return [session for _, session in heap]
+        return [(session, at) for at, session in heap]
 
     def now(self) -> float:
         """The tree's clock (node timestamps are on it)."""
@@ -1114,6 +1119,29 @@ class SessionTree:
                 "moved": node.moves,
             },
         }
+
+
+def unknown_node(session: str, root: str) -> dict[str, Any]:
+    """The node dict of an id a view names but holds nothing of (the root of sessions whose
+    root's own record is gone: expired from a shared store, or an API session forgotten): a
+    placeholder without deployment or times."""
+    return {
+        "session": session,
+        "parent": None,
+        "root": root,
+        "deployment": None,
+        "created_at": None,
+        "last_active_at": None,
+        "turns": 0,
+        "in_flight": 0,
+        "final_turn_seen": False,
+        "ended": False,
+        "end_reason": None,
+        "closed": False,
+        "placeholder": True,
+        "workers": [],
+        "affinity": {"first": 0, "same_worker": 0, "moved": 0},
+    }
 
 
 def _runs(flat: list[str | int] | None) -> list[dict[str, Any]]:

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 
 from sidecar import errors
 from sidecar import headers as h
+from sidecar.admin.api_views import API_END_REASONS, api_root, overlay_steps, view_steps
 from sidecar.admin.models import SessionCreate
 from sidecar.admin.views import MAX_DEPTH, MAX_NODES, VIEWS_LOCK, run_sliced, views_lock
 from sidecar.auth import OPEN, Principal, TokenSet
@@ -110,28 +111,23 @@ _LINEAGE_DEFAULTS: dict[str, Any] = {
     "turns": 0,
     "in_flight": 0,
     "final_turn_seen": False,
+    "placeholder": False,
+    "end_reason": None,
     "workers": [],
     "affinity": {"first": 0, "same_worker": 0, "moved": 0},
 }
 
 
-def api_root(router: Router, rec: ApiSession) -> str:
-    """The root of an API session's tree: the lineage tree's once it holds the session or its
-    parent (a request placed it), else the root it was created with (its parent's)."""
-    tree = router.tree
-    root = tree.root_of(rec.id)
-    if root is None and rec.parent is not None:
-        root = tree.root_of(rec.parent)
-    return root or rec.root or rec.id
-
-
 def api_resource(router: Router, rec: ApiSession) -> dict[str, Any]:
-    """An API session, with the lineage facts of its live node when the tree holds one."""
+    """An API session, with the lineage facts of its live node when the tree holds one. The
+    fields of a traffic session's (:func:`traffic_resource`): never a placeholder; its end reason
+    is the tree's when a request made the tree end it, else the API's (closed, expired)."""
     out = rec.as_dict()
     out["origin"] = "api"
     out.update(_LINEAGE_DEFAULTS)
-    out["root"] = api_root(router, rec)
+    out["root"] = api_root(router.tree, router.store, rec)
     out["in_flight"] = rec.in_flight
+    out["end_reason"] = API_END_REASONS.get(rec.status)
     node = router.tree.get(rec.id)
     if node is not None and node["deployment"] == rec.deployment and not node["placeholder"]:
         out["root"] = node["root"]
@@ -139,6 +135,7 @@ def api_resource(router: Router, rec: ApiSession) -> dict[str, Any]:
         out["final_turn_seen"] = node["final_turn_seen"]
         out["workers"] = node["workers"]
         out["affinity"] = node["affinity"]
+        out["end_reason"] = node["end_reason"]  # (null while it drains after a close)
         if rec.parent is None:
             out["parent"] = node["parent"]
     return out
@@ -251,7 +248,7 @@ async def create_session(request: web.Request) -> web.Response:
             raise ApiError(
                 errors.PARENT_NOT_FOUND, f"parent: no active session of deployment {dep.name!r} that you created"
             )
-        root = api_root(router, parent)  # the session joins its parent's tree
+        root = api_root(router.tree, router.store, parent)  # the session joins its parent's tree
     if body.session_id is not None and router.tree.bound_deployment(body.session_id) is not None:
         raise ApiError(errors.SESSION_EXISTS, "a live session with this id exists (learned from traffic)")
     try:
@@ -399,18 +396,25 @@ async def get_tree(request: web.Request) -> web.Response:
         if top is None:
             raise ApiError(errors.TREE_NOT_FOUND, "no such session tree")
         return _json(top)
-    view = None
     async with request.app[VIEWS_LOCK]:
-        root = router.tree.root_of(request.match_info["root"])
-        # Only the workspace owning the tree's root session sees it. No await between this check
-        # and the builder's first step, which fixes the root it walks down from.
-        if root is not None and (who.admin or _visible(router, who, root) is not None):
-            view, _ = await run_sliced(
-                _stamped(router, router.tree.view(root, max_depth=MAX_DEPTH, max_nodes=MAX_NODES))
-            )
+        view, _ = await run_sliced(_stamped(router, _tree_steps(router, who, request.match_info["root"])))
     if view is None:
         raise ApiError(errors.TREE_NOT_FOUND, "no such session tree")
     return _json(view.tree)
+
+
+def _tree_steps(router: Router, who: Principal, session: str) -> Generator[None, None, TreeView | None]:
+    """The view of the tree ``session`` is shown in (its API sessions included), if ``who``
+    sees it."""
+    overlay = yield from overlay_steps(router.tree, router.store)
+    root = overlay.root_of(router.tree, session)
+    # Only the workspace owning the tree's root session sees it. No pause between this check and
+    # the builder's first step, which fixes the root it walks down from.
+    if root is None or not (who.admin or _visible(router, who, root) is not None):
+        return None
+    return (
+        yield from view_steps(router.tree, overlay, root, max_depth=MAX_DEPTH, max_nodes=MAX_NODES, store=router.store)
+    )
 
 
 def _stamped(router: Router, steps: Generator[None, None, TreeView | None]) -> Generator[None, None, TreeView | None]:
@@ -423,8 +427,9 @@ def _stamped(router: Router, steps: Generator[None, None, TreeView | None]) -> G
     countdown = VIEW_STEP
     while stack:
         node = stack.pop()
-        node["created_at"] = rfc3339(offset + node["created_at"])
-        node["last_active_at"] = rfc3339(offset + node["last_active_at"])
+        for key in ("created_at", "last_active_at"):
+            at = node[key]
+            node[key] = None if at is None else rfc3339(offset + at)  # (None: a forgotten root)
         stack.extend(node["children"])
         countdown -= 1
         if not countdown:

@@ -51,12 +51,22 @@ async def _record(router: Router, session: str) -> Record | None:
 
 
 def resource(router: Router, rec: Record) -> dict[str, Any]:
-    """The API resource of a stored session (API-created or learned from traffic)."""
+    """The API resource of a stored session (API-created or learned from traffic): the same
+    fields either way."""
     lineage = node_dict(rec, rec.root)
     if rec.api:
         out = _api_session(rec).as_dict()
         out["origin"] = "api"
-        for key in ("root", "turns", "in_flight", "final_turn_seen", "workers", "affinity"):
+        for key in (
+            "root",
+            "turns",
+            "in_flight",
+            "final_turn_seen",
+            "placeholder",
+            "end_reason",
+            "workers",
+            "affinity",
+        ):
             out[key] = lineage[key]
         return out
     closed = rec.closing or rec.ended

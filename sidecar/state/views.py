@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sidecar.lineage import VIEW_STEP
+from sidecar.lineage import VIEW_STEP, unknown_node
 from sidecar.sessions import rfc3339
 from sidecar.state.records import Record
 from sidecar.state.redis import MAX_CHILDREN_READ, RedisState
@@ -64,27 +64,6 @@ def _runs(flat: list[Any] | None) -> list[dict[str, Any]]:
     return [] if not flat else [{"worker": flat[i], "turns": flat[i + 1]} for i in range(0, len(flat), 2)]
 
 
-def _placeholder(session: str, root: str) -> dict[str, Any]:
-    """A node the store no longer holds a record of (its key expired): shown as a placeholder."""
-    return {
-        "session": session,
-        "parent": None,
-        "root": root,
-        "deployment": None,
-        "created_at": None,
-        "last_active_at": None,
-        "turns": 0,
-        "in_flight": 0,
-        "final_turn_seen": False,
-        "ended": False,
-        "end_reason": None,
-        "closed": False,
-        "placeholder": True,
-        "workers": [],
-        "affinity": {"first": 0, "same_worker": 0, "moved": 0},
-    }
-
-
 async def tree_view(
     state: RedisState, session: str, *, max_depth: int, max_nodes: int, fresh: bool = True
 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -96,7 +75,7 @@ async def tree_view(
         return None
     root = found.root
     top_rec = found if root == session else (await state.fetch([root], fresh=False))[root]
-    top = node_dict(top_rec, root) if top_rec is not None else _placeholder(root, root)
+    top = node_dict(top_rec, root) if top_rec is not None else unknown_node(root, root)
     top["children"] = []
     walk = _Walk(state, root, max_nodes=max_nodes - 1)  # (the root is always shown)
     walk.count(top_rec)

@@ -127,3 +127,30 @@ async def test_views_of_a_100k_session_tree_are_cut_and_let_the_proxy_run(
     await send(http, sc, "b17", parent="a17")
     status, node = await get_json(http, f"{sc.admin_url}/v1/sessions/b17")
     assert status == 200 and node["turns"] == 2
+
+
+async def test_views_of_many_api_sessions_without_requests_are_cut_and_let_the_proxy_run(
+    upstream: RecordingUpstream, start_sidecar, http, aiohttp_server
+):
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
+    # API sessions straight into the sidecar's table (as POST /v1/sessions makes them): a root
+    # and 2,999 children, none with a request
+    store = sc.router.store
+    store.create(deployment="default", workspace=None, session_id="big")
+    for i in range(2999):
+        store.create(deployment="default", workspace=None, session_id=f"k{i}", parent="big", root="big")
+    admin = build_admin_app(sc.router, sc.health, sc.metrics)
+    base = str((await aiohttp_server(admin)).make_url(""))
+    status, tree, ticks = await _get_counting_ticks(http, f"{base}/v1/trees/k17", admin[VIEWS_LOCK])
+    assert status == 200 and tree["session"] == "big" and tree["omitted"] == 3000 - MAX_NODES
+    assert len(walk(tree)) == MAX_NODES and not any(n["placeholder"] for n in walk(tree))
+    assert ticks >= 3, ticks  # built in slices: other tasks of the loop ran meanwhile
+    status, data, ticks = await _get_counting_ticks(http, f"{base}/ui/data.json", admin[VIEWS_LOCK])
+    assert status == 200 and (data["live_sessions"], data["live_trees"]) == (3000, 1)
+    (entry,) = data["trees"]
+    assert (entry["sessions"], entry["live"], entry["omitted"]) == (3000, 3000, 3000 - MAX_NODES)
+    assert len(walk(entry["tree"])) == MAX_NODES and data["truncated"] is True
+    assert ticks >= 3, ticks
+    await send(http, sc, "k17")
+    status, node = await get_json(http, f"{sc.admin_url}/v1/sessions/k17")
+    assert status == 200 and (node["turns"], node["root"]) == (1, "big")

@@ -16,7 +16,7 @@ from sidecar.admin.server import build_admin_app
 from sidecar.admin.views import MAX_NODES, VIEWS_LOCK
 from sidecar.lineage import VIEW_STEP
 from sidecar.state.views import LIVE_READ
-from tests.sessions.support import fill, walk
+from tests.sessions.support import Api, fetch_spec, fill, walk
 from tests.state.fleet import api, metric, post
 from tests.ui.test_ui import _chromium, _Dom, _run_chromium
 from tests.waiting import eventually, wait_for
@@ -198,3 +198,117 @@ async def test_an_api_session_created_with_a_parent_is_in_its_parents_tree_on_th
         )
         assert [(t["root"], _shape(t["tree"])) for t in data["trees"]] == [("tp", ("tp", [("tc", [("tcc", [])])]))]
         assert (data["live_trees"], data["truncated"]) == (1, False)
+
+
+def _sorted_shape(node: dict[str, Any]) -> Any:
+    """The shape of a tree, siblings in id order; checks they are shown oldest first."""
+    created = [c["created_at"] for c in node["children"]]
+    assert created == sorted(created), node
+    return (node["session"], sorted(_sorted_shape(c) for c in node["children"]))
+
+
+async def test_api_sessions_and_traffic_sessions_have_one_schema_in_every_view(fleet, upstream, http):
+    # ap: an API session without a request, whose API child ac has one; ac2: its API child
+    # without one; lone: an API session alone; t -> tk: sessions learned from traffic
+    scs = await fleet(upstream=upstream.url, mode="dynamo_headers")
+    for sid, parent in (("ap", None), ("ac", "ap"), ("ac2", "ap"), ("lone", None)):
+        await create(http, scs[0], sid, parent)
+    assert (await post(http, scs[-1], "ac"))[0] == 200
+    assert (await post(http, scs[-1], "t"))[0] == 200
+    assert (await post(http, scs[0], "tk", parent="t"))[0] == 200
+    shapes = {
+        "ap": ("ap", [("ac", []), ("ac2", [])]),
+        "lone": ("lone", []),
+        "t": ("t", [("tk", [])]),
+    }
+    for sc in scs:
+        client = Api(http, sc.admin_url, await fetch_spec(http, sc.admin_url))  # validates every answer
+        schemas = client.spec.doc["components"]["schemas"]
+        fields = set(schemas["Session"]["properties"])
+        node_fields = set(schemas["TreeNode"]["required"])  # (omitted, truncated: only when cut)
+        for sid in ("ap", "ac", "ac2", "lone", "t", "tk"):
+            status, seen = await client.get(sid)
+            assert status == 200 and set(seen) == fields, seen
+            assert seen["placeholder"] is False and seen["end_reason"] is None and seen["status"] == "active"
+        status, page = await client.list()
+        assert status == 200 and all(set(s) == fields for s in page["data"]) and len(page["data"]) == 4
+        for sid, root in (("ap", "ap"), ("ac", "ap"), ("ac2", "ap"), ("lone", "lone"), ("tk", "t")):
+            status, tree = await client.tree(sid)
+            assert status == 200 and _sorted_shape(tree) == shapes[root], tree
+            for node in walk(tree):
+                assert set(node) == node_fields and node["placeholder"] is False and node["closed"] is False, node
+                assert node["deployment"] == "default" and node["created_at"] is not None, node
+        # the live view: every live session once, in its root's tree, none a placeholder
+        _, data = await eventually(
+            lambda sc=sc: api(http, "GET", sc.admin_url + "/ui/data.json"),
+            lambda got: got[0] == 200 and got[1]["live_sessions"] == 6 and got[1]["shown_trees"] == 3,
+        )
+        assert (data["live_trees"], data["live_trees_exact"], data["truncated"]) == (3, True, False)
+        assert {t["root"]: _sorted_shape(t["tree"]) for t in data["trees"]} == shapes
+        for t in data["trees"]:
+            assert t["live"] == t["sessions"] == len(walk(t["tree"])) and t["final"] is False
+            for node in walk(t["tree"]):
+                assert set(node) == node_fields and node["placeholder"] is False, node
+                assert isinstance(node["created_at"], float) and isinstance(node["last_active_at"], float)
+    # closed without a request: ended at once (the store's end after its settle window), the
+    # API's reason
+    client = Api(http, scs[0].admin_url, await fetch_spec(http, scs[0].admin_url))
+    assert (await client.close("lone"))[0] == 200
+    for sc in scs:
+        _, seen = await eventually(
+            lambda sc=sc: api(http, "GET", f"{sc.admin_url}/v1/sessions/lone"),
+            lambda got: got[1]["end_reason"] is not None,
+        )
+        assert (seen["status"], seen["end_reason"], seen["placeholder"]) == ("closed", "api_closed", False)
+
+
+async def api_workload(http: aiohttp.ClientSession, scs: list[Any]) -> None:
+    """ap: an API session without a request, whose API child ac had one; lone: an API session
+    alone, without a request."""
+    for sid, parent in (("ap", None), ("ac", "ap"), ("lone", None)):
+        await create(http, scs[0], sid, parent)
+    assert (await post(http, scs[-1], "ac"))[0] == 200
+
+
+async def test_the_live_view_shows_api_sessions_as_the_sessions_they_are_with_or_without_requests(
+    fleet, upstream, http
+):
+    scs = await fleet(upstream=upstream.url, mode="dynamo_headers")
+    await api_workload(http, scs)
+    for sc in scs:
+        _, data = await eventually(
+            lambda sc=sc: api(http, "GET", sc.admin_url + "/ui/data.json"),
+            lambda got: got[0] == 200 and got[1]["live_sessions"] == 3,
+        )
+        assert sorted((t["root"], _shape(t["tree"])) for t in data["trees"]) == [
+            ("ap", ("ap", [("ac", [])])),
+            ("lone", ("lone", [])),
+        ]
+        assert (data["live_trees"], data["truncated"]) == (2, False)
+        nodes = {n["session"]: n for t in data["trees"] for n in walk(t["tree"])}
+        assert [(sid, nodes[sid]["placeholder"], nodes[sid]["closed"]) for sid in ("ap", "ac", "lone")] == [
+            ("ap", False, False),
+            ("ac", False, False),
+            ("lone", False, False),
+        ]
+        assert nodes["ac"]["turns"] == 1 and nodes["ap"]["turns"] == nodes["lone"]["turns"] == 0
+
+
+@pytest.mark.deploy
+@pytest.mark.parametrize("engine", ["aiohttp"])
+async def test_browser_draws_api_sessions_as_the_sessions_they_are(fleet, upstream, http, tmp_path):
+    binary = _chromium()
+    scs = await fleet(upstream=upstream.url, mode="dynamo_headers")
+    await api_workload(http, scs)
+    await eventually(
+        lambda: api(http, "GET", scs[-1].admin_url + "/ui/data.json"),
+        lambda got: got[0] == 200 and got[1]["live_sessions"] == 3,
+    )
+    dom_html = (await _run_chromium(binary, tmp_path / "profile", "--dump-dom", scs[-1].admin_url + "/ui")).decode()
+    dom = _Dom()
+    dom.feed(dom_html)
+    assert dom.parent_of == {"ap": None, "ac": "ap", "lone": None}
+    assert all("active" in dom.classes[sid] and "placeholder" not in dom.classes[sid] for sid in dom.parent_of), (
+        dom.classes
+    )
+    assert re.search(r'<b id="n-trees">2</b>', dom_html) and re.search(r'<b id="n-sessions">3</b>', dom_html)
