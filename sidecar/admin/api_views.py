@@ -172,7 +172,7 @@ def view_steps(
     if view is None:
         if not added:
             return None
-        top_rec = added[0] if added[0].id == root else None
+        top_rec = next((rec for rec in added if rec.id == root), None)  # None: forgotten
         top = unknown_node(root, root) if top_rec is None else api_node(top_rec, root, overlay.offset)
         top["children"] = []
         view = TreeView(top, 0, 0, True, 0, top["last_active_at"] or 0.0, 1, 0)
@@ -206,18 +206,14 @@ def view_steps(
         if not countdown:
             countdown = step
             yield
-        if rec.id in shown:  # the top of a tree of API sessions
-            sessions += 1
-            live += rec.status is SessionStatus.ACTIVE
-            final = final and rec.status is not SessionStatus.ACTIVE
-            continue
         sessions += 1
         in_flight += rec.in_flight
         if rec.status is SessionStatus.ACTIVE:
             live += 1
             final = False
-        at = (rec.last_active_at or rec.created_at) - overlay.offset
-        newest = max(newest, at)
+        newest = max(newest, (rec.last_active_at or rec.created_at) - overlay.offset)
+        if rec.id in shown:  # the top of a tree of API sessions alone
+            continue
         parent = rec.parent
         above = shown.get(parent) if parent is not None else None
         if above is None:
