@@ -157,7 +157,6 @@ def view_steps(
     *,
     max_depth: int,
     max_nodes: int,
-    store: SessionStore,
     step: int = VIEW_STEP,
 ) -> Generator[None, None, TreeView | None]:
     """The view of the tree of ``root`` (:meth:`SessionTree.view`'s, or a tree of API sessions

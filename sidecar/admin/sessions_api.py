@@ -412,9 +412,7 @@ def _tree_steps(router: Router, who: Principal, session: str) -> Generator[None,
     # the builder's first step, which fixes the root it walks down from.
     if root is None or not (who.admin or _visible(router, who, root) is not None):
         return None
-    return (
-        yield from view_steps(router.tree, overlay, root, max_depth=MAX_DEPTH, max_nodes=MAX_NODES, store=router.store)
-    )
+    return (yield from view_steps(router.tree, overlay, root, max_depth=MAX_DEPTH, max_nodes=MAX_NODES))
 
 
 def _stamped(router: Router, steps: Generator[None, None, TreeView | None]) -> Generator[None, None, TreeView | None]:

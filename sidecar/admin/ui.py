@@ -7,8 +7,8 @@ inline script or style). It polls ``ui/data.json`` every 2.5 seconds and draws e
 session tree: each session's state, turns, finality and, when the node dicts carry them, its
 worker history (``workers``) and affinity outcome counts (``affinity``). The trees hold the
 sessions learned from traffic and those created through the sessions API, with or without a
-request of their own (:mod:`sidecar.admin.api_views`), one node dict shape for both. Session ids are
-client-supplied: the page only ever puts them in the DOM through ``textContent`` and
+request of their own (:mod:`sidecar.admin.api_views`), one node dict shape for both. Session
+ids are client-supplied: the page only ever puts them in the DOM through ``textContent`` and
 attributes, never as markup.
 
 ``/ui/data.json`` is bounded whatever the number of sessions held:
@@ -43,8 +43,8 @@ is on it too, so ``now - last_active_at`` is a session's idle time.
 
 A snapshot touches every held node once to order the trees and once more per shown tree to
 count what it cuts, every API session once (the table is bounded), and builds only the node
-dicts it shows. It is built in slices of about
-2 ms with the event loop serving requests in between (:mod:`sidecar.admin.views`), so it is a
+dicts it shows. It is built in slices of about 2 ms with the event loop serving requests in
+between (:mod:`sidecar.admin.views`), so it is a
 slightly inconsistent snapshot when requests change the tree meanwhile: a tree, or a session,
 may appear as it was a few milliseconds apart from another, and counts are what the walk saw.
 One view is built at a time (a snapshot or a ``/v1/trees`` view), and each snapshot is reused
@@ -218,10 +218,10 @@ def snapshot_steps(
         live_trees += len(alone)
     for root, _ in recent:
         yield  # a pause between trees too: hundreds of small trees make no pause of their own
-        if overlay is None or api is None:
+        if overlay is None:
             view = yield from tree.view(root, max_depth=max_depth, max_nodes=max(budget, 1))
         else:
-            view = yield from view_steps(tree, overlay, root, max_depth=max_depth, max_nodes=max(budget, 1), store=api)
+            view = yield from view_steps(tree, overlay, root, max_depth=max_depth, max_nodes=max(budget, 1))
         if view is None:  # gone while the snapshot was being built
             continue
         budget -= view.shown

@@ -26,7 +26,7 @@ def _setup(*chain: tuple[str, str | None, str | None]) -> tuple[SessionTree, Ses
 def _view(tree: SessionTree, store: SessionStore, root: str, **bounds: int) -> TreeView | None:
     overlay = exhaust(overlay_steps(tree, store, step=2))
     bounds = {"max_depth": 48, "max_nodes": 2000, **bounds}
-    return exhaust(view_steps(tree, overlay, root, store=store, step=2, **bounds))
+    return exhaust(view_steps(tree, overlay, root, step=2, **bounds))
 
 
 def _shape(node: dict[str, Any]) -> Any:
@@ -81,5 +81,5 @@ def test_a_forgotten_root_is_shown_as_a_placeholder_and_a_cycle_of_reused_ids_en
     overlay = exhaust(overlay_steps(tree, store))
     assert {overlay.roots["a"], overlay.roots["b"]} <= {"a", "b"}
     for root in {overlay.roots["a"], overlay.roots["b"]}:
-        assert exhaust(view_steps(tree, overlay, root, max_depth=48, max_nodes=2000, store=store)) is not None
+        assert exhaust(view_steps(tree, overlay, root, max_depth=48, max_nodes=2000)) is not None
     assert api_root(tree, store, store.records["a"]) in {"a", "b"}
