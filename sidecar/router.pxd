@@ -40,7 +40,7 @@ cdef class Decision:
     cdef public object first_bytes
 
 cdef class Router:
-    cdef public object config, metrics, deployments, _by_name, _by_model, _selection_body_limit, store, effects
+    cdef public object config, metrics, deployments, _by_name, _by_model, _selection_body_limit, store
     cdef public object state
     cdef public int _scan_depth
     cdef public tuple _top_names

@@ -558,7 +558,7 @@ def test_in_flight_of_an_id_counts_closed_sessions_still_draining_under_it() -> 
     assert h.tree.in_flight_of("s") == 3
     h.close("s")
     fourth = h.begin("s")  # a second take-over while the first still drains
-    assert h.tree.in_flight_of("s") == 4 and h.tree.node_of("s") is fourth._node
+    assert h.tree.in_flight_of("s") == 4 and h.tree.node_of("s") is fourth.node
     h.end(second)
     h.end(first)
     assert h.tree.in_flight_of("s") == 2

@@ -15,11 +15,11 @@ import pytest
 
 from sidecar.config import build_config
 from sidecar.context import TurnOutcome
-from sidecar.lineage import SessionTree
 from sidecar.metrics import Metrics
 from sidecar.modes.base import EndAction, SessionEnd
 from sidecar.modes.dynamo import DynamoHeaders
 from sidecar.router import RequestHead, Router
+from sidecar.wiring import routing_core
 from tests.proxy.test_errors import free_port
 from tests.waiting import wait_for
 
@@ -143,16 +143,9 @@ class Clock:
 
 def make_router(clock: Clock, **sessions: object) -> tuple[Router, Recording, Metrics]:
     cfg = build_config(flags={"upstream": "http://127.0.0.1:9", "mode": "dynamo_headers"}, env={})
-    s = cfg.sessions.model_copy(update=sessions)
-    tree = SessionTree(
-        idle_ttl=s.idle_ttl_seconds,
-        max_live=s.max_live_sessions,
-        tombstone_max=s.tombstone_max,
-        tombstone_ttl=s.tombstone_ttl_seconds,
-        clock=clock,
-    )
+    cfg = cfg.model_copy(update={"sessions": cfg.sessions.model_copy(update=sessions)})
     metrics = Metrics()
-    router = Router(cfg, metrics, tree=tree)
+    router = routing_core(cfg, metrics, tree_clock=clock)
     rec = Recording(router.default.mode.options, fail_for="boom")
     router.default.mode = rec
     return router, rec, metrics

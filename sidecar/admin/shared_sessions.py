@@ -163,10 +163,9 @@ async def close(router: Router, who: Principal, session: str) -> dict[str, Any] 
         return None
     if not rec.ended and not rec.closing:
         try:
-            await _state(router).close(session, EndReason.API_CLOSED.value)
+            await _state(router).close(session, EndReason.API_CLOSED.value)  # here at once, elsewhere by event
         except StoreUnavailable:
             raise _store_down() from None
-        router.closing_elsewhere(session, EndReason.API_CLOSED.value)  # this replica at once, the others by event
     rec = await _record(router, session)
     return None if rec is None else resource(router, rec)
 

@@ -559,7 +559,7 @@ class Exchange(UpstreamRequest):
             conn.bind(self, client.write_paused)
             self._send(conn, parts)
         stats = dep.stats  # (the request left first: the metric is off its latency path)
-        stats.added.observe(now - self.t0)  # type: ignore[union-attr]
+        stats.added.observe(now - self.t0)
 
     def _forwarded_for(self, parts: list[bytes], drop: frozenset[str] | set[str], dropped: frozenset[str]) -> None:
         """X-Forwarded-For / -Proto when the client sent forwarding headers of its own."""
@@ -845,7 +845,7 @@ class Exchange(UpstreamRequest):
         if not health.settled:
             health.answered(decision.deployment, decision.upstream)
         stats = decision.deployment.stats
-        stats.ttfb.observe(self.head_at - self.t0)  # type: ignore[union-attr]
+        stats.ttfb.observe(self.head_at - self.t0)
         shared.router.on_response(decision, self.resp_status, headers)
 
     def response_start(self, data: bytes, chunked: bool) -> bool:

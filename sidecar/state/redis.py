@@ -62,10 +62,11 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, NoPermissionError, NoScriptError, RedisError
 
 from sidecar.config import Config
-from sidecar.context import EndReason, SessionEnd
+from sidecar.context import EndReason, SessionEnd, SessionFlag
 from sidecar.identity import Identity
-from sidecar.lineage import SessionTree, Turn
+from sidecar.lineage import SHARED_FLAGS, SessionTree, Turn
 from sidecar.metrics import Metrics
+from sidecar.session_ends import SessionEnds
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
 from sidecar.state import LoadNeeded, SessionState, StoreUnavailable
 from sidecar.state import scripts as lua
@@ -101,7 +102,7 @@ class _Dirty:
     __slots__ = ("node", "turns0", "in_flight0", "flags0", "created", "mode", "workers")
 
     def __init__(self, node: Any, turns0: int, in_flight0: int, created: bool) -> None:
-        self.node = node  # the tree's node (sidecar.lineage._Node): its fields are read at write time
+        self.node = node  # the tree's node (sidecar.lineage.SessionNode): its fields are read at write time
         self.turns0 = turns0
         self.in_flight0 = in_flight0
         self.flags0 = node.flags
@@ -128,9 +129,16 @@ class RedisState(SessionState):
     shared = True
 
     def __init__(
-        self, config: Config, metrics: Metrics, tree: SessionTree, api: SessionStore, *, clock: Any = time.time
+        self,
+        config: Config,
+        metrics: Metrics,
+        tree: SessionTree,
+        api: SessionStore,
+        ends: SessionEnds,
+        *,
+        clock: Any = time.time,
     ) -> None:
-        super().__init__(config)
+        super().__init__(config, ends)
         sc = config.state
         self.config = sc
         self.prefix = sc.key_prefix
@@ -502,7 +510,7 @@ class RedisState(SessionState):
     # -- the request path: writes behind ---------------------------------------------------------
 
     def begun(self, turn: Turn) -> None:
-        node = turn._node
+        node = turn.node
         sid = node.session
         entry = self._dirty.get(sid)
         if entry is None:
@@ -519,10 +527,10 @@ class RedisState(SessionState):
                 self._kick()
 
     def finished(self, turn: Turn) -> None:
-        sid = turn._node.session
+        sid = turn.node.session
         if sid not in self._dirty:
             # (the id's newest node: a closed one draining after a take-over is written through it)
-            node = self.tree.node_of(sid) or turn._node
+            node = self.tree.node_of(sid) or turn.node
             self._dirty[sid] = _Dirty(node, node.turns, self.tree.in_flight_of(sid) + 1, False)
 
     def _kick(self) -> None:
@@ -544,7 +552,7 @@ class RedisState(SessionState):
             log.exception("shared store flush failed")
 
     def touched(self, turn: Turn, *, mode_state: bool = False) -> None:
-        node = turn._node
+        node = turn.node
         entry = self._dirty.get(node.session)
         if entry is None:
             entry = self._dirty[node.session] = _Dirty(node, node.turns, self.tree.in_flight_of(node.session), False)
@@ -554,12 +562,11 @@ class RedisState(SessionState):
         else:
             entry.workers = True
 
-    def local_ends(self, ended: Sequence[SessionEnd]) -> Sequence[SessionEnd]:
+    def ended(self, ended: Sequence[SessionEnd]) -> None:
         for e in ended:
             if e.reason in _FORGOTTEN:
                 continue  # this cache forgot it; the store's sweep ends it fleet-wide
             self._ending[e.session] = str(e.reason)
-        return ()
 
     def _drop_oldest(self) -> None:
         while len(self._dirty) > MAX_DIRTY:
@@ -677,9 +684,9 @@ class RedisState(SessionState):
             missing, ended, closing, bad, epoch = results[0]
             self._republish.extend(missing)
             for i in range(0, len(ended), 2):
-                self._forget(ended[i], ended[i + 1] or None)
+                self._closed_in_store(ended[i], ended[i + 1] or None, ended=True)
             for i in range(0, len(closing), 2):
-                self._closing(closing[i], closing[i + 1])
+                self._closed_in_store(closing[i], closing[i + 1], ended=False)
             for sid in bad:
                 self._unreadable(sid, "its flags")
             self._saw_epoch(str(epoch))
@@ -752,7 +759,7 @@ class RedisState(SessionState):
                 key_ttl = int(self._ttl_of(sid) + self.tomb_ttl + KEY_GRACE_SECONDS)
             if w.created:
                 above = node.parent
-                if above is not None and above.flags & 1:  # a placeholder made here: tell the others
+                if above is not None and above.flags & _PLACEHOLDER:  # a placeholder made here: tell the others
                     out += ("P", above.session, node.deployment, key_ttl)
                 root = self.tree.root_of(sid) or sid
                 rec = self._held_api(sid)
@@ -762,7 +769,7 @@ class RedisState(SessionState):
                     node.deployment,
                     above.session if above is not None else "",
                     "" if root == sid else root,
-                    _flags(node) | (0 if rec is None else lua.API),
+                    (node.flags & SHARED_FLAGS) | (0 if rec is None else _API),
                     ms(wall - (tree_now - node.created_at)) if rec is None else ms(rec.created_at),
                     active,
                     node.turns,
@@ -772,8 +779,8 @@ class RedisState(SessionState):
                 )
             elif full:
                 out += ("U", sid, node.turns - entry.turns0, active, deadline, key_ttl)
-                if node.flags & 2 and not entry.flags0 & 2:
-                    out += ("F", sid, lua.FINAL_SEEN)
+                if node.flags & _FINAL_SEEN and not entry.flags0 & _FINAL_SEEN:
+                    out += ("F", sid, _FINAL_SEEN)
             if held != entry.in_flight0:
                 out += ("H", sid, held)
             if w.mode and node.mode_state is not None:
@@ -805,7 +812,7 @@ class RedisState(SessionState):
                 deployment,
                 above or "",
                 "" if root == sid else root,
-                flags | (0 if rec is None else lua.API),
+                flags | (0 if rec is None else _API),
                 ms(wall - (tree_now - created)) if rec is None else ms(rec.created_at),
                 active,
                 turns,
@@ -851,12 +858,9 @@ class RedisState(SessionState):
         deployment, parent, root, reason = row[1], row[2] or None, row[3], row[5]
         turns = int(row[4]) if str(row[4]).isdigit() else 0  # (a record's count: untrusted)
         why = EndReason(reason) if reason in _REASONS else EndReason.API_CLOSED
-        self._forget(sid, reason)
-        if self.on_claimed is None:
-            self._acks[sid] = token
-            return
+        self._closed_in_store(sid, reason, ended=True)
         self._running[sid] = token
-        self.on_claimed(SessionEnd(sid, parent, root, deployment, why, turns), lambda: self._ran(sid, token))
+        self.ends.run(SessionEnd(sid, parent, root, deployment, why, turns), lambda: self._ran(sid, token))
 
     def _ran(self, sid: str, token: str) -> None:
         """The end actions of a claimed session ran (or were given up): confirm the claim."""
@@ -866,31 +870,35 @@ class RedisState(SessionState):
         if not self._kicked and self.up and not self._stopping:
             self._kick()
 
-    def _forget(self, sid: str, reason: str | None) -> None:
-        """The session ended in the store: this cache drops it (no local end actions)."""
+    def _closed_in_store(self, sid: str, reason: str | None, *, ended: bool) -> None:
+        """The store says ``sid`` is closing (``ended``: it ended it): this replica admits none
+        of its requests from now on. The one local close of a session the fleet closed, on the
+        store's clock: its API session is marked closed (expired, for an idle expiry) at the
+        store's time; its node closes, and when nothing of it is in flight here its end goes to
+        the store to be claimed (a closing session), or nowhere (one the store ended: its end
+        ran where it was claimed)."""
+        why = EndReason(reason) if reason in _REASONS else EndReason.API_CLOSED
         rec = self.api.get(sid)
         if rec is not None and rec.status is SessionStatus.ACTIVE:
-            expired = reason == EndReason.IDLE_EXPIRED
+            expired = why is EndReason.IDLE_EXPIRED
             self.api.mark_ended(sid, SessionStatus.EXPIRED if expired else SessionStatus.CLOSED, self.wall())
-        self.tree.close(sid, EndReason(reason) if reason in _REASONS else EndReason.API_CLOSED)
-        self._dirty.pop(sid, None)
-        self._urgent.discard(sid)
-
-    def _closing(self, sid: str, reason: str) -> None:
-        """The store says ``sid`` is closing (an event, or a write's reply): stop admitting it here
-        unless this replica knows already."""
-        if self.on_closing is None:
-            return
-        if self.tree.joinable(sid) or self._held_api(sid) is not None:
-            self.on_closing(sid, reason)
+        drained = self.tree.close(sid, why)
+        if ended:
+            self._dirty.pop(sid, None)
+            self._urgent.discard(sid)
+        elif drained:
+            self.ended(drained)
 
     async def close(self, session: str, reason: str) -> int:
         """Start closing ``session`` fleet-wide (the sessions API): 1 closing now, 2 already
-        closing, 0 unknown, -1 already ended. Raises StoreUnavailable when the store is
+        closing, 0 unknown, -1 already ended. A closing session is closed here at once (the
+        other replicas by the store's event). Raises StoreUnavailable when the store is
         unavailable (the breaker is left alone: an admin call)."""
         (result,) = await self._admin_scripts(
             "close", [(self._close_script, [self.prefix, session, ms(self.wall()), reason, self.settle_ms])]
         )
+        if int(result) > 0:
+            self._closed_in_store(session, reason, ended=False)
         return int(result)
 
     async def create_api(
@@ -914,7 +922,7 @@ class RedisState(SessionState):
         retry a 409)."""
         deadline = "+inf" if ttl is None else ms(now + ttl)
         key_ttl = int((ttl if ttl is not None else 10 * 365 * 86400.0) + self.tomb_ttl + KEY_GRACE_SECONDS)
-        fields = {"d": deployment, "f": str(lua.API), "c": str(ms(now)), "a": str(ms(now)), "n": "0"}
+        fields = {"d": deployment, "f": str(_API), "c": str(ms(now)), "a": str(ms(now)), "n": "0"}
         for name, value in (
             ("ws", workspace or ""),
             ("p", parent or ""),
@@ -1171,10 +1179,9 @@ class RedisState(SessionState):
         if kind == "c":
             if sid in self._urgent and not self._kicked:
                 self._kick()  # a holder of it is not written yet: the end waits for it
-            if self.on_closing is not None:
-                self.on_closing(sid, reason or EndReason.API_CLOSED)
+            self._closed_in_store(sid, reason or None, ended=False)
         elif kind == "e":
-            self._forget(sid, reason or None)
+            self._closed_in_store(sid, reason or None, ended=True)
 
     async def _revalidate(self) -> None:
         """After a gap in the events: ask the store about every session held here (a failure
@@ -1191,9 +1198,9 @@ class RedisState(SessionState):
                 if rec is None:
                     self._republish.append(sid)
                 elif rec.ended:
-                    self._forget(sid, rec.end_reason)
+                    self._closed_in_store(sid, rec.end_reason, ended=True)
                 elif rec.closing:
-                    self._closing(sid, rec.end_reason or EndReason.API_CLOSED)
+                    self._closed_in_store(sid, rec.end_reason, ended=False)
 
     # -- response ids (identity.body: previous_response_id) -------------------------------------
     #
@@ -1259,13 +1266,10 @@ class RedisState(SessionState):
         return {"up": self.up, "dirty": len(self._dirty), "dropped": self.dropped, "replica": self.replica}
 
 
+# The flags the writes name, as plain ints (redis-py sends an int's repr: an enum's is not a number).
+_PLACEHOLDER, _FINAL_SEEN, _API = int(SessionFlag.PLACEHOLDER), int(SessionFlag.FINAL_SEEN), int(SessionFlag.API)
 _FORGOTTEN = frozenset({EndReason.IDLE_EXPIRED, EndReason.EVICTED, EndReason.SHUTDOWN})
 _REASONS = frozenset(r.value for r in EndReason)
-
-
-def _flags(node: Any) -> int:
-    """The store's flags of a tree node (sidecar.lineage: final seen 2, hinted 16 are shared)."""
-    return node.flags & (lua.FINAL_SEEN | lua.HINTED)
 
 
 def _api_fields(rec: ApiSession | None) -> tuple[str, str, str]:
