@@ -142,6 +142,7 @@ LEAVES = [
     "sidecar.modes.ids",
     "sidecar.jsonscan",
     "sidecar.state.scripts",
+    "sidecar.usage",
 ]
 APPLICATION = {
     "sidecar.config",
