@@ -15,6 +15,7 @@ cdef class SessionNode:
     cdef public SessionNode parent, root, first_child, next_sibling, prev_sibling, lru_prev, lru_next
     cdef public double created_at, last_active_at
     cdef public long turns, in_flight, flags, tree_live, tree_in_flight, worker_turns, moves
+    cdef public long prompt_tokens, cached_tokens, usage_turns, unknown_turns
 
 cdef SessionNode _RELEASED
 

@@ -41,7 +41,7 @@ cdef class Decision:
 
 cdef class Router:
     cdef public object config, metrics, deployments, _by_name, _by_model, _selection_body_limit, store
-    cdef public object state
+    cdef public object state, accounting
     cdef public int _scan_depth
     cdef public tuple _top_names
     cdef public set _patch_roots
@@ -79,7 +79,7 @@ cdef dict _LOG_CACHE, _ADDABLE
 # Read per request: C globals, not module-dict lookups (a dict lookup at each read, not cached
 # from Python 3.12 on).
 cdef object log, DEBUG
-cdef str _REQUEST_ID, _CONTENT_LENGTH, _CONTENT_ENCODING, _TRANSFER_ENCODING
+cdef str _REQUEST_ID, _CONTENT_LENGTH, _CONTENT_ENCODING, _CONTENT_TYPE, _TRANSFER_ENCODING
 cdef Py_ssize_t MAX_ADDABLE
 cdef bint _debug_on() except -1
 @cython.locals(decision=Decision)

@@ -43,6 +43,7 @@ import orjson
 
 from sidecar import errors
 from sidecar import headers as h
+from sidecar.accounting import Accounting, with_include_usage
 from sidecar.config import Config
 from sidecar.context import BodyPatch, EndReason, RoutingContext, SessionEnd, TurnOutcome
 from sidecar.deployments import Deployment, Upstream
@@ -58,6 +59,7 @@ from sidecar.modes.ids import fit_id
 from sidecar.responses import FirstBytes
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
 from sidecar.state import LoadNeeded, SessionState
+from sidecar.usage import UNREADABLE, Usage, UsageReader
 from sidecar.validation import TOKEN_RE
 
 log = logging.getLogger("sidecar.router")
@@ -300,6 +302,8 @@ class Router:
         # sessions that end go to it (it runs them, or claims them first).
         self.state = state
         self._shared = self.state.shared
+        # Prompt-cache accounting: counters, the live view's aggregates, each deployment's settings.
+        self.accounting = Accounting(config, metrics)
         metrics.watch_tree(self.tree)
         metrics.watch_deployments(self.deployments, self.store)
 
@@ -808,6 +812,76 @@ class Router:
         if ended:
             self._ended(ended)
 
+    # -- prompt-cache accounting --------------------------------------------------------------
+    # What the engines call (none of it on a request without a session, nor on a deployment
+    # with `usage.accounting: false`): once a response head arrived, `usage_reader`; with the
+    # reader it returned, its `first` and `last` (sidecar.usage), then once the body was relayed
+    # completely, `on_usage(decision, reader.result())` before `finish`. And, for a deployment
+    # with `usage.include_usage`, `injects_usage` at the head, `include_usage` on the body.
+
+    def usage_reader(
+        self, decision: Decision, status: int, headers: Mapping[str, str], chunked: bool
+    ) -> UsageReader | None:
+        """A reader of the prompt-cache usage of this response (``headers``: lower-case name
+        lookup; ``chunked``: the bytes the engine will show it carry chunked framing), or None
+        when it is not accounted: no session, accounting off for the deployment, a status other
+        than 200, a body that is neither JSON nor an event stream. A content-encoded body is
+        counted unreadable here (None)."""
+        held = decision._held
+        dep = decision.deployment
+        if type(held) is not _Admission or status != 200 or not self.accounting.accounts(dep.name):
+            return None
+        kind = (lookup(headers, _CONTENT_TYPE) or "").partition(";")[0].strip().lower()
+        stream = kind == "text/event-stream"
+        if (
+            not stream
+            and kind != "application/json"
+            and not (kind.startswith("application/") and kind.endswith("+json"))
+        ):
+            return None
+        if lookup(headers, _CONTENT_ENCODING):
+            self._account(dep, held.turn, UNREADABLE)
+            return None
+        return UsageReader(chunked, stream)
+
+    def on_usage(self, decision: Decision, usage: Usage) -> None:
+        """What the response of ``decision`` said of its prompt-cache usage (its reader's
+        ``result()``), once its body was relayed completely and before :meth:`finish`: counted
+        for its session (its tree's node, the shared store), its deployment and its turn."""
+        held = decision._held
+        if type(held) is _Admission:
+            self._account(decision.deployment, held.turn, usage)
+
+    def _account(self, dep: Deployment, turn: Turn, usage: Usage) -> None:
+        reported = usage.reported
+        if reported:
+            self.tree.record_usage(turn, usage.prompt_tokens, usage.cached_tokens)
+        else:
+            self.tree.record_unknown_usage(turn)
+        if self._shared:
+            self.state.used(turn, usage.prompt_tokens, usage.cached_tokens, reported)
+        self.accounting.count(dep.name, dep.mode_name, turn.ctx.turn, usage)
+
+    def injects_usage(self, decision: Decision, method: str, path: str) -> bool:
+        """Whether the engine must read this request's body and forward
+        :meth:`include_usage`'s instead: its deployment asks for usage in streamed chat
+        completions (``usage.include_usage``) and it is a POST to a ``.../chat/completions``
+        path (``path``: the request target as received, query included)."""
+        if method != "POST" or not self.accounting.injects(decision.deployment.name):
+            return False
+        return path.partition("?")[0].rstrip("/").endswith("/chat/completions")
+
+    def include_usage(self, decision: Decision, body: bytes) -> bytes:
+        """The body to forward for a request :meth:`injects_usage` named, once admitted (the
+        decision with its session: a request without one is forwarded unchanged): a streamed
+        chat completion asks for its usage (``stream_options.include_usage: true``); any other
+        body, or one larger than the deployment's ``limits.max_parsed_body_bytes``, unchanged."""
+        dep = decision.deployment
+        if decision.ctx is None or len(body) > dep.max_parsed_body_bytes or not self.accounting.injects(dep.name):
+            return body
+        patched = with_include_usage(body, dep.max_json_depth)
+        return body if patched is None else patched
+
     # -- session lifecycle ------------------------------------------------------------------
 
     def expire(self, limit: int = EXPIRE_BATCH) -> bool:
@@ -924,6 +998,7 @@ def _session_required(dep: Deployment) -> errors.ProxyError:
 
 _CONTENT_LENGTH = h.CONTENT_LENGTH.lower()
 _CONTENT_ENCODING = h.CONTENT_ENCODING.lower()
+_CONTENT_TYPE = h.CONTENT_TYPE.lower()
 _REQUEST_ID = h.X_REQUEST_ID.lower()
 _TRANSFER_ENCODING = h.TRANSFER_ENCODING.lower()
 # Header names modes asked to add, checked once each (_check_added); bounded.

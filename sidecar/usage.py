@@ -54,9 +54,14 @@ __all__ = [
     "FIRST_BYTES",
     "LAST_BYTES",
     "MAX_USAGE_BYTES",
+    "MALFORMED",
+    "MISSING",
+    "NO_CACHED_COUNT",
+    "UNREADABLE",
     "Usage",
     "UsageOutcome",
     "UsageReader",
+    "find_usage",
     "interpret",
 ]
 
