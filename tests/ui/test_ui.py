@@ -712,3 +712,87 @@ async def test_browser_without_the_token_says_one_is_needed_and_how_to_give_it(u
     ink = [y for y in range(90, 240) if any(sum(rows[y][3 * x : 3 * x + 3]) < 300 for x in range(300, 900))]
     assert len(ink) >= 30, f"dark text on {len(ink)} lines of the help's band"
     assert rows[400][3 * 600 : 3 * 600 + 3] == bytes.fromhex("f6f6f3")  # the stylesheet's background
+
+
+class _Charts(html.parser.HTMLParser):
+    """The prompt-cache panel as drawn: the bars and points of its SVG charts (their data
+    attributes), the cache tags of the tree rows."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.chart: str | None = None
+        self.bars: dict[str, str] = {}  # turn bucket -> ratio drawn
+        self.points: list[tuple[str, str]] = []  # (series, ratio)
+        self.tree_ratio: list[str] = []
+        self.hidden_panel = True
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "section" and a.get("id") == "cache":
+            self.hidden_panel = "hidden" in a
+        if tag == "svg" and a.get("id", "").startswith("chart-"):
+            self.chart = a["id"]
+        if tag == "rect" and self.chart == "chart-turns" and a.get("data-turn"):
+            self.bars[a["data-turn"] or ""] = a.get("data-ratio") or ""
+        if tag == "circle" and self.chart == "chart-time":
+            self.points.append((a.get("data-series") or "", a.get("data-ratio") or ""))
+        if tag == "span" and "cacheratio" in (a.get("class") or ""):
+            self.tree_ratio.append(a.get("data-cached-ratio") or "")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "svg":
+            self.chart = None
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+@pytest.mark.deploy
+@pytest.mark.parametrize("engine", ["aiohttp"])
+async def test_browser_draws_the_prompt_cache_charts(upstream, start_sidecar, tmp_path):
+    """Turns of a tree whose responses reported usage (as the engines hand it to the router): the
+    page draws the cached ratio by turn and over time, and each tree's and session's ratio."""
+    from tests import usage_samples as samples
+    from tests.usage_support import play_turn
+
+    binary = _chromium()
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
+    stream = lambda prompt, cached: samples.chat_stream(samples.chat_usage(prompt, cached))  # noqa: E731
+    for prompt, cached in ((800, 0), (900, 768), (1000, 896), (1100, 992)):
+        await play_turn(sc.router, "chart-main", stream(prompt, cached))
+    await play_turn(sc.router, "chart-sub", stream(200, 0), parent="chart-main")
+    await play_turn(sc.router, "chart-sub", stream(300, 160), parent="chart-main")
+    await play_turn(sc.router, "chart-sub", samples.chat_stream(None), parent="chart-main")
+    url = f"{sc.admin_url}/ui"
+    dom_html = (await _run_chromium(binary, tmp_path / "profile-dom", "--dump-dom", url)).decode()
+    png_path = tmp_path / "cache.png"
+    await _run_chromium(binary, tmp_path / "profile-shot", f"--screenshot={png_path}", url)
+    if os.environ.get("SIDECAR_UI_SCREENSHOT"):
+        shutil.copy(png_path, Path(os.environ["SIDECAR_UI_SCREENSHOT"]).with_suffix(".cache.png"))
+
+    charts = _Charts()
+    charts.feed(dom_html)
+    assert not charts.hidden_panel
+    # by turn: turn 1 (800 + 200 prompt, nothing cached), turn 2 (768 + 160 of 900 + 300), turns 3-5
+    assert {turn: float(r) for turn, r in charts.bars.items() if r} == {
+        "1": 0.0,
+        "2": pytest.approx(928 / 1200),
+        "3-5": pytest.approx(1888 / 2100),
+    }
+    assert charts.bars["6-10"] == charts.bars["11+"] == ""  # nothing there: no bar
+    # over time: this minute's point of each series
+    drawn = {series: float(r) for series, r in charts.points}
+    assert drawn == {
+        "all turns": pytest.approx(2816 / 4300),
+        "turn 1": 0.0,
+        "turn 2 on": pytest.approx(2816 / 3300),
+    }
+    assert [float(r) for r in charts.tree_ratio] == [pytest.approx(2816 / 4300)]  # the tree's, in its head
+    text = " ".join(" ".join(charts.text).split())
+    assert "65% of 4.3k prompt tokens cached, 6 responses · 1 without usage" in text
+    assert "cache 70%" in text and "cache 32%" in text  # each session's own: 2656 / 3800, 160 / 500
+
+    width, height, rows = read_png(png_path.read_bytes())
+    green = bytes.fromhex("1a7f37")  # the bars' colour (ui.css --green): drawn
+    assert sum(row[3 * x : 3 * x + 3] == green for row in rows[:400] for x in range(0, width, 2)) > 200
