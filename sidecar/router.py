@@ -826,7 +826,7 @@ class Router:
         lookup; ``chunked``: the bytes the engine will show it carry chunked framing), or None
         when it is not accounted: no session, accounting off for the deployment, a status other
         than 200, a body that is neither JSON nor an event stream. A content-encoded body is
-        counted unreadable here (None)."""
+        counted unreadable here (None). Engines do not ask for a response to HEAD (it has no body)."""
         held = decision._held
         dep = decision.deployment
         if type(held) is not _Admission or status != 200 or not self.accounting.accounts(dep.name):
@@ -839,7 +839,8 @@ class Router:
             and not (kind.startswith("application/") and kind.endswith("+json"))
         ):
             return None
-        if lookup(headers, _CONTENT_ENCODING):
+        encoding = lookup(headers, _CONTENT_ENCODING)
+        if encoding and encoding.strip().lower() != "identity":
             self._account(dep, held.turn, UNREADABLE)
             return None
         return UsageReader(chunked, stream)
@@ -875,7 +876,10 @@ class Router:
         """The body to forward for a request :meth:`injects_usage` named, once admitted (the
         decision with its session: a request without one is forwarded unchanged): a streamed
         chat completion asks for its usage (``stream_options.include_usage: true``); any other
-        body, or one larger than the deployment's ``limits.max_parsed_body_bytes``, unchanged."""
+        body, or one larger than the deployment's ``limits.max_parsed_body_bytes``, unchanged.
+        It reads only its arguments and the settings: an engine runs it on its body pool
+        (:func:`body_pool`) for a body larger than :data:`~sidecar.jsonscan.INLINE_BYTES`, as it
+        runs :class:`BodyWork`."""
         dep = decision.deployment
         if decision.ctx is None or len(body) > dep.max_parsed_body_bytes or not self.accounting.injects(dep.name):
             return body

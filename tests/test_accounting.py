@@ -67,10 +67,12 @@ async def test_each_turn_adds_to_its_session_and_unknown_is_never_zero():
     await play_turn(router, "s", chat(999, 999), status=500)
     await play_turn(router, "s", chat(999, 999), content_type="text/plain")
     assert totals(router, "s") == expected(450, 256, 3, 2)
-    # a content-encoded body cannot be read: unknown
+    # a content-encoded body cannot be read: unknown; "identity" is no encoding
     await play_turn(router, "s", chat(999, 999), encoding="gzip")
     assert totals(router, "s") == expected(450, 256, 3, 3)
-    assert router.tree.get("s")["turns"] == 8
+    await play_turn(router, "s", chat(10, 5), encoding="identity")
+    assert totals(router, "s") == expected(460, 261, 4, 3)
+    assert router.tree.get("s")["turns"] == 9
 
 
 async def test_trees_sum_their_sessions_and_each_subtree_its_own():
