@@ -6,8 +6,7 @@ from sidecar.deployments cimport Deployment
 from sidecar.identity cimport Identity, IdentityReader
 from sidecar.lineage cimport SessionTree, Turn
 from sidecar.context cimport BodyPatch, RoutingContext
-from sidecar.engine.head cimport lookup
-from sidecar.headers cimport is_field_value
+from sidecar.headers cimport is_field_value, lookup
 from sidecar.jsonbody cimport ScannedBody, splice
 
 cdef class RequestHead:

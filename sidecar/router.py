@@ -47,8 +47,7 @@ from sidecar import headers as h
 from sidecar.config import Config
 from sidecar.context import BodyPatch, EndReason, RoutingContext, SessionEnd, TurnOutcome
 from sidecar.deployments import Deployment, Upstream
-from sidecar.engine.head import lookup
-from sidecar.headers import is_field_value
+from sidecar.headers import is_field_value, lookup
 from sidecar.identity import Identity, IdentityReader
 from sidecar.jsonbody import INVALID, TOO_DEEP, TOO_MANY, RepeatedKeys, ScannedBody, scan_body, splice
 from sidecar.jsonscan import INLINE_BYTES, join

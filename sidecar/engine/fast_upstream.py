@@ -63,7 +63,7 @@ from sidecar.errors import failure_reason
 from sidecar.tls import refused_after_handshake
 
 if TYPE_CHECKING:
-    from sidecar.engine.direct import Writer
+    from sidecar.engine.relay import Writer
 
 # A TLS connection back from the pool sooner than this is not polled first (saves a syscall per
 # request under load, where reuse is sub-millisecond to a few milliseconds). Upstreams close idle
