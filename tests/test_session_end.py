@@ -162,8 +162,7 @@ def turn(router: Router, sid: str, final: bool = False) -> None:
     headers = {"x-correlation-id": sid}
     if final:
         headers["x-session-final"] = "true"
-    d = router.route(RequestHead("POST", headers))
-    router.finish(d, TurnOutcome.COMPLETED)
+    router.admit(RequestHead("POST", headers)).finish(TurnOutcome.COMPLETED)
 
 
 def test_idle_expiry_with_injectable_clock():
@@ -227,7 +226,7 @@ def test_tombstoned_id_returning_is_a_new_session_and_counted():
 )
 def test_finish_is_idempotent_and_ends_once(outcome, reason):
     router, rec, _ = make_router(Clock())
-    d = router.route(RequestHead("GET", {"x-correlation-id": "z", "x-session-final": "true"}))
-    router.finish(d, outcome)
-    router.finish(d, TurnOutcome.COMPLETED)
+    adm = router.admit(RequestHead("GET", {"x-correlation-id": "z", "x-session-final": "true"}))
+    adm.finish(outcome)
+    adm.finish(TurnOutcome.COMPLETED)
     assert [(e[0], e[1]) for e in rec.ends] == [("z", reason)]

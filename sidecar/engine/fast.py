@@ -78,7 +78,7 @@ class FastEngine(Engine):
         self.shared = Shared(self, self.router, self.metrics.in_flight.labels(), self.health)
         self._pools: list[UpstreamPool] = []
         self.direct: Any = None  # sidecar.engine.direct.DirectReads, once started (compiled build)
-        self.body_pool = body_pool()  # the router's BodyWork (large bodies)
+        self.body_pool = body_pool()  # an admission's body work (large bodies)
 
     async def start(self) -> None:
         self.loop = loop = asyncio.get_running_loop()

@@ -10,7 +10,7 @@ from sidecar.engine.head cimport (HeaderBlock, copy_block, cut, decimal, dot_seg
                                   header_values, name_table, reason_phrase, relay_block)
 from sidecar.metrics cimport DeploymentStats, _Value
 from sidecar.deployments cimport Deployment
-from sidecar.router cimport Decision, RequestHead, Router
+from sidecar.router cimport Admission, Decision, RequestHead, Router
 
 cdef class Exchange(UpstreamRequest)
 
@@ -21,7 +21,7 @@ cdef dict _ADD_NAMES
 # relay).
 cdef object perf_counter, _COMPLETED, _UPSTREAM_FAILED, _CLIENT_ABORTED
 cdef long QUEUED, LOADING, BUFFERING, TRANSFORMING, CONNECTING, SENDING, SENT, DONE, KEEP, CLOSE, ABORT
-cdef long PEER_FULL, WAITING, _IDLE_CHECKS
+cdef long PEER_FULL, WAITING, _IDLE_CHECKS, READY, LOAD, BODY, WORK, REFUSED
 cdef long NAMES_HEADERS, HAS_CONTENT_LENGTH, HAS_TRANSFER_ENCODING, _FRAMING, LENGTH, CHUNKED, DECHUNK, EOF_RAW
 cdef long EOF_CHUNKED
 cdef Py_ssize_t WAIT_BUFFER, _SEPARATE_WRITE
@@ -60,6 +60,7 @@ cdef class Exchange(UpstreamRequest):
     cdef public bytes method, target, raw
     cdef public Py_ssize_t first, end
     cdef public object length, conn_tokens, error, limit
+    cdef public Admission admission
     cdef public Decision decision
     cdef public bint special, http10, keep_alive, chunked, expect, complete, frame_chunked, close_after
     cdef public list body, head
@@ -74,27 +75,30 @@ cdef class Exchange(UpstreamRequest):
                 bint keep_alive, length)
     @cython.locals(shared=Shared)
     cpdef start(self)
-    @cython.locals(router=Router, decision=Decision, dep=Deployment)
-    cpdef _route(self, bint loaded)
+    @cython.locals(adm=Admission, decision=Decision, dep=Deployment, need=long)
+    cpdef _next(self)
+    @cython.locals(adm=Admission)
+    cpdef _wait(self, long need)
     @cython.locals(client=ClientSide, shared=Shared, conn=UpstreamConnection, pool=UpstreamPool, now=double,
                    due=double, stats=DeploymentStats, dep=Deployment, raw=bytes, entry=tuple, drops=dict, lines=list)
     cpdef _forward(self, Decision decision, length)
     @cython.locals(complete=bint)
     cpdef _send(self, UpstreamConnection conn, list parts)
-    cpdef _send_transformed(self)
-    cpdef _body_ready(self, result)
+    cpdef _whole_body(self)
     cpdef pump(self)
     @cython.locals(client=ClientSide, conn=UpstreamConnection, output=ClientOutput, out=list, base=Py_ssize_t,
-                   mark=Py_ssize_t, framing=long, mode=long, http10=bint, decision=Decision)
+                   mark=Py_ssize_t, framing=long, mode=long, http10=bint, adm=Admission)
     cpdef response_head(self, long status, bytes raw, Py_ssize_t start, Py_ssize_t first, Py_ssize_t end,
                         length, double now)
-    @cython.locals(shared=Shared, stats=DeploymentStats, decision=Decision, headers=HeaderBlock)
+    @cython.locals(shared=Shared, stats=DeploymentStats, decision=Decision, headers=HeaderBlock, adm=Admission)
     cpdef head_sent(self)
+    @cython.locals(adm=Admission)
     cpdef bint response_start(self, bytes data, bint chunked) except -1
     @cython.locals(stats=DeploymentStats, decision=Decision)
     cpdef response_end(self, double now)
     @cython.locals(conn=UpstreamConnection, state=long)
     cpdef double deadline(self, double now) except? -1.0
+    @cython.locals(adm=Admission)
     cpdef _finish_turn(self, outcome)
     @cython.locals(conn=UpstreamConnection)
     cpdef _end(self, long close)

@@ -6,9 +6,9 @@ request head, queues it, and calls :meth:`Exchange.start` when it reaches the he
 parsed, :meth:`Exchange.timed_out` from its watchdog, :meth:`Exchange.client_gone` when the
 client left. The exchange then:
 
-1. asks the router for a :class:`~sidecar.router.Decision` (``_route``; ``_load`` first when the
-   session must come from the shared store), reads the body first when the mode needs it
-   (``_send_transformed``);
+1. asks the router for its :class:`~sidecar.router.Admission` and does what it needs, in one
+   loop (:meth:`Exchange._next`, entered again when a store load or body work it waited for
+   is done, :meth:`Exchange._waited`): the body read first when the mode needs it;
 2. builds the upstream request head (``_forward``): the client's header lines copied as received
    minus hop-by-hop / ``Connection``-named / ``decision.drop`` / Host / Expect / framing ones,
    then Host, X-Forwarded-For, X-Forwarded-Proto, ``decision.add`` and the framing the parser
@@ -26,10 +26,9 @@ client left. The exchange then:
    the exchange back to its client connection (:meth:`ClientSide.finish_exchange`), which serves
    the next request or closes.
 
-Every call into the router is in one small method: ``_route`` (route), ``_load``
-(state.load), ``_send_transformed`` / ``_body_ready`` (transform_body and its result),
-``head_sent`` (on_response), ``_finish_turn`` (finish, exactly once per routed request, after
-the last byte went to the client) and ``connect_failed`` (upstream_unreachable).
+Every call into the router goes through the admission: ``start`` (admit), ``_next`` and
+``_waited`` (what it needs), ``head_sent`` (on_response), ``connect_failed``
+(upstream_unreachable) and ``_finish_turn`` (finish, after the last byte went to the client).
 
 Per request there is no task, no future and no timer: everything runs from protocol callbacks,
 and the client connection's one watchdog timer enforces the timeouts (:meth:`Exchange.deadline`).
@@ -43,12 +42,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from functools import partial
 from time import perf_counter
 from typing import Any
 
 from sidecar import errors
 from sidecar.context import TurnOutcome
+from sidecar.deployments import Deployment
 from sidecar.engine.fast_upstream import FIRST_CHUNKED, FIRST_RAW, UpstreamConnection, UpstreamPool, UpstreamRequest
 from sidecar.engine.flow import PEER_FULL, WAITING
 from sidecar.engine.head import (
@@ -115,8 +114,7 @@ from sidecar.engine.wire import (
     XFP_LINE,
     error_response,
 )
-from sidecar.router import BodyWork, Decision, RequestHead, Router
-from sidecar.state import LoadNeeded
+from sidecar.router import BODY, LOAD, READY, REFUSED, WORK, Admission, Decision, RequestHead, Router
 
 log = logging.getLogger("sidecar.engine")
 
@@ -262,6 +260,7 @@ class Exchange(UpstreamRequest):
         "body_size",
         "complete",
         "state",
+        "admission",
         "decision",
         "t0",
         "limit",
@@ -314,7 +313,8 @@ class Exchange(UpstreamRequest):
         self.body_size = 0
         self.complete = False  # the whole request was parsed
         self.state = QUEUED
-        self.decision: Decision | None = None
+        self.admission: Admission | None = None
+        self.decision: Decision | None = None  # the admission's, once forwarded
         self.t0 = 0.0
         self.limit = 0
         self.head: list[bytes] = []  # the upstream request's pieces while no connection is attached
@@ -386,7 +386,7 @@ class Exchange(UpstreamRequest):
     # -- request path -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Route the request at the head of the queue; forward it unless answered here."""
+        """Admit the request at the head of the queue; forward it unless answered here."""
         shared = self.shared
         self.state = BUFFERING
         shared.request_started()
@@ -396,82 +396,98 @@ class Exchange(UpstreamRequest):
             self.respond_error(exc, d.name, d.mode_name, reason, close=True)
             return
         self.t0 = perf_counter()
-        self._route(False)
-
-    def _route(self, loaded: bool) -> None:
-        """Route the started request (``loaded``: its session was just loaded from the shared
-        store) and forward it, or answer it here."""
-        router = self.shared.router
         method = self.method
-        try:
-            decision = router.route(
-                RequestHead(
-                    METHODS[method] if method in METHODS else method.decode("latin-1"),
-                    header_map(self.raw, self.first, self.end),
-                ),
-                loaded,
+        self.admission = shared.router.admit(
+            RequestHead(
+                METHODS[method] if method in METHODS else method.decode("latin-1"),
+                header_map(self.raw, self.first, self.end),
             )
-        except errors.ProxyError as exc:
-            self.respond_error(exc, router.default.name, router.default.mode_name, exc.type)
+        )
+        self._next()
+
+    def _next(self) -> None:
+        """Do what the admission needs next: the one routing loop of this engine, entered again
+        when a load or body work it waited for is done."""
+        adm = self.admission
+        assert adm is not None
+        need = adm.need
+        decision = adm.decision
+        if need == READY and decision is not None and decision.body is not None:  # the body was read
+            body = decision.body
+            if body:
+                self.body.append(body)
+            self._forward(decision, len(body))
             return
-        except LoadNeeded as need:
-            self._load(need.identity)
+        if need == LOAD or need == WORK:
+            self._wait(need)
             return
-        self.decision = decision
-        self.limit = limit = decision.max_body_bytes
+        dep = adm.deployment
+        if need == REFUSED:
+            assert adm.error is not None
+            self.respond_error(adm.error, dep.name, dep.mode_name, adm.reason, close=adm.reason is None)
+            return
+        self.limit = limit = adm.limit
         if self.length > limit or self.body_size > limit:
-            dep = decision.deployment
-            self._finish_turn(_UPSTREAM_FAILED)
+            adm.finish(_UPSTREAM_FAILED)
             # A declared length whose body is already parsed leaves nothing to skip: keep the
             # connection. A chunked body over the limit, or one still arriving, ends it.
-            err = errors.request_too_large(dep.name, limit, decision.needs_body)
+            err = errors.request_too_large(dep.name, limit, need == BODY)
             self.respond_error(err, dep.name, dep.mode_name, "body_too_large", close=self.chunked or not self.complete)
             return
         if self.expect and not self.complete and not self.http10:
             self.client.output.parts.append(CONTINUE)
-        if decision.needs_body:
+        if need == BODY:
             if self.complete:
-                self._send_transformed()
+                self._whole_body()
             else:
-                self._await_body(decision)
+                self._await_body(dep)
             return
+        assert decision is not None
         self._forward(decision, -1)
 
-    def _load(self, identity: Any, resume: Any = None) -> None:
-        """Load the request's session from the shared store (a rare path: the first request of a
-        session this replica does not hold), then route again, or with ``resume`` continue the
-        admission of a body that named it. Body bytes keep arriving meanwhile (buffered as while
-        connecting)."""
-        self.state = LOADING
-        client = self.client
-        task = client.loop.create_task(self.shared.router.state.load(identity))
-        task.add_done_callback(partial(self._loaded, resume))
+    def _wait(self, need: int) -> None:
+        """Load the request's session from the shared store (LOAD: a rare path, the first request
+        of a session this replica does not hold), or run body work on a worker thread (WORK: a
+        large body); the admission goes on in :meth:`_waited`. Body bytes keep arriving meanwhile
+        (buffered as while connecting)."""
+        adm = self.admission
+        assert adm is not None
+        if need == LOAD:
+            self.state = LOADING
+            assert adm.identity is not None
+            task = self.client.loop.create_task(self.shared.router.state.load(adm.identity))
+            task.add_done_callback(self._waited)
+        else:
+            self.state = TRANSFORMING
+            engine = self.shared.engine
+            future = engine.loop.run_in_executor(engine.body_pool, adm.work)
+            future.add_done_callback(self._waited)
 
-    def _loaded(self, resume: Any, task: asyncio.Task[None]) -> None:
-        if self.state != LOADING:  # the client left meanwhile
+    def _waited(self, future: asyncio.Future[Any]) -> None:
+        state = self.state
+        if state != LOADING and state != TRANSFORMING:  # the client left meanwhile (its admission finished)
+            if not future.cancelled():
+                future.exception()  # retrieved: nothing left to report
             return
         self.state = BUFFERING
         client = self.client
-        client.flow.resume(WAITING)  # routed now: reading goes on as the decision says
+        adm = self.admission
+        assert adm is not None
+        if state == LOADING:
+            client.flow.resume(WAITING)  # routed now: reading goes on as the decision says
+            adm.loaded()
+        else:
+            adm.worked(None if future.cancelled() else future.result())
         try:
-            if resume is None:
-                self._route(True)
-            else:
-                self._body_ready(resume())
-        except LoadNeeded as need:  # (never twice: the router was told the store was asked)
-            self._body_failed(RuntimeError(f"session still not loaded: {need}"))
+            self._next()
         except Exception as exc:  # a bug must cost one request, not the connection
-            if resume is None:
-                log.error("request failed in the engine: %r", exc, exc_info=exc)
-                self.internal_error()
-            else:
-                self._body_failed(exc)
+            log.error("request failed in the engine: %r", exc, exc_info=exc)
+            self.internal_error()
         client.flush()
 
-    def _await_body(self, decision: Decision) -> None:
+    def _await_body(self, dep: Deployment) -> None:
         """The body a mode reads is still arriving: bound its arrival like a response's (the
         deployment's first-byte timeout for all of it, its idle timeout between reads)."""
-        dep = decision.deployment
         self.first_byte_timeout = dep.first_byte_timeout
         self.idle_timeout = dep.idle_timeout
         self.last_io = now = self.t0
@@ -486,6 +502,7 @@ class Exchange(UpstreamRequest):
 
         Flattened (head building, metrics, connection pick and attach in one method): it runs
         once per forwarded request."""
+        self.decision = decision
         client = self.client
         shared = self.shared
         pool, base, version_host = shared.upstreams[decision.upstream.pool_key]
@@ -598,82 +615,21 @@ class Exchange(UpstreamRequest):
                 conn.send(out, complete)
         elif state == BUFFERING:
             if self.complete:
-                self._send_transformed()
+                self._whole_body()
             else:
                 self.last_io = perf_counter()  # body bytes arrived (see deadline)
         elif state == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
             self.client.pause(WAITING)
 
-    def _send_transformed(self) -> None:
-        """The whole body of a ``needs_body`` request is here: the router reads (or rewrites) it,
-        then it is forwarded. Any failure finishes the turn and answers a JSON error."""
+    def _whole_body(self) -> None:
+        """The whole body the admission needs is here: the router reads (or rewrites) it."""
         body = self.body
         raw = body[0] if len(body) == 1 else list(body)  # a large body is joined off the loop
         body.clear()
-        try:
-            decision = self.decision
-            assert decision is not None
-            self._body_ready(self.shared.router.transform_body(decision, raw, self.body_size))
-        except LoadNeeded as need:
-            self._load(need.identity, need.resume)
-        except Exception as exc:
-            self._body_failed(exc)
-
-    def _body_ready(self, result: Decision | BodyWork) -> None:
-        """Forward what the router's complete decision says (it replaces the provisional one),
-        or run its body work (a large body) on a worker thread: a future whose callback comes
-        back here, on the loop."""
-        if isinstance(result, Decision):
-            self.decision = decision = result
-            body = decision.body
-            assert body is not None
-            if body:
-                self.body.append(body)
-            self._forward(decision, len(body))
-            return
-        self.state = TRANSFORMING
-        engine = self.shared.engine
-        future = engine.loop.run_in_executor(engine.body_pool, result.run)
-        future.add_done_callback(partial(self._work_done, result))
-
-    def _work_done(self, work: BodyWork, future: asyncio.Future[Any]) -> None:
-        """The body work ran: resume it, or abandon it (the client left meanwhile, or it raised);
-        exactly one of the two per work."""
-        if self.state != TRANSFORMING:  # the client left meanwhile
-            if not future.cancelled():
-                future.exception()  # retrieved: nothing left to report
-            work.abandon(_CLIENT_ABORTED)
-            return
-        try:
-            if future.cancelled():
-                raise RuntimeError("body work cancelled (the engine is closing)")
-            done = future.result()
-        except Exception as exc:  # a defect in the work
-            work.abandon(_UPSTREAM_FAILED)
-            self._body_failed(exc)
-            self.client.flush()
-            return
-        try:
-            self._body_ready(work.resume(done))
-        except LoadNeeded as need:
-            self._load(need.identity, need.resume)
-        except Exception as exc:
-            self._body_failed(exc)
-        self.client.flush()
-
-    def _body_failed(self, exc: Exception) -> None:
-        """Finish the turn and answer: the router's JSON error, or 500 for a defect."""
-        if self.state == DONE:
-            return
-        decision = self.decision
-        assert decision is not None
-        if isinstance(exc, errors.ProxyError):
-            self._finish_turn(_UPSTREAM_FAILED)
-            dep = decision.deployment
-            self.respond_error(exc, dep.name, dep.mode_name, exc.type)
-            return
-        log.error("request body handling failed: %r", exc, exc_info=exc, extra=decision.log_fields())
-        self.internal_error()
+        adm = self.admission
+        assert adm is not None
+        adm.body(raw, self.body_size)
+        self._next()
 
     def _frame_body(self, out: list[bytes]) -> None:
         body = self.body
@@ -746,7 +702,9 @@ class Exchange(UpstreamRequest):
         else:
             reason = errors.failure_reason(exc)
             engine.upstream_failure(dep, up, "connect", reason, connecting=True)
-            self.shared.router.upstream_unreachable(decision)  # nothing was sent: fail the tree over
+            adm = self.admission
+            assert adm is not None
+            adm.upstream_unreachable()  # nothing was sent: fail the tree over
             self._upstream_error("connect", errors.upstream_unreachable(dep.name, up.index, reason))
 
     def peer_full(self, full: bool) -> None:
@@ -815,9 +773,9 @@ class Exchange(UpstreamRequest):
         if mode < 0:
             return None
         conn = self.conn
-        decision = self.decision
-        assert conn is not None and decision is not None
-        if decision.reads_response_id and self.shared.router.reads_response(decision, status, self.resp_head):
+        adm = self.admission
+        assert conn is not None and adm is not None
+        if adm.reads_response_id and adm.reads_response(status, self.resp_head):
             # (a request chained by previous_response_id: the router reads the body's first bytes)
             conn.first_bytes = FIRST_CHUNKED if mode == CHUNKED or mode == DECHUNK else FIRST_RAW
         return BodyRelay(output, mode, length if mode == LENGTH else 0, conn.pool.max_head)
@@ -846,14 +804,16 @@ class Exchange(UpstreamRequest):
             health.answered(decision.deployment, decision.upstream)
         stats = decision.deployment.stats
         stats.ttfb.observe(self.head_at - self.t0)  # type: ignore[union-attr]
-        shared.router.on_response(decision, self.resp_status, headers)
+        adm = self.admission
+        assert adm is not None
+        adm.on_response(self.resp_status, headers)
 
     def response_start(self, data: bytes, chunked: bool) -> bool:
         """A read of the beginning of the response body the router asked for (see
         response_head): to the router, until it wants no more."""
-        decision = self.decision
-        assert decision is not None
-        return self.shared.router.response_start(decision, data, chunked)
+        adm = self.admission
+        assert adm is not None
+        return adm.response_start(data, chunked)
 
     def response_end(self, now: float) -> None:
         """The last response byte went to the client (the connection has unbound itself): count,
@@ -892,7 +852,7 @@ class Exchange(UpstreamRequest):
         when it times out as things stand, or, while its response streams, when to look for
         reads since the last look."""
         state = self.state
-        if state == BUFFERING and self.decision is not None and self.idle_timeout:
+        if state == BUFFERING and self.admission is not None and self.idle_timeout:
             body_due = self.last_io + self.idle_timeout
             whole = self.t0 + self.first_byte_timeout
             return body_due if body_due < whole else whole
@@ -912,9 +872,9 @@ class Exchange(UpstreamRequest):
         return self.last_io + self.idle_timeout
 
     def timed_out(self, now: float) -> None:
-        decision = self.decision
-        assert decision is not None
-        dep, up = decision.deployment, decision.upstream
+        adm = self.admission
+        assert adm is not None
+        dep = adm.deployment
         if self.state == BUFFERING:  # the client stopped sending the body a mode reads
             self._finish_turn(_CLIENT_ABORTED)
             self.respond_error(
@@ -925,6 +885,8 @@ class Exchange(UpstreamRequest):
                 close=True,
             )
             return
+        assert adm.decision is not None  # (forwarded: decided)
+        up = adm.decision.upstream
         if not self.resp_status:
             reason = f"no response within {self.first_byte_timeout:g} s"
             self.shared.engine.upstream_failure(dep, up, "timeout", reason)
@@ -961,7 +923,7 @@ class Exchange(UpstreamRequest):
     def internal_error(self) -> None:
         if self.state == DONE:
             return
-        if self.decision is not None:
+        if self.admission is not None:
             self._finish_turn(_UPSTREAM_FAILED)
         d = self.shared.router.default
         self.respond_error(errors.internal_error(), d.name, d.mode_name, None, close=True)
@@ -973,15 +935,15 @@ class Exchange(UpstreamRequest):
         self._fail_started(exc, reason)
 
     def _too_large_midway(self) -> None:
-        decision = self.decision
-        assert decision is not None
-        dep = decision.deployment
-        self._fail_started(errors.request_too_large(dep.name, self.limit, decision.needs_body), "body_too_large")
+        adm = self.admission
+        assert adm is not None
+        dep = adm.deployment
+        self._fail_started(errors.request_too_large(dep.name, self.limit, adm.need == BODY), "body_too_large")
 
     def _fail_started(self, exc: errors.ProxyError, reason: str) -> None:
-        decision = self.decision
-        assert decision is not None
-        dep = decision.deployment
+        adm = self.admission
+        assert adm is not None
+        dep = adm.deployment
         self._finish_turn(_UPSTREAM_FAILED)
         if self.resp_status:
             self._end(ABORT)
@@ -1005,7 +967,7 @@ class Exchange(UpstreamRequest):
             conn.client_gone()  # the body's end may have gone out already: then the response ended
             if self.state == DONE:
                 return
-        if self.decision is not None:
+        if self.admission is not None:
             self._finish_turn(_CLIENT_ABORTED)
         self._end(ABORT)
 
@@ -1016,9 +978,9 @@ class Exchange(UpstreamRequest):
         not heard of yet, if any."""
         if self.resp_head is not None:
             self.head_sent()
-        decision = self.decision
-        assert decision is not None  # every exchange that ends a turn was routed
-        self.shared.router.finish(decision, outcome)
+        adm = self.admission
+        assert adm is not None  # every exchange that ends a turn was admitted
+        adm.finish(outcome)
 
     def _end(self, close: int) -> None:
         """The exchange is over: every end goes through here, exactly once. An upstream
