@@ -31,8 +31,8 @@ from sidecar import errors
 from sidecar import headers as h
 from sidecar.context import TurnOutcome
 from sidecar.engine.base import Engine
-from sidecar.engine.head import DOT_SEGMENT, dot_segment, origin_form, valid_host
 from sidecar.engine.parse_errors import UNSUPPORTED_CODING
+from sidecar.engine.request_rules import check, host_facts, lone_chunked, version_refusal
 from sidecar.engine.wire import error_response
 from sidecar.errors import failure_reason
 from sidecar.router import BODY, LOAD, REFUSED, WORK, Admission, Decision, RequestHead, body_pool
@@ -135,7 +135,7 @@ class _Connection(web_protocol.RequestHandler):
         target, space, version = rest.partition(b" ")
         if not method or not target or (space and version != b"HTTP/0.9"):
             return False  # a version (or not a request line: the parser's to judge)
-        self._refuse_head(errors.unsupported_version(0, 9), "bad_request")
+        self._refuse_head(*version_refusal(9))
         return True
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -324,52 +324,18 @@ class AiohttpEngine(Engine):
     async def _proxy(self, request: web.BaseRequest, t0: float) -> web.StreamResponse:
         router = self.router
         in_headers = request.headers
-        if request.version < (1, 0) or request.version > (1, 1):
-            return self._refuse(
-                request,
-                errors.unsupported_version(request.version[0], request.version[1]),
-                "bad_request",
-            )
-        hosts = in_headers.getall(h.HOST, ())
-        if (
-            len(hosts) > 1
-            or (not hosts and request.version >= (1, 1))
-            or (
-                hosts
-                and not valid_host(
-                    hosts[0].encode("utf-8", "surrogateescape"), 0, len(hosts[0].encode("utf-8", "surrogateescape"))
-                )
-            )
-        ):
-            problem = (
-                "more than one Host header"
-                if len(hosts) > 1
-                else "missing Host header (required in HTTP/1.1)"
-                if not hosts
-                else "invalid Host header (uri-host[:port] expected)"
-            )
-            return self._refuse(request, errors.bad_request(problem), "bad_request")
-        codings = in_headers.getall(h.TRANSFER_ENCODING, ())
-        if codings and (request.version < (1, 1) or not _lone_chunked(codings)):
-            # aiohttp's parser undoes only the chunked framing: another coding's bytes would reach
-            # the upstream unlabelled, and chunked on HTTP/1.0 is faulty framing (RFC 9112 6.1).
-            return self._refuse(request, errors.unsupported_transfer_coding(), "bad_request")
-        if h.UPGRADE in in_headers and "upgrade" in h.connection_tokens(in_headers.getall(h.CONNECTION, ())):
-            # The rest of the stream belongs to the refused protocol.
-            return self._refuse(request, errors.upgrade_not_supported(), "upgrade")
-        target = request.raw_path
-        if request.method != "CONNECT" and not target.startswith("/"):
-            origin = origin_form(target.encode("utf-8", "surrogateescape"))  # absolute-form
-            if origin is not None:
-                target = origin.decode("utf-8", "surrogateescape")
-        if request.method == "CONNECT" or not target.startswith("/"):
-            return self._refuse(
-                request,
-                errors.bad_request("request target must be origin-form (/path) or absolute-form (http://host/path)"),
-                "bad_request",
-            )
-        if dot_segment(target.encode("utf-8", "surrogateescape")):
-            return self._refuse(request, errors.bad_request(DOT_SEGMENT), "bad_request")
+        upgrade = h.UPGRADE in in_headers and "upgrade" in h.connection_tokens(in_headers.getall(h.CONNECTION, ()))
+        raw_target, refusal = check(  # (the request-head rules: sidecar.engine.request_rules)
+            10 * request.version[0] + request.version[1],
+            host_facts(_raw(in_headers.getall(h.HOST, []))),
+            _raw(in_headers.getall(h.TRANSFER_ENCODING, [])),
+            upgrade,
+            request.method.encode("latin-1"),
+            request.raw_path.encode("utf-8", "surrogateescape"),
+        )
+        if refusal is not None:
+            return self._refuse(request, *refusal)
+        target = raw_target.decode("utf-8", "surrogateescape")
         adm = router.admit(RequestHead(request.method, in_headers))
         try:
             await self._settle(adm)  # a session this replica does not hold: ask the shared store
@@ -544,8 +510,8 @@ class AiohttpEngine(Engine):
             return self._upstream_failed(
                 adm, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
             )
-        codings = upstream.headers.getall(h.TRANSFER_ENCODING, ())
-        if codings and not _lone_chunked(codings) and request.method != "HEAD" and upstream.status not in (204, 304):
+        codings = _raw(upstream.headers.getall(h.TRANSFER_ENCODING, []))
+        if codings and not lone_chunked(codings) and request.method != "HEAD" and upstream.status not in (204, 304):
             # aiohttp undoes only the chunked framing: another coding's bytes would reach the
             # client unlabelled.
             upstream.close()
@@ -635,9 +601,9 @@ class AiohttpEngine(Engine):
         return self._error(exc, dep.name, dep.mode_name)
 
 
-def _lone_chunked(codings: list[str]) -> bool:
-    """Whether the Transfer-Encoding field values are ``chunked`` alone, the one coding relayed."""
-    return len(codings) == 1 and codings[0].strip().lower() == "chunked"
+def _raw(values: list[str]) -> list[bytes]:
+    """Header values as their bytes (aiohttp decodes them with surrogateescape)."""
+    return [v.encode("utf-8", "surrogateescape") for v in values]
 
 
 def _close_of(upstream: aiohttp.ClientResponse, method: str) -> asyncio.Future[None] | None:
@@ -648,10 +614,10 @@ def _close_of(upstream: aiohttp.ClientResponse, method: str) -> asyncio.Future[N
     if method == "HEAD" or upstream.status in (204, 304) or upstream.status < 200:
         return None
     headers = upstream.headers
-    codings = headers.getall(h.TRANSFER_ENCODING, ())
+    codings = _raw(headers.getall(h.TRANSFER_ENCODING, []))
     if not codings and h.CONTENT_LENGTH in headers:
         return None
-    if codings and _lone_chunked(codings):  # (any other coding was refused before the body)
+    if codings and lone_chunked(codings):  # (any other coding was refused before the body)
         return None
     connection = upstream.connection
     protocol = connection.protocol if connection is not None else None

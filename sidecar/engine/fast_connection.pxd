@@ -3,12 +3,13 @@
 cimport cython
 from sidecar.engine.fast_exchange cimport ClientSide, Exchange, Shared, new_exchange
 from sidecar.engine.flow cimport ReadFlow
-from sidecar.engine.head cimport dot_segment, scan_request
+from sidecar.engine.head cimport scan_request
+from sidecar.engine.request_rules cimport plain
 from sidecar.engine.relay cimport ClientOutput
 
 cdef tuple _SPECIAL
 # Read per request: C globals, not module-dict lookups (see fast_exchange.pxd).
-cdef long _HOST_FACTS, LISTED, HOST_SEEN, QUEUED, DONE, ABORT, CLOSE, PIPELINED
+cdef long LISTED, QUEUED, DONE, ABORT, CLOSE, PIPELINED
 cdef object perf_counter
 cdef Py_ssize_t _MAX_PIPELINED
 
@@ -24,7 +25,7 @@ cdef class ClientConnection(ClientSide):
     cpdef watch(self, double due, double now)
     cpdef flush(self)
     cpdef pause(self, long reason)
-    @cython.locals(ex=Exchange, special=bint, waits=bint, facts=long)
+    @cython.locals(ex=Exchange, waits=bint, facts=long)
     cpdef on_head(self, bytes raw, Py_ssize_t first, Py_ssize_t end, bytes method, bytes target, long version,
                   bint keep_alive, length)
     @cython.locals(ex=Exchange)

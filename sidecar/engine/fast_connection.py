@@ -30,10 +30,11 @@ from sidecar.engine import wire
 from sidecar.engine.direct import DirectSocket
 from sidecar.engine.fast_exchange import ClientSide, Exchange, Shared, new_exchange
 from sidecar.engine.flow import PIPELINED, STOPPED, ReadFlow
-from sidecar.engine.head import HOST_INVALID, HOST_REPEATED, HOST_SEEN, LISTED, dot_segment, name_table, scan_request
+from sidecar.engine.head import LISTED, name_table, scan_request
 from sidecar.engine.parsers import CallbackError, HeadTooLarge, Http09Request, ParseError, RequestParser, UpgradeRequest
 from sidecar.engine.phases import ABORT, CLOSE, DONE, QUEUED
 from sidecar.engine.relay import ClientOutput
+from sidecar.engine.request_rules import plain, version_refusal
 
 log = logging.getLogger("sidecar.engine")
 
@@ -52,7 +53,6 @@ MAX_PIPELINED = 128
 _MAX_PIPELINED = MAX_PIPELINED  # (the typed copy on_head reads; tests read the public name)
 
 _INF = float("inf")
-_HOST_FACTS = HOST_SEEN | HOST_REPEATED | HOST_INVALID
 # Request headers whose presence takes the head checks and the forwarding off the fast path.
 _SPECIAL = name_table(
     frozenset({wire.CONNECTION, wire.TRANSFER_ENCODING, wire.EXPECT, wire.UPGRADE, wire.XFF, wire.XFP})
@@ -120,7 +120,7 @@ class ClientConnection(ClientSide):
         except HeadTooLarge:
             self._refuse(errors.headers_too_large(self.max_head), "headers_too_large")
         except Http09Request:
-            self._refuse(errors.unsupported_version(0, 9), "bad_request")
+            self._refuse(*version_refusal(9))
         except ParseError as exc:
             if isinstance(exc, CallbackError):
                 log.error("request parser callback failed", exc_info=exc.__cause__)
@@ -181,19 +181,8 @@ class ClientConnection(ClientSide):
             return
         ex = new_exchange(self, raw, first, end, method, target, keep_alive, length)
         facts = scan_request(raw, first, end, _SPECIAL)
-        ex.special = special = facts & LISTED != 0
-        # Without a Connection header (``special`` covers it), llhttp keeps a request alive only
-        # for HTTP/1.1 (major and minor both > 0; it rejects versions other than 0.9, 1.0, 1.1
-        # and 2.0): the common case (one valid Host, origin-form) needs no further check.
-        if (
-            not keep_alive
-            or special
-            or facts & _HOST_FACTS != HOST_SEEN
-            or not target
-            or target[0] != 47  # not "/..."
-            or method == b"CONNECT"
-            or dot_segment(target)
-        ):
+        ex.special = facts & LISTED != 0
+        if not plain(keep_alive, facts, method, target):  # (the request-head rules: rarely)
             ex.check_head(version, facts)
         queue = self.queue
         waits = bool(queue)  # an earlier request is still in progress

@@ -6,7 +6,8 @@ from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.fast_upstream cimport UpstreamConnection, UpstreamPool, UpstreamRequest
 from sidecar.engine.idle_poll cimport IdlePoller
 from sidecar.engine.relay cimport BodyRelay, ClientOutput
-from sidecar.engine.head cimport (HeaderBlock, copy_block, cut, decimal, dot_segment, first_value, has_header, header_map,
+from sidecar.engine.request_rules cimport lone_chunked
+from sidecar.engine.head cimport (HeaderBlock, copy_block, cut, decimal, first_value, has_header, header_map,
                                   header_values, name_table, reason_phrase, relay_block)
 from sidecar.metrics cimport DeploymentStats, _Value
 from sidecar.deployments cimport Deployment
@@ -102,8 +103,6 @@ cdef class Exchange(UpstreamRequest):
     cpdef _finish_turn(self, outcome)
     @cython.locals(conn=UpstreamConnection)
     cpdef _end(self, long close)
-
-cdef bint _lone_chunked(list values) except -1
 
 @cython.locals(ex=Exchange)
 cpdef Exchange new_exchange(ClientSide client, bytes raw, Py_ssize_t first, Py_ssize_t end, bytes method,

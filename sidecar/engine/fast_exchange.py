@@ -51,23 +51,17 @@ from sidecar.deployments import Deployment
 from sidecar.engine.fast_upstream import FIRST_CHUNKED, FIRST_RAW, UpstreamConnection, UpstreamPool, UpstreamRequest
 from sidecar.engine.flow import PEER_FULL, WAITING
 from sidecar.engine.head import (
-    DOT_SEGMENT,
     HAS_CONTENT_LENGTH,
     HAS_TRANSFER_ENCODING,
-    HOST_INVALID,
-    HOST_REPEATED,
-    HOST_SEEN,
     NAMES_HEADERS,
     copy_block,
     cut,
     decimal,
-    dot_segment,
     first_value,
     has_header,
     header_map,
     header_values,
     name_table,
-    origin_form,
     reason_phrase,
     relay_block,
     token_set,
@@ -88,6 +82,7 @@ from sidecar.engine.phases import (
     TRANSFORMING,
 )
 from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW, LENGTH, BodyRelay
+from sidecar.engine.request_rules import check, lone_chunked
 from sidecar.engine.wire import (
     CHUNKED_LINE,
     CL_LINE,
@@ -335,51 +330,19 @@ class Exchange(UpstreamRequest):
     # -- request head -------------------------------------------------------------------------
 
     def check_head(self, version: int, facts: int) -> None:
-        """Framing and form checks llhttp leaves to the application (run at end of head), for
-        heads off the fast path (HTTP/1.0, framing or forwarding headers, Host issues, odd
-        targets). ``version`` is ``10 * major + minor``; ``facts`` are the head's
+        """The request-head rules (:mod:`sidecar.engine.request_rules`) for a head off the fast
+        path, and what forwarding it needs to know of it (HTTP/1.0, Connection tokens, chunked,
+        Expect). ``version`` is ``10 * major + minor``; ``facts`` are the head's
         :func:`~sidecar.engine.head.scan_request` bits."""
         raw, first, end = self.raw, self.first, self.end
         self.http10 = version == 10
-        if version != 11 and not self.http10:
-            self.error = (errors.unsupported_version(version // 10, version % 10), "bad_request")
-            return
-        # RFC 9112 3.2: one valid Host, required in HTTP/1.1.
-        if facts & HOST_REPEATED or facts & HOST_INVALID or not (facts & HOST_SEEN or self.http10):
-            problem = (
-                "more than one Host header"
-                if facts & HOST_REPEATED
-                else "invalid Host header (uri-host[:port] expected)"
-                if facts & HOST_INVALID
-                else "missing Host header (required in HTTP/1.1)"
-            )
-            self.error = (errors.bad_request(problem), "bad_request")
-            return
         connection = header_values(raw, first, end, CONNECTION_B, False)
         if connection:
             self.conn_tokens = token_set(connection)
-        te = header_values(raw, first, end, TRANSFER_ENCODING_B, False)
-        if te:
-            if self.http10 or not _lone_chunked(te):
-                self.error = (errors.unsupported_transfer_coding(), "bad_request")
-                return
-            self.chunked = True
-        if "upgrade" in self.conn_tokens and has_header(raw, first, end, UPGRADE_B):
-            self.error = (errors.upgrade_not_supported(), "upgrade")
-            return
-        if self.method != b"CONNECT" and not self.target.startswith(b"/"):
-            origin = origin_form(self.target)  # absolute-form: forwarded in origin-form
-            if origin is not None:
-                self.target = origin
-        if self.method == b"CONNECT" or not self.target.startswith(b"/"):
-            self.error = (
-                errors.bad_request("request target must be origin-form (/path) or absolute-form (http://host/path)"),
-                "bad_request",
-            )
-            return
-        if dot_segment(self.target):
-            self.error = (errors.bad_request(DOT_SEGMENT), "bad_request")
-            return
+        codings = header_values(raw, first, end, TRANSFER_ENCODING_B, False)
+        self.chunked = len(codings) > 0
+        upgrade = "upgrade" in self.conn_tokens and has_header(raw, first, end, UPGRADE_B)
+        self.target, self.error = check(version, facts, codings, upgrade, self.method, self.target)
         expect = first_value(raw, first, end, EXPECT_B)
         self.expect = expect is not None and expect.lower() == b"100-continue"
 
@@ -752,7 +715,7 @@ class Exchange(UpstreamRequest):
         elif framing & _FRAMING == HAS_CONTENT_LENGTH:
             mode = LENGTH
         elif framing & HAS_TRANSFER_ENCODING:
-            if not _lone_chunked(header_values(raw, first, end, TRANSFER_ENCODING_B, False)):
+            if not lone_chunked(header_values(raw, first, end, TRANSFER_ENCODING_B, False)):
                 # Re-framed as chunked, another coding's bytes would reach the client unlabelled.
                 del out[base:]
                 self.resp_status = 0
@@ -995,14 +958,6 @@ class Exchange(UpstreamRequest):
             self.waiting = None  # not when a connection frees up
             pool.forget(self)
         self.client.finish_exchange(self, close)
-
-
-def _lone_chunked(values: list[bytes]) -> bool:
-    """Whether the Transfer-Encoding ``values`` are ``chunked`` alone, the one coding the sidecar
-    relays (the usual single ``chunked`` without a strip and a copy)."""
-    if len(values) == 1 and values[0] == b"chunked":
-        return True
-    return len(values) == 1 and values[0].strip().lower() == b"chunked"
 
 
 def new_exchange(

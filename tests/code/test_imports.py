@@ -163,6 +163,7 @@ LEAVES = [
     "sidecar.engine.relay",
     "sidecar.engine.wire",
     "sidecar.engine.phases",
+    "sidecar.engine.request_rules",
     "sidecar.errors",
     "sidecar.headers",
     "sidecar.modes.ids",

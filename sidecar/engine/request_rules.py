@@ -1,0 +1,108 @@
+"""The request-head rules, for both engines: what a head their parser accepted must also satisfy
+to be proxied, and the answer to one that does not (400, or 501 for an upgrade).
+
+- the version: HTTP/1.0 or 1.1 (a request line without a version, HTTP/0.9, is refused by the
+  parsers as soon as it ends, with the same answer);
+- one valid Host (``uri-host[:port]``), required in HTTP/1.1 (RFC 9112 3.2);
+- the framing: a lone ``chunked`` Transfer-Encoding, on HTTP/1.1 only (the engines forward no
+  other coding faithfully: RFC 9112 6.1, 6.3);
+- no protocol upgrade (``Connection: upgrade`` with an ``Upgrade`` header);
+- the target: origin-form (``/path``) or absolute-form (forwarded in origin-form), no CONNECT,
+  no ``.`` or ``..`` path segment (:func:`~sidecar.engine.head.dot_segment`).
+
+The fast engine checks a head with :func:`check` only when its one scan of the head says it may
+fail one (:func:`plain` is False); the aiohttp engine checks every head.
+"""
+
+from __future__ import annotations
+
+from sidecar import errors
+from sidecar.engine.head import (
+    DOT_SEGMENT,
+    HOST_INVALID,
+    HOST_REPEATED,
+    HOST_SEEN,
+    LISTED,
+    dot_segment,
+    origin_form,
+    valid_host,
+)
+
+# A refusal: the error that answers it and the label it is counted under.
+Refusal = tuple[errors.ProxyError, str]
+_HOST_FACTS = HOST_SEEN | HOST_REPEATED | HOST_INVALID
+_BAD_TARGET = "request target must be origin-form (/path) or absolute-form (http://host/path)"
+
+
+def plain(keep_alive: bool, facts: int, method: bytes, target: bytes) -> bool:
+    """Whether a head passes every rule without :func:`check`, from the fast engine's cheap
+    facts: ``facts`` are its :func:`~sidecar.engine.head.scan_request` bits, LISTED for a
+    framing, Connection or forwarding header. Without a Connection header (LISTED covers it),
+    llhttp keeps a request alive only for HTTP/1.1 (it rejects versions other than 0.9, 1.0, 1.1
+    and 2.0): the common case (one valid Host, origin-form) needs no further check."""
+    return (
+        keep_alive
+        and not facts & LISTED
+        and facts & _HOST_FACTS == HOST_SEEN
+        and len(target) > 0
+        and target[0] == 47  # "/..."
+        and method != b"CONNECT"
+        and not dot_segment(target)
+    )
+
+
+def host_facts(hosts: list[bytes]) -> int:
+    """The Host bits :func:`check` takes, from a head's Host values."""
+    facts = 0
+    for value in hosts:
+        facts |= HOST_REPEATED if facts & HOST_SEEN else HOST_SEEN
+        if not valid_host(value, 0, len(value)):
+            facts |= HOST_INVALID
+    return facts
+
+
+def check(
+    version: int, facts: int, codings: list[bytes], upgrade: bool, method: bytes, target: bytes
+) -> tuple[bytes, Refusal | None]:
+    """The target to forward (origin-form) and the refusal of the head, if any. ``version``:
+    ``10 * major + minor``; ``facts``: its Host bits (:func:`host_facts`); ``codings``: its
+    Transfer-Encoding values; ``upgrade``: it asks for one (an Upgrade header that its
+    Connection header names)."""
+    if version != 11 and version != 10:
+        return target, version_refusal(version)
+    if facts & HOST_REPEATED or facts & HOST_INVALID or not (facts & HOST_SEEN or version == 10):
+        problem = (
+            "more than one Host header"
+            if facts & HOST_REPEATED
+            else "invalid Host header (uri-host[:port] expected)"
+            if facts & HOST_INVALID
+            else "missing Host header (required in HTTP/1.1)"
+        )
+        return target, (errors.bad_request(problem), "bad_request")
+    if codings and (version == 10 or not lone_chunked(codings)):
+        return target, (errors.unsupported_transfer_coding(), "bad_request")
+    if upgrade:  # the rest of the stream would belong to another protocol
+        return target, (errors.upgrade_not_supported(), "upgrade")
+    if method != b"CONNECT" and not target.startswith(b"/"):
+        origin = origin_form(target)  # absolute-form: forwarded in origin-form
+        if origin is not None:
+            target = origin
+    if method == b"CONNECT" or not target.startswith(b"/"):
+        return target, (errors.bad_request(_BAD_TARGET), "bad_request")
+    if dot_segment(target):
+        return target, (errors.bad_request(DOT_SEGMENT), "bad_request")
+    return target, None
+
+
+def version_refusal(version: int) -> Refusal:
+    """The refusal of a request in another version than 1.0 and 1.1 (``10 * major + minor``; 9
+    for a request line that ended without one, which the parsers report as soon as it ends)."""
+    return errors.unsupported_version(version // 10, version % 10), "bad_request"
+
+
+def lone_chunked(values: list[bytes]) -> bool:
+    """Whether Transfer-Encoding ``values`` are ``chunked`` alone, the one coding either engine
+    relays, in requests and responses (the usual single ``chunked`` without a strip and a copy)."""
+    if len(values) == 1 and values[0] == b"chunked":
+        return True
+    return len(values) == 1 and values[0].strip().lower() == b"chunked"
