@@ -20,15 +20,17 @@ client left. The exchange then:
    ``Connection``-named ones (:mod:`sidecar.engine.head`), and a
    :class:`~sidecar.engine.relay.BodyRelay` that takes the body to the client, bytes unchanged
    (re-framed only when the upstream sent no length, or the client speaks HTTP/1.0);
-5. ends exactly once, through :meth:`Exchange._end`: answered (:meth:`Exchange.response_end`),
-   answered here with a JSON error (:meth:`Exchange.respond_error`), or cut off (the upstream
-   failed mid-response, the client left). ``_end`` releases the upstream connection and hands
-   the exchange back to its client connection (:meth:`ClientSide.finish_exchange`), which serves
-   the next request or closes.
+5. retires exactly once, through :meth:`Exchange._retire`, one of three ways: completed
+   (:meth:`Exchange.response_complete`: the last response byte went to the client), answered
+   here with a JSON error (:meth:`Exchange.respond_error`), or cut off (``_retire(ABORT)``: the
+   upstream failed mid-response, the client left). ``_retire`` releases the upstream connection
+   and hands the exchange back to its client connection (:meth:`ClientBase.retired`), which
+   serves the next request or closes. The router hears the end of the request once, in
+   :meth:`Exchange._finish_admission`.
 
 Every call into the router goes through the admission: ``start`` (admit), ``_next`` and
 ``_waited`` (what it needs), ``head_sent`` (on_response), ``connect_failed``
-(upstream_unreachable) and ``_finish_turn`` (finish, after the last byte went to the client).
+(upstream_unreachable) and ``_finish_admission`` (finish, after the last byte went to the client).
 
 Per request there is no task, no future and no timer: everything runs from protocol callbacks,
 and the client connection's one watchdog timer enforces the timeouts (:meth:`Exchange.deadline`).
@@ -140,7 +142,7 @@ def _add_name(name: str) -> tuple[str, bytes, bytes]:
     return entry
 
 
-class Shared:
+class EngineState:
     """What every connection of one engine reads or updates per request, in one typed object
     (compiled, a struct: the engine itself is a Python class, whose attributes cost a lookup each)."""
 
@@ -193,7 +195,7 @@ class Shared:
         return never
 
 
-class ClientSide:
+class ClientBase:
     """What an exchange may use of the client connection it belongs to
     (:class:`~sidecar.engine.fast_connection.ClientConnection` implements the methods).
 
@@ -203,7 +205,7 @@ class ClientSide:
 
     __slots__ = ("shared", "loop", "output", "flow", "peer", "xff_xfp", "write_paused", "timer_due")
 
-    def __init__(self, shared: Shared, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, shared: EngineState, loop: asyncio.AbstractEventLoop) -> None:
         self.shared = shared
         self.loop = loop
         self.peer = b""
@@ -211,13 +213,13 @@ class ClientSide:
         self.write_paused = False
         self.timer_due = _INF
 
-    def finish_exchange(self, ex: Exchange, close: int) -> None:
-        """``ex`` ended (called once per started exchange, by ``Exchange._end``): count it out,
+    def retired(self, ex: Exchange, close: int) -> None:
+        """``ex`` retired (called once per started exchange, by ``Exchange._retire``): count it out,
         then serve the next request (``KEEP``), close after what was written (``CLOSE``), or drop
         the connection now (``ABORT``: an incomplete response must stay incomplete)."""
         raise NotImplementedError
 
-    def watch(self, due: float, now: float) -> None:
+    def arm_watchdog(self, due: float, now: float) -> None:
         """Fire the watchdog at ``due`` (perf_counter time) at the latest."""
         raise NotImplementedError
 
@@ -236,38 +238,45 @@ class Exchange(UpstreamRequest):
     Made by :func:`new_exchange`."""
 
     __slots__ = (
+        # connection
         "client",
         "shared",
+        "phase",
+        # request head
         "method",
         "target",
         "raw",
-        "first",
-        "end",
-        "special",
+        "block_start",
+        "block_end",
+        "slow_headers",
         "http10",
         "keep_alive",
-        "length",
-        "chunked",
         "expect",
         "conn_tokens",
         "error",
+        # request body
+        "length",
+        "chunked",
         "body",
         "body_size",
         "complete",
-        "state",
+        "limit",
+        # routing
         "admission",
         "decision",
-        "t0",
-        "limit",
-        "head",
-        "frame_chunked",
+        # upstream
         "conn",
-        "waiting",
+        "waiting_pool",
+        "upstream_head",
+        "frame_chunked",
+        # timing
+        "t0",
         "connect_timeout",
         "first_byte_timeout",
         "idle_timeout",
         "last_io",
         "seen_reads",
+        # response
         "resp_status",
         "resp_head",
         "head_at",
@@ -276,65 +285,70 @@ class Exchange(UpstreamRequest):
 
     def setup(
         self,
-        client: ClientSide,
+        client: ClientBase,
         raw: bytes,
-        first: int,
-        end: int,
+        block_start: int,
+        block_end: int,
         method: bytes,
         target: bytes,
         keep_alive: bool,
         length: int,
     ) -> None:
-        """Its fields, for the request whose head is ``raw[first:end]`` (``client``'s; called once,
-        by :func:`new_exchange`, which makes every exchange)."""
+        """Its fields, for the request whose header block is ``raw[block_start:block_end]``
+        (``client``'s; called once, by :func:`new_exchange`, which makes every exchange)."""
+        # -- connection: whose it is, and where it is (sidecar.engine.phases; DONE: retired)
         self.client = client
         self.shared = client.shared
+        self.phase = QUEUED
+        # -- request head: the header block (sidecar.engine.head) is read by the router through a
+        # HeaderBlock view and forwarded as slices of the lines it keeps
         self.method = method
         self.target = target
-        # The header block, raw[first:end] (sidecar.engine.head): read by the router through a
-        # HeaderBlock view, forwarded as slices of the lines it keeps.
         self.raw = raw
-        self.first = first
-        self.end = end
-        self.special = False  # a header that takes the slow head checks is present (see check_head)
+        self.block_start = block_start
+        self.block_end = block_end
+        self.slow_headers = False  # a header the fast path does not handle (see check_head, _forward)
         self.http10 = False
         self.keep_alive = keep_alive
+        self.expect = False  # Expect: 100-continue
+        self.conn_tokens: set[str] | frozenset[str] = frozenset()
+        self.error: tuple[errors.ProxyError, str] | None = None  # refused: answered here instead
+        # -- request body
         self.length = length  # declared Content-Length, -1 without
         self.chunked = False
-        self.expect = False
-        self.conn_tokens: set[str] | frozenset[str] = frozenset()
-        self.error: tuple[errors.ProxyError, str] | None = None  # answered locally instead
         self.body: list[bytes] = []  # parsed body bytes not yet forwarded
         self.body_size = 0
         self.complete = False  # the whole request was parsed
-        self.state = QUEUED
+        self.limit = 0  # the body bytes allowed (413 above)
+        # -- routing
         self.admission: Admission | None = None
         self.decision: Decision | None = None  # the admission's, once forwarded
-        self.t0 = 0.0
-        self.limit = 0
-        self.head: list[bytes] = []  # the upstream request's pieces while no connection is attached
-        self.frame_chunked = False
+        # -- upstream
         self.conn: UpstreamConnection | None = None
-        self.waiting: UpstreamPool | None = None  # the pool it asked for a connection, until it got one
+        self.waiting_pool: UpstreamPool | None = None  # the pool it asked for a connection, until it got one
+        self.upstream_head: list[bytes] = []  # the upstream request's pieces while no connection is attached
+        self.frame_chunked = False  # the body goes upstream chunked
+        # -- timing (perf_counter times; the watchdog reads them through deadline)
+        self.t0 = 0.0  # started
         self.connect_timeout = 0.0
         self.first_byte_timeout = 0.0
         self.idle_timeout = 0.0
-        self.last_io = 0.0  # when the body a mode reads, or the response, last moved (see deadline)
+        self.last_io = 0.0  # when the body a mode reads, or the response, last moved
         self.seen_reads = 0  # the response relay's read count when the watchdog last looked
-        self.resp_status = 0  # set by the response head: the response has begun
-        # The parsed response head until the router heard of it (see head_sent).
-        self.resp_head: Mapping[str, str] | None = None
+        # -- response: it has begun once resp_status is set
+        self.resp_status = 0
+        self.resp_head: Mapping[str, str] | None = None  # parsed, until the router heard of it (head_sent)
         self.head_at = 0.0
-        self.close_after = False  # the response said the connection closes after it
+        self.close_after = False  # the response closes the connection after it
 
     # -- request head -------------------------------------------------------------------------
 
-    def check_head(self, version: int, facts: int) -> None:
+    def check_head(self, version: int, head_bits: int) -> None:
         """The request-head rules (:mod:`sidecar.engine.request_rules`) for a head off the fast
         path, and what forwarding it needs to know of it (HTTP/1.0, Connection tokens, chunked,
-        Expect). ``version`` is ``10 * major + minor``; ``facts`` are the head's
+        Expect). ``version`` is ``10 * major + minor``; ``head_bits`` are the head's
         :func:`~sidecar.engine.head.scan_request` bits."""
-        raw, first, end = self.raw, self.first, self.end
+        raw, first, end = self.raw, self.block_start, self.block_end
         self.http10 = version == 10
         connection = header_values(raw, first, end, CONNECTION_B, False)
         if connection:
@@ -342,7 +356,7 @@ class Exchange(UpstreamRequest):
         codings = header_values(raw, first, end, TRANSFER_ENCODING_B, False)
         self.chunked = len(codings) > 0
         upgrade = "upgrade" in self.conn_tokens and has_header(raw, first, end, UPGRADE_B)
-        self.target, self.error = check(version, facts, codings, upgrade, self.method, self.target)
+        self.target, self.error = check(version, head_bits, codings, upgrade, self.method, self.target)
         expect = first_value(raw, first, end, EXPECT_B)
         self.expect = expect is not None and expect.lower() == b"100-continue"
 
@@ -351,7 +365,7 @@ class Exchange(UpstreamRequest):
     def start(self) -> None:
         """Admit the request at the head of the queue; forward it unless answered here."""
         shared = self.shared
-        self.state = BUFFERING
+        self.phase = BUFFERING
         shared.request_started()
         if self.error is not None:
             exc, reason = self.error
@@ -363,7 +377,7 @@ class Exchange(UpstreamRequest):
         self.admission = shared.router.admit(
             RequestHead(
                 METHODS[method] if method in METHODS else method.decode("latin-1"),
-                header_map(self.raw, self.first, self.end),
+                header_map(self.raw, self.block_start, self.block_end),
             )
         )
         self._next()
@@ -416,27 +430,27 @@ class Exchange(UpstreamRequest):
         adm = self.admission
         assert adm is not None
         if need == LOAD:
-            self.state = LOADING
+            self.phase = LOADING
             assert adm.identity is not None
             task = self.client.loop.create_task(self.shared.router.state.load(adm.identity))
             task.add_done_callback(self._waited)
         else:
-            self.state = TRANSFORMING
+            self.phase = TRANSFORMING
             engine = self.shared.engine
             future = engine.loop.run_in_executor(engine.body_pool, adm.work)
             future.add_done_callback(self._waited)
 
     def _waited(self, future: asyncio.Future[Any]) -> None:
-        state = self.state
-        if state != LOADING and state != TRANSFORMING:  # the client left meanwhile (its admission finished)
+        phase = self.phase
+        if phase != LOADING and phase != TRANSFORMING:  # the client left meanwhile (its admission finished)
             if not future.cancelled():
                 future.exception()  # retrieved: nothing left to report
             return
-        self.state = BUFFERING
+        self.phase = BUFFERING
         client = self.client
         adm = self.admission
         assert adm is not None
-        if state == LOADING:
+        if phase == LOADING:
             client.flow.resume(WAITING)  # routed now: reading goes on as the decision says
             adm.loaded()
         else:
@@ -457,7 +471,7 @@ class Exchange(UpstreamRequest):
         due = self.deadline(now)
         client = self.client
         if due < client.timer_due:
-            client.watch(due, now)
+            client.arm_watchdog(due, now)
 
     def _forward(self, decision: Decision, length: int) -> None:
         """Build the upstream request head and send it with the body parsed so far on a pooled
@@ -484,14 +498,14 @@ class Exchange(UpstreamRequest):
             if entry is None:
                 entry = _add_name(name)
             key = entry[0]
-            if key not in drop and has_header(raw, self.first, self.end, entry[2]):
+            if key not in drop and has_header(raw, self.block_start, self.block_end, entry[2]):
                 drop = drop | {key}  # the mode's value replaces a client header of the same name
             lines.append(entry[1])
             lines.append(value.encode("utf-8", "surrogateescape"))
             lines.append(b"\r\n")
         parts = [self.method, base, self.target, version_host]
-        copy_block(raw, self.first, self.end, parts, name_table(drop))
-        if self.special:
+        copy_block(raw, self.block_start, self.block_end, parts, name_table(drop))
+        if self.slow_headers:
             self._forwarded_for(parts, drop, dropped)
         else:
             parts.append(client.xff_xfp)
@@ -517,7 +531,7 @@ class Exchange(UpstreamRequest):
 
         dep = decision.deployment
         now = perf_counter()
-        self.state = CONNECTING
+        self.phase = CONNECTING
         self.connect_timeout = dep.connect_timeout
         self.idle_timeout = idle = dep.idle_timeout
         # Like the aiohttp client's sock_read, silence before the head is bounded by `idle` too.
@@ -525,14 +539,14 @@ class Exchange(UpstreamRequest):
         self.first_byte_timeout = first_byte = idle if idle < first_byte else first_byte
         due = self.t0 + first_byte
         if due < client.timer_due:
-            client.watch(due, now)
+            client.arm_watchdog(due, now)
 
         conn = pool.take(now)
         if conn is None:
-            self.head = parts
-            self.waiting = pool
+            self.upstream_head = parts
+            self.waiting_pool = pool
             pool.acquire(self)
-            if self.state == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
+            if self.phase == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
                 client.pause(WAITING)
         else:
             self.conn = conn
@@ -544,7 +558,7 @@ class Exchange(UpstreamRequest):
     def _forwarded_for(self, parts: list[bytes], drop: frozenset[str] | set[str], dropped: frozenset[str]) -> None:
         """X-Forwarded-For / -Proto when the client sent forwarding headers of its own."""
         client = self.client
-        raw, first, end = self.raw, self.first, self.end
+        raw, first, end = self.raw, self.block_start, self.block_end
         xff = b""
         if XFF not in self.conn_tokens and XFF not in dropped:
             xff = b", ".join(header_values(raw, first, end, XFF_B, False))
@@ -553,17 +567,17 @@ class Exchange(UpstreamRequest):
             parts.append(XFP_LINE)
 
     def pump(self) -> None:
-        """Client bytes were parsed: forward, buffer or refuse them according to the state."""
-        state = self.state
-        if state >= SENT:
+        """Client bytes were parsed: forward, buffer or refuse them according to the phase."""
+        phase = self.phase
+        if phase >= SENT:
             return
-        if state == LOADING:  # not routed yet: buffer, as while waiting for a connection
+        if phase == LOADING:  # not routed yet: buffer, as while waiting for a connection
             if self.body_size > WAIT_BUFFER and not self.complete:
                 self.client.pause(WAITING)
             return
         if self.body_size > self.limit:
             self._too_large_midway()
-        elif state == SENDING:
+        elif phase == SENDING:
             out: list[bytes] = []
             if self.body:
                 self._frame_body(out)
@@ -571,17 +585,17 @@ class Exchange(UpstreamRequest):
             if complete:
                 if self.frame_chunked:
                     out.append(LAST_CHUNK)
-                self.state = SENT
+                self.phase = SENT
             if out:
                 conn = self.conn
                 assert conn is not None
                 conn.send(out, complete)
-        elif state == BUFFERING:
+        elif phase == BUFFERING:
             if self.complete:
                 self._whole_body()
             else:
                 self.last_io = perf_counter()  # body bytes arrived (see deadline)
-        elif state == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
+        elif phase == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
             self.client.pause(WAITING)
 
     def _whole_body(self) -> None:
@@ -609,17 +623,17 @@ class Exchange(UpstreamRequest):
 
     @property
     def wants_connection(self) -> bool:
-        return self.state == CONNECTING
+        return self.phase == CONNECTING
 
     def attach(self, conn: UpstreamConnection) -> None:
         """A connection for a request that waited for one (opened, or freed by another)."""
-        self.waiting = None
+        self.waiting_pool = None
         self.conn = conn
         client = self.client
         conn.bind(self, client.write_paused)
         client.flow.resume(WAITING)
-        parts = self.head
-        self.head = []
+        parts = self.upstream_head
+        self.upstream_head = []
         self._send(conn, parts)
 
     def _send(self, conn: UpstreamConnection, parts: list[bytes]) -> None:
@@ -639,9 +653,9 @@ class Exchange(UpstreamRequest):
         if complete:
             if self.frame_chunked:
                 parts.append(LAST_CHUNK)
-            self.state = SENT
+            self.phase = SENT
         else:
-            self.state = SENDING
+            self.phase = SENDING
         if large is None:
             conn.send(parts, complete)
         else:
@@ -649,10 +663,10 @@ class Exchange(UpstreamRequest):
             conn.send([large], complete)
 
     def connect_failed(self, kind: str, exc: BaseException) -> None:
-        if self.state != CONNECTING:
+        if self.phase != CONNECTING:
             # ``tls``: the upstream refused the TLS session after the request was written to it
             # (it never reached the application); nothing to do once a response began.
-            if kind != "tls" or self.state == DONE or self.resp_status:
+            if kind != "tls" or self.phase == DONE or self.resp_status:
                 return
             self.conn = None
         decision = self.decision
@@ -745,7 +759,7 @@ class Exchange(UpstreamRequest):
 
     def head_sent(self) -> None:
         """The response head went to the client: tell the router and the metrics now (off the
-        latency path; in any case before the turn finishes, see _finish_turn)."""
+        latency path; in any case before the turn finishes, see _finish_admission)."""
         headers = self.resp_head
         if headers is None:
             return
@@ -758,7 +772,7 @@ class Exchange(UpstreamRequest):
             due = self.head_at + self.idle_timeout / _IDLE_CHECKS
             client = self.client
             if due < client.timer_due:
-                client.watch(due, perf_counter())
+                client.arm_watchdog(due, perf_counter())
         shared = self.shared
         decision = self.decision
         assert decision is not None
@@ -778,7 +792,7 @@ class Exchange(UpstreamRequest):
         assert adm is not None
         return adm.response_start(data, chunked)
 
-    def response_end(self, now: float) -> None:
+    def response_complete(self, now: float) -> None:
         """The last response byte went to the client (the connection has unbound itself): count,
         finish the turn, end (flattened: once per request)."""
         self.conn = None
@@ -790,14 +804,14 @@ class Exchange(UpstreamRequest):
         status = self.resp_status
         stats.request(status).inc()
         stats.duration.observe(now - self.t0)
-        self._finish_turn(_COMPLETED if status < 500 else _UPSTREAM_FAILED)
+        self._finish_admission(_COMPLETED if status < 500 else _UPSTREAM_FAILED)
         # An unread rest of the request body is never read: the connection closes.
-        self._end(CLOSE if self.close_after or not self.complete else KEEP)
+        self._retire(CLOSE if self.close_after or not self.complete else KEEP)
 
     def upstream_failed(self, message: str) -> None:
         """The upstream connection failed (it has detached itself)."""
         self.conn = None
-        if self.state == DONE:
+        if self.phase == DONE:
             return
         decision = self.decision
         assert decision is not None
@@ -808,18 +822,18 @@ class Exchange(UpstreamRequest):
             return
         self._fail_mid_response("reset", f"mid-response: {message}")
 
-    # -- timeouts (see fast_connection.ClientConnection._watch) --------------------------------
+    # -- timeouts (see fast_connection.ClientConnection._watchdog) --------------------------------
 
     def deadline(self, now: float) -> float:
         """When the watchdog must look at this request next (perf_counter time; inf: never):
         when it times out as things stand, or, while its response streams, when to look for
         reads since the last look."""
-        state = self.state
-        if state == BUFFERING and self.admission is not None and self.idle_timeout:
+        phase = self.phase
+        if phase == BUFFERING and self.admission is not None and self.idle_timeout:
             body_due = self.last_io + self.idle_timeout
             whole = self.t0 + self.first_byte_timeout
             return body_due if body_due < whole else whole
-        if state < CONNECTING or state == DONE:
+        if phase < CONNECTING or phase == DONE:
             return _INF
         if not self.resp_status:
             return self.t0 + self.first_byte_timeout
@@ -838,8 +852,8 @@ class Exchange(UpstreamRequest):
         adm = self.admission
         assert adm is not None
         dep = adm.deployment
-        if self.state == BUFFERING:  # the client stopped sending the body a mode reads
-            self._finish_turn(_CLIENT_ABORTED)
+        if self.phase == BUFFERING:  # the client stopped sending the body a mode reads
+            self._finish_admission(_CLIENT_ABORTED)
             self.respond_error(
                 errors.request_timeout(f"the request body stalled (deployment {dep.name!r})"),
                 dep.name,
@@ -867,9 +881,9 @@ class Exchange(UpstreamRequest):
         dep = decision.deployment
         engine = self.shared.engine
         engine.metrics.upstream_error(dep.name, kind).inc()
-        self._finish_turn(_UPSTREAM_FAILED)
+        self._finish_admission(_UPSTREAM_FAILED)
         engine.upstream_failure(dep, decision.upstream, kind, message)
-        self._end(ABORT)
+        self._retire(ABORT)
 
     def respond_error(
         self, exc: errors.ProxyError, dep_name: str, mode_name: str, reason: str | None, close: bool = False
@@ -881,19 +895,19 @@ class Exchange(UpstreamRequest):
             metrics.rejected.labels(reason).inc()
         keep = not close and self.keep_alive and self.complete and not self.shared.draining
         self.client.output.parts.append(error_response(exc, self.http10, keep, self.method == b"HEAD"))
-        self._end(KEEP if keep else CLOSE)
+        self._retire(KEEP if keep else CLOSE)
 
     def internal_error(self) -> None:
-        if self.state == DONE:
+        if self.phase == DONE:
             return
         if self.admission is not None:
-            self._finish_turn(_UPSTREAM_FAILED)
+            self._finish_admission(_UPSTREAM_FAILED)
         d = self.shared.router.default
         self.respond_error(errors.internal_error(), d.name, d.mode_name, None, close=True)
 
     def refused(self, exc: errors.ProxyError, reason: str) -> None:
         """The body of this started request turned out malformed: never complete it upstream."""
-        if self.state == DONE:
+        if self.phase == DONE:
             return
         self._fail_started(exc, reason)
 
@@ -907,9 +921,9 @@ class Exchange(UpstreamRequest):
         adm = self.admission
         assert adm is not None
         dep = adm.deployment
-        self._finish_turn(_UPSTREAM_FAILED)
+        self._finish_admission(_UPSTREAM_FAILED)
         if self.resp_status:
-            self._end(ABORT)
+            self._retire(ABORT)
         else:
             self.respond_error(exc, dep.name, dep.mode_name, reason, close=True)
 
@@ -918,50 +932,51 @@ class Exchange(UpstreamRequest):
         assert decision is not None
         dep = decision.deployment
         self.shared.engine.metrics.upstream_error(dep.name, kind).inc()
-        self._finish_turn(_UPSTREAM_FAILED)
+        self._finish_admission(_UPSTREAM_FAILED)
         self.respond_error(exc, dep.name, dep.mode_name, None)
 
     def client_gone(self) -> None:
         """The client connection closed: abandon the upstream side (an abandoned stream must not keep a GPU busy)."""
-        if self.state == QUEUED or self.state == DONE:
+        if self.phase == QUEUED or self.phase == DONE:
             return
         conn = self.conn
         if conn is not None:
             conn.client_gone()  # the body's end may have gone out already: then the response ended
-            if self.state == DONE:
+            if self.phase == DONE:
                 return
         if self.admission is not None:
-            self._finish_turn(_CLIENT_ABORTED)
-        self._end(ABORT)
+            self._finish_admission(_CLIENT_ABORTED)
+        self._retire(ABORT)
 
-    # -- the one end --------------------------------------------------------------------------
+    # -- the end: the router's (finish), the exchange's (retire) ---------------------------------
 
-    def _finish_turn(self, outcome: TurnOutcome) -> None:
-        """Finish the router's turn (idempotent in the router): after the response head it has
-        not heard of yet, if any."""
+    def _finish_admission(self, outcome: TurnOutcome) -> None:
+        """Finish the request's admission (only its first finish counts): after the response
+        head the router has not heard of yet, if any."""
         if self.resp_head is not None:
             self.head_sent()
         adm = self.admission
         assert adm is not None  # every exchange that ends a turn was admitted
         adm.finish(outcome)
 
-    def _end(self, close: int) -> None:
-        """The exchange is over: every end goes through here, exactly once. An upstream
-        connection still attached carries an incomplete request or response: never reused."""
-        self.state = DONE
+    def _retire(self, close: int) -> None:
+        """The exchange is over and leaves its connection's queue: every way it ends goes through
+        here, exactly once. An upstream connection still attached carries an incomplete request
+        or response: never reused."""
+        self.phase = DONE
         conn = self.conn
         if conn is not None:
             self.conn = None
             conn.abort()
-        pool = self.waiting
+        pool = self.waiting_pool
         if pool is not None:  # it ended waiting (client gone, timeout): its head and body go now,
-            self.waiting = None  # not when a connection frees up
+            self.waiting_pool = None  # not when a connection frees up
             pool.forget(self)
-        self.client.finish_exchange(self, close)
+        self.client.retired(self, close)
 
 
 def new_exchange(
-    client: ClientSide,
+    client: ClientBase,
     raw: bytes,
     first: int,
     end: int,

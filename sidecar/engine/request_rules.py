@@ -34,16 +34,16 @@ _HOST_FACTS = HOST_SEEN | HOST_REPEATED | HOST_INVALID
 _BAD_TARGET = "request target must be origin-form (/path) or absolute-form (http://host/path)"
 
 
-def plain(keep_alive: bool, facts: int, method: bytes, target: bytes) -> bool:
+def plain(keep_alive: bool, head_bits: int, method: bytes, target: bytes) -> bool:
     """Whether a head passes every rule without :func:`check`, from the fast engine's cheap
-    facts: ``facts`` are its :func:`~sidecar.engine.head.scan_request` bits, LISTED for a
+    head_bits: ``head_bits`` are its :func:`~sidecar.engine.head.scan_request` bits, LISTED for a
     framing, Connection or forwarding header. Without a Connection header (LISTED covers it),
     llhttp keeps a request alive only for HTTP/1.1 (it rejects versions other than 0.9, 1.0, 1.1
     and 2.0): the common case (one valid Host, origin-form) needs no further check."""
     return (
         keep_alive
-        and not facts & LISTED
-        and facts & _HOST_FACTS == HOST_SEEN
+        and not head_bits & LISTED
+        and head_bits & _HOST_FACTS == HOST_SEEN
         and len(target) > 0
         and target[0] == 47  # "/..."
         and method != b"CONNECT"
@@ -53,29 +53,29 @@ def plain(keep_alive: bool, facts: int, method: bytes, target: bytes) -> bool:
 
 def host_facts(hosts: list[bytes]) -> int:
     """The Host bits :func:`check` takes, from a head's Host values."""
-    facts = 0
+    head_bits = 0
     for value in hosts:
-        facts |= HOST_REPEATED if facts & HOST_SEEN else HOST_SEEN
+        head_bits |= HOST_REPEATED if head_bits & HOST_SEEN else HOST_SEEN
         if not valid_host(value, 0, len(value)):
-            facts |= HOST_INVALID
-    return facts
+            head_bits |= HOST_INVALID
+    return head_bits
 
 
 def check(
-    version: int, facts: int, codings: list[bytes], upgrade: bool, method: bytes, target: bytes
+    version: int, head_bits: int, codings: list[bytes], upgrade: bool, method: bytes, target: bytes
 ) -> tuple[bytes, Refusal | None]:
     """The target to forward (origin-form) and the refusal of the head, if any. ``version``:
-    ``10 * major + minor``; ``facts``: its Host bits (:func:`host_facts`); ``codings``: its
+    ``10 * major + minor``; ``head_bits``: its Host bits (:func:`host_facts`); ``codings``: its
     Transfer-Encoding values; ``upgrade``: it asks for one (an Upgrade header that its
     Connection header names)."""
     if version != 11 and version != 10:
         return target, version_refusal(version)
-    if facts & HOST_REPEATED or facts & HOST_INVALID or not (facts & HOST_SEEN or version == 10):
+    if head_bits & HOST_REPEATED or head_bits & HOST_INVALID or not (head_bits & HOST_SEEN or version == 10):
         problem = (
             "more than one Host header"
-            if facts & HOST_REPEATED
+            if head_bits & HOST_REPEATED
             else "invalid Host header (uri-host[:port] expected)"
-            if facts & HOST_INVALID
+            if head_bits & HOST_INVALID
             else "missing Host header (required in HTTP/1.1)"
         )
         return target, (errors.bad_request(problem), "bad_request")
