@@ -1,6 +1,5 @@
-# Compiled layout of router.py (Cython "augmenting" declarations; see setup.py): the decision
-# records and the router as extension types. Keep the records' fields in their dataclass order (the
-# admission's equal to its __slots__) and Router's equal to the attributes its __init__ sets.
+# Compiled layout of router.py (docs/architecture.md, "Compiled and pure-Python builds"): the
+# decision records and the router as extension types.
 cimport cython
 from sidecar.deployments cimport Deployment
 from sidecar.identity cimport Identity, IdentityReader
@@ -27,11 +26,12 @@ cdef class Decision:
 cdef class Admission:
     cdef public Router router
     cdef public RequestHead head
-    cdef public long need
     cdef public Deployment deployment
+    cdef public object request_id
+    cdef public long need
     cdef public object limit
     cdef public Decision decision
-    cdef public object error, reason, identity, work, request_id, selected
+    cdef public object error, reason, identity, work, selected
     cdef public long status
     cdef public Turn turn
     cdef public object api_session
@@ -46,15 +46,10 @@ cdef class Admission:
     cpdef bint reads_response(self, long status, headers) except -1
     @cython.locals(decision=Decision)
     cpdef bint response_start(self, bytes data, bint chunked) except -1
-    @cython.locals(decision=Decision)
-    cpdef upstream_unreachable(self)
     @cython.locals(turn=Turn)
     cpdef finish(self, outcome)
-    @cython.locals(dep=Deployment)
-    cpdef dict log_fields(self)
     cpdef _ready(self, Decision decision)
     cpdef _wait(self, long need, Deployment deployment, limit, work)
-    cpdef _failed(self, exc)
     cpdef _refuse(self, exc, reason)
 
 cdef class Router:

@@ -132,6 +132,7 @@ REFUSED = 4  # answer ``error``, counted as rejected for ``reason`` (None: a def
 _SCAN, _SPLICE, _TRANSFORM = range(3)
 
 
+@dataclass
 class Admission:
     """One request's way through the router, made by :meth:`Router.admit` (module docstring).
 
@@ -143,53 +144,31 @@ class Admission:
     later feed change nothing (a client that left while the admission waited). A refusal
     finishes it itself."""
 
-    __slots__ = (
-        "router",
-        "head",
-        "need",
-        "deployment",
-        "limit",
-        "decision",
-        "error",
-        "reason",
-        "identity",
-        "work",
-        "request_id",
-        "selected",
-        "status",
-        "turn",
-        "api_session",
-        "finished",
-        "reads_response_id",
-        "first_bytes",
-        "read",
-        "step",
-    )
-
     router: Router
     head: RequestHead
-    need: int
     # Labels errors and metrics: the default deployment until the head names one, the one whose
     # limits apply while the body is read (BODY), the decision's (READY).
     deployment: Deployment
-    limit: int  # the body bytes allowed: to read (BODY), to stream (READY)
-    decision: Decision | None  # READY (while WORK: the admitted one its body waits for)
-    error: errors.ProxyError | None  # REFUSED
-    reason: str | None  # REFUSED
-    identity: Identity | None  # what the head declares; LOAD: the session to load
-    work: Callable[[], Any] | None  # WORK: runs on a worker thread, only reads its arguments
     request_id: str | None  # the client's X-Request-ID, for log lines
-    selected: Deployment | None  # named by the selector header
-    status: int  # the upstream's response status once its head arrived
+    # The defaults: what a compiled __new__ leaves (None, 0, False).
+    need: int = READY
+    limit: int = 0  # the body bytes allowed: to read (BODY), to stream (READY)
+    decision: Decision | None = None  # READY (while WORK: the admitted one its body waits for)
+    error: errors.ProxyError | None = None  # REFUSED
+    reason: str | None = None  # REFUSED
+    identity: Identity | None = None  # what the head declares; LOAD: the session to load
+    work: Callable[[], Any] | None = None  # WORK: runs on a worker thread, only reads its arguments
+    selected: Deployment | None = None  # named by the selector header
+    status: int = 0  # the upstream's response status once its head arrived
     # What finish releases: the turn begun in the lineage tree and the API session it counts in.
-    turn: Turn | None
-    api_session: ApiSession | None
-    finished: bool
+    turn: Turn | None = None
+    api_session: ApiSession | None = None
+    finished: bool = False
     # Chained by previous_response_id: the response body's first bytes go to response_start.
-    reads_response_id: bool
-    first_bytes: FirstBytes | None  # what response_start gathered of them so far
-    read: _Read | None  # the body's scan, identity and model deployment, once read
-    step: int  # which body step ``work`` is (_SCAN, _SPLICE, _TRANSFORM)
+    reads_response_id: bool = False
+    first_bytes: FirstBytes | None = None  # what response_start gathered of them so far
+    read: _Read | None = None  # the body's scan, identity and model deployment, once read
+    step: int = _SCAN  # which body step ``work`` is (_SCAN, _SPLICE, _TRANSFORM)
 
     # -- what the engine brings back ------------------------------------------------------------
 
@@ -431,17 +410,11 @@ class Router:
     def admit(self, head: RequestHead) -> Admission:
         """Begin the admission of a request (module docstring): decided, refused, or waiting for
         what its ``need`` says."""
-        adm = Admission.__new__(Admission)  # field by field (see _decision)
+        adm = Admission.__new__(Admission)  # field by field (see _decision); the others: their defaults
         adm.router = self
         adm.head = head
         adm.deployment = self.default
         adm.request_id = lookup(head.headers, _REQUEST_ID)
-        adm.decision = adm.error = adm.reason = adm.identity = adm.work = adm.selected = None
-        adm.turn = adm.api_session = adm.first_bytes = adm.read = None
-        adm.finished = adm.reads_response_id = False
-        adm.limit = 0
-        adm.status = 0
-        adm.step = _SCAN
         try:
             self._route(adm, False)
         except errors.ProxyError as exc:

@@ -32,7 +32,7 @@ from sidecar import headers as h
 from sidecar.context import TurnOutcome
 from sidecar.engine.base import Engine
 from sidecar.engine.parse_errors import UNSUPPORTED_CODING
-from sidecar.engine.request_rules import check, host_facts, lone_chunked, version_refusal
+from sidecar.engine.request_rules import check, host_bits, lone_chunked, version_refusal
 from sidecar.engine.wire import error_response
 from sidecar.errors import failure_reason
 from sidecar.router import BODY, LOAD, REFUSED, WORK, Admission, Decision, RequestHead, body_pool
@@ -327,7 +327,7 @@ class AiohttpEngine(Engine):
         upgrade = h.UPGRADE in in_headers and "upgrade" in h.connection_tokens(in_headers.getall(h.CONNECTION, ()))
         raw_target, refusal = check(  # (the request-head rules: sidecar.engine.request_rules)
             10 * request.version[0] + request.version[1],
-            host_facts(_raw(in_headers.getall(h.HOST, []))),
+            host_bits(_raw(in_headers.getall(h.HOST, []))),
             _raw(in_headers.getall(h.TRANSFER_ENCODING, [])),
             upgrade,
             request.method.encode("latin-1"),
@@ -345,10 +345,7 @@ class AiohttpEngine(Engine):
             limit = adm.limit
             declared = request.content_length
             if declared is not None and declared > limit:
-                adm.finish(TurnOutcome.UPSTREAM_FAILED)
-                return self._error(
-                    _too_large(dep.name, limit, adm.need == BODY), dep.name, dep.mode_name, "body_too_large"
-                )
+                return self._too_large(adm)
             body: bytes | io.BytesIO | AsyncIterator[bytes] | None = None
             if request.method not in ("GET", "HEAD") or request.body_exists:
                 if in_headers.get(h.EXPECT, "").lower() == "100-continue":
@@ -359,8 +356,7 @@ class AiohttpEngine(Engine):
                         adm.body(chunks[0] if len(chunks) == 1 else chunks, size)
                         await self._settle(adm)  # (body work off the loop, a session the body names)
                     except _TooLarge:
-                        adm.finish(TurnOutcome.UPSTREAM_FAILED)
-                        return self._error(_too_large(dep.name, limit, True), dep.name, dep.mode_name, "body_too_large")
+                        return self._too_large(adm)
                     except _ClientTimeout:
                         adm.finish(TurnOutcome.CLIENT_ABORTED)
                         resp = self._error(
@@ -412,6 +408,13 @@ class AiohttpEngine(Engine):
             else:
                 return
 
+    def _too_large(self, adm: Admission) -> web.Response:
+        """A body above the admission's limit (of a body the sidecar parses while it needs it)."""
+        adm.finish(TurnOutcome.UPSTREAM_FAILED)
+        dep = adm.deployment
+        err = errors.request_too_large(dep.name, adm.limit, adm.need == BODY)
+        return self._error(err, dep.name, dep.mode_name, "body_too_large")
+
     def _refused(self, adm: Admission) -> web.Response:
         """Answer what the router refused (a defect: 500)."""
         assert adm.error is not None
@@ -452,10 +455,7 @@ class AiohttpEngine(Engine):
                     server_hostname=up.server_hostname,
                 )
         except _TooLarge:
-            adm.finish(TurnOutcome.UPSTREAM_FAILED)
-            return self._error(
-                errors.request_too_large(dep.name, dep.limits.max_body_bytes), dep.name, dep.mode_name, "body_too_large"
-            )
+            return self._too_large(adm)
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             connecting = isinstance(exc, aiohttp.ConnectionTimeoutError)
             reason = (
@@ -465,41 +465,19 @@ class AiohttpEngine(Engine):
                 if isinstance(exc, aiohttp.SocketTimeoutError)
                 else f"no response within {t.first_byte:g} s"
             )
-            return self._upstream_failed(
-                adm, "timeout", errors.upstream_timeout(dep.name, up.index), reason, connecting=connecting
-            )
+            return self._upstream_failed(adm, "timeout", reason, connecting=connecting)
         except aiohttp.ClientConnectorError as exc:
-            adm.upstream_unreachable()
-            reason = failure_reason(exc.os_error)
-            return self._upstream_failed(
-                adm, "connect", errors.upstream_unreachable(dep.name, up.index, reason), reason, connecting=True
-            )
+            return self._upstream_failed(adm, "connect", failure_reason(exc.os_error), connecting=True)
         except aiohttp.ClientError as exc:
             if _caused_by(exc, _TooLarge):  # raised in the body iterator, wrapped by the client
-                adm.finish(TurnOutcome.UPSTREAM_FAILED)
-                return self._error(
-                    errors.request_too_large(dep.name, decision.max_body_bytes),
-                    dep.name,
-                    dep.mode_name,
-                    "body_too_large",
-                )
+                return self._too_large(adm)
             if isinstance(exc.__cause__, ssl.SSLError):
                 # The upstream refused the TLS session before answering (a TLS 1.3 server checks
                 # the client's certificate after the client's side of the handshake): the request
                 # never reached the application, like a refused connect.
-                adm.upstream_unreachable()
-                reason = failure_reason(exc.__cause__)
-                return self._upstream_failed(
-                    adm,
-                    "connect",
-                    errors.upstream_unreachable(dep.name, up.index, reason),
-                    reason,
-                    connecting=True,
-                )
+                return self._upstream_failed(adm, "connect", failure_reason(exc.__cause__), connecting=True)
             reason = _client_error_reason(exc)
-            return self._upstream_failed(
-                adm, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
-            )
+            return self._upstream_failed(adm, "protocol", reason)
         except asyncio.CancelledError:
             adm.finish(TurnOutcome.CLIENT_ABORTED)
             raise
@@ -507,25 +485,19 @@ class AiohttpEngine(Engine):
             # The sidecar never asks for a protocol switch: this upstream is broken.
             upstream.close()
             reason = "the response switches protocols"
-            return self._upstream_failed(
-                adm, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
-            )
+            return self._upstream_failed(adm, "protocol", reason)
         codings = _raw(upstream.headers.getall(h.TRANSFER_ENCODING, []))
         if codings and not lone_chunked(codings) and request.method != "HEAD" and upstream.status not in (204, 304):
             # aiohttp undoes only the chunked framing: another coding's bytes would reach the
             # client unlabelled.
             upstream.close()
             reason = f"invalid response: {UNSUPPORTED_CODING}"
-            return self._upstream_failed(
-                adm, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
-            )
+            return self._upstream_failed(adm, "protocol", reason)
         head_size = sum(len(k) + len(v) + 4 for k, v in upstream.raw_headers)
         if head_size > dep.limits.max_header_bytes:
             upstream.close()
             reason = f"response head larger than {dep.limits.max_header_bytes} bytes"
-            return self._upstream_failed(
-                adm, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
-            )
+            return self._upstream_failed(adm, "protocol", reason)
         if not self.health.settled:
             self.health.answered(dep, up)
         m.ttfb_hist(dep.name, dep.mode_name).observe(time.perf_counter() - t0)
@@ -589,16 +561,17 @@ class AiohttpEngine(Engine):
         adm.finish(TurnOutcome.COMPLETED if upstream.status < 500 else TurnOutcome.UPSTREAM_FAILED)
         return resp
 
-    def _upstream_failed(
-        self, adm: Admission, kind: str, exc: errors.ProxyError, reason: str, *, connecting: bool = False
-    ) -> web.Response:
+    def _upstream_failed(self, adm: Admission, kind: str, reason: str, *, connecting: bool = False) -> web.Response:
+        """The upstream failed before the response began (as the fast engine's ``_upstream_failed``)."""
         decision = adm.decision
         assert decision is not None
-        dep = decision.deployment
-        self.upstream_failure(dep, decision.upstream, kind, reason, connecting=connecting)
+        dep, up = decision.deployment, decision.upstream
+        self.upstream_failure(dep, up, kind, reason, connecting=connecting)
+        if kind == "connect":
+            adm.upstream_unreachable()  # nothing was sent: fail the tree over
         self.metrics.upstream_error(dep.name, kind).inc()
         adm.finish(TurnOutcome.UPSTREAM_FAILED)
-        return self._error(exc, dep.name, dep.mode_name)
+        return self._error(errors.upstream_failed(kind, dep.name, up.index, reason), dep.name, dep.mode_name)
 
 
 def _raw(values: list[str]) -> list[bytes]:
@@ -666,10 +639,6 @@ def _caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-def _too_large(dep: str, limit: int, parsed: bool = False) -> errors.ProxyError:
-    return errors.request_too_large(dep, limit, parsed)
 
 
 def _forward_headers(decision: Decision, request: web.BaseRequest) -> CIMultiDict[str]:

@@ -1,5 +1,4 @@
-# Compiled layout of fast_connection.py (Cython "augmenting" declarations; see setup.py). Keep
-# the fields equal to ClientConnection.__slots__ (its base's are in fast_exchange.pxd).
+# Compiled layout of fast_connection.py (docs/architecture.md, "Compiled and pure-Python builds").
 cimport cython
 from sidecar.engine.fast_exchange cimport ClientBase, Exchange, EngineState, new_exchange
 from sidecar.engine.flow cimport ReadFlow

@@ -1,6 +1,6 @@
-# Compiled layout of fast_exchange.py (Cython "augmenting" declarations; see setup.py). Keep the
-# fields equal to each class's __slots__; C types only where every assignment has that type
-# (lengths and limits stay Python ints: a client may declare any Content-Length).
+# Compiled layout of fast_exchange.py (docs/architecture.md, "Compiled and pure-Python builds"):
+# C types only where every assignment has that type (lengths and limits stay Python ints: a client
+# may declare any Content-Length).
 cimport cython
 from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.fast_upstream cimport UpstreamConnection, UpstreamPool, UpstreamRequest

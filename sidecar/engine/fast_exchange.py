@@ -669,20 +669,10 @@ class Exchange(UpstreamRequest):
             if kind != "tls" or self.phase == DONE or self.resp_status:
                 return
             self.conn = None
-        decision = self.decision
-        assert decision is not None
-        dep, up = decision.deployment, decision.upstream
-        engine = self.shared.engine
         if kind == "timeout":
-            engine.upstream_failure(dep, up, "timeout", "connect timed out", connecting=True)
-            self._upstream_error("timeout", errors.upstream_timeout(dep.name, up.index))
+            self._upstream_failed("timeout", "connect timed out", True)
         else:
-            reason = errors.failure_reason(exc)
-            engine.upstream_failure(dep, up, "connect", reason, connecting=True)
-            adm = self.admission
-            assert adm is not None
-            adm.upstream_unreachable()  # nothing was sent: fail the tree over
-            self._upstream_error("connect", errors.upstream_unreachable(dep.name, up.index, reason))
+            self._upstream_failed("connect", errors.failure_reason(exc), True)
 
     def peer_full(self, full: bool) -> None:
         if full:
@@ -811,16 +801,8 @@ class Exchange(UpstreamRequest):
     def upstream_failed(self, message: str) -> None:
         """The upstream connection failed (it has detached itself)."""
         self.conn = None
-        if self.phase == DONE:
-            return
-        decision = self.decision
-        assert decision is not None
-        dep, up = decision.deployment, decision.upstream
-        if not self.resp_status:
-            self.shared.engine.upstream_failure(dep, up, "protocol", message)
-            self._upstream_error("protocol", errors.upstream_protocol_error(dep.name, up.index, message))
-            return
-        self._fail_mid_response("reset", f"mid-response: {message}")
+        if self.phase != DONE:
+            self._upstream_failed("reset" if self.resp_status else "protocol", message, False)
 
     # -- timeouts (see fast_connection.ClientConnection._watchdog) --------------------------------
 
@@ -862,28 +844,34 @@ class Exchange(UpstreamRequest):
                 close=True,
             )
             return
-        assert adm.decision is not None  # (forwarded: decided)
-        up = adm.decision.upstream
-        if not self.resp_status:
-            reason = f"no response within {self.first_byte_timeout:g} s"
-            self.shared.engine.upstream_failure(dep, up, "timeout", reason)
-            self._upstream_error("timeout", errors.upstream_timeout(dep.name, up.index))
-            return
-        self._fail_mid_response("timeout", f"mid-response: idle for {self.idle_timeout:g} s")
+        if self.resp_status:
+            self._upstream_failed("timeout", f"idle for {self.idle_timeout:g} s", False)
+        else:
+            self._upstream_failed("timeout", f"no response within {self.first_byte_timeout:g} s", False)
 
     # -- failures and local answers ---------------------------------------------------------
 
-    def _fail_mid_response(self, kind: str, message: str) -> None:
-        """The upstream failed after the response head went out: the status line is gone, so the
-        only honest signal left is an incomplete response (an aborted connection), not a clean end."""
+    def _upstream_failed(self, kind: str, reason: str, connecting: bool) -> None:
+        """The upstream failed (``kind``: timeout, connect, protocol, reset; ``reason``: client
+        safe, see :meth:`Engine.upstream_failure`): answered 502/504 before the response began;
+        after it the status line is gone, so the only honest signal left is an incomplete
+        response (an aborted connection), not a clean end."""
         decision = self.decision
         assert decision is not None
-        dep = decision.deployment
+        dep, up = decision.deployment, decision.upstream
         engine = self.shared.engine
+        if self.resp_status:
+            reason = f"mid-response: {reason}"
+        engine.upstream_failure(dep, up, kind, reason, connecting=connecting)
+        if kind == "connect":
+            assert self.admission is not None
+            self.admission.upstream_unreachable()  # nothing was sent: fail the tree over
         engine.metrics.upstream_error(dep.name, kind).inc()
         self._finish_admission(_UPSTREAM_FAILED)
-        engine.upstream_failure(dep, decision.upstream, kind, message)
-        self._retire(ABORT)
+        if self.resp_status:
+            self._retire(ABORT)
+        else:
+            self.respond_error(errors.upstream_failed(kind, dep.name, up.index, reason), dep.name, dep.mode_name, None)
 
     def respond_error(
         self, exc: errors.ProxyError, dep_name: str, mode_name: str, reason: str | None, close: bool = False
@@ -906,20 +894,11 @@ class Exchange(UpstreamRequest):
         self.respond_error(errors.internal_error(), d.name, d.mode_name, None, close=True)
 
     def refused(self, exc: errors.ProxyError, reason: str) -> None:
-        """The body of this started request turned out malformed: never complete it upstream."""
-        if self.phase == DONE:
+        """The body of this started request turned out malformed or too large: never complete it
+        upstream (answered ``exc`` while no response began, else cut off)."""
+        adm = self.admission
+        if self.phase == DONE or adm is None:
             return
-        self._fail_started(exc, reason)
-
-    def _too_large_midway(self) -> None:
-        adm = self.admission
-        assert adm is not None
-        dep = adm.deployment
-        self._fail_started(errors.request_too_large(dep.name, self.limit, adm.need == BODY), "body_too_large")
-
-    def _fail_started(self, exc: errors.ProxyError, reason: str) -> None:
-        adm = self.admission
-        assert adm is not None
         dep = adm.deployment
         self._finish_admission(_UPSTREAM_FAILED)
         if self.resp_status:
@@ -927,13 +906,10 @@ class Exchange(UpstreamRequest):
         else:
             self.respond_error(exc, dep.name, dep.mode_name, reason, close=True)
 
-    def _upstream_error(self, kind: str, exc: errors.ProxyError) -> None:
-        decision = self.decision
-        assert decision is not None
-        dep = decision.deployment
-        self.shared.engine.metrics.upstream_error(dep.name, kind).inc()
-        self._finish_admission(_UPSTREAM_FAILED)
-        self.respond_error(exc, dep.name, dep.mode_name, None)
+    def _too_large_midway(self) -> None:
+        adm = self.admission
+        assert adm is not None
+        self.refused(errors.request_too_large(adm.deployment.name, self.limit, adm.need == BODY), "body_too_large")
 
     def client_gone(self) -> None:
         """The client connection closed: abandon the upstream side (an abandoned stream must not keep a GPU busy)."""

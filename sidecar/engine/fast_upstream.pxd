@@ -1,5 +1,5 @@
-# Compiled layout of fast_upstream.py (Cython "augmenting" declarations; see setup.py). Keep the
-# fields equal to each class's __slots__; C types only where every assignment has that type.
+# Compiled layout of fast_upstream.py (docs/architecture.md, "Compiled and pure-Python builds"):
+# C types only where every assignment has that type.
 cimport cython
 from sidecar.engine._direct_reads cimport DirectReads, Enrolled
 from sidecar.engine._direct_socket cimport DirectSocket

@@ -1,5 +1,5 @@
-# Compiled layout of head.py (Cython "augmenting" declarations; see setup.py): the scans index the
-# bytes as C chars. Keep the fields equal to HeaderBlock.__slots__.
+# Compiled layout of head.py (docs/architecture.md, "Compiled and pure-Python builds"): the scans
+# index the bytes as C chars.
 cimport cython
 from sidecar.engine._memscan cimport decimal_bytes, find_byte
 from sidecar.headers cimport HeaderView

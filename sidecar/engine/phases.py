@@ -1,11 +1,6 @@
 """The fast engine's exchange phases, how an exchange's end leaves its client connection, and
-a client connection's lifecycle.
-
-A module of its own so that :mod:`sidecar.engine.fast_exchange` and
-:mod:`sidecar.engine.fast_connection` can each read them as C integers when compiled (their
-``.pxd`` files declare the names they import from here): a compiled module's own constants are
-not importable from Python.
-"""
+a client connection's lifecycle: a plain module, whose importers read them as C integers when
+compiled (docs/architecture.md, "Compiled and pure-Python builds")."""
 
 from __future__ import annotations
 

@@ -28,22 +28,20 @@ from sidecar.engine.head import (
     valid_host,
 )
 
-# A refusal: the error that answers it and the label it is counted under.
-Refusal = tuple[errors.ProxyError, str]
-_HOST_FACTS = HOST_SEEN | HOST_REPEATED | HOST_INVALID
+Refusal = tuple[errors.ProxyError, str]  # the error that answers it, the label it is counted under
+_HOST_BITS = HOST_SEEN | HOST_REPEATED | HOST_INVALID
 _BAD_TARGET = "request target must be origin-form (/path) or absolute-form (http://host/path)"
 
 
 def plain(keep_alive: bool, head_bits: int, method: bytes, target: bytes) -> bool:
-    """Whether a head passes every rule without :func:`check`, from the fast engine's cheap
-    head_bits: ``head_bits`` are its :func:`~sidecar.engine.head.scan_request` bits, LISTED for a
-    framing, Connection or forwarding header. Without a Connection header (LISTED covers it),
-    llhttp keeps a request alive only for HTTP/1.1 (it rejects versions other than 0.9, 1.0, 1.1
-    and 2.0): the common case (one valid Host, origin-form) needs no further check."""
+    """Whether a head passes every rule without :func:`check`, from the fast engine's cheap facts
+    (``head_bits``: its :func:`~sidecar.engine.head.scan_request` bits, LISTED for a framing,
+    Connection or forwarding header). Without a Connection header, llhttp keeps a request alive
+    only for HTTP/1.1: the common case (one valid Host, origin-form) needs no further check."""
     return (
         keep_alive
         and not head_bits & LISTED
-        and head_bits & _HOST_FACTS == HOST_SEEN
+        and head_bits & _HOST_BITS == HOST_SEEN
         and len(target) > 0
         and target[0] == 47  # "/..."
         and method != b"CONNECT"
@@ -51,7 +49,7 @@ def plain(keep_alive: bool, head_bits: int, method: bytes, target: bytes) -> boo
     )
 
 
-def host_facts(hosts: list[bytes]) -> int:
+def host_bits(hosts: list[bytes]) -> int:
     """The Host bits :func:`check` takes, from a head's Host values."""
     head_bits = 0
     for value in hosts:
@@ -65,7 +63,7 @@ def check(
     version: int, head_bits: int, codings: list[bytes], upgrade: bool, method: bytes, target: bytes
 ) -> tuple[bytes, Refusal | None]:
     """The target to forward (origin-form) and the refusal of the head, if any. ``version``:
-    ``10 * major + minor``; ``head_bits``: its Host bits (:func:`host_facts`); ``codings``: its
+    ``10 * major + minor``; ``head_bits``: its Host bits (:func:`host_bits`); ``codings``: its
     Transfer-Encoding values; ``upgrade``: it asks for one (an Upgrade header that its
     Connection header names)."""
     if version != 11 and version != 10:
