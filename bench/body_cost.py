@@ -93,10 +93,10 @@ def router_path() -> Callable[[bytes], Any]:
     def run(body: bytes) -> Any:
         adm = router.admit(head)
         adm.body(body, len(body))
-        while adm.need == WORK:  # (a large body: what an engine runs on its body pool)
-            adm.worked(adm.work())  # type: ignore[misc]
+        while adm.need == WORK and adm.work is not None:  # (a large body: what an engine runs on its body pool)
+            adm.worked(adm.work())
         adm.finish(TurnOutcome.COMPLETED)
-        return adm.decision.body  # type: ignore[union-attr]
+        return adm.decision.body if adm.decision is not None else None
 
     return run
 
