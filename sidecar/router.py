@@ -150,7 +150,7 @@ class Admission:
     # limits apply while the body is read (BODY), the decision's (READY).
     deployment: Deployment
     request_id: str | None  # the client's X-Request-ID, for log lines
-    # The defaults: what a compiled __new__ leaves (None, 0, False).
+    # The defaults: what a compiled __new__ leaves (None, 0, False; limit is set by admit).
     need: int = READY
     limit: int = 0  # the body bytes allowed: to read (BODY), to stream (READY)
     decision: Decision | None = None  # READY (while WORK: the admitted one its body waits for)
@@ -415,6 +415,7 @@ class Router:
         adm.head = head
         adm.deployment = self.default
         adm.request_id = lookup(head.headers, _REQUEST_ID)
+        adm.limit = 0  # (a Python int: compiled, None until set)
         try:
             self._route(adm, False)
         except errors.ProxyError as exc:
@@ -543,9 +544,9 @@ class Router:
             dep = self.default
         else:
             dep = self._choose(None, None, adm.selected, model_dep) or self.default
-        fresh = known is None or known[0] != dep.name
-        session = CHAIN_PREFIX + os.urandom(16).hex() if fresh else known[1]  # type: ignore[index]
-        return Identity(session, ident.parent, ident.root, ident.final, previous), fresh
+        new_session = known is None or known[0] != dep.name
+        session = CHAIN_PREFIX + os.urandom(16).hex() if new_session else known[1]  # type: ignore[index]
+        return Identity(session, ident.parent, ident.root, ident.final, previous), new_session
 
     def _not_held(self, session: str | None) -> bool:
         """With a shared store: ``session`` names a session this replica holds neither in its tree
@@ -561,8 +562,8 @@ class Router:
             chained = self._chained(adm, ident, model_dep, loaded)
             if chained is None:
                 return
-            ident, fresh = chained
-            loaded = loaded or fresh  # a new session's id is in no store
+            ident, new_session = chained
+            loaded = loaded or new_session  # a new session's id is in no store
         session = ident.session
         if self._shared and not loaded and self._not_held(session):
             adm.identity = ident
