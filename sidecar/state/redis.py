@@ -311,7 +311,7 @@ class RedisState(SessionState):
     async def _probe(self) -> bool:
         """Closed breaker: True. Open: check the store (:meth:`_check`) when the backoff
         elapsed; on success close it and republish what this replica holds. Only the writer
-        task probes: no request and no admin call waits for a store the breaker found down."""
+        task probes: no proxied request waits for a store the breaker found down."""
         if self.up:
             return True
         assert self._loop is not None and self.client is not None
