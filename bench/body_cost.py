@@ -29,7 +29,8 @@ from sidecar.config import build_config  # noqa: E402
 from sidecar.context import TurnOutcome  # noqa: E402
 from sidecar.jsonbody import scan_body, splice  # noqa: E402
 from sidecar.metrics import Metrics  # noqa: E402
-from sidecar.router import WORK, RequestHead, Router  # noqa: E402
+from sidecar.router import WORK, RequestHead  # noqa: E402
+from sidecar.wiring import routing_core  # noqa: E402
 
 PATH = ("nvext", "session_control")
 OWNED = ("session_id", "action", "timeout")
@@ -87,7 +88,7 @@ def router_path() -> Callable[[bytes], Any]:
     # protocol bind: every turn carries the whole patch, as in earlier results.
     flags = {"upstream": "http://127.0.0.1:9", "mode": "dynamo_nvext", "mode_opt": ["protocol=bind"]}
     cfg = build_config(flags=flags, env={})
-    router = Router(cfg, Metrics(CollectorRegistry()))
+    router = routing_core(cfg, Metrics(CollectorRegistry()))
     head = RequestHead("POST", {"x-correlation-id": "bench-session", "content-length": "1024"})
 
     def run(body: bytes) -> Any:

@@ -21,12 +21,10 @@ from sidecar.engine.aiohttp_engine import AiohttpEngine
 from sidecar.engine.base import Engine
 from sidecar.engine.fast import FastEngine
 from sidecar.health import UpstreamHealth, run_health_checks
-from sidecar.lineage import SessionTree
 from sidecar.metrics import GcPauses, Metrics
-from sidecar.router import Router
-from sidecar.sessions import Clock, SessionStore
-from sidecar.state import MemoryState, SessionState
-from sidecar.state.redis import RedisState
+from sidecar.sessions import Clock
+from sidecar.state import SessionState
+from sidecar.wiring import routing_core
 
 log = logging.getLogger("sidecar")
 
@@ -49,26 +47,13 @@ class Sidecar:
     ) -> None:
         self.config = config
         self.metrics = Metrics(registry)
-        self.effects = EndActionRunner(self.metrics)
+        self.end_actions = EndActionRunner(self.metrics)
         # ``session_clock``: wall-clock seconds of the API session store (tests inject one).
-        store = SessionStore(config.sessions.api, clock=session_clock or time.time)
-        s = config.sessions
-        tree = SessionTree(
-            idle_ttl=s.idle_ttl_seconds,
-            max_live=s.max_live_sessions,
-            tombstone_max=s.tombstone_max,
-            tombstone_ttl=s.tombstone_ttl_seconds,
-            shared=config.state.shared,
+        self.router = routing_core(
+            config, self.metrics, send=self.end_actions.submit, session_clock=session_clock or time.time
         )
         # Where sessions live beyond this process; the tree and the API table are its cache here.
-        self.state: SessionState = (
-            RedisState(config, self.metrics, tree, store) if config.state.shared else MemoryState(config)
-        )
-        self.router = Router(
-            config, self.metrics, tree=tree, store=store, effects=self.effects.submit, state=self.state
-        )
-        self.state.on_claimed = self.router.end_session
-        self.state.on_closing = self.router.closing_elsewhere
+        self.state: SessionState = self.router.state
         self.tokens: TokenSet | None = load_tokens(config.admin_tokens_file) if config.admin_tokens_file else None
         self.health = UpstreamHealth(required=config.readiness_check_upstream, deployments=self.router.deployments)
         self.engine = ENGINES[config.engine](config, self.router, self.metrics, self.health)
@@ -83,7 +68,7 @@ class Sidecar:
     async def start(self) -> None:
         cfg = self.config
         await self.state.start()  # refuses to start when a required store is unreachable
-        await self.effects.start()
+        await self.end_actions.start()
         engine_started = False
         try:
             await self.engine.start()
@@ -104,7 +89,7 @@ class Sidecar:
                 await self.engine.close()
             if self._admin_runner is not None:
                 await self._admin_runner.cleanup()
-            await self.effects.stop(0)
+            await self.end_actions.stop(0)
             await self.state.stop()
             raise
         admin_port = self._admin_runner.addresses[0][1]
@@ -178,7 +163,7 @@ class Sidecar:
             self.router.shutdown()  # with a shared store: only forgets (the sessions live on in the store)
             # The end actions first: the store's last write confirms the ends they ran, and a
             # claim this replica did not get to run goes to the fleet once its lease is gone.
-            await self.effects.stop()
+            await self.end_actions.stop()
             await self.state.stop()
             if self._admin_runner is not None:
                 await self._admin_runner.cleanup()

@@ -1,13 +1,13 @@
 """The records a request's session and a session's end are described by: what the lineage tree
-computes, the router hands to modes, and the shared store persists; and the body patch a mode
-hands back. A leaf: imports nothing of the sidecar, so modes (and third-party modes, through
+computes, the router hands to modes, and the shared store persists (a session's state bits,
+:class:`SessionFlag`, included); and the body patch a mode hands back. A leaf: imports nothing of the sidecar, so modes (and third-party modes, through
 :mod:`sidecar.modes.base`) depend on it alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import IntFlag, StrEnum
 from typing import Any
 
 
@@ -97,3 +97,21 @@ class BodyPatch:
     path: tuple[str, ...]
     values: dict[str, Any]
     owned: tuple[str, ...] = ()
+
+
+class SessionFlag(IntFlag):
+    """A session's state bits: the session tree's nodes (``SessionNode.flags``, sidecar.lineage)
+    and the ``f`` field of its record in a shared store, which the store's scripts read and
+    write (sidecar.state.scripts) with these same values. The first five mean the same in both
+    places; ``API`` is the store's only, ``CONFLICT`` and ``DETACHED`` the tree's only."""
+
+    PLACEHOLDER = 1  # named by a child or a root hint, never sent a request itself
+    FINAL_SEEN = 2  # a final turn has begun
+    CLOSED = 4  # closed (through the API, or elsewhere); in the tree its id was tombstoned then
+    ENDED = 8
+    HINTED = 16  # placed under its tree's root by a root hint; has no declared parent
+    API = 32  # created through the sessions API (a store record's)
+    CONFLICT = 64  # a root-hint conflict was already counted for this session (the tree's)
+    # closed and draining, its place taken by a newer session of its id: in no child list and
+    # childless; ``parent`` is kept only to report it when it ends (the tree's)
+    DETACHED = 128

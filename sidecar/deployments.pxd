@@ -15,10 +15,10 @@ cdef class Deployment:
     cdef public frozenset models
     cdef public object health_check
     cdef public object balancer
+    cdef public DeploymentStats stats
     cdef public frozenset drop
     cdef public frozenset drop_sessionless
     cdef public bint observes_responses
-    cdef public DeploymentStats stats
     cdef public bint rewrites_body
     cdef public object only_upstream
     cdef public object max_body_bytes

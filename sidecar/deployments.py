@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from yarl import URL
@@ -94,14 +94,14 @@ class Deployment:
     models: frozenset[str]
     health_check: HealthCheckConfig | None
     balancer: Balancer[Upstream]
+    # Per-request metric children (sidecar.metrics.Metrics.for_deployment).
+    stats: DeploymentStats
     # Lower-case names of client headers dropped (never forwarded), for requests of a session
     # and for requests without one (see :func:`dropped_headers`).
     drop: frozenset[str] = field(default_factory=frozenset)
     drop_sessionless: frozenset[str] = field(default_factory=frozenset)
     # Whether the mode overrides on_response (the router skips the call otherwise).
     observes_responses: bool = False
-    # Per-request metric children (set by the router, which owns the metrics).
-    stats: DeploymentStats | None = None
     # Derived once for the request path.
     rewrites_body: bool = False  # the mode rewrites request bodies
     only_upstream: Upstream | None = None  # the upstream when there is exactly one
@@ -131,9 +131,11 @@ class Deployment:
         selector_header: str = "",
         identity_headers: Iterable[str] = (),
         max_overrides: int = 100_000,
+        stats: Callable[[str, str], DeploymentStats],
     ) -> Deployment:
         """Build the runtime deployment. ``selector_header`` and ``identity_headers`` (every
-        header the identity reader consumes) feed the dropped-header sets."""
+        header the identity reader consumes) feed the dropped-header sets; ``stats(name,
+        mode_name)`` makes its metric children (:meth:`sidecar.metrics.Metrics.for_deployment`)."""
         mode = load_mode(cfg.mode).from_options(cfg.mode_options) if cfg.mode else None
         ctx = _tls_context(cfg)
         server_name = cfg.tls.server_name if cfg.tls is not None else None
@@ -154,6 +156,7 @@ class Deployment:
             balancer=Balancer(
                 cfg.name, upstreams, failback=cfg.failback, health_check=cfg.health_check, max_overrides=max_overrides
             ),
+            stats=stats(cfg.name, cfg.mode or "none"),
             drop=drop,
             drop_sessionless=drop_sessionless,
             observes_responses=mode is not None and type(mode).on_response is not Mode.on_response,

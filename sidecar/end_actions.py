@@ -52,7 +52,7 @@ class EndActionRunner:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="sidecar-effects")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="sidecar-end-actions")
 
     async def stop(self, grace: float = 2.0) -> None:
         """Flush what is queued for up to ``grace`` seconds, then stop."""

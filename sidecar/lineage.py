@@ -58,15 +58,18 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sidecar.compiled import is_compiled
-from sidecar.context import EndReason, RoutingContext, SessionEnd, TurnOutcome
+from sidecar.context import EndReason, RoutingContext, SessionEnd, SessionFlag, TurnOutcome
 
 __all__ = [
     "Clock",
+    "SHARED_FLAGS",
+    "SessionNode",
     "SessionTree",
     "Turn",
     "TreeView",
     "VIEW_STEP",
     "exhaust",
+    "unknown_node",
     "FORGETTING",
 ]
 
@@ -118,25 +121,31 @@ _SHOW, _CUT = 0, 1  # how a view builder's walk treats a node: shown, or only co
 # last). A session whose affinity holds has one run, so the common case costs one short list.
 WORKER_RUNS = 8
 
-# Compiled, nodes are not tracked by the cyclic garbage collector (see _Node.__init__).
+# Compiled, nodes are not tracked by the cyclic garbage collector (see SessionNode.__init__).
 _COMPILED = is_compiled(sys.modules[__name__])
 
-# _Node.flags bits
-_PLACEHOLDER = 1  # named by a child or a root hint, never sent a request itself
-_FINAL_SEEN = 2  # a final turn has begun
-_CLOSED = 4  # closed through the API; its id was tombstoned at that moment
-_ENDED = 8
-_HINTED = 16  # placed under its tree's root by a root hint; has no declared parent
-_CONFLICT = 32  # a root-hint conflict was already counted for this session
-# closed and draining, its place taken by a newer session of its id: in no child list and
-# childless; ``parent`` is kept only to report it when it ends
-_DETACHED = 64
+
+# The flags as plain ints for the per-request code (compiled: C constants, lineage.pxd).
+_PLACEHOLDER = int(SessionFlag.PLACEHOLDER)
+_FINAL_SEEN = int(SessionFlag.FINAL_SEEN)
+_CLOSED = int(SessionFlag.CLOSED)
+_ENDED = int(SessionFlag.ENDED)
+_HINTED = int(SessionFlag.HINTED)
+_CONFLICT = int(SessionFlag.CONFLICT)
+_DETACHED = int(SessionFlag.DETACHED)
 _NOT_JOINABLE = _PLACEHOLDER | _CLOSED | _ENDED  # begin() on such a node starts a session
 _DONE = _PLACEHOLDER | _ENDED  # held only while descendants are
+# What a shared store keeps of a node's flags (the rest is the tree's own, or the store's).
+SHARED_FLAGS = _FINAL_SEEN | _HINTED
 
 
-class _Node:
+class SessionNode:
     """One session id in a tree. Kept small: the tree holds up to ``max_live`` of them.
+
+    Read-only outside this module, where a shared store reads what it writes behind:
+    ``session``, ``parent`` (a node), ``deployment``, ``created_at`` / ``last_active_at`` (the
+    tree's clock), ``turns``, ``in_flight``, ``flags`` (:class:`SessionFlag`), ``mode_state``,
+    ``workers`` / ``worker_turns`` / ``moves``. Everything else is the tree's.
 
     ``parent`` is the structural parent (for a hinted session, the node of its root hint).
     ``root`` is a union-find link towards the tree's root node (the root points to itself);
@@ -171,8 +180,8 @@ class _Node:
 
     def __init__(self, session: str, deployment: str, now: float, flags: int) -> None:
         self.session = session
-        self.parent: _Node | None = None
-        self.root: _Node = self
+        self.parent: SessionNode | None = None
+        self.root: SessionNode = self
         self.deployment = deployment
         self.created_at = now
         self.last_active_at = now
@@ -181,11 +190,11 @@ class _Node:
         self.flags = flags
         # the end reason once ended; before that, the reason it will end with when it drains
         self.end_reason: EndReason | None = None
-        self.first_child: _Node | None = None
-        self.next_sibling: _Node | None = None
-        self.prev_sibling: _Node | None = None
-        self.lru_prev: _Node | None = None
-        self.lru_next: _Node | None = None
+        self.first_child: SessionNode | None = None
+        self.next_sibling: SessionNode | None = None
+        self.prev_sibling: SessionNode | None = None
+        self.lru_prev: SessionNode | None = None
+        self.lru_next: SessionNode | None = None
         self.tree_live = 1
         self.tree_in_flight = 0
         # what the deployment's mode asked to remember for this session (e.g. a gateway token)
@@ -214,10 +223,10 @@ def _uncollected(obj: T) -> T:
 
 
 # What a released root's ``root`` points to instead of itself (see SessionTree._release).
-_RELEASED = _Node("", "", 0.0, 0)
+_RELEASED = SessionNode("", "", 0.0, 0)
 
 
-def _lru_append(lru: _Node, node: _Node) -> None:
+def _lru_append(lru: SessionNode, node: SessionNode) -> None:
     """Link ``node`` as the most recently used idle session (``lru`` is the list's sentinel)."""
     tail = lru.lru_prev
     assert tail is not None
@@ -229,12 +238,13 @@ def _lru_append(lru: _Node, node: _Node) -> None:
 
 class Turn:
     """Handle of one in-flight request; hand it back to :meth:`SessionTree.finish`. Made by
-    :meth:`SessionTree.begin` (``ctx``, ``_node``, ``_final``, ``_open``)."""
+    :meth:`SessionTree.begin` (``ctx``; ``node``, its session's node, read-only; ``_final``,
+    ``_open``)."""
 
-    __slots__ = ("ctx", "_node", "_final", "_open")
+    __slots__ = ("ctx", "node", "_final", "_open")
 
     ctx: RoutingContext
-    _node: _Node
+    node: SessionNode
     _final: bool
     _open: bool
 
@@ -275,17 +285,17 @@ class SessionTree:
         self._shared = shared
         # id -> newest node of that id still held in a tree (live, placeholder, closing, or
         # ended with live descendants)
-        self._nodes: dict[str, _Node] = {}
+        self._nodes: dict[str, SessionNode] = {}
         # sentinel of the circular LRU list of idle live sessions, least recently active first
         # (compiled, one node no collector frees either: it lives as long as its tree, in a
         # sidecar as long as the process)
-        self._lru = _Node("", "", 0.0, 0)
+        self._lru = SessionNode("", "", 0.0, 0)
         self._lru.lru_prev = self._lru.lru_next = self._lru
         # ended id -> clock value when it was tombstoned, oldest first
         self._tombs: OrderedDict[str, float] = OrderedDict()
         # id -> closed sessions of that id still draining, whose place a newer session of the id
         # took over (flagged _DETACHED; their requests still count in :meth:`in_flight_of`)
-        self._detached: dict[str, list[_Node]] = {}
+        self._detached: dict[str, list[SessionNode]] = {}
         self._live = 0  # live sessions, placeholders included
         self._held_ended = 0  # ended nodes kept as ancestors of live ones
         self._trees = 0
@@ -379,7 +389,7 @@ class SessionTree:
         ctx.mode_state = node.mode_state
         turn = Turn.__new__(Turn)
         turn.ctx = ctx
-        turn._node = node
+        turn.node = node
         turn._final = final
         turn._open = True
         return turn, evicted
@@ -389,7 +399,7 @@ class SessionTree:
         if not turn._open:
             return []
         turn._open = False
-        node = turn._node
+        node = turn.node
         if node.flags & _ENDED:  # evicted or shut down while this request was in flight
             return []
         now = self._clock()
@@ -410,14 +420,14 @@ class SessionTree:
 
     def set_mode_state(self, turn: Turn, state: str) -> None:
         """Remember ``state`` for the session of ``turn`` (handed to its later turns' routing contexts)."""
-        node = turn._node
+        node = turn.node
         if not node.flags & _ENDED:
             node.mode_state = state
 
     def record_worker(self, turn: Turn, worker: str) -> tuple[str, str | None]:
         """The upstream worker that served ``turn``; returns the affinity outcome (``first``,
         ``same_worker`` or ``moved``) and the session's previous worker."""
-        node = turn._node
+        node = turn.node
         runs = node.workers  # [worker, turns, worker, turns, ...]
         node.worker_turns += 1
         if runs is None:
@@ -516,7 +526,7 @@ class SessionTree:
         node = self._nodes.get(session)
         return None if node is None else self._as_dict(node)
 
-    def node_of(self, session: str) -> _Node | None:
+    def node_of(self, session: str) -> SessionNode | None:
         """The newest node of ``session`` held here (a shared store's writer reads its fields)."""
         return self._nodes.get(session)
 
@@ -592,7 +602,7 @@ class SessionTree:
         pause = step
         # (node, dict, n, how): _SHOW: the node's own dict, n its depth; _CUT: the dict of the
         # shown node it is counted in, n how many of it and its next siblings are cut
-        stack: list[tuple[_Node, dict[str, Any], int, int]] = [(top, out, 0, _SHOW)]
+        stack: list[tuple[SessionNode, dict[str, Any], int, int]] = [(top, out, 0, _SHOW)]
         while stack:
             node, d, n, how = stack.pop()
             touched += 1
@@ -663,9 +673,13 @@ class SessionTree:
         """Root ids of the held trees, the most recently active tree first (a tree's activity is
         the newest ``last_active_at`` of its nodes), at most ``limit``. A builder like
         :meth:`view`; touches every held node once."""
+        return [session for session, _ in (yield from self.recent_trees(limit, step=step))]
+
+    def recent_trees(self, limit: int, *, step: int = VIEW_STEP) -> Generator[None, None, list[tuple[str, float]]]:
+        """:meth:`recent_roots` with each tree's activity: (root id, newest ``last_active_at``)."""
         nodes = self._nodes
         held = list(nodes.values())  # one C-level copy: the dict may change while the walk pauses
-        newest: dict[_Node, float] = {}  # tree root -> the tree's newest activity
+        newest: dict[SessionNode, float] = {}  # tree root -> the tree's newest activity
         countdown = step
         for node in held:
             countdown -= 1
@@ -692,7 +706,7 @@ class SessionTree:
             elif (at, top.session) > heap[0]:
                 heapq.heapreplace(heap, (at, top.session))
         heap.sort(reverse=True)
-        return [session for _, session in heap]
+        return [(session, at) for at, session in heap]
 
     def now(self) -> float:
         """The tree's clock (node timestamps are on it)."""
@@ -764,6 +778,30 @@ class SessionTree:
         node.moves = moves
         _lru_append(self._lru, node)
 
+    def place_parent(self, session: str, parent: str, root: str, deployment: str) -> None:
+        """Before the first request of ``session``, whose declared ``parent`` this tree does not
+        hold: hold ``parent`` as a placeholder below ``root`` (a placeholder too when unknown),
+        so that the request joins ``root``'s tree. For lineage known elsewhere than from
+        requests (an API session whose parent, created with a parent of its own, had no request
+        yet), as :meth:`seed` places what a shared store knows. No-op when ``session`` is held
+        (other than as a placeholder), when ``parent`` is, or when new sessions' lineage is
+        ignored (see :meth:`_crowded`): the request then places ``session`` as it would have."""
+        node = self._nodes.get(session)
+        if (node is not None and not node.flags & _PLACEHOLDER) or parent in self._nodes or root == parent:
+            return
+        if root == session or self._crowding():
+            return
+        now = self._clock()
+        self._attach(
+            self._known_or_placeholder(parent, deployment, now), self._known_or_placeholder(root, deployment, now), 0
+        )
+
+    def named_only(self, session: str) -> bool:
+        """True when this tree holds ``session`` only as a placeholder: named by a child or a
+        root hint, no request of its own."""
+        node = self._nodes.get(session)
+        return node is not None and bool(node.flags & _PLACEHOLDER)
+
     def is_closed(self, session: str) -> bool:
         """True while ``session`` is tombstoned: ended or closed, and not yet forgotten."""
         return session in self._tombs
@@ -771,8 +809,14 @@ class SessionTree:
     # -- internals -------------------------------------------------------------------------------
 
     def _place(
-        self, session: str, old: _Node | None, parent: str | None, root_hint: str | None, deployment: str, now: float
-    ) -> _Node:
+        self,
+        session: str,
+        old: SessionNode | None,
+        parent: str | None,
+        root_hint: str | None,
+        deployment: str,
+        now: float,
+    ) -> SessionNode:
         """Place the first request of a session: a new id, a placeholder, or the id of a node
         still held (ended with live descendants, or closed and draining)."""
         reused = self._tombs.pop(session, None) is not None
@@ -793,7 +837,7 @@ class SessionTree:
             return self._take_over(old, deployment, now)
         if reused:
             self.tombstone_reuses += 1
-        node = _Node(session, deployment, now, 0)
+        node = SessionNode(session, deployment, now, 0)
         self._index(session, node)
         self._live += 1
         if (parent is not None or root_hint is not None) and self._crowded():
@@ -813,7 +857,9 @@ class SessionTree:
         root.tree_live += 1
         return node
 
-    def _promote(self, node: _Node, parent: str | None, root_hint: str | None, deployment: str, now: float) -> _Node:
+    def _promote(
+        self, node: SessionNode, parent: str | None, root_hint: str | None, deployment: str, now: float
+    ) -> SessionNode:
         """A placeholder sends its own first request; its whole tree may join another one."""
         node.flags &= ~_PLACEHOLDER
         node.deployment = deployment
@@ -830,7 +876,7 @@ class SessionTree:
         self._attach(node, above, hinted)
         return node
 
-    def _attach(self, node: _Node, above: _Node, hinted: int) -> None:
+    def _attach(self, node: SessionNode, above: SessionNode, hinted: int) -> None:
         """Hang the root ``node`` and its whole tree below ``above`` (its tree joins ``above``'s),
         unless ``above`` is in ``node``'s own tree."""
         root = self._root_of(above)
@@ -845,7 +891,7 @@ class SessionTree:
         node.tree_live = node.tree_in_flight = 0
         self._trees -= 1
 
-    def _revive(self, node: _Node, deployment: str, now: float) -> _Node:
+    def _revive(self, node: SessionNode, deployment: str, now: float) -> SessionNode:
         """A new session takes the id of an ended node held for its live descendants: it takes
         the node over in place (parent, children and root stay), with fresh per-session fields.
         An ended node has nothing in flight (only shutdown ends sessions with requests in
@@ -863,13 +909,13 @@ class SessionTree:
         self._root_of(node).tree_live += 1
         return node
 
-    def _take_over(self, old: _Node, deployment: str, now: float) -> _Node:
+    def _take_over(self, old: SessionNode, deployment: str, now: float) -> SessionNode:
         """A new session takes the id of a closed session still draining: a new node takes the
         old one's place (parent link, children, and the tree's counters when it was the root),
         and the old node is detached to drain alone; it still counts in its tree until it ends.
         Costs one step per child of the old node (a rare path: a close, then the id reused
         while the closed session's requests are still in flight)."""
-        node = _Node(old.session, deployment, now, old.flags & _HINTED)
+        node = SessionNode(old.session, deployment, now, old.flags & _HINTED)
         self._index(old.session, node)
         self._detached.setdefault(old.session, []).append(old)
         self._live += 1
@@ -903,7 +949,7 @@ class SessionTree:
         old.flags |= _DETACHED
         return node
 
-    def _index(self, session: str, node: _Node) -> None:
+    def _index(self, session: str, node: SessionNode) -> None:
         """Index ``node`` under ``session``, keeping the index out of the cyclic garbage
         collector (:func:`_uncollected`): the insert tracks it again, and a full collection
         would then walk all of it (11-28 ms at a million sessions, every stream stalled)."""
@@ -911,16 +957,16 @@ class SessionTree:
         nodes[session] = node
         _uncollected(nodes)
 
-    def _known_or_placeholder(self, session: str, deployment: str, now: float) -> _Node:
+    def _known_or_placeholder(self, session: str, deployment: str, now: float) -> SessionNode:
         node = self._nodes.get(session)
         if node is None:
-            node = _Node(session, deployment, now, _PLACEHOLDER)
+            node = SessionNode(session, deployment, now, _PLACEHOLDER)
             self._index(session, node)
             self._live += 1
             self._trees += 1
         return node
 
-    def _end(self, node: _Node, reason: EndReason, now: float) -> SessionEnd:
+    def _end(self, node: SessionNode, reason: EndReason, now: float) -> SessionEnd:
         """End a live session: counters, tombstone, and release of what only it held."""
         root = self._root_of(node)
         flags = node.flags
@@ -956,7 +1002,7 @@ class SessionTree:
             self._held_ended += 1
         return ended
 
-    def _release(self, node: _Node) -> None:
+    def _release(self, node: SessionNode) -> None:
         """Drop a childless node that is no longer live, then every ancestor that was held only
         for it (placeholders and ended sessions)."""
         nodes = self._nodes
@@ -966,7 +1012,7 @@ class SessionTree:
             parent = node.parent
             if parent is None:
                 # A root points to itself: that loop would keep it alive once it leaves the tree
-                # (compiled, nothing else would ever free it; see _Node.__init__).
+                # (compiled, nothing else would ever free it; see SessionNode.__init__).
                 node.root = _RELEASED
                 self._trees -= 1
                 return
@@ -993,7 +1039,7 @@ class SessionTree:
         lineage is ignored (it starts a tree of its own) until they go. Without this, a chain of
         parents longer than the cap keeps every link (evicting one with a child frees nothing)
         and its growth evicts every other session."""
-        if self._held_ended * 2 <= self._max_live:
+        if not self._crowding():
             return False
         self.lineage_dropped += 1
         if self.lineage_dropped == 1:
@@ -1002,6 +1048,10 @@ class SessionTree:
                 "sessions' parents are ignored until they end (counted in sidecar_lineage_dropped_total)"
             )
         return True
+
+    def _crowding(self) -> bool:
+        """Ended sessions held only as ancestors of live ones fill half the cap (no count)."""
+        return self._held_ended * 2 > self._max_live
 
     def _evict(self, now: float) -> list[SessionEnd]:
         evicted: list[SessionEnd] = []
@@ -1022,7 +1072,7 @@ class SessionTree:
         if len(tombs) > self._tombstone_max:
             tombs.popitem(last=False)
 
-    def _root_of(self, node: _Node) -> _Node:
+    def _root_of(self, node: SessionNode) -> SessionNode:
         """The root node of ``node``'s tree, compressing the path to it."""
         root = node.root
         if root.root is root:
@@ -1045,7 +1095,7 @@ class SessionTree:
             )
 
     @staticmethod
-    def _link_child(parent: _Node, child: _Node) -> None:
+    def _link_child(parent: SessionNode, child: SessionNode) -> None:
         first = parent.first_child
         child.parent = parent
         child.next_sibling = first
@@ -1054,14 +1104,14 @@ class SessionTree:
         parent.first_child = child
 
     @staticmethod
-    def _lru_unlink(node: _Node) -> None:
+    def _lru_unlink(node: SessionNode) -> None:
         prev, nxt = node.lru_prev, node.lru_next
         assert prev is not None and nxt is not None
         prev.lru_next = nxt
         nxt.lru_prev = prev
         node.lru_prev = node.lru_next = None
 
-    def _as_dict(self, node: _Node) -> dict[str, Any]:
+    def _as_dict(self, node: SessionNode) -> dict[str, Any]:
         flags = node.flags
         parent = node.parent
         ended = bool(flags & _ENDED)
@@ -1086,6 +1136,29 @@ class SessionTree:
                 "moved": node.moves,
             },
         }
+
+
+def unknown_node(session: str, root: str) -> dict[str, Any]:
+    """The node dict of an id a view names but holds nothing of (the root of sessions whose
+    root's own record is gone: expired from a shared store, or an API session forgotten): a
+    placeholder without deployment or times."""
+    return {
+        "session": session,
+        "parent": None,
+        "root": root,
+        "deployment": None,
+        "created_at": None,
+        "last_active_at": None,
+        "turns": 0,
+        "in_flight": 0,
+        "final_turn_seen": False,
+        "ended": False,
+        "end_reason": None,
+        "closed": False,
+        "placeholder": True,
+        "workers": [],
+        "affinity": {"first": 0, "same_worker": 0, "moved": 0},
+    }
 
 
 def _runs(flat: list[str | int] | None) -> list[dict[str, Any]]:

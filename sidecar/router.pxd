@@ -53,7 +53,7 @@ cdef class Admission:
     cpdef _refuse(self, exc, reason)
 
 cdef class Router:
-    cdef public object config, metrics, deployments, _by_name, _by_model, _selection_body_limit, store, effects
+    cdef public object config, metrics, deployments, _by_name, _by_model, _selection_body_limit, store
     cdef public object state
     cdef public int _scan_depth
     cdef public tuple _top_names

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,11 +49,11 @@ from sidecar.jsonbody import INVALID, TOO_DEEP, TOO_MANY, RepeatedKeys, ScannedB
 from sidecar.jsonscan import INLINE_BYTES, join
 from sidecar.lineage import SessionTree, Turn
 from sidecar.metrics import Metrics
-from sidecar.modes.base import EndAction, Mode
+from sidecar.modes.base import Mode
 from sidecar.modes.ids import fit_id
 from sidecar.responses import FirstBytes
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
-from sidecar.state import MemoryState, SessionState
+from sidecar.state import SessionState
 from sidecar.validation import TOKEN_RE
 
 log = logging.getLogger("sidecar.router")
@@ -71,10 +70,6 @@ def _debug_on() -> bool:
     on = _LOG_CACHE.get(DEBUG)
     return log.isEnabledFor(DEBUG) if on is None else on
 
-
-# Takes one end action of a session: (deployment, action, tree root, called once it ran or was
-# given up, or None).
-EndActionSink = Callable[[Deployment, EndAction, str, "Callable[[], None] | None"], None]
 
 # Sessions one idle sweep ends at most before it yields the event loop (a few ms of work).
 EXPIRE_BATCH = 1000
@@ -346,26 +341,17 @@ class Router:
         config: Config,
         metrics: Metrics,
         *,
-        tree: SessionTree | None = None,
-        store: SessionStore | None = None,
-        effects: EndActionSink | None = None,
-        state: SessionState | None = None,
+        identity: IdentityReader,
+        deployments: list[Deployment],
+        tree: SessionTree,
+        store: SessionStore,
+        state: SessionState,
     ) -> None:
+        """Built once, from parts built before it (:func:`sidecar.wiring.routing_core`)."""
         self.config = config
         self.metrics = metrics
-        self.identity = IdentityReader(config.identity, config.sessions.max_id_bytes)
-        s = config.sessions
-        self.deployments = [
-            Deployment.from_config(
-                d,
-                selector_header=config.deployment_header,
-                identity_headers=self.identity.header_names,
-                max_overrides=s.max_live_sessions,
-            )
-            for d in config.resolved_deployments()
-        ]
-        for d in self.deployments:
-            d.stats = metrics.for_deployment(d.name, d.mode_name)
+        self.identity = identity
+        self.deployments = deployments
         self._by_name = {d.name: d for d in self.deployments}
         self.default = self._by_name[config.default_deployment or self.deployments[0].name]
         self._selector = config.deployment_header.lower()
@@ -388,19 +374,13 @@ class Router:
         self._body_identity = self.identity.reads_body
         self._worker_headers = tuple(n.lower() for n in config.affinity.worker_headers)
         self._workers: dict[str, str] = {}  # interned worker ids (a small set), bounded
-        self.tree = tree or SessionTree(
-            idle_ttl=s.idle_ttl_seconds,
-            max_live=s.max_live_sessions,
-            tombstone_max=s.tombstone_max,
-            tombstone_ttl=s.tombstone_ttl_seconds,
-            shared=state is not None and state.shared,
-        )
-        self.store = store or SessionStore(s.api)
+        self.tree = tree
+        self.store = store
         self._api_sessions = self.store.records  # the hot path reads it without a call
-        self.effects = effects
         # Where sessions live beyond this process (sidecar.state): with a shared store, the tree
-        # and the API table are this replica's cache of it, and the router reports turns to it.
-        self.state = state or MemoryState()
+        # and the API table are this replica's cache of it, and the router reports turns to it;
+        # sessions that end go to it (it runs them, or claims them first).
+        self.state = state
         self._shared = self.state.shared
         metrics.watch_tree(self.tree)
         metrics.watch_deployments(self.deployments, self.store)
@@ -685,6 +665,9 @@ class Router:
             self.store.begin(rec)
             if dep.strict or rec.parent is not None:
                 parent, root_hint = rec.parent, None  # the API's lineage wins
+                if parent is not None and rec.root is not None and rec.root != parent:
+                    # its parent may have had no request yet: the tree learns the parent's root
+                    self.tree.place_parent(session, parent, rec.root, dep.name)
         turn, evicted = self.tree.begin(
             session, parent=parent, root_hint=root_hint, final=ident.final, deployment=dep.name
         )
@@ -712,7 +695,7 @@ class Router:
             add = _not_sent_by_client(add, adm.head.headers)
         if add:
             decision.add = add
-            dep.stats.headers_injected.inc()  # type: ignore[union-attr]
+            dep.stats.headers_injected.inc()
         return decision
 
     def _rewrite(self, adm: Admission, decision: Decision, scanned: ScannedBody) -> bytes | None:
@@ -743,7 +726,7 @@ class Router:
         except Exception as exc:
             raise self._mode_failed(adm, dep, "body_patch", exc) from exc
         if fields is None:
-            dep.stats.rewritten().inc()  # type: ignore[union-attr]
+            dep.stats.rewritten().inc()
             return body
         path, values, owned = fields.path, fields.values, fields.owned
         if path[0] not in self._patch_roots:
@@ -766,7 +749,7 @@ class Router:
         new, exc = outcome
         if exc is not None:
             raise self._body_failed(adm, decision, "body_patch", exc) from exc
-        decision.deployment.stats.rewritten().inc()  # type: ignore[union-attr]
+        decision.deployment.stats.rewritten().inc()
         return new
 
     def _transformed(
@@ -777,7 +760,7 @@ class Router:
             raise self._body_failed(adm, decision, "transform_body", exc) from exc
         if new is None:  # valid JSON that orjson refuses to parse (1e400, an unpaired surrogate escape)
             return self._not_object(decision, body, True)
-        decision.deployment.stats.rewritten().inc()  # type: ignore[union-attr]
+        decision.deployment.stats.rewritten().inc()
         return new
 
     def _body_failed(self, adm: Admission, decision: Decision, hook: str, exc: Exception) -> errors.ProxyError:
@@ -880,18 +863,6 @@ class Router:
         if ended:
             self._ended(ended)
 
-    def closing_elsewhere(self, session: str, reason: str) -> None:
-        """Another replica started closing ``session`` (a shared store's event): admit none of
-        its requests from now on; the ones in flight here finish, then its end is claimed."""
-        rec = self.store.get(session)
-        if rec is not None and rec.status is SessionStatus.ACTIVE:
-            self.store.mark_ended(session, SessionStatus.CLOSED, time.time())
-        try:
-            why = EndReason(reason)
-        except ValueError:
-            why = EndReason.API_CLOSED
-        self.close_session(session, why)
-
     def close_api_session(self, session: str) -> ApiSession | None:
         """Close an API session (idempotent) and its lineage node. Once this returned, no request
         of ``session`` is admitted; requests already admitted finish. None if unknown."""
@@ -907,61 +878,9 @@ class Router:
         return self._by_name.get(name)
 
     def _ended(self, ended: Sequence[SessionEnd]) -> None:
-        """Sessions that ended in the tree: their end-of-session actions run now, or, with a
-        shared store, once the store let this replica claim them (:meth:`end_session`)."""
-        for e in self.state.local_ends(ended):
-            self.end_session(e)
-
-    def end_session(self, e: SessionEnd, ran: Callable[[], None] | None = None) -> None:
-        """The end of one session, exactly once: count it, run the mode's end-of-session hook
-        and hand its actions to the effects runner, forget the tree's upstream override.
-        ``ran`` is called once every end action ran or was given up (at once when there are
-        none): a shared store confirms its claim of the end then."""
-        dep = self.deployment(e.deployment)
-        # The label only takes configured names (a closed set).
-        self.metrics.sessions_ended.labels(dep.name if dep is not None else "unknown", str(e.reason)).inc()
-        self._end_actions(e, dep, ran)
-        if dep is not None and dep.balancer.overrides and self.tree.get(e.root) is None:
-            dep.balancer.forget(e.root)  # the tree is gone
-
-    def _end_actions(self, e: SessionEnd, dep: Deployment | None, ran: Callable[[], None] | None) -> None:
-        if dep is None or dep.mode is None:
-            if ran is not None:
-                ran()
-            return
-        try:
-            actions = tuple(dep.mode.on_session_end(e))
-        except Exception as exc:  # a broken hook never stops cleanup of other sessions
-            self.metrics.plugin_errors.labels(dep.mode_name, "on_session_end").inc()
-            log.error(
-                "mode %s failed in on_session_end: %r",
-                dep.mode_name,
-                exc,
-                extra={"deployment": dep.name, "mode": dep.mode_name, "hook": "on_session_end"},
-            )
-            actions = ()
-        if not actions or self.effects is None:
-            if ran is not None:
-                ran()
-            return
-        each = None if ran is None else _AllRan(len(actions), ran)
-        for action in actions:
-            self.effects(dep, action, e.root, each)
-
-
-class _AllRan:
-    """Calls ``ran`` when it was itself called ``n`` times: once per end action of a session."""
-
-    __slots__ = ("n", "ran")
-
-    def __init__(self, n: int, ran: Callable[[], None]) -> None:
-        self.n = n
-        self.ran = ran
-
-    def __call__(self) -> None:
-        self.n -= 1
-        if self.n == 0:
-            self.ran()
+        """Sessions that ended in the tree: the state runs them now, or, with a shared store,
+        claims them first."""
+        self.state.ended(ended)
 
 
 def _check_added(add: tuple[tuple[str, str], ...]) -> None:

@@ -62,6 +62,9 @@ class ApiSession:
     last_active_at: float | None = None
     ended_at: float | None = None
     in_flight: int = 0
+    # The root of its lineage tree when it was created (its parent's); None: its own id (created
+    # without a parent). The lineage tree's root wins once the tree holds it (see the views).
+    root: str | None = None
 
     @property
     def expires_at(self) -> float | None:
@@ -131,8 +134,10 @@ class SessionStore:
         session_id: str | None = None,
         ttl: float | None = None,
         parent: str | None = None,
+        root: str | None = None,
     ) -> ApiSession:
-        """A new active session; ``ttl=None`` takes the configured default."""
+        """A new active session; ``ttl=None`` takes the configured default. ``root``: the root of
+        the parent's tree (None without a parent: the session is its own root)."""
         if session_id is None:
             session_id = str(uuid.uuid4())
         if session_id in self.records:
@@ -143,7 +148,7 @@ class SessionStore:
             ttl = self.cfg.default_ttl_seconds
         now = self._clock()
         self._seq += 1
-        rec = ApiSession(session_id, deployment, workspace, parent, ttl, now, self._seq)
+        rec = ApiSession(session_id, deployment, workspace, parent, ttl, now, self._seq, root=root)
         self.records[session_id] = rec
         self._active += 1
         if ttl is not None:

@@ -558,7 +558,7 @@ def test_in_flight_of_an_id_counts_closed_sessions_still_draining_under_it() -> 
     assert h.tree.in_flight_of("s") == 3
     h.close("s")
     fourth = h.begin("s")  # a second take-over while the first still drains
-    assert h.tree.in_flight_of("s") == 4 and h.tree.node_of("s") is fourth._node
+    assert h.tree.in_flight_of("s") == 4 and h.tree.node_of("s") is fourth.node
     h.end(second)
     h.end(first)
     assert h.tree.in_flight_of("s") == 2
@@ -961,3 +961,21 @@ def test_expiry_of_a_backlog_runs_in_bounded_batches() -> None:
             break
     assert sizes == [10, 10, 5]
     assert h.tree.live_sessions == 0
+
+
+def test_a_parent_placed_below_its_root_before_a_first_request_joins_that_tree_and_leaves_nothing_behind():
+    h = Harness()
+    h.tree.place_parent("c", "p", "r", "dep")  # p had no request yet; its root r is known elsewhere
+    turn = h.begin("c", "p")
+    assert turn.ctx.root == "r" and turn.ctx.parent == "p"
+    assert h.tree.named_only("p") and h.tree.named_only("r") and not h.tree.named_only("c")
+    assert (h.tree.live_sessions, h.tree.live_trees) == (3, 1)
+    h.end(turn)
+    # no-ops: the session is held, its parent is, or the parent is the root
+    h.tree.place_parent("c", "q", "s", "dep")
+    h.tree.place_parent("d", "p", "x", "dep")
+    h.tree.place_parent("e", "t", "t", "dep")
+    assert (h.tree.live_sessions, h.tree.live_trees) == (3, 1)
+    assert h.tree.root_of("q") is None and h.tree.root_of("x") is None and h.tree.root_of("t") is None
+    h.end(h.begin("c", final=True))  # its tree ends with it: its placeholders go too
+    assert (h.tree.live_sessions, h.tree.live_trees) == (0, 0)

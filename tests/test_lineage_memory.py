@@ -147,7 +147,7 @@ def test_shared_tree_frees_seeded_placeholders_after_shutdown() -> None:
 def test_compiled_nodes_are_not_tracked_by_the_collector() -> None:
     tree = SessionTree()
     turn, _ = tree.begin("a", None, None, False, "d")
-    node = turn._node
+    node = turn.node
     # Compiled: out of the collector's reach (full collections do not walk the tree); from source,
     # tracked like any object.
     assert gc.is_tracked(node) is not is_compiled(lineage)

@@ -19,13 +19,14 @@ from sidecar.jsonscan import INLINE_BYTES
 from sidecar.metrics import Metrics
 from sidecar.modes.base import BodyPatch
 from sidecar.router import BODY, READY, REFUSED, WORK, Admission, RequestHead, Router
+from sidecar.wiring import routing_core
 
 SESSION = "conv-1"
 
 
 def make_router(mode: str = "dynamo_nvext", **flags: Any) -> Router:
     cfg = build_config(flags={"upstream": "http://127.0.0.1:9", "mode": mode, **flags}, env={})
-    return Router(cfg, Metrics(CollectorRegistry()))
+    return routing_core(cfg, Metrics(CollectorRegistry()))
 
 
 def head(size: int, session: str | None = SESSION, method: str = "POST") -> RequestHead:

@@ -119,14 +119,20 @@ class Session(_Answer):
     last_active_at: datetime | None
     expires_at: datetime | None
     ended_at: datetime | None
-    root: str | None = Field(description="root of its lineage tree, once it had a request")
+    root: str = Field(
+        description="root of its lineage tree: itself, or for a session created with a `parent`, the "
+        "parent's root from creation"
+    )
     turns: int = Field(ge=0)
     in_flight: int = Field(ge=0)
     final_turn_seen: bool
-    placeholder: bool = _absent_unless(
-        "traffic sessions: named by another session (as its parent or root) but had no request of its own"
+    placeholder: bool = Field(
+        description="named by another session (as its parent or root) but had no request of its own; "
+        "always false for API sessions"
     )
-    end_reason: EndReason | None = _absent_unless("traffic sessions: why it ended (null while it has not)")
+    end_reason: EndReason | None = Field(
+        description="why it ended; null while it has not (a closed session whose requests still run has not)"
+    )
     workers: WorkerRuns
     affinity: Affinity
 
@@ -139,7 +145,8 @@ class SessionList(_Answer):
 
 
 class TreeNode(_Answer):
-    """A session of a lineage tree, with the sessions below it."""
+    """A session of a lineage tree, with the sessions below it: learned from traffic or created
+    through this API (with or without a request of its own), the same fields either way."""
 
     session: str
     parent: str | None = Field(
@@ -148,7 +155,8 @@ class TreeNode(_Answer):
     )
     root: str
     deployment: str | None = Field(
-        description="null only for a placeholder whose record the shared session store no longer holds"
+        description="null only for a placeholder nothing is held of any more: a root whose record the "
+        "shared session store no longer holds, or an API session forgotten after it ended"
     )
     created_at: datetime | None = Field(description="null only when `deployment` is")
     last_active_at: datetime | None = Field(description="null only when `deployment` is")

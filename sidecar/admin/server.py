@@ -74,6 +74,7 @@ def build_admin_app(
         lambda: router.tree,
         authorize=_admin_only,
         store_snapshot=_store_snapshot(router) if router.state.shared else None,
+        api_getter=lambda: router.store,
     )
     return app
 

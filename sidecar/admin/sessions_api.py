@@ -11,20 +11,17 @@ A workspace token chooses a ``session_id`` only inside its own namespace, ``<wor
 that creating a session tells a workspace nothing about another workspace's ids. Admin tokens
 and the open API choose any id.
 
-Handlers call the router synchronously (no await between a check and its effect), so a close
-is ordered with every request admission on the event loop. The tree view is the exception: it
-is built in slices that let the proxy run in between (:mod:`sidecar.admin.views`). The shapes
+The answers come from one backend chosen when the routes are mounted (:class:`Sessions`): this
+process's API table and lineage tree (:mod:`sidecar.admin.memory_sessions`), or the shared store
+(:mod:`sidecar.admin.shared_sessions`). The shapes
 (request body and answers) are the models of :mod:`sidecar.admin.models`, which the document
 served at ``/openapi.json`` is generated from (:mod:`sidecar.admin.openapi`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
-import time
-from collections.abc import Generator, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -32,13 +29,13 @@ from pydantic import ValidationError
 
 from sidecar import errors
 from sidecar import headers as h
+from sidecar.admin.memory_sessions import MemorySessions
 from sidecar.admin.models import SessionCreate
-from sidecar.admin.views import MAX_DEPTH, MAX_NODES, VIEWS_LOCK, run_sliced, views_lock
+from sidecar.admin.views import VIEWS_LOCK, views_lock
 from sidecar.auth import OPEN, Principal, TokenSet
 from sidecar.config import format_validation_error
-from sidecar.lineage import VIEW_STEP, TreeView
 from sidecar.router import Router
-from sidecar.sessions import ApiSession, SessionExists, SessionLimitReached, SessionStatus, rfc3339
+from sidecar.sessions import SessionStatus
 
 LIST_DEFAULT_LIMIT = 100
 LIST_MAX_LIMIT = 1000
@@ -60,8 +57,30 @@ class Auth:
         self.tokens = tokens
 
 
+class Sessions(Protocol):
+    """Where the sessions API's answers come from (:mod:`sidecar.admin.memory_sessions`,
+    :mod:`sidecar.admin.shared_sessions`): resources as dicts, None for what the caller may not
+    see (answered 404 exactly like an unknown id), :class:`sidecar.errors.ProxyError` for any
+    other error answer."""
+
+    async def create(
+        self, who: Principal, *, session: str | None, deployment: str, ttl: float | None, parent: str | None
+    ) -> dict[str, Any]: ...
+
+    async def page(
+        self, who: Principal, *, after: int, limit: int, deployment: str | None, status: SessionStatus | None
+    ) -> tuple[list[dict[str, Any]], int | None]: ...
+
+    async def get(self, who: Principal, session: str) -> dict[str, Any] | None: ...
+
+    async def close(self, who: Principal, session: str) -> dict[str, Any] | None: ...
+
+    async def tree(self, who: Principal, session: str) -> dict[str, Any] | None: ...
+
+
 ROUTER_KEY = web.AppKey("router", Router)
 AUTH_KEY = web.AppKey("auth", Auth)
+SESSIONS_KEY = web.AppKey("sessions", Sessions)
 
 
 @web.middleware
@@ -72,6 +91,9 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     except ApiError as exc:
         err = exc.error
         return web.Response(status=err.status, body=err.body(), content_type="application/json", headers=exc.headers)
+    except errors.ProxyError as err:  # a backend's answer (sidecar.admin.memory_sessions, shared_sessions)
+        retry = {h.RETRY_AFTER: "1"} if err.status in (429, 503) else None
+        return web.Response(status=err.status, body=err.body(), content_type="application/json", headers=retry)
     except web.HTTPMethodNotAllowed as exc:
         return web.Response(
             status=405,
@@ -98,96 +120,12 @@ def caller(request: web.Request) -> Principal:
     return principal
 
 
-# -- resources -------------------------------------------------------------------------------
-
-
-def _wall_offset(router: Router) -> float:
-    """What to add to a lineage tree clock value to get wall-clock seconds."""
-    return time.time() - router.tree.now()
-
-
-_LINEAGE_DEFAULTS: dict[str, Any] = {
-    "root": None,
-    "turns": 0,
-    "in_flight": 0,
-    "final_turn_seen": False,
-    "workers": [],
-    "affinity": {"first": 0, "same_worker": 0, "moved": 0},
-}
-
-
-def api_resource(router: Router, rec: ApiSession) -> dict[str, Any]:
-    """An API session, with the lineage facts of its live node when the tree holds one."""
-    out = rec.as_dict()
-    out["origin"] = "api"
-    out.update(_LINEAGE_DEFAULTS)
-    out["in_flight"] = rec.in_flight
-    node = router.tree.get(rec.id)
-    if node is not None and node["deployment"] == rec.deployment and not node["placeholder"]:
-        out["root"] = node["root"]
-        out["turns"] = node["turns"]
-        out["final_turn_seen"] = node["final_turn_seen"]
-        out["workers"] = node["workers"]
-        out["affinity"] = node["affinity"]
-        if rec.parent is None:
-            out["parent"] = node["parent"]
-    return out
-
-
-def traffic_resource(router: Router, node: dict[str, Any]) -> dict[str, Any]:
-    """A session learned from traffic (a lineage node): no workspace, idle expiry of the tree."""
-    closed = node["closed"] or node["ended"]
-    offset = _wall_offset(router)
-    last = offset + node["last_active_at"]
-    idle = router.config.sessions.idle_ttl_seconds
-    return {
-        "id": node["session"],
-        "deployment": node["deployment"],
-        "workspace": None,
-        "status": SessionStatus.CLOSED.value if closed else SessionStatus.ACTIVE.value,
-        "origin": "traffic",
-        "parent": node["parent"],
-        "ttl_seconds": idle,
-        "created_at": rfc3339(offset + node["created_at"]),
-        "last_active_at": rfc3339(last),
-        "expires_at": None if closed else rfc3339(last + idle),
-        "ended_at": None,
-        "root": node["root"],
-        "turns": node["turns"],
-        "in_flight": node["in_flight"],
-        "final_turn_seen": node["final_turn_seen"],
-        "placeholder": node["placeholder"],
-        "end_reason": node["end_reason"],
-        "workers": node["workers"],
-        "affinity": node["affinity"],
-    }
-
-
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json", headers=headers)
 
 
 def _not_found(session: str) -> ApiError:
     return ApiError(errors.SESSION_NOT_FOUND, "no such session", session_id=session[:256])
-
-
-@contextlib.contextmanager
-def _store_errors() -> Iterator[None]:
-    """Answers of the shared store's paths (sidecar.admin.shared_sessions) as API errors."""
-    from sidecar.admin.shared_sessions import StoreError
-
-    try:
-        yield
-    except StoreError as exc:
-        err = exc.error
-        raise ApiError(
-            err.type, err.message, headers={h.RETRY_AFTER: "1"} if err.status in (429, 503) else None, **err.fields
-        ) from None
-
-
-def _visible(router: Router, who: Principal, session: str) -> ApiSession | None:
-    rec = router.store.get(session)
-    return rec if rec is not None and who.sees(rec.workspace) else None
 
 
 # -- handlers --------------------------------------------------------------------------------
@@ -226,39 +164,13 @@ async def create_session(request: web.Request) -> web.Response:
     ttl = body.ttl_seconds
     if ttl is not None and ttl > api_cfg.max_ttl_seconds:
         raise ApiError(errors.INVALID_REQUEST, f"ttl_seconds: must be at most {api_cfg.max_ttl_seconds:g}")
-    if router.state.shared:
-        from sidecar.admin import shared_sessions as shared
-
-        with _store_errors():
-            created = await shared.create(
-                router, who, session=body.session_id, deployment=dep.name, ttl=ttl, parent=body.parent
-            )
-        return _json(created, 201, headers={h.LOCATION: f"/v1/sessions/{created['id']}"})
-    if body.parent is not None:
-        parent = _visible(router, who, body.parent)
-        if parent is None or parent.status is not SessionStatus.ACTIVE or parent.deployment != dep.name:
-            raise ApiError(
-                errors.PARENT_NOT_FOUND, f"parent: no active session of deployment {dep.name!r} that you created"
-            )
-    if body.session_id is not None and router.tree.bound_deployment(body.session_id) is not None:
-        raise ApiError(errors.SESSION_EXISTS, "a live session with this id exists (learned from traffic)")
-    try:
-        rec = router.store.create(
-            deployment=dep.name, workspace=who.workspace, session_id=body.session_id, ttl=ttl, parent=body.parent
-        )
-    except SessionExists:
-        raise ApiError(errors.SESSION_EXISTS, "a session with this id exists or was closed recently") from None
-    except SessionLimitReached as exc:
-        raise ApiError(
-            errors.SESSION_LIMIT_REACHED,
-            f"{exc.args[0]} active sessions exist already; close some",
-            headers={h.RETRY_AFTER: "1"},
-        ) from None
-    return _json(api_resource(router, rec), 201, headers={h.LOCATION: f"/v1/sessions/{rec.id}"})
+    created = await request.app[SESSIONS_KEY].create(
+        who, session=body.session_id, deployment=dep.name, ttl=ttl, parent=body.parent
+    )
+    return _json(created, 201, headers={h.LOCATION: f"/v1/sessions/{created['id']}"})
 
 
 async def list_sessions(request: web.Request) -> web.Response:
-    router = request.app[ROUTER_KEY]
     who = caller(request)
     q = request.query
     status = q.get("status")
@@ -271,30 +183,10 @@ async def list_sessions(request: web.Request) -> web.Response:
     if not 1 <= limit <= LIST_MAX_LIMIT:
         raise ApiError(errors.INVALID_REQUEST, f"limit: must be an integer from 1 to {LIST_MAX_LIMIT}")
     after = _decode_cursor(q.get("cursor"))
-    if router.state.shared:
-        from sidecar.admin import shared_sessions as shared
-
-        with _store_errors():
-            data, nxt = await shared.page(
-                router,
-                who,
-                after=after,
-                limit=limit,
-                deployment=q.get("deployment"),
-                status=SessionStatus(status) if status else None,
-            )
-        return _json({"data": data, "next_cursor": None if nxt is None else _encode_cursor(nxt)})
-    page, nxt = router.store.page(
-        workspace=who.workspace,
-        all_workspaces=who.admin,
-        deployment=q.get("deployment"),
-        status=SessionStatus(status) if status else None,
-        after=after,
-        limit=limit,
+    data, nxt = await request.app[SESSIONS_KEY].page(
+        who, after=after, limit=limit, deployment=q.get("deployment"), status=SessionStatus(status) if status else None
     )
-    return _json(
-        {"data": [api_resource(router, r) for r in page], "next_cursor": None if nxt is None else _encode_cursor(nxt)}
-    )
+    return _json({"data": data, "next_cursor": None if nxt is None else _encode_cursor(nxt)})
 
 
 CURSOR_PATTERN = r"^[0-9]{1,18}$"
@@ -314,111 +206,51 @@ def _decode_cursor(cursor: str | None) -> int:
 
 
 async def get_session(request: web.Request) -> web.Response:
-    router = request.app[ROUTER_KEY]
-    who = caller(request)
     sid = request.match_info["session"]
-    if router.state.shared:
-        from sidecar.admin import shared_sessions as shared
-
-        with _store_errors():
-            found = await shared.get(router, who, sid)
-        if found is None:
-            raise _not_found(sid)
-        return _json(found)
-    rec = _visible(router, who, sid)
-    if rec is not None:
-        return _json(api_resource(router, rec))
-    node = _traffic_node(router, who, sid)
-    if node is not None:
-        return _json(traffic_resource(router, node))
-    raise _not_found(sid)
+    found = await request.app[SESSIONS_KEY].get(caller(request), sid)
+    if found is None:
+        raise _not_found(sid)
+    return _json(found)
 
 
 async def close_session(request: web.Request) -> web.Response:
-    router = request.app[ROUTER_KEY]
-    who = caller(request)
     sid = request.match_info["session"]
-    if router.state.shared:
-        from sidecar.admin import shared_sessions as shared
-
-        with _store_errors():
-            closed = await shared.close(router, who, sid)
-        if closed is None:
-            raise _not_found(sid)
-        return _json(closed)
-    if _visible(router, who, sid) is not None:
-        rec = router.close_api_session(sid)
-        assert rec is not None
-        return _json(api_resource(router, rec))
-    node = _traffic_node(router, who, sid)
-    if node is not None and not node["placeholder"]:
-        router.close_session(sid)
-        node = router.tree.get(sid) or {**node, "closed": True}
-        return _json(traffic_resource(router, node))
-    raise _not_found(sid)
-
-
-def _traffic_node(router: Router, who: Principal, sid: str) -> dict[str, Any] | None:
-    """The lineage node of a session learned from traffic (not an API session); admins only."""
-    if router.store.get(sid) is not None or not who.admin:
-        return None
-    return router.tree.get(sid)
+    closed = await request.app[SESSIONS_KEY].close(caller(request), sid)
+    if closed is None:
+        raise _not_found(sid)
+    return _json(closed)
 
 
 async def get_tree(request: web.Request) -> web.Response:
     """The tree a session belongs to, from its root, cut like the live view (``omitted``
-    markers); node timestamps in RFC 3339. Built in slices: see :mod:`sidecar.admin.views`."""
-    router = request.app[ROUTER_KEY]
+    markers); node timestamps in RFC 3339. Built under the views lock, in slices (memory store:
+    :mod:`sidecar.admin.views`) or in steps of the store's reads (:mod:`sidecar.state.views`)."""
     who = caller(request)
-    if router.state.shared:
-        from sidecar.admin import shared_sessions as shared
-
-        with _store_errors():
-            top = await shared.tree(router, who, request.match_info["root"], max_depth=MAX_DEPTH, max_nodes=MAX_NODES)
-        if top is None:
-            raise ApiError(errors.TREE_NOT_FOUND, "no such session tree")
-        return _json(top)
-    view = None
-    async with request.app[VIEWS_LOCK]:
-        root = router.tree.root_of(request.match_info["root"])
-        # Only the workspace owning the tree's root session sees it. No await between this check
-        # and the builder's first step, which fixes the root it walks down from.
-        if root is not None and (who.admin or _visible(router, who, root) is not None):
-            view, _ = await run_sliced(
-                _stamped(router, router.tree.view(root, max_depth=MAX_DEPTH, max_nodes=MAX_NODES))
-            )
-    if view is None:
+    async with request.app[VIEWS_LOCK]:  # one view at a time
+        top = await request.app[SESSIONS_KEY].tree(who, request.match_info["root"])
+    if top is None:
         raise ApiError(errors.TREE_NOT_FOUND, "no such session tree")
-    return _json(view.tree)
-
-
-def _stamped(router: Router, steps: Generator[None, None, TreeView | None]) -> Generator[None, None, TreeView | None]:
-    """The view of ``steps`` with its nodes' clock values as RFC 3339 times."""
-    view = yield from steps
-    if view is None:
-        return None
-    offset = _wall_offset(router)
-    stack = [view.tree]
-    countdown = VIEW_STEP
-    while stack:
-        node = stack.pop()
-        node["created_at"] = rfc3339(offset + node["created_at"])
-        node["last_active_at"] = rfc3339(offset + node["last_active_at"])
-        stack.extend(node["children"])
-        countdown -= 1
-        if not countdown:
-            countdown = VIEW_STEP
-            yield
-    return view
+    return _json(top)
 
 
 def add_routes(app: web.Application, router: Router, tokens: TokenSet | None) -> None:
     """Mount the sessions API and the tree view on ``app``."""
     app[ROUTER_KEY] = router
     app[AUTH_KEY] = Auth(tokens)
+    app[SESSIONS_KEY] = _backend(router)
     views_lock(app)
     app.router.add_post("/v1/sessions", create_session)
     app.router.add_get("/v1/sessions", list_sessions)
     app.router.add_get("/v1/sessions/{session}", get_session)
     app.router.add_post("/v1/sessions/{session}/close", close_session)
     app.router.add_get("/v1/trees/{root}", get_tree)
+
+
+def _backend(router: Router) -> Sessions:
+    """Where the sessions API's answers come from, decided once: the shared store when sessions
+    live there, else this process's table and tree."""
+    if router.state.shared:
+        from sidecar.admin.shared_sessions import SharedSessions  # (redis-py: only with a store)
+
+        return SharedSessions(router)
+    return MemorySessions(router)

@@ -5,8 +5,10 @@ installed package when the app is built, served from this listener as ``/ui/stat
 ``/ui/static/ui.js``: nothing is fetched from elsewhere, and the Content-Security-Policy allows no
 inline script or style). It polls ``ui/data.json`` every 2.5 seconds and draws every live
 session tree: each session's state, turns, finality and, when the node dicts carry them, its
-worker history (``workers``) and affinity outcome counts (``affinity``). Session ids are
-client-supplied: the page only ever puts them in the DOM through ``textContent`` and
+worker history (``workers``) and affinity outcome counts (``affinity``). The trees hold the
+sessions learned from traffic and those created through the sessions API, with or without a
+request of their own (:mod:`sidecar.admin.api_views`), one node dict shape for both. Session
+ids are client-supplied: the page only ever puts them in the DOM through ``textContent`` and
 attributes, never as markup.
 
 ``/ui/data.json`` is bounded whatever the number of sessions held:
@@ -22,11 +24,17 @@ attributes, never as markup.
 Shape::
 
     {"now": <tree clock, seconds>, "generated_at": <unix time>,
-     "live_sessions": int, "live_trees": int, "limit": int, "shown_trees": int,
-     "truncated": bool,
+     "live_sessions": int, "live_trees": int, "live_trees_exact": bool, "limit": int,
+     "shown_trees": int, "truncated": bool,
      "trees": [{"root": id, "last_active_at": float, "sessions": int, "live": int,
                 "in_flight": int, "final": bool, "omitted": int,
                 "tree": {<node dict as SessionTree.get() returns it>, "children": [...]}}]}
+
+``live_trees`` counts the trees with a live session, exactly here; with a shared store
+(:func:`sidecar.state.views.ui_snapshot`) it is exact when ``live_trees_exact``, else a lower
+bound (the store's snapshot reads the roots of at most 10,000 live sessions). ``truncated`` is
+true when trees or sessions are not shown: fewer trees than ``live_trees`` (or than there may be),
+or a tree cut.
 
 ``sessions`` counts every node of the tree (placeholders and held ended sessions included),
 ``live`` the ones neither ended nor placeholders, ``final`` is True when every such session
@@ -34,8 +42,9 @@ has seen its final turn or ended. Timestamps here are seconds on the tree's cloc
 is on it too, so ``now - last_active_at`` is a session's idle time.
 
 A snapshot touches every held node once to order the trees and once more per shown tree to
-count what it cuts, and builds only the node dicts it shows. It is built in slices of about
-2 ms with the event loop serving requests in between (:mod:`sidecar.admin.views`), so it is a
+count what it cuts, every API session once (the table is bounded), and builds only the node
+dicts it shows. It is built in slices of about 2 ms with the event loop serving requests in
+between (:mod:`sidecar.admin.views`), so it is a
 slightly inconsistent snapshot when requests change the tree meanwhile: a tree, or a session,
 may appear as it was a few milliseconds apart from another, and counts are what the walk saw.
 One view is built at a time (a snapshot or a ``/v1/trees`` view), and each snapshot is reused
@@ -54,8 +63,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from sidecar.admin.api_views import overlay_steps, view_steps
 from sidecar.admin.views import MAX_DEPTH, MAX_NODES, run_sliced, views_lock
 from sidecar.lineage import SessionTree
+from sidecar.sessions import SessionStore
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -100,13 +111,15 @@ def add_ui_routes(
     tree_getter: Callable[[], SessionTree],
     authorize: Callable[[web.Request], None] | None = None,
     store_snapshot: Callable[[int], Awaitable[dict[str, Any]]] | None = None,
+    api_getter: Callable[[], SessionStore] | None = None,
 ) -> None:
     """Add ``GET /ui`` (the page) and ``GET /ui/data.json`` (its snapshot) to ``app``.
 
     ``authorize`` guards the snapshot (it exposes session ids): it raises to refuse a request.
     The page itself holds no data; it sends the token given as ``/ui#token=<token>``.
     ``store_snapshot(limit)``: the snapshot of a shared session store (the whole fleet's trees,
-    sidecar.state.views), used instead of the local tree's.
+    sidecar.state.views), used instead of the local tree's. ``api_getter``: the API sessions the
+    local snapshot shows with the tree's (:mod:`sidecar.admin.api_views`).
     """
     cache: dict[int, tuple[float, bytes]] = {}  # limit -> (valid until, body)
     # one view at a time (this snapshot or a tree view); pollers arriving meanwhile reuse it
@@ -137,7 +150,8 @@ def add_ui_routes(
                         snap = await store_snapshot(limit)
                         cost = time.monotonic() - began
                     else:
-                        snap, cost = await run_sliced(snapshot_steps(tree_getter(), limit=limit))
+                        api = None if api_getter is None else api_getter()
+                        snap, cost = await run_sliced(snapshot_steps(tree_getter(), limit=limit, api=api))
                     started = time.monotonic()
                     body = orjson.dumps(snap)
                     now = time.monotonic()
@@ -168,24 +182,46 @@ def _serve(body: bytes, content_type: str) -> Callable[[web.Request], Awaitable[
 
 
 async def snapshot(
-    tree: SessionTree, *, limit: int = DEFAULT_LIMIT, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH
+    tree: SessionTree,
+    *,
+    limit: int = DEFAULT_LIMIT,
+    max_nodes: int = MAX_NODES,
+    max_depth: int = MAX_DEPTH,
+    api: SessionStore | None = None,
 ) -> dict[str, Any]:
-    """The bounded view of ``tree`` that ``/ui/data.json`` serves (shape in the module doc),
-    built in slices that let the event loop run in between."""
-    snap, _ = await run_sliced(snapshot_steps(tree, limit=limit, max_nodes=max_nodes, max_depth=max_depth))
+    """The bounded view of ``tree`` (and of the API sessions of ``api``) that ``/ui/data.json``
+    serves (shape in the module doc), built in slices that let the event loop run in between."""
+    snap, _ = await run_sliced(snapshot_steps(tree, limit=limit, max_nodes=max_nodes, max_depth=max_depth, api=api))
     return snap
 
 
 def snapshot_steps(
-    tree: SessionTree, *, limit: int = DEFAULT_LIMIT, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH
+    tree: SessionTree,
+    *,
+    limit: int = DEFAULT_LIMIT,
+    max_nodes: int = MAX_NODES,
+    max_depth: int = MAX_DEPTH,
+    api: SessionStore | None = None,
 ) -> Generator[None, None, dict[str, Any]]:
     """:func:`snapshot` as a view builder (see :mod:`sidecar.lineage`): pauses every few
     hundred nodes, returns the snapshot."""
     budget = max(max_nodes, 1)
     trees: list[dict[str, Any]] = []
-    for root in (yield from tree.recent_roots(limit)):
+    overlay = None if api is None else (yield from overlay_steps(tree, api))
+    recent = yield from tree.recent_trees(limit)
+    live_sessions, live_trees = tree.live_sessions, tree.live_trees
+    if overlay is not None:
+        # trees of API sessions alone (no request in them yet), ordered with the tree's by activity
+        alone = [(root, at) for root, at in overlay.newest.items() if tree.root_of(root) is None]
+        recent = sorted(recent + alone, key=lambda tree_at: tree_at[1], reverse=True)[:limit]
+        live_sessions += overlay.live
+        live_trees += len(alone)
+    for root, _ in recent:
         yield  # a pause between trees too: hundreds of small trees make no pause of their own
-        view = yield from tree.view(root, max_depth=max_depth, max_nodes=max(budget, 1))
+        if overlay is None:
+            view = yield from tree.view(root, max_depth=max_depth, max_nodes=max(budget, 1))
+        else:
+            view = yield from view_steps(tree, overlay, root, max_depth=max_depth, max_nodes=max(budget, 1))
         if view is None:  # gone while the snapshot was being built
             continue
         budget -= view.shown
@@ -204,10 +240,11 @@ def snapshot_steps(
     return {
         "now": tree.now(),
         "generated_at": time.time(),
-        "live_sessions": tree.live_sessions,
-        "live_trees": tree.live_trees,
+        "live_sessions": live_sessions,
+        "live_trees": live_trees,
+        "live_trees_exact": True,
         "limit": limit,
         "shown_trees": len(trees),
-        "truncated": len(trees) < tree.live_trees or any(t["omitted"] for t in trees),
+        "truncated": len(trees) < live_trees or any(t["omitted"] for t in trees),
         "trees": trees,
     }

@@ -553,7 +553,7 @@ class Exchange(UpstreamRequest):
             conn.bind(self, client.write_paused)
             self._send(conn, parts)
         stats = dep.stats  # (the request left first: the metric is off its latency path)
-        stats.added.observe(now - self.t0)  # type: ignore[union-attr]
+        stats.added.observe(now - self.t0)
 
     def _forwarded_for(self, parts: list[bytes], drop: frozenset[str] | set[str], dropped: frozenset[str]) -> None:
         """X-Forwarded-For / -Proto when the client sent forwarding headers of its own."""
@@ -770,7 +770,7 @@ class Exchange(UpstreamRequest):
         if not health.settled:
             health.answered(decision.deployment, decision.upstream)
         stats = decision.deployment.stats
-        stats.ttfb.observe(self.head_at - self.t0)  # type: ignore[union-attr]
+        stats.ttfb.observe(self.head_at - self.t0)
         adm = self.admission
         assert adm is not None
         adm.on_response(self.resp_status, headers)

@@ -2,14 +2,14 @@
 memory backend (nothing shared: the default, today's single-process behaviour).
 
 With a shared backend (:mod:`sidecar.state.redis`) the router's session tree and API-session
-table are this replica's cache of the store: a request of a session the cache does not hold
-raises :class:`LoadNeeded` from :meth:`sidecar.router.Router.route`; the engine awaits
+table are this replica's cache of the store: the admission of a request of a session the cache
+does not hold needs LOAD (:class:`sidecar.router.Admission`); the engine awaits
 :meth:`SessionState.load` (one pipelined round trip, shared by every request waiting in the same
-loop iteration) and routes again. Everything else on the request path is synchronous and costs no
+loop iteration) and feeds ``loaded()``. Everything else on the request path is synchronous and costs no
 round trip: the router reports turns to the backend (:meth:`SessionState.begun`,
 :meth:`SessionState.finished`, :meth:`SessionState.touched`), which writes them behind, batched.
-Ends are claimed in the store, exactly once across the fleet, and handed back through
-``on_claimed``.
+Ends are claimed in the store, exactly once across the fleet; the replica that claims one runs
+it through the funnel every end goes through (:class:`sidecar.session_ends.SessionEnds`).
 
 Responses API chaining (``identity.body: [previous_response_id]``) keeps which session produced
 each response id (:class:`ResponseIds`, bounded in count and age): the router remembers it
@@ -29,8 +29,9 @@ if TYPE_CHECKING:
     from sidecar.context import SessionEnd
     from sidecar.identity import Identity
     from sidecar.lineage import Turn
+    from sidecar.session_ends import SessionEnds
 
-__all__ = ["LoadNeeded", "MemoryState", "ResponseIds", "SessionState", "StoreUnavailable"]
+__all__ = ["MemoryState", "ResponseIds", "SessionState", "StoreUnavailable"]
 
 
 class ResponseIds:
@@ -83,18 +84,6 @@ class ResponseIds:
         return len(self._ids)
 
 
-class LoadNeeded(Exception):
-    """The request names a session this replica does not hold: load it from the store first.
-
-    ``resume``, when given, continues where the router stopped (a body's admission); without it
-    the engine routes the request again."""
-
-    def __init__(self, identity: Identity, resume: Callable[[], Any] | None = None) -> None:
-        super().__init__(identity.session)
-        self.identity = identity
-        self.resume = resume
-
-
 class StoreUnavailable(Exception):
     """The shared store cannot answer now (its breaker is open or the call failed), or, at start
     with ``state.required``, could not be used."""
@@ -107,17 +96,14 @@ class SessionState:
     # Whether sessions are shared with other replicas (the router then reports to this object).
     shared = False
     # Whether response ids are shared too: a response id this replica does not know makes the
-    # router raise LoadNeeded, and :meth:`load` looks it up in the store.
+    # router's admission need LOAD, and :meth:`load` looks it up in the store.
     shares_responses = False
 
-    def __init__(self, config: Config | None = None) -> None:
-        # Set by the app: runs the end-of-session actions of a session this replica claimed, and
-        # calls its second argument once they ran (the claim is then confirmed in the store).
-        self.on_claimed: Callable[[SessionEnd, Callable[[], None]], None] | None = None
-        # Set by the app: another replica started closing a session (id, reason).
-        self.on_closing: Callable[[str, str], None] | None = None
+    def __init__(self, config: Config, ends: SessionEnds) -> None:
+        # Runs the sessions that ended (here, or claimed here from a shared store).
+        self.ends = ends
         # The response ids this replica knows (Responses API chaining).
-        self.responses = ResponseIds.from_config(config) if config is not None else ResponseIds()
+        self.responses = ResponseIds.from_config(config)
 
     async def start(self) -> None:
         """Connect (a shared backend); raises when the store is required and unreachable."""
@@ -139,11 +125,12 @@ class SessionState:
     def touched(self, turn: Turn, *, mode_state: bool = False) -> None:
         """The session's worker history, or its mode state, changed."""
 
-    def local_ends(self, ended: Sequence[SessionEnd]) -> Sequence[SessionEnd]:
-        """Sessions that ended here (the local tree's events). Returns the ones whose
-        end-of-session actions run now; a shared backend claims them first (exactly once across
-        the fleet) and hands them to ``on_claimed`` later."""
-        return ended
+    def ended(self, ended: Sequence[SessionEnd]) -> None:
+        """Sessions that ended in this replica's tree: here they end now (:attr:`ends`); a
+        shared backend claims them first, exactly once across the fleet, and runs the ones
+        claimed here later."""
+        for e in ended:
+            self.ends.run(e)
 
     def remember_response(self, response_id: str, deployment: str, session: str) -> None:
         """A response of ``session`` on ``deployment`` is named ``response_id`` (its body's

@@ -2,7 +2,7 @@
 live session costs its bytes in Redis), read into :class:`Record`.
 
 Fields: ``d`` deployment, ``p`` parent (the root hint for a hinted session), ``r`` root (absent:
-the id itself), ``f`` flags (:mod:`sidecar.state.scripts`), ``c`` created and ``a`` last active
+the id itself), ``f`` flags (:class:`sidecar.lineage.SessionFlag`), ``c`` created and ``a`` last active
 (unix ms), ``n`` turns, ``e`` end reason and ``z`` when it started closing or ended (ms), ``m``
 the mode's state, ``w``/``wt``/``mv`` the worker history, and for API sessions ``ws`` workspace,
 ``t`` TTL seconds and ``q`` creation sequence. ``h:<replica>`` are holders (requests in flight),
@@ -20,7 +20,16 @@ from typing import Any
 
 import orjson
 
-from sidecar.state.scripts import API, CLOSED, ENDED, FINAL_SEEN, HINTED, PLACEHOLDER
+from sidecar.context import SessionFlag
+
+PLACEHOLDER, FINAL_SEEN, CLOSED, ENDED, HINTED, API = (
+    SessionFlag.PLACEHOLDER,
+    SessionFlag.FINAL_SEEN,
+    SessionFlag.CLOSED,
+    SessionFlag.ENDED,
+    SessionFlag.HINTED,
+    SessionFlag.API,
+)
 
 
 @dataclass(slots=True)

@@ -62,12 +62,13 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, NoPermissionError, NoScriptError, RedisError
 
 from sidecar.config import Config
-from sidecar.context import EndReason, SessionEnd
+from sidecar.context import EndReason, SessionEnd, SessionFlag
 from sidecar.identity import Identity
-from sidecar.lineage import SessionTree, Turn
+from sidecar.lineage import SHARED_FLAGS, SessionTree, Turn
 from sidecar.metrics import Metrics
+from sidecar.session_ends import SessionEnds
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
-from sidecar.state import LoadNeeded, SessionState, StoreUnavailable
+from sidecar.state import SessionState, StoreUnavailable
 from sidecar.state import scripts as lua
 from sidecar.state.records import BadRecord, Record, decode, ms
 
@@ -81,6 +82,9 @@ BREAKER_MIN, BREAKER_MAX = 1.0, 30.0
 MAX_DIRTY = 200_000  # sessions with unwritten changes; beyond it the oldest are dropped (counted)
 REPUBLISH_BATCH = 1000
 MAX_CHILDREN_READ = 1000  # child ids a view reads of one session (a children set may hold millions)
+# Records an admin read decodes per round trip: the decoding runs on the event loop the proxy
+# shares, between two awaits, so each such run stays short (about a millisecond).
+READ_STEP = 128
 KEY_GRACE_SECONDS = 60
 # The admin listener's calls (views, the sessions API) wait this long for the store: they are off
 # the request path, and a view of a large tree is a large read on a loaded store.
@@ -98,7 +102,7 @@ class _Dirty:
     __slots__ = ("node", "turns0", "in_flight0", "flags0", "created", "mode", "workers")
 
     def __init__(self, node: Any, turns0: int, in_flight0: int, created: bool) -> None:
-        self.node = node  # the tree's node (sidecar.lineage._Node): its fields are read at write time
+        self.node = node  # the tree's node (sidecar.lineage.SessionNode): its fields are read at write time
         self.turns0 = turns0
         self.in_flight0 = in_flight0
         self.flags0 = node.flags
@@ -125,9 +129,16 @@ class RedisState(SessionState):
     shared = True
 
     def __init__(
-        self, config: Config, metrics: Metrics, tree: SessionTree, api: SessionStore, *, clock: Any = time.time
+        self,
+        config: Config,
+        metrics: Metrics,
+        tree: SessionTree,
+        api: SessionStore,
+        ends: SessionEnds,
+        *,
+        clock: Any = time.time,
     ) -> None:
-        super().__init__(config)
+        super().__init__(config, ends)
         sc = config.state
         self.config = sc
         self.prefix = sc.key_prefix
@@ -300,7 +311,7 @@ class RedisState(SessionState):
     async def _probe(self) -> bool:
         """Closed breaker: True. Open: check the store (:meth:`_check`) when the backoff
         elapsed; on success close it and republish what this replica holds. Only the writer
-        task probes: no request and no admin call waits for a store the breaker found down."""
+        task probes: no proxied request waits for a store the breaker found down."""
         if self.up:
             return True
         assert self._loop is not None and self.client is not None
@@ -499,7 +510,7 @@ class RedisState(SessionState):
     # -- the request path: writes behind ---------------------------------------------------------
 
     def begun(self, turn: Turn) -> None:
-        node = turn._node
+        node = turn.node
         sid = node.session
         entry = self._dirty.get(sid)
         if entry is None:
@@ -516,10 +527,10 @@ class RedisState(SessionState):
                 self._kick()
 
     def finished(self, turn: Turn) -> None:
-        sid = turn._node.session
+        sid = turn.node.session
         if sid not in self._dirty:
             # (the id's newest node: a closed one draining after a take-over is written through it)
-            node = self.tree.node_of(sid) or turn._node
+            node = self.tree.node_of(sid) or turn.node
             self._dirty[sid] = _Dirty(node, node.turns, self.tree.in_flight_of(sid) + 1, False)
 
     def _kick(self) -> None:
@@ -541,7 +552,7 @@ class RedisState(SessionState):
             log.exception("shared store flush failed")
 
     def touched(self, turn: Turn, *, mode_state: bool = False) -> None:
-        node = turn._node
+        node = turn.node
         entry = self._dirty.get(node.session)
         if entry is None:
             entry = self._dirty[node.session] = _Dirty(node, node.turns, self.tree.in_flight_of(node.session), False)
@@ -551,12 +562,11 @@ class RedisState(SessionState):
         else:
             entry.workers = True
 
-    def local_ends(self, ended: Sequence[SessionEnd]) -> Sequence[SessionEnd]:
+    def ended(self, ended: Sequence[SessionEnd]) -> None:
         for e in ended:
             if e.reason in _FORGOTTEN:
                 continue  # this cache forgot it; the store's sweep ends it fleet-wide
             self._ending[e.session] = str(e.reason)
-        return ()
 
     def _drop_oldest(self) -> None:
         while len(self._dirty) > MAX_DIRTY:
@@ -674,9 +684,9 @@ class RedisState(SessionState):
             missing, ended, closing, bad, epoch = results[0]
             self._republish.extend(missing)
             for i in range(0, len(ended), 2):
-                self._forget(ended[i], ended[i + 1] or None)
+                self._closed_in_store(ended[i], ended[i + 1] or None, ended=True)
             for i in range(0, len(closing), 2):
-                self._closing(closing[i], closing[i + 1])
+                self._closed_in_store(closing[i], closing[i + 1], ended=False)
             for sid in bad:
                 self._unreadable(sid, "its flags")
             self._saw_epoch(str(epoch))
@@ -749,7 +759,7 @@ class RedisState(SessionState):
                 key_ttl = int(self._ttl_of(sid) + self.tomb_ttl + KEY_GRACE_SECONDS)
             if w.created:
                 above = node.parent
-                if above is not None and above.flags & 1:  # a placeholder made here: tell the others
+                if above is not None and above.flags & _PLACEHOLDER:  # a placeholder made here: tell the others
                     out += ("P", above.session, node.deployment, key_ttl)
                 root = self.tree.root_of(sid) or sid
                 rec = self._held_api(sid)
@@ -759,7 +769,7 @@ class RedisState(SessionState):
                     node.deployment,
                     above.session if above is not None else "",
                     "" if root == sid else root,
-                    _flags(node) | (0 if rec is None else lua.API),
+                    (node.flags & SHARED_FLAGS) | (0 if rec is None else _API),
                     ms(wall - (tree_now - node.created_at)) if rec is None else ms(rec.created_at),
                     active,
                     node.turns,
@@ -769,8 +779,8 @@ class RedisState(SessionState):
                 )
             elif full:
                 out += ("U", sid, node.turns - entry.turns0, active, deadline, key_ttl)
-                if node.flags & 2 and not entry.flags0 & 2:
-                    out += ("F", sid, lua.FINAL_SEEN)
+                if node.flags & _FINAL_SEEN and not entry.flags0 & _FINAL_SEEN:
+                    out += ("F", sid, _FINAL_SEEN)
             if held != entry.in_flight0:
                 out += ("H", sid, held)
             if w.mode and node.mode_state is not None:
@@ -802,7 +812,7 @@ class RedisState(SessionState):
                 deployment,
                 above or "",
                 "" if root == sid else root,
-                flags | (0 if rec is None else lua.API),
+                flags | (0 if rec is None else _API),
                 ms(wall - (tree_now - created)) if rec is None else ms(rec.created_at),
                 active,
                 turns,
@@ -848,12 +858,9 @@ class RedisState(SessionState):
         deployment, parent, root, reason = row[1], row[2] or None, row[3], row[5]
         turns = int(row[4]) if str(row[4]).isdigit() else 0  # (a record's count: untrusted)
         why = EndReason(reason) if reason in _REASONS else EndReason.API_CLOSED
-        self._forget(sid, reason)
-        if self.on_claimed is None:
-            self._acks[sid] = token
-            return
+        self._closed_in_store(sid, reason, ended=True)
         self._running[sid] = token
-        self.on_claimed(SessionEnd(sid, parent, root, deployment, why, turns), lambda: self._ran(sid, token))
+        self.ends.run(SessionEnd(sid, parent, root, deployment, why, turns), lambda: self._ran(sid, token))
 
     def _ran(self, sid: str, token: str) -> None:
         """The end actions of a claimed session ran (or were given up): confirm the claim."""
@@ -863,47 +870,65 @@ class RedisState(SessionState):
         if not self._kicked and self.up and not self._stopping:
             self._kick()
 
-    def _forget(self, sid: str, reason: str | None) -> None:
-        """The session ended in the store: this cache drops it (no local end actions)."""
+    def _closed_in_store(self, sid: str, reason: str | None, *, ended: bool) -> None:
+        """The store says ``sid`` is closing (``ended``: it ended it): this replica admits none
+        of its requests from now on. The one local close of a session the fleet closed, on the
+        store's clock: its API session is marked closed (expired, for an idle expiry) at the
+        store's time; its node closes, and when nothing of it is in flight here its end goes to
+        the store to be claimed (a closing session), or nowhere (one the store ended: its end
+        ran where it was claimed)."""
+        why = EndReason(reason) if reason in _REASONS else EndReason.API_CLOSED
         rec = self.api.get(sid)
         if rec is not None and rec.status is SessionStatus.ACTIVE:
-            expired = reason == EndReason.IDLE_EXPIRED
+            expired = why is EndReason.IDLE_EXPIRED
             self.api.mark_ended(sid, SessionStatus.EXPIRED if expired else SessionStatus.CLOSED, self.wall())
-        self.tree.close(sid, EndReason(reason) if reason in _REASONS else EndReason.API_CLOSED)
-        self._dirty.pop(sid, None)
-        self._urgent.discard(sid)
-
-    def _closing(self, sid: str, reason: str) -> None:
-        """The store says ``sid`` is closing (an event, or a write's reply): stop admitting it here
-        unless this replica knows already."""
-        if self.on_closing is None:
-            return
-        if self.tree.joinable(sid) or self._held_api(sid) is not None:
-            self.on_closing(sid, reason)
+        drained = self.tree.close(sid, why)
+        if ended:
+            self._dirty.pop(sid, None)
+            self._urgent.discard(sid)
+        elif drained:
+            self.ended(drained)
 
     async def close(self, session: str, reason: str) -> int:
         """Start closing ``session`` fleet-wide (the sessions API): 1 closing now, 2 already
-        closing, 0 unknown, -1 already ended. Raises StoreUnavailable when the store is
+        closing, 0 unknown, -1 already ended. A closing session is closed here at once (the
+        other replicas by the store's event). Raises StoreUnavailable when the store is
         unavailable (the breaker is left alone: an admin call)."""
         (result,) = await self._admin_scripts(
             "close", [(self._close_script, [self.prefix, session, ms(self.wall()), reason, self.settle_ms])]
         )
+        if int(result) > 0:
+            self._closed_in_store(session, reason, ended=False)
         return int(result)
 
     async def create_api(
-        self, *, session: str, deployment: str, workspace: str | None, parent: str | None, ttl: float | None, now: float
+        self,
+        *,
+        session: str,
+        deployment: str,
+        workspace: str | None,
+        parent: str | None,
+        root: str | None,
+        ttl: float | None,
+        now: float,
     ) -> Record | int:
         """Create an API session in the store: its record as written, 0 when the id is taken, -2
-        at the limit of active API sessions. Raises StoreUnavailable when the store is
-        unavailable.
+        at the limit of active API sessions. ``root``: the root of ``parent``'s tree (recorded
+        with the session, as the first request of a traffic session records its own). Raises
+        StoreUnavailable when the store is unavailable.
 
         The record is built from what the script wrote, not read back: a read failing after the
         session was created would answer the caller an error for a create that happened (and its
         retry a 409)."""
         deadline = "+inf" if ttl is None else ms(now + ttl)
         key_ttl = int((ttl if ttl is not None else 10 * 365 * 86400.0) + self.tomb_ttl + KEY_GRACE_SECONDS)
-        fields = {"d": deployment, "f": str(lua.API), "c": str(ms(now)), "a": str(ms(now)), "n": "0"}
-        for name, value in (("ws", workspace or ""), ("p", parent or ""), ("t", "" if ttl is None else repr(ttl))):
+        fields = {"d": deployment, "f": str(_API), "c": str(ms(now)), "a": str(ms(now)), "n": "0"}
+        for name, value in (
+            ("ws", workspace or ""),
+            ("p", parent or ""),
+            ("r", "" if root is None or root == session else root),
+            ("t", "" if ttl is None else repr(ttl)),
+        ):
             if value:
                 fields[name] = value
         args = [
@@ -917,6 +942,7 @@ class RedisState(SessionState):
             deadline,
             key_ttl,
             self.api_cfg.max_sessions,
+            fields.get("r", ""),
         ]
         (seq,) = await self._admin_scripts("create", [(self._create_script, args)])
         if int(seq) <= 0:
@@ -944,55 +970,81 @@ class RedisState(SessionState):
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailable("the shared session store is unavailable") from exc
 
-    async def fetch(self, sessions: Sequence[str], *, skip_unreadable: bool = False) -> dict[str, Record | None]:
-        """Records of these ids, as the store holds them now (views, the sessions API). A record
-        that does not decode raises StoreUnavailable naming it, or with ``skip_unreadable`` is
-        left out (a view of many sessions)."""
+    async def fetch(
+        self, sessions: Sequence[str], *, skip_unreadable: bool = False, fresh: bool = True
+    ) -> dict[str, Record | None]:
+        """Records of these ids, as the store holds them now (views, the sessions API), read
+        ``READ_STEP`` per round trip (decoding a round trip's records is one uninterrupted run on
+        the event loop). ``fresh``: this replica's pending writes go out first, so the read sees
+        them (a view that reads in many steps asks it of its first read only). A record that does
+        not decode raises StoreUnavailable naming it, or with ``skip_unreadable`` is left out (a
+        view of many sessions)."""
         if not sessions:
             return {}
-        if self.up:
-            await self._flush_now()
-        rows = await self._read(
-            "read", lambda pipe: [pipe.hgetall(self.prefix + "s:" + s) for s in sessions], len(sessions)
-        )
+        if fresh:
+            await self.flush_pending()
         out: dict[str, Record | None] = {}
-        for sid, row in zip(sessions, rows, strict=True):
-            try:
-                out[sid] = decode(sid, row)
-            except BadRecord as exc:
-                self._unreadable(sid, exc.field)
-                if not skip_unreadable:
-                    raise StoreUnavailable(str(exc)) from None
+        for start in range(0, len(sessions), READ_STEP):
+            step = sessions[start : start + READ_STEP]
+            rows = await self._read(
+                "read", lambda pipe, step=step: [pipe.hgetall(self._key(s)) for s in step], len(step)
+            )
+            for sid, row in zip(step, rows, strict=True):
+                try:
+                    out[sid] = decode(sid, row)
+                except BadRecord as exc:
+                    self._unreadable(sid, exc.field)
+                    if not skip_unreadable:
+                        raise StoreUnavailable(str(exc)) from None
         return out
 
-    async def children(self, sessions: Sequence[str], limit: int) -> dict[str, tuple[list[str], int]]:
-        """For each of these sessions: at most ``limit`` (and MAX_CHILDREN_READ) of the child ids
-        the store records under it, sorted, and how many it records. One round trip that costs
-        the same however large a children set grew (SCARD, SSCAN with a COUNT); ``limit`` 0
-        reads the counts only."""
+    def _key(self, session: str) -> str:
+        return self.prefix + "s:" + session
+
+    async def child_counts(self, sessions: Sequence[str]) -> list[int]:
+        """How many child ids the store records under each of these sessions (ended children
+        included): one round trip that costs the same however large a children set grew."""
         if not sessions:
-            return {}
-        limit = min(limit, MAX_CHILDREN_READ)
-        per = 2 if limit > 0 else 1
+            return []
+        rows = await self._read(
+            "read", lambda pipe: [pipe.scard(self.prefix + "k:" + s) for s in sessions], len(sessions)
+        )
+        return [int(n) for n in rows]
+
+    async def child_ids(self, reads: Sequence[tuple[str, int]]) -> list[list[str]]:
+        """For each (session, limit): at most ``limit`` (and MAX_CHILDREN_READ) of the child ids
+        the store records under it, sorted; one round trip, one scan step per session (no read
+        of a whole children set, which may hold millions)."""
+        if not reads:
+            return []
 
         def queue(pipe: Any) -> None:
-            for sid in sessions:
-                pipe.scard(self.prefix + "k:" + sid)
-                if limit > 0:
-                    pipe.sscan(self.prefix + "k:" + sid, 0, count=limit)
+            for sid, limit in reads:
+                pipe.sscan(self.prefix + "k:" + sid, 0, count=max(1, min(limit, MAX_CHILDREN_READ)))
 
-        rows = await self._read("read", queue, per * len(sessions))
-        out: dict[str, tuple[list[str], int]] = {}
-        for n, sid in enumerate(sessions):
-            # (COUNT is a hint: a scan step may return a few more, or an id twice)
-            ids = sorted(set(rows[per * n + 1][1]))[:limit] if limit > 0 else []
-            out[sid] = (ids, int(rows[per * n]))
-        return out
+        rows = await self._read("read", queue, len(reads))
+        # (COUNT is a hint: a scan step may return a few more, or an id twice)
+        return [
+            sorted(set(row[1]))[: min(limit, MAX_CHILDREN_READ)] for row, (_, limit) in zip(rows, reads, strict=True)
+        ]
 
-    async def recent(self, count: int) -> list[str]:
-        """Ids of the live sessions that stay live the longest (the most recently active)."""
-        (rows,) = await self._read("read", lambda pipe: [pipe.zrevrange(self.prefix + "live", 0, count - 1)], 1)
+    async def recent(self, start: int, count: int) -> list[str]:
+        """Ids of live sessions by rank, those that stay live the longest (the most recently
+        active) first: ``count`` of them from rank ``start``."""
+        (rows,) = await self._read(
+            "read", lambda pipe: [pipe.zrevrange(self.prefix + "live", start, start + count - 1)], 1
+        )
         return list(rows)
+
+    async def roots(self, sessions: Sequence[str]) -> list[str | None]:
+        """The root id of each of these sessions; None for one the store no longer holds. One
+        round trip of small replies (the root field, and the flags that tell a record exists)."""
+        if not sessions:
+            return []
+        rows = await self._read(
+            "read", lambda pipe: [pipe.hmget(self._key(s), "r", "f") for s in sessions], len(sessions)
+        )
+        return [None if f is None else (r or sid) for sid, (r, f) in zip(sessions, rows, strict=True)]
 
     async def live_count(self) -> int:
         """Sessions live in the whole fleet."""
@@ -1019,10 +1071,10 @@ class RedisState(SessionState):
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailable("the shared session store is unavailable") from exc
 
-    async def _flush_now(self) -> None:
+    async def flush_pending(self) -> None:
         """Write what this replica has pending (so a view read next sees it). A failure leaves
         the breaker to the writer task, whose next write meets the same store."""
-        if self._dirty or self._ending:
+        if self.up and (self._dirty or self._ending):
             with contextlib.suppress(RedisError, OSError, TimeoutError):
                 await self._flush(everything=True)
 
@@ -1127,10 +1179,9 @@ class RedisState(SessionState):
         if kind == "c":
             if sid in self._urgent and not self._kicked:
                 self._kick()  # a holder of it is not written yet: the end waits for it
-            if self.on_closing is not None:
-                self.on_closing(sid, reason or EndReason.API_CLOSED)
+            self._closed_in_store(sid, reason or None, ended=False)
         elif kind == "e":
-            self._forget(sid, reason or None)
+            self._closed_in_store(sid, reason or None, ended=True)
 
     async def _revalidate(self) -> None:
         """After a gap in the events: ask the store about every session held here (a failure
@@ -1147,9 +1198,9 @@ class RedisState(SessionState):
                 if rec is None:
                     self._republish.append(sid)
                 elif rec.ended:
-                    self._forget(sid, rec.end_reason)
+                    self._closed_in_store(sid, rec.end_reason, ended=True)
                 elif rec.closing:
-                    self._closing(sid, rec.end_reason or EndReason.API_CLOSED)
+                    self._closed_in_store(sid, rec.end_reason, ended=False)
 
     # -- response ids (identity.body: previous_response_id) -------------------------------------
     #
@@ -1215,13 +1266,10 @@ class RedisState(SessionState):
         return {"up": self.up, "dirty": len(self._dirty), "dropped": self.dropped, "replica": self.replica}
 
 
+# The flags the writes name, as plain ints (redis-py sends an int's repr: an enum's is not a number).
+_PLACEHOLDER, _FINAL_SEEN, _API = int(SessionFlag.PLACEHOLDER), int(SessionFlag.FINAL_SEEN), int(SessionFlag.API)
 _FORGOTTEN = frozenset({EndReason.IDLE_EXPIRED, EndReason.EVICTED, EndReason.SHUTDOWN})
 _REASONS = frozenset(r.value for r in EndReason)
-
-
-def _flags(node: Any) -> int:
-    """The store's flags of a tree node (sidecar.lineage: final seen 2, hinted 16 are shared)."""
-    return node.flags & (lua.FINAL_SEEN | lua.HINTED)
 
 
 def _api_fields(rec: ApiSession | None) -> tuple[str, str, str]:
@@ -1249,6 +1297,7 @@ def _api_session(rec: Record) -> ApiSession:
         status=status,
         last_active_at=rec.last_active or None,
         ended_at=rec.ended_at,
+        root=None if rec.root == rec.id else rec.root,
     )
 
 
@@ -1269,4 +1318,4 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-__all__ = ["LoadNeeded", "RedisState", "StoreUnavailable"]
+__all__ = ["RedisState", "StoreUnavailable"]

@@ -31,13 +31,13 @@ Scripts build key names from the prefix (standalone Redis or Valkey; not Redis C
 
 from __future__ import annotations
 
-# Flags of a session record (field f).
-PLACEHOLDER = 1  # named by a child or a root hint only
-FINAL_SEEN = 2
-CLOSED = 4  # closing (close requested; ends once nothing is in flight anywhere)
-ENDED = 8
-HINTED = 16  # placed under a root hint; p names the hint, reported parent is none
-API = 32  # created through the sessions API
+from sidecar.context import SessionFlag
+
+# A record's flags (field f) are sidecar.lineage.SessionFlag's: the scripts name them as Lua
+# locals of the same values. CLOSED on a record means closing: close requested, it ends once
+# nothing is in flight anywhere; HINTED: placed under a root hint (p names the hint, the
+# reported parent is none).
+_FLAGS = ("PLACEHOLDER", "FINAL_SEEN", "CLOSED", "ENDED", "HINTED", "API")
 
 # How long after the store lost its data (the epoch key ``P ep`` was found missing by a running
 # fleet) no session ends: every live replica has renewed its lease and republished what it holds
@@ -45,10 +45,11 @@ API = 32  # created through the sessions API
 QUIET_MS = 10_000
 
 _COMMON = (
-    """
+    f"""
 local P = ARGV[1]
-local QUIET = """
-    + str(QUIET_MS)
+local QUIET = {QUIET_MS}
+local {", ".join(_FLAGS)} = {", ".join(str(int(SessionFlag[name])) for name in _FLAGS)}
+"""
     + """
 local function skey(id) return P .. 's:' .. id end
 local function num(v, default) return tonumber(v) or default end
@@ -95,20 +96,20 @@ end
 -- (when the session ended, ms) tells this end from a later one of a reused id.
 local function row(id, k, f, reason)
   local v = redis.call('HMGET', k, 'd', 'p', 'r', 'n', 'ws', 'z')
-  return {id, v[1] or '', (bit.band(f, 16) == 0 and v[2]) or '', v[3] or id, v[4] or '0', reason,
-          tostring(bit.band(f, 32)), v[5] or '', v[6] or ''}
+  return {id, v[1] or '', (bit.band(f, HINTED) == 0 and v[2]) or '', v[3] or id, v[4] or '0', reason,
+          tostring(bit.band(f, API)), v[5] or '', v[6] or ''}
 end
 -- End session id now, claimed by replica rid: the claim every end goes through, exactly once.
 -- The claim stays in ``ends`` until its claimer confirms it ran the end (op K of FLUSH).
 local function finish(id, k, f, reason, now, tomb, rid)
-  redis.call('HSET', k, 'f', bit.bor(f, 8), 'e', reason, 'o', rid)
+  redis.call('HSET', k, 'f', bit.bor(f, ENDED), 'e', reason, 'o', rid)
   redis.call('HSETNX', k, 'z', now)
   drop_holders(k)
   redis.call('EXPIRE', k, tomb)
   redis.call('ZREM', P .. 'live', id)
   redis.call('ZADD', P .. 'ends', now, id)
   extend(P .. 'ends', tomb)
-  if bit.band(f, 32) ~= 0 and bit.band(f, 4) == 0 then redis.call('DECR', P .. 'apin') end
+  if bit.band(f, API) ~= 0 and bit.band(f, CLOSED) == 0 then redis.call('DECR', P .. 'apin') end
   redis.call('PUBLISH', P .. 'ev', 'e ' .. id .. ' ' .. reason)
   return row(id, k, f, reason)
 end
@@ -139,7 +140,7 @@ local missing, ended, closing, bad = {}, {}, {}, {}
 local i = 7
 local live = P .. 'live'
 local function closing_now(id, k, f)
-  if bit.band(f, 4) ~= 0 and bit.band(f, 8) == 0 then
+  if bit.band(f, CLOSED) ~= 0 and bit.band(f, ENDED) == 0 then
     closing[#closing + 1] = id
     closing[#closing + 1] = redis.call('HGET', k, 'e') or 'api_closed'
   end
@@ -152,10 +153,16 @@ while i <= #ARGV do
     -- fills a missing one, or raises the turn count of a live one to what this replica counted.
     -- ARGV: d p r f c a n deadline ttl ws t q (q '': not an API session)
     local f = flags_of(k)
-    local replace = f == -1 or (op == 'C' and f >= 0 and (bit.band(f, 8) ~= 0 or bit.band(f, 1) ~= 0))
+    -- an API session's id is not taken over while its tombstone lasts (410 everywhere)
+    local tomb = f >= 0 and bit.band(f, ENDED) ~= 0 and bit.band(f, API) ~= 0
+    local replace = f == -1 or (op == 'C' and f >= 0 and not tomb and (bit.band(f, ENDED) ~= 0 or bit.band(f, PLACEHOLDER) ~= 0))
     local ttl = ARGV[i + 10]
     if f == -2 then
       bad[#bad + 1] = id
+    elseif tomb and op == 'C' then
+      -- admitted by a replica that had not heard of the end yet: it is told now
+      ended[#ended + 1] = id
+      ended[#ended + 1] = redis.call('HGET', k, 'e') or ''
     elseif replace then
       if f >= 0 then redis.call('DEL', k) end
       redis.call('HSET', k, 'd', ARGV[i + 2], 'f', ARGV[i + 5], 'c', ARGV[i + 6], 'a', ARGV[i + 7],
@@ -182,12 +189,12 @@ while i <= #ARGV do
         if num(redis.call('GET', P .. 'seq'), 0) < seq then redis.call('SET', P .. 'seq', seq) end
         for _, shared in ipairs({'api', 'seq', 'apin'}) do extend(P .. shared, ttl) end
       end
-    elseif bit.band(f, 8) == 0 then
+    elseif bit.band(f, ENDED) == 0 then
       if op == 'C' then
         -- created meanwhile by another replica (or through the API): add this replica's turns
         redis.call('HINCRBY', k, 'n', ARGV[i + 8])
         redis.call('HSET', k, 'a', ARGV[i + 7])
-        if bit.band(f, 4) == 0 then redis.call('ZADD', live, 'GT', ARGV[i + 9], id) end
+        if bit.band(f, CLOSED) == 0 then redis.call('ZADD', live, 'GT', ARGV[i + 9], id) end
       elseif num(redis.call('HGET', k, 'n'), 0) < tonumber(ARGV[i + 8]) then
         redis.call('HSET', k, 'n', ARGV[i + 8])
       end
@@ -197,7 +204,7 @@ while i <= #ARGV do
   elseif op == 'P' then
     -- placeholder: d ttl (only when the id is unknown)
     if redis.call('EXISTS', k) == 0 then
-      redis.call('HSET', k, 'd', ARGV[i + 2], 'f', 1, 'c', now, 'a', now)
+      redis.call('HSET', k, 'd', ARGV[i + 2], 'f', PLACEHOLDER, 'c', now, 'a', now)
       redis.call('EXPIRE', k, ARGV[i + 3])
     end
     i = i + 4
@@ -208,7 +215,7 @@ while i <= #ARGV do
       missing[#missing + 1] = id
     elseif f == -2 then
       bad[#bad + 1] = id
-    elseif bit.band(f, 8) ~= 0 then
+    elseif bit.band(f, ENDED) ~= 0 then
       ended[#ended + 1] = id
       ended[#ended + 1] = redis.call('HGET', k, 'e') or ''
     else
@@ -217,7 +224,7 @@ while i <= #ARGV do
         if type(r) == 'table' and r.err then bad[#bad + 1] = id end
       end
       redis.call('HSET', k, 'a', ARGV[i + 3])
-      if bit.band(f, 4) == 0 then redis.call('ZADD', live, 'GT', ARGV[i + 4], id) end
+      if bit.band(f, CLOSED) == 0 then redis.call('ZADD', live, 'GT', ARGV[i + 4], id) end
       redis.call('EXPIRE', k, ARGV[i + 5])
       extend(live, ARGV[i + 5])
       closing_now(id, k, f)
@@ -272,12 +279,12 @@ CLOSE = (
 local id, now, reason, settle = ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
 local k = skey(id)
 local f = flags_of(k)
-if f < 0 or bit.band(f, 1) ~= 0 then return 0 end
-if bit.band(f, 8) ~= 0 then return -1 end
-if bit.band(f, 4) ~= 0 then return 2 end
-redis.call('HSET', k, 'f', bit.bor(f, 4), 'e', reason, 'z', now)
+if f < 0 or bit.band(f, PLACEHOLDER) ~= 0 then return 0 end
+if bit.band(f, ENDED) ~= 0 then return -1 end
+if bit.band(f, CLOSED) ~= 0 then return 2 end
+redis.call('HSET', k, 'f', bit.bor(f, CLOSED), 'e', reason, 'z', now)
 redis.call('ZADD', P .. 'live', now + settle, id)
-if bit.band(f, 32) ~= 0 then redis.call('DECR', P .. 'apin') end
+if bit.band(f, API) ~= 0 then redis.call('DECR', P .. 'apin') end
 redis.call('PUBLISH', P .. 'ev', 'c ' .. id .. ' ' .. reason)
 return 1
 """
@@ -295,13 +302,13 @@ local id, now, tomb, settle, rid = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local k = skey(id)
 local f = flags_of(k)
 if f < 0 then return {'', -1} end
-if bit.band(f, 8) ~= 0 then
+if bit.band(f, ENDED) ~= 0 then
   if redis.call('HGET', k, 'o') == rid and redis.call('ZSCORE', P .. 'ends', id) then
     return row(id, k, f, redis.call('HGET', k, 'e') or 'api_closed')
   end
   return {'', -1}
 end
-if bit.band(f, 4) == 0 then return {'', -1} end
+if bit.band(f, CLOSED) == 0 then return {'', -1} end
 local due = math.max(num(redis.call('HGET', k, 'z'), 0) + settle, tonumber(epoch(now, QUIET)))
 if now < due then return {'', due - now} end
 if holders_live(k) then return {'', -1} end
@@ -328,7 +335,7 @@ local live, ends = P .. 'live', P .. 'ends'
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', ends, '-inf', now - late, 'LIMIT', 0, limit)) do
   local k = skey(id)
   local f = flags_of(k)
-  if f < 0 or bit.band(f, 8) == 0 then
+  if f < 0 or bit.band(f, ENDED) == 0 then
     redis.call('ZREM', ends, id)
   else
     -- (a claim of another live replica keeps its score: its claimer finds it by that)
@@ -344,13 +351,13 @@ local function claim(id, evicting)
   local k = skey(id)
   local f = flags_of(k)
   if f == -2 then bad[#bad + 1] = id end
-  if f < 0 or bit.band(f, 8) ~= 0 then redis.call('ZREM', live, id); return end
+  if f < 0 or bit.band(f, ENDED) ~= 0 then redis.call('ZREM', live, id); return end
   if holders_live(k) then
-    redis.call('ZADD', live, now + (bit.band(f, 4) ~= 0 and settle or idle), id)
+    redis.call('ZADD', live, now + (bit.band(f, CLOSED) ~= 0 and settle or idle), id)
     return
   end
   local reason
-  if bit.band(f, 4) ~= 0 then
+  if bit.band(f, CLOSED) ~= 0 then
     if num(redis.call('HGET', k, 'z'), 0) + settle > now and not evicting then return end
     reason = redis.call('HGET', k, 'e') or 'api_closed'
   else
@@ -368,7 +375,8 @@ return {out, bad}
 )
 
 # ARGV: prefix, id, deployment, workspace, parent, ttl_s ('' = none), now_ms, deadline_ms
-# ('+inf' without ttl), key ttl s, max active. Creates an API session. Returns its sequence
+# ('+inf' without ttl), key ttl s, max active, root (the parent's root; '' without a parent).
+# Creates an API session. Returns its sequence
 # number, 0 when the id is taken (a session, live or remembered, a live traffic session, or a
 # record this version cannot read), -2 when max active API sessions exist already.
 API_CREATE = (
@@ -377,13 +385,14 @@ API_CREATE = (
 local id, now, ttl = ARGV[2], ARGV[7], ARGV[9]
 local k = skey(id)
 local f = flags_of(k)
-if f == -2 or (f >= 0 and bit.band(f, 1) == 0 and (bit.band(f, 8) == 0 or bit.band(f, 32) ~= 0)) then return 0 end
+if f == -2 or (f >= 0 and bit.band(f, PLACEHOLDER) == 0 and (bit.band(f, ENDED) == 0 or bit.band(f, API) ~= 0)) then return 0 end
 if num(redis.call('GET', P .. 'apin'), 0) >= tonumber(ARGV[10]) then return -2 end
 local seq = redis.call('INCR', P .. 'seq')
 if f >= 0 then redis.call('DEL', k) end
-redis.call('HSET', k, 'd', ARGV[3], 'f', 32, 'c', now, 'a', now, 'n', 0, 'q', seq)
+redis.call('HSET', k, 'd', ARGV[3], 'f', API, 'c', now, 'a', now, 'n', 0, 'q', seq)
 if ARGV[4] ~= '' then redis.call('HSET', k, 'ws', ARGV[4]) end
 if ARGV[5] ~= '' then redis.call('HSET', k, 'p', ARGV[5]) end
+if ARGV[11] ~= '' and ARGV[11] ~= id then redis.call('HSET', k, 'r', ARGV[11]) end
 if ARGV[6] ~= '' then redis.call('HSET', k, 't', ARGV[6]) end
 redis.call('EXPIRE', k, ttl)
 redis.call('ZADD', P .. 'live', ARGV[8], id)

@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
 from sidecar.config import build_config
 from sidecar.deployments import Deployment
 from sidecar.errors import ConfigError
+from sidecar.metrics import Metrics
 from tests.tls.conftest import Pki
 
 HTTPS = "https://gateway.test:8443"
@@ -157,7 +159,8 @@ def test_one_context_per_deployment_shared_by_its_upstreams(tmp_path, pki: Pki):
             ]
         },
     )
-    a, b, c = (Deployment.from_config(d) for d in cfg.resolved_deployments())
+    stats = Metrics(CollectorRegistry()).for_deployment
+    a, b, c = (Deployment.from_config(d, stats=stats) for d in cfg.resolved_deployments())
     assert a.upstreams[0].tls_context is a.upstreams[1].tls_context is not None
     assert [u.server_hostname for u in a.upstreams] == ["gw.internal", "gw.internal"]
     assert b.upstreams[0].tls_context is not a.upstreams[0].tls_context

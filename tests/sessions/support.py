@@ -1,5 +1,6 @@
 """Helpers of the sessions and deployments tests: sidecars built from a deployments config,
-an injectable wall clock, bearer tokens, and validation against the served OpenAPI document."""
+an injectable wall clock, bearer tokens, validation against the served OpenAPI document, and
+large trees made without their requests."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.app import Sidecar
 from sidecar.config import Config, build_config
+from sidecar.context import TurnOutcome
+from sidecar.router import Router
 
 TOKEN_A = "tok-workspace-a-0123456789"
 TOKEN_B = "tok-workspace-b-0123456789"
@@ -158,3 +161,34 @@ async def fetch_spec(http: aiohttp.ClientSession, admin_url: str) -> OpenAPI:
 async def metrics_text(http: aiohttp.ClientSession, admin_url: str) -> str:
     async with http.get(admin_url + "/metrics") as resp:
         return await resp.text()
+
+
+def walk(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every node dict of a view's tree, its root first."""
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(n["children"])
+    return out
+
+
+def fill(router: Router, children: int, grandchildren: int) -> None:
+    """One tree ("big", ``a<i>`` below it, ``b<i>`` below those) straight into a sidecar's lineage
+    tree, as its requests would make it; with a shared store, reported to it as they would be
+    (written behind)."""
+    shared = router.state.shared
+
+    def one(session: str, parent: str | None) -> None:
+        turn, _ = router.tree.begin(session, parent=parent, root_hint=None, final=False, deployment="default")
+        if shared:
+            router.state.begun(turn)
+        router.tree.finish(turn, TurnOutcome.COMPLETED)
+        if shared:
+            router.state.finished(turn)
+
+    one("big", None)
+    for i in range(children):
+        one(f"a{i}", "big")
+    for i in range(grandchildren):
+        one(f"b{i}", f"a{i % children}")

@@ -155,7 +155,7 @@ async def test_data_json_after_workload(upstream, start_sidecar):
             two = await resp.json()
 
     assert data["live_sessions"] == 9  # every held node but the ended worker-a2
-    assert data["live_trees"] == 3
+    assert data["live_trees"] == 3 and data["live_trees_exact"] is True
     assert data["limit"] == 200 and data["shown_trees"] == 3 and data["truncated"] is False
     assert isinstance(data["now"], float) and isinstance(data["generated_at"], float)
     assert [(t["root"], _shape(t["tree"])[1]) for t in data["trees"]] == EXPECTED_TREES  # newest first

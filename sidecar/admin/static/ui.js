@@ -184,12 +184,14 @@
     var inFlight = 0;
     (d.trees || []).forEach(function (t) { inFlight += t.in_flight || 0; });
     document.getElementById("n-sessions").textContent = d.live_sessions;
-    document.getElementById("n-trees").textContent = d.live_trees;
+    // live_trees is a lower bound when the store's snapshot could not read every live session
+    var trees = (d.live_trees_exact === false ? "at least " : "") + d.live_trees;
+    document.getElementById("n-trees").textContent = trees;
     document.getElementById("n-flight").textContent = inFlight;
     document.title = "Sessions (" + d.live_sessions + " live)";
     var shown = (d.trees || []).filter(function (t) { return !needle || matches(t.tree, needle); });
     if (d.truncated) {
-      frag.appendChild(el("div", "note", "Showing the " + d.shown_trees + " most recently active of " + d.live_trees +
+      frag.appendChild(el("div", "note", "Showing the " + d.shown_trees + " most recently active of " + trees +
         " trees" + (d.trees.some(function (t) { return t.omitted; }) ? "; large trees are cut" : "") + "."));
     }
     if (!shown.length) {
