@@ -161,35 +161,17 @@ def internal_error() -> ProxyError:
     return ProxyError(INTERNAL_ERROR, "the sidecar failed to handle this request")
 
 
-def upstream_unreachable(deployment: str, upstream: int, reason: str) -> ProxyError:
-    return ProxyError(
-        UPSTREAM_UNREACHABLE,
-        f"upstream {upstream} of deployment {deployment!r} is unreachable: {reason}",
-        deployment=deployment,
-        upstream=upstream,
-    )
-
-
-def upstream_timeout(deployment: str, upstream: int) -> ProxyError:
-    return ProxyError(
-        UPSTREAM_TIMEOUT,
-        f"upstream {upstream} of deployment {deployment!r} timed out",
-        deployment=deployment,
-        upstream=upstream,
-    )
-
-
-def upstream_protocol_error(deployment: str, upstream: int, reason: str) -> ProxyError:
-    return ProxyError(
-        UPSTREAM_PROTOCOL_ERROR,
-        f"upstream {upstream} of deployment {deployment!r} failed: {reason}",
-        deployment=deployment,
-        upstream=upstream,
-    )
-
-
-def mode_error(mode: str, deployment: str, hook: str, exc: BaseException) -> ProxyError:
-    return ProxyError(MODE_ERROR, f"routing mode {mode!r} failed in {hook}: {exc}", mode=mode, deployment=deployment)
+def upstream_failed(kind: str, deployment: str, upstream: int, reason: str) -> ProxyError:
+    """The answer to an upstream failure before its response began, by the failure's kind:
+    ``timeout`` (504), ``connect`` (502: unreachable, nothing was sent), any other (502)."""
+    where = f"upstream {upstream} of deployment {deployment!r}"
+    if kind == "timeout":
+        return ProxyError(UPSTREAM_TIMEOUT, f"{where} timed out", deployment=deployment, upstream=upstream)
+    if kind == "connect":
+        return ProxyError(
+            UPSTREAM_UNREACHABLE, f"{where} is unreachable: {reason}", deployment=deployment, upstream=upstream
+        )
+    return ProxyError(UPSTREAM_PROTOCOL_ERROR, f"{where} failed: {reason}", deployment=deployment, upstream=upstream)
 
 
 def failure_reason(exc: BaseException) -> str:

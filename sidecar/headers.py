@@ -1,8 +1,10 @@
-"""Header names used by the sidecar, in one place (compare case-insensitively: use the ``*_L`` forms)."""
+"""Header names used by the sidecar, in one place (compare case-insensitively: use the ``*_L``
+forms), and :func:`lookup`, how the router reads a head's headers by name."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 # Inbound session identity.
 X_CORRELATION_ID = "X-Correlation-ID"
@@ -71,6 +73,27 @@ def is_field_value(value: str) -> bool:
         if (ch < " " and ch != "\t") or ch == "\x7f":
             return False
     return True
+
+
+class HeaderView:
+    """A head's headers as an engine hands them to the router, by lower-case name (first value).
+    Compiled, an extension type: the fast engine's :class:`~sidecar.engine.head.HeaderBlock`
+    implements ``get`` in C, and :func:`lookup` reaches it without a Python-level call."""
+
+    __slots__ = ()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        raise NotImplementedError
+
+
+def lookup(headers: Mapping[str, str], name: str) -> str | None:
+    """``headers.get(name)``. Compiled, a C call when ``headers`` is a :class:`HeaderView`: the
+    router and the identity reader look up several names per request, most of them absent, and a
+    Python-level method call costs more than an absent name's lookup."""
+    if isinstance(headers, HeaderView):
+        view = headers
+        return view.get(name)
+    return headers.get(name)
 
 
 def connection_tokens(values: Iterable[str]) -> frozenset[str]:

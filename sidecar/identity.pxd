@@ -1,8 +1,6 @@
-# Compiled layout of identity.py (Cython "augmenting" declarations; see setup.py). Keep
-# Identity's fields in its dataclass order and IdentityReader's equal to its __slots__.
+# Compiled layout of identity.py (docs/architecture.md, "Compiled and pure-Python builds").
 cimport cython
-from sidecar.engine.head cimport lookup
-from sidecar.headers cimport is_field_value
+from sidecar.headers cimport is_field_value, lookup
 
 cdef class Identity:
     cdef public object session

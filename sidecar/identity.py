@@ -50,8 +50,7 @@ import orjson
 
 from sidecar import headers as h
 from sidecar.config import IdentityConfig
-from sidecar.engine.head import lookup
-from sidecar.headers import is_field_value
+from sidecar.headers import is_field_value, lookup
 from sidecar.jsonbody import RepeatedKeys, ScannedBody, load_bounded, members, string_at
 from sidecar.jsonscan import elements
 from sidecar.modes.ids import fit_id, opaque_id

@@ -11,7 +11,7 @@ Memory is bounded: at most ``max_sessions`` active sessions (creating more raise
 one entry per active session with a TTL (compacted when stale entries pile up).
 
 Every method is synchronous and runs on the event loop, so a close and the admission of a
-request (:meth:`SessionStore.admit`, called from ``Router.route``) are ordered: once
+request (:meth:`SessionStore.admit`, called from ``Router.admit``) are ordered: once
 :meth:`SessionStore.close` returned, no request of that session is admitted. Time comes from
 the injected ``clock`` (wall-clock seconds: timestamps are shown as RFC 3339 UTC).
 """

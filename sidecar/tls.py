@@ -11,18 +11,29 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn, Protocol
 
 from sidecar.errors import ConfigError
 
-if TYPE_CHECKING:
-    from sidecar.config import TlsConfig
+
+class TlsSettings(Protocol):
+    """What a context is built from: a deployment's ``tls`` settings (``sidecar.config.TlsConfig``)."""
+
+    @property
+    def ca_file(self) -> str | None: ...
+    @property
+    def cert_file(self) -> str | None: ...
+    @property
+    def key_file(self) -> str | None: ...
+    @property
+    def verify(self) -> bool: ...
+
 
 # Both engines speak HTTP/1.1 upstream: an upstream that negotiates ALPN must not pick h2.
 ALPN = ["http/1.1"]
 
 
-def client_context(tls: TlsConfig | None, where: str = "") -> ssl.SSLContext:
+def client_context(tls: TlsSettings | None, where: str = "") -> ssl.SSLContext:
     """The client context for ``tls`` (None: the defaults). ``where`` prefixes the setting in
     errors (``deployments[0].``).
 

@@ -16,7 +16,9 @@ from sidecar.accounting import SLOT_SECONDS, TURN_BUCKETS, WINDOW_SECONDS, Accou
 from sidecar.config import build_config
 from sidecar.lineage import prompt_cache as expected
 from sidecar.metrics import Metrics
-from sidecar.router import RequestHead, Router
+from sidecar.context import TurnOutcome
+from sidecar.jsonscan import INLINE_BYTES
+from sidecar.router import BODY, READY, WORK, Admission, RequestHead, Router
 from sidecar.usage import Usage, UsageOutcome
 from sidecar.wiring import routing_core
 from tests import usage_samples as s
@@ -111,21 +113,25 @@ async def test_a_session_that_reuses_an_ended_id_starts_from_zero():
 
 async def test_what_the_reader_is_not_asked_for():
     router = make_router(usage={"accounting": False})
-    decision = router.route(RequestHead("POST", {"x-correlation-id": "off"}))
+    adm = router.admit(RequestHead("POST", {"x-correlation-id": "off"}))
     head = {"content-type": "text/event-stream"}
-    router.on_response(decision, 200, head)
-    assert router.usage_reader(decision, 200, head, False) is None
+    adm.on_response(200, head)
+    assert adm.usage_reader(200, head, False) is None
     on = make_router()
-    sessionless = on.route(RequestHead("POST", {}))
-    on.on_response(sessionless, 200, head)
-    assert on.usage_reader(sessionless, 200, head, False) is None
-    decision = on.route(RequestHead("POST", {"x-correlation-id": "on"}))
-    on.on_response(decision, 200, head)
+    sessionless = on.admit(RequestHead("POST", {}))
+    sessionless.on_response(200, head)
+    assert sessionless.usage_reader(200, head, False) is None
+    adm = on.admit(RequestHead("POST", {"x-correlation-id": "on"}))
+    adm.on_response(200, head)
     for content_type in ("application/json; charset=utf-8", "application/problem+json", "TEXT/EVENT-STREAM"):
-        assert on.usage_reader(decision, 200, {"content-type": content_type}, False) is not None
+        assert adm.usage_reader(200, {"content-type": content_type}, False) is not None
     for content_type in ("text/html", "application/octet-stream", ""):
-        assert on.usage_reader(decision, 200, {"content-type": content_type}, True) is None
-    assert on.usage_reader(decision, 201, head, False) is None
+        assert adm.usage_reader(200, {"content-type": content_type}, True) is None
+    assert adm.usage_reader(201, head, False) is None
+    adm.finish(TurnOutcome.COMPLETED)
+    assert adm.usage_reader(200, head, False) is None  # finished: nothing more is counted
+    adm.on_usage(Usage(UsageOutcome.REPORTED, 5, 5))
+    assert totals(on, "on") == expected(0, 0, 0, 0)
 
 
 # -- metrics ------------------------------------------------------------------------------------
@@ -280,20 +286,50 @@ def test_include_usage_patch_changes_only_what_it_must(body, patched):
         assert orjson.loads(patched)["stream_options"]["include_usage"] is True
 
 
-def test_include_usage_is_opt_in_per_deployment_and_for_chat_completions_of_a_session():
+async def test_include_usage_is_opt_in_per_deployment_and_for_chat_completions_of_a_session():
+    """The admission reads the body of a request that asks for usage (BODY), patches it (inline,
+    or as WORK on the body pool when large) and forwards the patched body (READY)."""
     body = b'{"stream":true,"messages":[]}'
+    chat = b"/v1/chat/completions"
+
+    def admit(router: Router, headers: dict[str, str], target: bytes = chat, method: str = "POST") -> Admission:
+        return router.admit(RequestHead(method, {"content-length": "1", **headers}, target))
+
+    def forwarded(adm: Admission, data: bytes | list[bytes], size: int) -> bytes | None:
+        assert adm.need == BODY
+        adm.body(data, size)
+        if adm.need == WORK:
+            assert adm.work is not None
+            adm.worked(adm.work())
+        assert adm.need == READY and adm.decision is not None
+        return adm.decision.body
+
     off = make_router()
-    decision = off.route(RequestHead("POST", {"x-correlation-id": "a"}))
-    assert not off.injects_usage(decision, "POST", "/v1/chat/completions")
-    assert off.include_usage(decision, body) == body
+    assert admit(off, {"x-correlation-id": "a"}).need == READY  # streamed through, unread
     on = make_router(usage={"include_usage": True})
-    decision = on.route(RequestHead("POST", {"x-correlation-id": "a"}))
-    for path in ("/v1/chat/completions", "/openai/v1/chat/completions?x=1", "/v1/chat/completions/"):
-        assert on.injects_usage(decision, "POST", path), path
-    for method, path in (("POST", "/v1/responses"), ("POST", "/v1/messages"), ("GET", "/v1/chat/completions")):
-        assert not on.injects_usage(decision, method, path), (method, path)
-    assert orjson.loads(on.include_usage(decision, body))["stream_options"] == {"include_usage": True}
-    sessionless = on.route(RequestHead("POST", {}))
-    assert on.include_usage(sessionless, body) == body  # nothing is accounted without a session
+    for target in (chat, b"/openai/v1/chat/completions?x=1", b"/v1/chat/completions/"):
+        adm = admit(on, {"x-correlation-id": "a"}, target)
+        assert orjson.loads(forwarded(adm, body, len(body)))["stream_options"] == {"include_usage": True}, target
+        adm.finish(TurnOutcome.COMPLETED)
+    for method, target in (("POST", b"/v1/responses"), ("POST", b"/v1/messages"), ("GET", chat)):
+        adm = admit(on, {"x-correlation-id": "a"}, target, method)
+        assert adm.need == READY and adm.decision is not None and adm.decision.body is None, (method, target)
+        adm.finish(TurnOutcome.COMPLETED)
+    assert admit(on, {}).need == READY  # nothing is accounted without a session: unread
+    # a body in pieces, larger than what is patched on the loop: WORK, then patched
+    padded = b'{"stream":true,"pad":"' + b"x" * (2 * INLINE_BYTES) + b'"}'
+    adm = admit(on, {"x-correlation-id": "b"})
+    pieces = [padded[:100], padded[100:]]
+    assert orjson.loads(forwarded(adm, pieces, len(padded)))["stream_options"] == {"include_usage": True}
+    adm.finish(TurnOutcome.COMPLETED)
+    # above limits.max_parsed_body_bytes: forwarded unchanged (not refused)
     big = b'{"stream":true,"pad":"' + b"x" * (9 * 1024 * 1024) + b'"}'
-    assert on.include_usage(decision, big) is big  # above limits.max_parsed_body_bytes: unchanged
+    adm = admit(on, {"x-correlation-id": "c"})
+    assert adm.limit >= len(big)
+    assert forwarded(adm, big, len(big)) == big
+    adm.finish(TurnOutcome.COMPLETED)
+    # a turn in flight while its body is read: a client that leaves releases it
+    adm = admit(on, {"x-correlation-id": "d"})
+    assert on.tree.get("d")["in_flight"] == 1
+    adm.finish(TurnOutcome.CLIENT_ABORTED)
+    assert on.tree.get("d")["in_flight"] == 0

@@ -38,10 +38,12 @@ def views_lock(app: web.Application) -> asyncio.Lock:
     return app.setdefault(VIEWS_LOCK, asyncio.Lock())
 
 
-async def run_sliced(steps: Generator[None, None, T], *, slice_seconds: float = SLICE_SECONDS) -> tuple[T, float]:
+async def run_sliced(steps: Generator[None, None, T], *, slice_seconds: float | None = None) -> tuple[T, float]:
     """Run the builder ``steps`` to its end, letting the event loop run whenever a slice took
-    ``slice_seconds``. Returns the builder's result and the seconds spent in the slices (what
-    the view cost the loop)."""
+    ``slice_seconds`` (``SLICE_SECONDS`` as it is at the call). Returns the builder's result and
+    the seconds spent in the slices (what the view cost the loop)."""
+    if slice_seconds is None:
+        slice_seconds = SLICE_SECONDS
     busy = 0.0
     start = time.perf_counter()
     while True:

@@ -31,12 +31,11 @@ from sidecar import errors
 from sidecar import headers as h
 from sidecar.context import TurnOutcome
 from sidecar.engine.base import Engine
-from sidecar.engine.head import DOT_SEGMENT, dot_segment, origin_form, valid_host
 from sidecar.engine.parse_errors import UNSUPPORTED_CODING
+from sidecar.engine.request_rules import check, host_bits, lone_chunked, version_refusal
 from sidecar.engine.wire import error_response
 from sidecar.errors import failure_reason
-from sidecar.router import BodyWork, Decision, RequestHead, body_pool
-from sidecar.state import LoadNeeded
+from sidecar.router import BODY, LOAD, REFUSED, WORK, Admission, Decision, RequestHead, body_pool
 from sidecar.tls import refused_after_handshake
 
 log = logging.getLogger("sidecar.engine")
@@ -136,7 +135,7 @@ class _Connection(web_protocol.RequestHandler):
         target, space, version = rest.partition(b" ")
         if not method or not target or (space and version != b"HTTP/0.9"):
             return False  # a version (or not a request line: the parser's to judge)
-        self._refuse_head(errors.unsupported_version(0, 9), "bad_request")
+        self._refuse_head(*version_refusal(9))
         return True
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -246,7 +245,7 @@ class AiohttpEngine(Engine):
             max_line_size=head_cap,
             max_field_size=head_cap,
         )
-        self._body_pool = body_pool()  # the router's BodyWork (large bodies)
+        self._body_pool = body_pool()  # an admission's body work (large bodies)
         self._in_flight = 0
         self._keepalive = True  # off from the start of shutdown: every answer closes its connection
         self._idle = asyncio.Event()
@@ -325,107 +324,64 @@ class AiohttpEngine(Engine):
     async def _proxy(self, request: web.BaseRequest, t0: float) -> web.StreamResponse:
         router = self.router
         in_headers = request.headers
-        if request.version < (1, 0) or request.version > (1, 1):
-            return self._refuse(
-                request,
-                errors.unsupported_version(request.version[0], request.version[1]),
-                "bad_request",
-            )
-        hosts = in_headers.getall(h.HOST, ())
-        if (
-            len(hosts) > 1
-            or (not hosts and request.version >= (1, 1))
-            or (
-                hosts
-                and not valid_host(
-                    hosts[0].encode("utf-8", "surrogateescape"), 0, len(hosts[0].encode("utf-8", "surrogateescape"))
-                )
-            )
-        ):
-            problem = (
-                "more than one Host header"
-                if len(hosts) > 1
-                else "missing Host header (required in HTTP/1.1)"
-                if not hosts
-                else "invalid Host header (uri-host[:port] expected)"
-            )
-            return self._refuse(request, errors.bad_request(problem), "bad_request")
-        codings = in_headers.getall(h.TRANSFER_ENCODING, ())
-        if codings and (request.version < (1, 1) or not _lone_chunked(codings)):
-            # aiohttp's parser undoes only the chunked framing: another coding's bytes would reach
-            # the upstream unlabelled, and chunked on HTTP/1.0 is faulty framing (RFC 9112 6.1).
-            return self._refuse(request, errors.unsupported_transfer_coding(), "bad_request")
-        if h.UPGRADE in in_headers and "upgrade" in h.connection_tokens(in_headers.getall(h.CONNECTION, ())):
-            # The rest of the stream belongs to the refused protocol.
-            return self._refuse(request, errors.upgrade_not_supported(), "upgrade")
-        target = request.raw_path
-        if request.method != "CONNECT" and not target.startswith("/"):
-            origin = origin_form(target.encode("utf-8", "surrogateescape"))  # absolute-form
-            if origin is not None:
-                target = origin.decode("utf-8", "surrogateescape")
-        if request.method == "CONNECT" or not target.startswith("/"):
-            return self._refuse(
-                request,
-                errors.bad_request("request target must be origin-form (/path) or absolute-form (http://host/path)"),
-                "bad_request",
-            )
-        if dot_segment(target.encode("utf-8", "surrogateescape")):
-            return self._refuse(request, errors.bad_request(DOT_SEGMENT), "bad_request")
-        head = RequestHead(request.method, in_headers)
+        upgrade = h.UPGRADE in in_headers and "upgrade" in h.connection_tokens(in_headers.getall(h.CONNECTION, ()))
+        raw_target, refusal = check(  # (the request-head rules: sidecar.engine.request_rules)
+            10 * request.version[0] + request.version[1],
+            host_bits(_raw(in_headers.getall(h.HOST, []))),
+            _raw(in_headers.getall(h.TRANSFER_ENCODING, [])),
+            upgrade,
+            request.method.encode("latin-1"),
+            request.raw_path.encode("utf-8", "surrogateescape"),
+        )
+        if refusal is not None:
+            return self._refuse(request, *refusal)
+        target = raw_target.decode("utf-8", "surrogateescape")
+        adm = router.admit(RequestHead(request.method, in_headers))
         try:
-            try:
-                decision = router.route(head)
-            except LoadNeeded as need:  # a session this replica does not hold: ask the shared store
-                await router.state.load(need.identity)
-                decision = router.route(head, True)
-        except errors.ProxyError as exc:
-            return self._error(exc, router.default.name, router.default.mode_name, exc.type)
-        dep = decision.deployment
-        limit = decision.max_body_bytes
-        declared = request.content_length
-        if declared is not None and declared > limit:
-            router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-            return self._error(
-                _too_large(dep.name, limit, decision.needs_body), dep.name, dep.mode_name, "body_too_large"
-            )
-
-        body: bytes | io.BytesIO | AsyncIterator[bytes] | None = None
-        if request.method not in ("GET", "HEAD") or request.body_exists:
-            if in_headers.get(h.EXPECT, "").lower() == "100-continue":
-                await request.writer.write(_CONTINUE)
-            if decision.needs_body:
-                try:
-                    chunks, size = await _read_bounded(request, limit, dep.timeouts.idle)
-                    decision = await self._transform(decision, chunks, size)
-                    body = decision.body
-                except _TooLarge:
-                    router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-                    return self._error(_too_large(dep.name, limit, True), dep.name, dep.mode_name, "body_too_large")
-                except _ClientTimeout:
-                    router.finish(decision, TurnOutcome.CLIENT_ABORTED)
-                    resp = self._error(
-                        errors.request_timeout(f"the request body stalled for {dep.timeouts.idle:g} s"),
-                        dep.name,
-                        dep.mode_name,
-                        errors.REQUEST_TIMEOUT,
-                    )
-                    resp.force_close()
-                    return resp
-                except errors.ProxyError as exc:
-                    router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-                    dep = decision.deployment
-                    return self._error(exc, dep.name, dep.mode_name, exc.type)
-                except asyncio.CancelledError:  # the client left
-                    router.finish(decision, TurnOutcome.CLIENT_ABORTED)
-                    raise
-                except Exception as exc:  # a defect: still finish the turn and answer
-                    log.error("request body handling failed: %r", exc, exc_info=exc, extra=decision.log_fields())
-                    router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-                    dep = decision.deployment
-                    internal = errors.ProxyError(errors.INTERNAL_ERROR, "the sidecar failed to handle this request")
-                    return self._error(internal, dep.name, dep.mode_name)
-            elif request.body_exists:
-                body = _stream_bounded(request, limit)
+            await self._settle(adm)  # a session this replica does not hold: ask the shared store
+            if adm.need == REFUSED:
+                return self._refused(adm)
+            dep = adm.deployment
+            limit = adm.limit
+            declared = request.content_length
+            if declared is not None and declared > limit:
+                return self._too_large(adm)
+            body: bytes | io.BytesIO | AsyncIterator[bytes] | None = None
+            if request.method not in ("GET", "HEAD") or request.body_exists:
+                if in_headers.get(h.EXPECT, "").lower() == "100-continue":
+                    await request.writer.write(_CONTINUE)
+                if adm.need == BODY:
+                    try:
+                        chunks, size = await _read_bounded(request, limit, dep.timeouts.idle)
+                        adm.body(chunks[0] if len(chunks) == 1 else chunks, size)
+                        await self._settle(adm)  # (body work off the loop, a session the body names)
+                    except _TooLarge:
+                        return self._too_large(adm)
+                    except _ClientTimeout:
+                        adm.finish(TurnOutcome.CLIENT_ABORTED)
+                        resp = self._error(
+                            errors.request_timeout(f"the request body stalled for {dep.timeouts.idle:g} s"),
+                            dep.name,
+                            dep.mode_name,
+                            errors.REQUEST_TIMEOUT,
+                        )
+                        resp.force_close()
+                        return resp
+                    except Exception as exc:  # a defect: still finish the turn and answer
+                        log.error("request body handling failed: %r", exc, exc_info=exc, extra=adm.log_fields())
+                        adm.finish(TurnOutcome.UPSTREAM_FAILED)
+                        return self._error(errors.internal_error(), dep.name, dep.mode_name)
+                    if adm.need == REFUSED:
+                        return self._refused(adm)
+                    assert adm.decision is not None
+                    body = adm.decision.body
+                elif request.body_exists:
+                    body = _stream_bounded(request, limit)
+        except asyncio.CancelledError:  # the client left
+            adm.finish(TurnOutcome.CLIENT_ABORTED)
+            raise
+        decision = adm.decision
+        assert decision is not None
         out = _forward_headers(decision, request)
         # The framing, from what the parser found (never from the client's header lines): a
         # rewritten body's length, the declared length, or chunked (the client's default for a
@@ -436,43 +392,45 @@ class AiohttpEngine(Engine):
                 body = io.BytesIO(body)  # written in pieces (aiohttp warns about one large write)
         elif request.content_length is not None and not request.headers.get(h.TRANSFER_ENCODING):
             out[h.CONTENT_LENGTH] = str(request.content_length)
-        return await self._exchange(request, target, decision, out, body, t0)
+        return await self._exchange(request, target, adm, decision, out, body, t0)
 
-    async def _transform(self, decision: Decision, chunks: list[bytes], size: int) -> Decision:
-        """The router's complete decision (with the body to forward), after its body work (a
-        large body) ran on a worker thread, and after the session the body names was loaded
-        from the shared store."""
-        router = self.router
-        step: Any = partial(router.transform_body, decision, chunks[0] if len(chunks) == 1 else chunks, size)
+    async def _settle(self, adm: Admission) -> None:
+        """Bring the admission what it needs (a session loaded from the shared store, body work
+        run on a worker thread) until it needs the body, decided or refused."""
         while True:
-            try:
-                result = step()
-            except LoadNeeded as need:  # the body names a session this replica does not hold
-                assert need.resume is not None
-                await router.state.load(need.identity)
-                result = need.resume()
-            if not isinstance(result, BodyWork):
-                return result
-            try:
-                done = await asyncio.get_running_loop().run_in_executor(self._body_pool, result.run)
-            except asyncio.CancelledError:  # the client left
-                result.abandon(TurnOutcome.CLIENT_ABORTED)
-                raise
-            except Exception:
-                result.abandon(TurnOutcome.UPSTREAM_FAILED)
-                raise
-            step = partial(result.resume, done)
+            if adm.need == LOAD:
+                assert adm.identity is not None
+                await self.router.state.load(adm.identity)
+                adm.loaded()
+            elif adm.need == WORK:
+                assert adm.work is not None
+                adm.worked(await asyncio.get_running_loop().run_in_executor(self._body_pool, adm.work))
+            else:
+                return
+
+    def _too_large(self, adm: Admission) -> web.Response:
+        """A body above the admission's limit (of a body the sidecar parses while it needs it)."""
+        adm.finish(TurnOutcome.UPSTREAM_FAILED)
+        dep = adm.deployment
+        err = errors.request_too_large(dep.name, adm.limit, adm.need == BODY)
+        return self._error(err, dep.name, dep.mode_name, "body_too_large")
+
+    def _refused(self, adm: Admission) -> web.Response:
+        """Answer what the router refused (a defect: 500)."""
+        assert adm.error is not None
+        dep = adm.deployment
+        return self._error(adm.error, dep.name, dep.mode_name, adm.reason)
 
     async def _exchange(
         self,
         request: web.BaseRequest,
         target: str,
+        adm: Admission,
         decision: Decision,
         out: CIMultiDict[str],
         body: bytes | io.BytesIO | AsyncIterator[bytes] | None,
         t0: float,
     ) -> web.StreamResponse:
-        router = self.router
         dep = decision.deployment
         up = decision.upstream
         m = self.metrics
@@ -497,10 +455,7 @@ class AiohttpEngine(Engine):
                     server_hostname=up.server_hostname,
                 )
         except _TooLarge:
-            router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-            return self._error(
-                errors.request_too_large(dep.name, dep.limits.max_body_bytes), dep.name, dep.mode_name, "body_too_large"
-            )
+            return self._too_large(adm)
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             connecting = isinstance(exc, aiohttp.ConnectionTimeoutError)
             reason = (
@@ -510,71 +465,43 @@ class AiohttpEngine(Engine):
                 if isinstance(exc, aiohttp.SocketTimeoutError)
                 else f"no response within {t.first_byte:g} s"
             )
-            return self._upstream_failed(
-                decision, "timeout", errors.upstream_timeout(dep.name, up.index), reason, connecting=connecting
-            )
+            return self._upstream_failed(adm, "timeout", reason, connecting=connecting)
         except aiohttp.ClientConnectorError as exc:
-            router.upstream_unreachable(decision)
-            reason = failure_reason(exc.os_error)
-            return self._upstream_failed(
-                decision, "connect", errors.upstream_unreachable(dep.name, up.index, reason), reason, connecting=True
-            )
+            return self._upstream_failed(adm, "connect", failure_reason(exc.os_error), connecting=True)
         except aiohttp.ClientError as exc:
             if _caused_by(exc, _TooLarge):  # raised in the body iterator, wrapped by the client
-                router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-                return self._error(
-                    errors.request_too_large(dep.name, decision.max_body_bytes),
-                    dep.name,
-                    dep.mode_name,
-                    "body_too_large",
-                )
+                return self._too_large(adm)
             if isinstance(exc.__cause__, ssl.SSLError):
                 # The upstream refused the TLS session before answering (a TLS 1.3 server checks
                 # the client's certificate after the client's side of the handshake): the request
                 # never reached the application, like a refused connect.
-                router.upstream_unreachable(decision)
-                reason = failure_reason(exc.__cause__)
-                return self._upstream_failed(
-                    decision,
-                    "connect",
-                    errors.upstream_unreachable(dep.name, up.index, reason),
-                    reason,
-                    connecting=True,
-                )
+                return self._upstream_failed(adm, "connect", failure_reason(exc.__cause__), connecting=True)
             reason = _client_error_reason(exc)
-            return self._upstream_failed(
-                decision, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
-            )
+            return self._upstream_failed(adm, "protocol", reason)
         except asyncio.CancelledError:
-            router.finish(decision, TurnOutcome.CLIENT_ABORTED)
+            adm.finish(TurnOutcome.CLIENT_ABORTED)
             raise
         if upstream.status == 101:
             # The sidecar never asks for a protocol switch: this upstream is broken.
             upstream.close()
             reason = "the response switches protocols"
-            return self._upstream_failed(
-                decision, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
-            )
-        codings = upstream.headers.getall(h.TRANSFER_ENCODING, ())
-        if codings and not _lone_chunked(codings) and request.method != "HEAD" and upstream.status not in (204, 304):
+            return self._upstream_failed(adm, "protocol", reason)
+        codings = _raw(upstream.headers.getall(h.TRANSFER_ENCODING, []))
+        if codings and not lone_chunked(codings) and request.method != "HEAD" and upstream.status not in (204, 304):
             # aiohttp undoes only the chunked framing: another coding's bytes would reach the
             # client unlabelled.
             upstream.close()
             reason = f"invalid response: {UNSUPPORTED_CODING}"
-            return self._upstream_failed(
-                decision, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
-            )
+            return self._upstream_failed(adm, "protocol", reason)
         head_size = sum(len(k) + len(v) + 4 for k, v in upstream.raw_headers)
         if head_size > dep.limits.max_header_bytes:
             upstream.close()
             reason = f"response head larger than {dep.limits.max_header_bytes} bytes"
-            return self._upstream_failed(
-                decision, "protocol", errors.upstream_protocol_error(dep.name, up.index, reason), reason
-            )
+            return self._upstream_failed(adm, "protocol", reason)
         if not self.health.settled:
             self.health.answered(dep, up)
         m.ttfb_hist(dep.name, dep.mode_name).observe(time.perf_counter() - t0)
-        router.on_response(decision, upstream.status, upstream.headers)
+        adm.on_response(upstream.status, upstream.headers)
         try:
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             _copy_response_headers(upstream, resp)
@@ -591,25 +518,25 @@ class AiohttpEngine(Engine):
             # Only for a request chained by previous_response_id (opt-in): the body's first
             # bytes (aiohttp has taken its chunked framing off) until they named its id.
             first = (
-                decision.reads_response_id
+                adm.reads_response_id
                 and request.method != "HEAD"
-                and router.reads_response(decision, upstream.status, upstream.headers)
+                and adm.reads_response(upstream.status, upstream.headers)
             )
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():
                 if first:
-                    first = not router.response_start(decision, chunk, False)
+                    first = not adm.response_start(chunk, False)
                 await resp.write(chunk)
             if closed is not None and (lost := _lost(closed)) is not None:
                 raise lost
             await resp.write_eof()
         except asyncio.CancelledError:
             upstream.close()
-            router.finish(decision, TurnOutcome.CLIENT_ABORTED)
+            adm.finish(TurnOutcome.CLIENT_ABORTED)
             raise
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             upstream.close()
-            router.finish(decision, TurnOutcome.CLIENT_ABORTED)
+            adm.finish(TurnOutcome.CLIENT_ABORTED)
             raise
         except (TimeoutError, aiohttp.ClientError) as exc:
             # Mid-stream upstream failure: the status line is gone, so the only honest signal left
@@ -618,7 +545,7 @@ class AiohttpEngine(Engine):
             timeout = isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError))
             kind = "timeout" if timeout else "reset"
             m.upstream_error(dep.name, kind).inc()
-            router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
+            adm.finish(TurnOutcome.UPSTREAM_FAILED)
             self.upstream_failure(
                 dep,
                 up,
@@ -631,22 +558,25 @@ class AiohttpEngine(Engine):
         upstream.release()
         m.request_counter(dep.name, dep.mode_name, f"{upstream.status // 100}xx").inc()
         m.duration_hist(dep.name, dep.mode_name).observe(time.perf_counter() - t0)
-        router.finish(decision, TurnOutcome.COMPLETED if upstream.status < 500 else TurnOutcome.UPSTREAM_FAILED)
+        adm.finish(TurnOutcome.COMPLETED if upstream.status < 500 else TurnOutcome.UPSTREAM_FAILED)
         return resp
 
-    def _upstream_failed(
-        self, decision: Decision, kind: str, exc: errors.ProxyError, reason: str, *, connecting: bool = False
-    ) -> web.Response:
-        dep = decision.deployment
-        self.upstream_failure(dep, decision.upstream, kind, reason, connecting=connecting)
+    def _upstream_failed(self, adm: Admission, kind: str, reason: str, *, connecting: bool = False) -> web.Response:
+        """The upstream failed before the response began (as the fast engine's ``_upstream_failed``)."""
+        decision = adm.decision
+        assert decision is not None
+        dep, up = decision.deployment, decision.upstream
+        self.upstream_failure(dep, up, kind, reason, connecting=connecting)
+        if kind == "connect":
+            adm.upstream_unreachable()  # nothing was sent: fail the tree over
         self.metrics.upstream_error(dep.name, kind).inc()
-        self.router.finish(decision, TurnOutcome.UPSTREAM_FAILED)
-        return self._error(exc, dep.name, dep.mode_name)
+        adm.finish(TurnOutcome.UPSTREAM_FAILED)
+        return self._error(errors.upstream_failed(kind, dep.name, up.index, reason), dep.name, dep.mode_name)
 
 
-def _lone_chunked(codings: list[str]) -> bool:
-    """Whether the Transfer-Encoding field values are ``chunked`` alone, the one coding relayed."""
-    return len(codings) == 1 and codings[0].strip().lower() == "chunked"
+def _raw(values: list[str]) -> list[bytes]:
+    """Header values as their bytes (aiohttp decodes them with surrogateescape)."""
+    return [v.encode("utf-8", "surrogateescape") for v in values]
 
 
 def _close_of(upstream: aiohttp.ClientResponse, method: str) -> asyncio.Future[None] | None:
@@ -657,10 +587,10 @@ def _close_of(upstream: aiohttp.ClientResponse, method: str) -> asyncio.Future[N
     if method == "HEAD" or upstream.status in (204, 304) or upstream.status < 200:
         return None
     headers = upstream.headers
-    codings = headers.getall(h.TRANSFER_ENCODING, ())
+    codings = _raw(headers.getall(h.TRANSFER_ENCODING, []))
     if not codings and h.CONTENT_LENGTH in headers:
         return None
-    if codings and _lone_chunked(codings):  # (any other coding was refused before the body)
+    if codings and lone_chunked(codings):  # (any other coding was refused before the body)
         return None
     connection = upstream.connection
     protocol = connection.protocol if connection is not None else None
@@ -709,10 +639,6 @@ def _caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-def _too_large(dep: str, limit: int, parsed: bool = False) -> errors.ProxyError:
-    return errors.request_too_large(dep, limit, parsed)
 
 
 def _forward_headers(decision: Decision, request: web.BaseRequest) -> CIMultiDict[str]:

@@ -1,40 +1,26 @@
 """The engine interface: request head and body in, routing decision out.
 
-An engine owns the proxy listener and the upstream connection pool. Per request it must:
+An engine owns the proxy listener and the upstream connection pool. Per request it:
 
-1. build a :class:`~sidecar.router.RequestHead` (its ``headers`` map every lower-case header
-   name to its first value) and call ``router.route``; a raised
-   :class:`~sidecar.errors.ProxyError` is answered as JSON (``exc.status``, ``exc.body()``) and
-   counted in ``rejected`` with ``exc.type`` as the reason;
-2. refuse a body above ``decision.max_body_bytes`` with 413 (declared length up front, streamed
-   bytes as they arrive);
-3. if ``decision.needs_body`` (a provisional decision: only ``max_body_bytes`` is final, and
-   ``deployment`` labels errors): buffer the whole body (empty if none; ``route`` sets it only
-   for requests that may carry one: a method other than GET/HEAD, or Content-Length > 0, or
-   Transfer-Encoding) and call ``router.transform_body(decision, body, size)`` (``body``: the
-   bytes, or the list of chunks they arrived in, which the router joins off the loop when the
-   body is large; ``size``: their length). It returns the complete decision, which replaces
-   the provisional one: forward its ``body`` with a fresh Content-Length (it is where the
-   deployment is chosen by the body's model and the request admitted, so the upstream head of
-   such a request is built only after it). It raises :class:`~sidecar.errors.ProxyError` to
-   answer like in 1. For a large body it returns :class:`~sidecar.router.BodyWork` instead: run
-   ``work.run`` on the engine's :func:`~sidecar.router.body_pool` and hand its result to
-   ``work.resume`` on the event loop, until a decision comes back; call ``work.abandon(outcome)``
-   instead when ``run`` raised (a defect: answer 500 ``internal_error``) or the client left;
-4. build the upstream head: the client's headers minus hop-by-hop ones (and those named in
-   ``Connection``) and ``decision.drop``, then ``decision.add`` and ``X-Forwarded-For`` /
-   ``X-Forwarded-Proto``; send it to ``decision.upstream``, streaming the body when it was not
-   buffered;
-5. if connecting to ``decision.upstream`` fails, call ``router.upstream_unreachable(decision)``
-   before answering 502 (the balancer then fails the tree over); report every upstream failure
-   (connect, TLS, timeout, reset, invalid response) with :meth:`Engine.upstream_failure`;
-6. when the upstream's response head arrives, call
-   ``router.on_response(decision, status, headers)`` (``headers``: lower-case name lookup) before
-   relaying it: it records which worker served the turn and lets the mode observe the response;
-7. relay the response chunk by chunk, and call ``router.finish`` exactly once for the decision
-   it holds (the provisional one while ``transform_body`` has not returned), after the last
-   byte reached the client, the upstream failed, or the client left. A router call that raised
-   returned no decision: what it had admitted, it released itself.
+1. builds a :class:`~sidecar.router.RequestHead` (``headers``: every lower-case header name to
+   its first value), calls ``router.admit`` and does what the :class:`~sidecar.router.Admission`
+   needs until it is READY or REFUSED: LOAD, await ``router.state.load(adm.identity)`` and call
+   ``adm.loaded()``; BODY, buffer the whole body and call ``adm.body(data, size)``; WORK, run
+   ``adm.work`` on the engine's :func:`~sidecar.router.body_pool` and call ``adm.worked(result)``.
+   REFUSED: answer ``adm.error`` as JSON, counted in ``rejected`` for ``adm.reason``;
+2. refuses a body above ``adm.limit`` with 413 (declared length up front, streamed bytes as they
+   arrive);
+3. forwards what ``adm.decision`` says: to ``decision.upstream``, the client's headers minus
+   hop-by-hop ones (and those ``Connection`` names) and ``decision.drop``, then ``decision.add``,
+   ``X-Forwarded-For`` and ``X-Forwarded-Proto``; ``decision.body`` with a fresh Content-Length
+   when the router read the body, else the client's body as it streams;
+4. reports the upstream: ``adm.upstream_unreachable()`` when connecting failed (before answering
+   502: the tree fails over) and :meth:`Engine.upstream_failure` for every failure;
+   ``adm.on_response(status, headers)`` when the response head arrives, before relaying it; the
+   body's first reads to ``adm.response_start`` when ``adm.reads_response`` asked for them;
+5. calls ``adm.finish(outcome)`` once the request is over (its last byte reached the client, the
+   upstream failed, the client left), whatever the admission was waiting for: the admission
+   counts the first call only and ignores any feed after it.
 """
 
 from __future__ import annotations

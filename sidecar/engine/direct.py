@@ -28,27 +28,6 @@ pure-Python build both names are None and everything goes through the transports
 
 from __future__ import annotations
 
-from typing import Protocol
-
-
-class Writer(Protocol):
-    """What the connections write through (a :class:`DirectSocket`): ``fd`` is its socket."""
-
-    @property
-    def fd(self) -> int: ...
-
-    def write(self, data: bytes) -> None: ...
-
-    def has_input(self) -> bool:
-        """Whether bytes, a close or an error wait to be read (peeked: nothing is taken)."""
-
-    def writev(self, parts: list[bytes]) -> None:
-        """``write(b"".join(parts))``, gathered by one ``sendmsg`` instead of joined."""
-
-    def send_buffer(self, buf: bytes, n: int) -> None:
-        """``write(buf[:n])`` where ``buf`` is a C buffer (compiled build: C callers only)."""
-
-
 try:
     from sidecar.engine._direct_reads import DirectReads
     from sidecar.engine._direct_socket import DirectSocket

@@ -18,7 +18,7 @@ One request, from bytes in to bytes out, through the modules of this engine:
   :mod:`sidecar.engine.idle_poll` (opt-in polling instead of sleeping under load).
 
 This module is the engine itself: the listener, the pools (one per upstream address and TLS
-context), the state every connection shares (:class:`~sidecar.engine.fast_exchange.Shared`),
+context), the state every connection shares (:class:`~sidecar.engine.fast_exchange.EngineState`),
 drain and close, and diagnostics. Per request there is no task, no future and no timer.
 
 Framing the engine refuses with ``400 bad_request`` and a close (never forwarded): anything
@@ -45,7 +45,7 @@ from sidecar.compiled import is_compiled
 from sidecar.engine.base import Engine
 from sidecar.engine.direct import DirectReads
 from sidecar.engine.fast_connection import ClientConnection
-from sidecar.engine.fast_exchange import Shared
+from sidecar.engine.fast_exchange import EngineState
 from sidecar.engine.fast_upstream import UpstreamPool
 from sidecar.engine.idle_poll import IdlePoller, cpu_quota
 from sidecar.router import body_pool
@@ -75,10 +75,10 @@ class FastEngine(Engine):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.clients: set[ClientConnection] = set()
-        self.shared = Shared(self, self.router, self.metrics.in_flight.labels(), self.health)
+        self.shared = EngineState(self, self.router, self.metrics.in_flight.labels(), self.health)
         self._pools: list[UpstreamPool] = []
         self.direct: Any = None  # sidecar.engine.direct.DirectReads, once started (compiled build)
-        self.body_pool = body_pool()  # the router's BodyWork (large bodies)
+        self.body_pool = body_pool()  # an admission's body work (large bodies)
 
     async def start(self) -> None:
         self.loop = loop = asyncio.get_running_loop()

@@ -6,12 +6,12 @@
 :meth:`~ClientConnection.on_message_complete` in stream order. Each head becomes an
 :class:`~sidecar.engine.fast_exchange.Exchange`, queued in arrival order; only the head of the
 queue is started (routed and forwarded), so pipelined requests are answered in order (reading
-pauses while a later request waits). An exchange ends by calling :meth:`finish_exchange`
+pauses while a later request waits). An exchange ends by calling :meth:`retired`
 exactly once, which serves the next request or closes the connection.
 
 Bytes for the client gather in ``output`` (:class:`~sidecar.engine.relay.ClientOutput`) and
 leave in one write per event. One watchdog timer per connection enforces the keep-alive, head,
-first-byte and idle timeouts (:meth:`_watch`). Backpressure (:mod:`sidecar.engine.flow`): the
+first-byte and idle timeouts (:meth:`_watchdog`). Backpressure (:mod:`sidecar.engine.flow`): the
 client's write buffer above its high-water mark pauses reading the upstream connection of the
 exchange at the head of the queue, and the reverse.
 """
@@ -28,12 +28,13 @@ from typing import Any, cast
 from sidecar import errors
 from sidecar.engine import wire
 from sidecar.engine.direct import DirectSocket
-from sidecar.engine.fast_exchange import ClientSide, Exchange, Shared, new_exchange
+from sidecar.engine.fast_exchange import ClientBase, EngineState, Exchange, new_exchange
 from sidecar.engine.flow import PIPELINED, STOPPED, ReadFlow
-from sidecar.engine.head import HOST_INVALID, HOST_REPEATED, HOST_SEEN, LISTED, dot_segment, name_table, scan_request
+from sidecar.engine.head import LISTED, name_table, scan_request
 from sidecar.engine.parsers import CallbackError, HeadTooLarge, Http09Request, ParseError, RequestParser, UpgradeRequest
-from sidecar.engine.phases import ABORT, CLOSE, DONE, QUEUED
+from sidecar.engine.phases import ABORT, ANSWERING, CLOSE, CLOSED, DONE, QUEUED, READING
 from sidecar.engine.relay import ClientOutput
+from sidecar.engine.request_rules import plain, version_refusal
 
 log = logging.getLogger("sidecar.engine")
 
@@ -52,48 +53,58 @@ MAX_PIPELINED = 128
 _MAX_PIPELINED = MAX_PIPELINED  # (the typed copy on_head reads; tests read the public name)
 
 _INF = float("inf")
-_HOST_FACTS = HOST_SEEN | HOST_REPEATED | HOST_INVALID
 # Request headers whose presence takes the head checks and the forwarding off the fast path.
-_SPECIAL = name_table(
+_SLOW_HEADERS = name_table(
     frozenset({wire.CONNECTION, wire.TRANSFER_ENCODING, wire.EXPECT, wire.UPGRADE, wire.XFF, wire.XFP})
 )
 
 
-class ClientConnection(ClientSide):
+class ClientConnection(ClientBase):
     """One client connection: parses requests, answers them in order (an asyncio protocol by
     duck typing: compiled, it is an extension type, which cannot derive from ``asyncio.Protocol``)."""
 
     __slots__ = (
+        # connection (the base's: engine state, loop, output, flow, peer, write_paused)
         "clients",
-        "parser",
         "transport",
-        "queue",
-        "cur",
+        "lifecycle",
+        # request heads and bodies as they are parsed
+        "parser",
         "max_head",
-        "stopped",
-        "closing",
-        "advancing",
-        "idle_since",
-        "timer",
+        "parsing",
         "head_since",
         "head_timeout",
+        # the queue of requests, answered in order
+        "queue",
+        "advancing",
+        "idle_since",
+        # the watchdog (the base's timer_due: when it fires next)
+        "timer",
     )
 
     def __init__(
-        self, shared: Shared, loop: asyncio.AbstractEventLoop, clients: set[Any], max_head: int, head_timeout: float
+        self,
+        shared: EngineState,
+        loop: asyncio.AbstractEventLoop,
+        clients: set[Any],
+        max_head: int,
+        head_timeout: float,
     ) -> None:
         super().__init__(shared, loop)
+        # -- connection (transport: set by connection_made)
         self.clients = clients  # the engine's open connections: in it from connection_made to connection_lost
-        self.max_head = max_head
+        self.lifecycle = READING  # (sidecar.engine.phases)
+        # -- request heads and bodies as they are parsed
         self.parser = RequestParser(self, max_head)
-        self.queue: deque[Exchange] = deque()
-        self.cur: Exchange | None = None  # the queued request whose body is being parsed
-        self.stopped = False
-        self.closing = False
-        self.advancing = False
-        self.timer: asyncio.TimerHandle | None = None  # the watchdog (see _watch)
+        self.max_head = max_head
+        self.parsing: Exchange | None = None  # the queued request whose body is being parsed
         self.head_since = 0.0  # when the head in progress began (0: none)
         self.head_timeout = head_timeout
+        # -- the queue (idle_since: set by connection_made, then whenever it empties)
+        self.queue: deque[Exchange] = deque()
+        self.advancing = False  # advance() is running (it is entered again from the exchanges it drives)
+        # -- the watchdog
+        self.timer: asyncio.TimerHandle | None = None  # (see _watchdog)
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -107,11 +118,11 @@ class ClientConnection(ClientSide):
         self.xff_xfp = wire.XFF_LINE + self.peer + b"\r\n" + wire.XFP_LINE
         self.clients.add(self)
         self.idle_since = now = perf_counter()
-        self.watch(now + KEEPALIVE_TIMEOUT, now)
+        self.arm_watchdog(now + KEEPALIVE_TIMEOUT, now)
 
     def data_received(self, data: bytes) -> None:
         self.shared.poller.note()
-        if self.stopped:
+        if self.lifecycle != READING:
             return
         try:
             self.parser.feed_data(data)
@@ -120,18 +131,18 @@ class ClientConnection(ClientSide):
         except HeadTooLarge:
             self._refuse(errors.headers_too_large(self.max_head), "headers_too_large")
         except Http09Request:
-            self._refuse(errors.unsupported_version(0, 9), "bad_request")
+            self._refuse(*version_refusal(9))
         except ParseError as exc:
             if isinstance(exc, CallbackError):
                 log.error("request parser callback failed", exc_info=exc.__cause__)
             self._refuse(errors.bad_request(f"malformed request: {exc}"), "bad_request")
-        if self.parser.in_head:  # a head is in progress: it must complete in time (see _watch)
+        if self.parser.in_head:  # a head is in progress: it must complete in time (see _watchdog)
             if not self.head_since:
                 now = perf_counter()
                 self.head_since = now
                 due = now + self.head_timeout
                 if due < self.timer_due:
-                    self.watch(due, now)
+                    self.arm_watchdog(due, now)
         elif self.head_since:
             self.head_since = 0.0
         if self.queue:
@@ -176,29 +187,18 @@ class ClientConnection(ClientSide):
         keep_alive: bool,
         length: int,
     ) -> None:
-        if self.stopped:  # after a refused request, in the same read: never served, never kept
-            self.cur = None
+        if self.lifecycle != READING:  # after a refused request, in the same read: never served, never kept
+            self.parsing = None
             return
         ex = new_exchange(self, raw, first, end, method, target, keep_alive, length)
-        facts = scan_request(raw, first, end, _SPECIAL)
-        ex.special = special = facts & LISTED != 0
-        # Without a Connection header (``special`` covers it), llhttp keeps a request alive only
-        # for HTTP/1.1 (major and minor both > 0; it rejects versions other than 0.9, 1.0, 1.1
-        # and 2.0): the common case (one valid Host, origin-form) needs no further check.
-        if (
-            not keep_alive
-            or special
-            or facts & _HOST_FACTS != HOST_SEEN
-            or not target
-            or target[0] != 47  # not "/..."
-            or method == b"CONNECT"
-            or dot_segment(target)
-        ):
-            ex.check_head(version, facts)
+        head_bits = scan_request(raw, first, end, _SLOW_HEADERS)
+        ex.slow_headers = head_bits & LISTED != 0
+        if not plain(keep_alive, head_bits, method, target):  # (the request-head rules: rarely)
+            ex.check_head(version, head_bits)
         queue = self.queue
         waits = bool(queue)  # an earlier request is still in progress
         queue.append(ex)
-        self.cur = ex
+        self.parsing = ex
         if ex.error is None and len(queue) > _MAX_PIPELINED:
             ex.error = (errors.bad_request(f"more than {MAX_PIPELINED} pipelined requests"), "bad_request")
         if ex.error is not None:
@@ -207,28 +207,28 @@ class ClientConnection(ClientSide):
             self.pause(PIPELINED)
 
     def on_body(self, body: bytes) -> None:
-        ex = self.cur
-        if ex is not None and ex.state != DONE:  # (an answered or dropped request's body: dropped)
+        ex = self.parsing
+        if ex is not None and ex.phase != DONE:  # (an answered or dropped request's body: dropped)
             ex.body.append(body)
             ex.body_size += len(body)
 
     def on_message_complete(self) -> None:
-        ex = self.cur
+        ex = self.parsing
         if ex is not None:
             ex.complete = True
-            self.cur = None
+            self.parsing = None
 
     # -- the request queue ----------------------------------------------------------------
 
     def advance(self) -> None:
         """Start the oldest request if it is not started, move its body along, write output."""
-        if not self.advancing and not self.closing:
+        if not self.advancing and self.lifecycle != CLOSED:
             self.advancing = True
             queue = self.queue
             try:
                 while queue:
                     ex = queue[0]
-                    if ex.state != QUEUED:
+                    if ex.phase != QUEUED:
                         ex.pump()
                         break
                     try:
@@ -244,12 +244,12 @@ class ClientConnection(ClientSide):
                 self.flow.resume(PIPELINED)
         self.output.flush()
 
-    def finish_exchange(self, ex: Exchange, close: int) -> None:
+    def retired(self, ex: Exchange, close: int) -> None:
         queue = self.queue
         if queue and queue[0] is ex:
             queue.popleft()
         self.shared.request_done()
-        if self.closing:  # gone or going: nothing more to serve
+        if self.lifecycle == CLOSED:  # gone or going: nothing more to serve
             return
         if close == ABORT:
             self.abort()
@@ -265,10 +265,10 @@ class ClientConnection(ClientSide):
 
     def close(self) -> None:
         """Close after what was written; linger when unread request bytes may still arrive."""
-        if self.closing:
+        if self.lifecycle == CLOSED:
             return
         self.output.flush()
-        lingers = self.cur is not None or self.stopped
+        lingers = self.parsing is not None or self.lifecycle == ANSWERING
         self._closed()
         self.queue.clear()  # pipelined requests never started: the client retries them elsewhere
         transport = self.transport
@@ -301,25 +301,24 @@ class ClientConnection(ClientSide):
 
     def _closed(self) -> None:
         """From here on nothing is read, written or timed on this connection."""
-        self.closing = True
-        self.stopped = True
+        self.lifecycle = CLOSED
         self.output.closed = True
         self._disarm()
 
     def _stop(self) -> None:
-        self.stopped = True
+        self.lifecycle = ANSWERING
         self.flow.pause(STOPPED)
 
     def _refuse(self, exc: errors.ProxyError, reason: str) -> None:
         """The request stream is unusable from here: answer the offending request, read no more."""
         self._stop()
-        ex = self.cur
-        self.cur = None
+        ex = self.parsing
+        self.parsing = None
         if ex is None:
             ex = new_exchange(self, b"", 0, 0, b"", b"", False, -1)
             ex.error = (exc, reason)
             self.queue.append(ex)
-        elif ex.state == QUEUED:
+        elif ex.phase == QUEUED:
             ex.error = (exc, reason)  # its head was fine, its body was not: never forward it
         else:
             ex.refused(exc, reason)
@@ -336,7 +335,7 @@ class ClientConnection(ClientSide):
         self.flow.pause(reason)
         now = perf_counter()
         if self.timer_due > now + PEER_CHECK:
-            self.watch(self.timer_due, now)  # (capped while paused: see watch)
+            self.arm_watchdog(self.timer_due, now)  # (capped while paused: see watch)
 
     def _peer_closed(self) -> bool:
         """The client closed or reset its side: what a transport whose reading is paused does
@@ -349,7 +348,7 @@ class ClientConnection(ClientSide):
         except (AttributeError, OSError, ValueError):
             return False
 
-    def watch(self, due: float, now: float) -> None:
+    def arm_watchdog(self, due: float, now: float) -> None:
         """Fire the watchdog at ``due`` (capped at one keep-alive period from ``now``, and at
         :data:`PEER_CHECK` while reading is paused: the watchdog then looks for the client's close)."""
         timer = self.timer
@@ -360,7 +359,7 @@ class ClientConnection(ClientSide):
         if due > cap:
             due = cap
         self.timer_due = due
-        self.timer = self.loop.call_later(due - now if due > now else 0.0, self._watch)
+        self.timer = self.loop.call_later(due - now if due > now else 0.0, self._watchdog)
 
     def _disarm(self) -> None:
         timer = self.timer
@@ -369,10 +368,10 @@ class ClientConnection(ClientSide):
             self.timer = None
         self.timer_due = _INF
 
-    def _watch(self) -> None:
+    def _watchdog(self) -> None:
         self.timer = None
         self.timer_due = _INF
-        if self.closing:
+        if self.lifecycle == CLOSED:
             return
         if self.flow.reasons & ~STOPPED and self._peer_closed():
             self.transport.abort()  # as a read of the close would: its requests are abandoned
@@ -395,17 +394,17 @@ class ClientConnection(ClientSide):
             due = self.idle_since + KEEPALIVE_TIMEOUT
             if head_since and head_since + self.head_timeout < due:
                 due = head_since + self.head_timeout
-            self.watch(due, now)
+            self.arm_watchdog(due, now)
             return
         ex = queue[0]
         if ex.deadline(now) <= now:
             ex.timed_out(now)
             self.output.flush()
-            if self.closing or self.timer is not None:
+            if self.lifecycle == CLOSED or self.timer is not None:
                 return
             now = perf_counter()
             if not queue:
-                self.watch(self.idle_since + KEEPALIVE_TIMEOUT, now)
+                self.arm_watchdog(self.idle_since + KEEPALIVE_TIMEOUT, now)
                 return
             ex = queue[0]
-        self.watch(ex.deadline(now), now)
+        self.arm_watchdog(ex.deadline(now), now)

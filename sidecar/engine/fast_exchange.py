@@ -6,9 +6,9 @@ request head, queues it, and calls :meth:`Exchange.start` when it reaches the he
 parsed, :meth:`Exchange.timed_out` from its watchdog, :meth:`Exchange.client_gone` when the
 client left. The exchange then:
 
-1. asks the router for a :class:`~sidecar.router.Decision` (``_route``; ``_load`` first when the
-   session must come from the shared store), reads the body first when the mode needs it
-   (``_send_transformed``);
+1. asks the router for its :class:`~sidecar.router.Admission` and does what it needs, in one
+   loop (:meth:`Exchange._next`, entered again when a store load or body work it waited for
+   is done, :meth:`Exchange._waited`): the body read first when the mode needs it;
 2. builds the upstream request head (``_forward``): the client's header lines copied as received
    minus hop-by-hop / ``Connection``-named / ``decision.drop`` / Host / Expect / framing ones,
    then Host, X-Forwarded-For, X-Forwarded-Proto, ``decision.add`` and the framing the parser
@@ -20,16 +20,17 @@ client left. The exchange then:
    ``Connection``-named ones (:mod:`sidecar.engine.head`), and a
    :class:`~sidecar.engine.relay.BodyRelay` that takes the body to the client, bytes unchanged
    (re-framed only when the upstream sent no length, or the client speaks HTTP/1.0);
-5. ends exactly once, through :meth:`Exchange._end`: answered (:meth:`Exchange.response_end`),
-   answered here with a JSON error (:meth:`Exchange.respond_error`), or cut off (the upstream
-   failed mid-response, the client left). ``_end`` releases the upstream connection and hands
-   the exchange back to its client connection (:meth:`ClientSide.finish_exchange`), which serves
-   the next request or closes.
+5. retires exactly once, through :meth:`Exchange._retire`, one of three ways: completed
+   (:meth:`Exchange.response_complete`: the last response byte went to the client), answered
+   here with a JSON error (:meth:`Exchange.respond_error`), or cut off (``_retire(ABORT)``: the
+   upstream failed mid-response, the client left). ``_retire`` releases the upstream connection
+   and hands the exchange back to its client connection (:meth:`ClientBase.retired`), which
+   serves the next request or closes. The router hears the end of the request once, in
+   :meth:`Exchange._finish_admission`.
 
-Every call into the router is in one small method: ``_route`` (route), ``_load``
-(state.load), ``_send_transformed`` / ``_body_ready`` (transform_body and its result),
-``head_sent`` (on_response), ``_finish_turn`` (finish, exactly once per routed request, after
-the last byte went to the client) and ``connect_failed`` (upstream_unreachable).
+Every call into the router goes through the admission: ``start`` (admit), ``_next`` and
+``_waited`` (what it needs), ``head_sent`` (on_response), ``connect_failed``
+(upstream_unreachable) and ``_finish_admission`` (finish, after the last byte went to the client).
 
 Per request there is no task, no future and no timer: everything runs from protocol callbacks,
 and the client connection's one watchdog timer enforces the timeouts (:meth:`Exchange.deadline`).
@@ -43,32 +44,26 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from functools import partial
 from time import perf_counter
 from typing import Any
 
 from sidecar import errors
 from sidecar.context import TurnOutcome
+from sidecar.deployments import Deployment
 from sidecar.engine.fast_upstream import FIRST_CHUNKED, FIRST_RAW, UpstreamConnection, UpstreamPool, UpstreamRequest
 from sidecar.engine.flow import PEER_FULL, WAITING
 from sidecar.engine.head import (
-    DOT_SEGMENT,
     HAS_CONTENT_LENGTH,
     HAS_TRANSFER_ENCODING,
-    HOST_INVALID,
-    HOST_REPEATED,
-    HOST_SEEN,
     NAMES_HEADERS,
     copy_block,
     cut,
     decimal,
-    dot_segment,
     first_value,
     has_header,
     header_map,
     header_values,
     name_table,
-    origin_form,
     reason_phrase,
     relay_block,
     token_set,
@@ -89,6 +84,7 @@ from sidecar.engine.phases import (
     TRANSFORMING,
 )
 from sidecar.engine.relay import CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW, LENGTH, BodyRelay
+from sidecar.engine.request_rules import check, lone_chunked
 from sidecar.engine.wire import (
     CHUNKED_LINE,
     CL_LINE,
@@ -115,8 +111,7 @@ from sidecar.engine.wire import (
     XFP_LINE,
     error_response,
 )
-from sidecar.router import BodyWork, Decision, RequestHead, Router
-from sidecar.state import LoadNeeded
+from sidecar.router import BODY, LOAD, READY, REFUSED, WORK, Admission, Decision, RequestHead, Router
 
 log = logging.getLogger("sidecar.engine")
 
@@ -147,7 +142,7 @@ def _add_name(name: str) -> tuple[str, bytes, bytes]:
     return entry
 
 
-class Shared:
+class EngineState:
     """What every connection of one engine reads or updates per request, in one typed object
     (compiled, a struct: the engine itself is a Python class, whose attributes cost a lookup each)."""
 
@@ -200,7 +195,7 @@ class Shared:
         return never
 
 
-class ClientSide:
+class ClientBase:
     """What an exchange may use of the client connection it belongs to
     (:class:`~sidecar.engine.fast_connection.ClientConnection` implements the methods).
 
@@ -210,7 +205,7 @@ class ClientSide:
 
     __slots__ = ("shared", "loop", "output", "flow", "peer", "xff_xfp", "write_paused", "timer_due")
 
-    def __init__(self, shared: Shared, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, shared: EngineState, loop: asyncio.AbstractEventLoop) -> None:
         self.shared = shared
         self.loop = loop
         self.peer = b""
@@ -218,13 +213,13 @@ class ClientSide:
         self.write_paused = False
         self.timer_due = _INF
 
-    def finish_exchange(self, ex: Exchange, close: int) -> None:
-        """``ex`` ended (called once per started exchange, by ``Exchange._end``): count it out,
+    def retired(self, ex: Exchange, close: int) -> None:
+        """``ex`` retired (called once per started exchange, by ``Exchange._retire``): count it out,
         then serve the next request (``KEEP``), close after what was written (``CLOSE``), or drop
         the connection now (``ABORT``: an incomplete response must stay incomplete)."""
         raise NotImplementedError
 
-    def watch(self, due: float, now: float) -> None:
+    def arm_watchdog(self, due: float, now: float) -> None:
         """Fire the watchdog at ``due`` (perf_counter time) at the latest."""
         raise NotImplementedError
 
@@ -243,37 +238,45 @@ class Exchange(UpstreamRequest):
     Made by :func:`new_exchange`."""
 
     __slots__ = (
+        # connection
         "client",
         "shared",
+        "phase",
+        # request head
         "method",
         "target",
         "raw",
-        "first",
-        "end",
-        "special",
+        "block_start",
+        "block_end",
+        "slow_headers",
         "http10",
         "keep_alive",
-        "length",
-        "chunked",
         "expect",
         "conn_tokens",
         "error",
+        # request body
+        "length",
+        "chunked",
         "body",
         "body_size",
         "complete",
-        "state",
-        "decision",
-        "t0",
         "limit",
-        "head",
-        "frame_chunked",
+        # routing
+        "admission",
+        "decision",
+        # upstream
         "conn",
-        "waiting",
+        "waiting_pool",
+        "upstream_head",
+        "frame_chunked",
+        # timing
+        "t0",
         "connect_timeout",
         "first_byte_timeout",
         "idle_timeout",
         "last_io",
         "seen_reads",
+        # response
         "resp_status",
         "resp_head",
         "head_at",
@@ -282,113 +285,87 @@ class Exchange(UpstreamRequest):
 
     def setup(
         self,
-        client: ClientSide,
+        client: ClientBase,
         raw: bytes,
-        first: int,
-        end: int,
+        block_start: int,
+        block_end: int,
         method: bytes,
         target: bytes,
         keep_alive: bool,
         length: int,
     ) -> None:
-        """Its fields, for the request whose head is ``raw[first:end]`` (``client``'s; called once,
-        by :func:`new_exchange`, which makes every exchange)."""
+        """Its fields, for the request whose header block is ``raw[block_start:block_end]``
+        (``client``'s; called once, by :func:`new_exchange`, which makes every exchange)."""
+        # -- connection: whose it is, and where it is (sidecar.engine.phases; DONE: retired)
         self.client = client
         self.shared = client.shared
+        self.phase = QUEUED
+        # -- request head: the header block (sidecar.engine.head) is read by the router through a
+        # HeaderBlock view and forwarded as slices of the lines it keeps
         self.method = method
         self.target = target
-        # The header block, raw[first:end] (sidecar.engine.head): read by the router through a
-        # HeaderBlock view, forwarded as slices of the lines it keeps.
         self.raw = raw
-        self.first = first
-        self.end = end
-        self.special = False  # a header that takes the slow head checks is present (see check_head)
+        self.block_start = block_start
+        self.block_end = block_end
+        self.slow_headers = False  # a header the fast path does not handle (see check_head, _forward)
         self.http10 = False
         self.keep_alive = keep_alive
+        self.expect = False  # Expect: 100-continue
+        self.conn_tokens: set[str] | frozenset[str] = frozenset()
+        self.error: tuple[errors.ProxyError, str] | None = None  # refused: answered here instead
+        # -- request body
         self.length = length  # declared Content-Length, -1 without
         self.chunked = False
-        self.expect = False
-        self.conn_tokens: set[str] | frozenset[str] = frozenset()
-        self.error: tuple[errors.ProxyError, str] | None = None  # answered locally instead
         self.body: list[bytes] = []  # parsed body bytes not yet forwarded
         self.body_size = 0
         self.complete = False  # the whole request was parsed
-        self.state = QUEUED
-        self.decision: Decision | None = None
-        self.t0 = 0.0
-        self.limit = 0
-        self.head: list[bytes] = []  # the upstream request's pieces while no connection is attached
-        self.frame_chunked = False
+        self.limit = 0  # the body bytes allowed (413 above)
+        # -- routing
+        self.admission: Admission | None = None
+        self.decision: Decision | None = None  # the admission's, once forwarded
+        # -- upstream
         self.conn: UpstreamConnection | None = None
-        self.waiting: UpstreamPool | None = None  # the pool it asked for a connection, until it got one
+        self.waiting_pool: UpstreamPool | None = None  # the pool it asked for a connection, until it got one
+        self.upstream_head: list[bytes] = []  # the upstream request's pieces while no connection is attached
+        self.frame_chunked = False  # the body goes upstream chunked
+        # -- timing (perf_counter times; the watchdog reads them through deadline)
+        self.t0 = 0.0  # started
         self.connect_timeout = 0.0
         self.first_byte_timeout = 0.0
         self.idle_timeout = 0.0
-        self.last_io = 0.0  # when the body a mode reads, or the response, last moved (see deadline)
+        self.last_io = 0.0  # when the body a mode reads, or the response, last moved
         self.seen_reads = 0  # the response relay's read count when the watchdog last looked
-        self.resp_status = 0  # set by the response head: the response has begun
-        # The parsed response head until the router heard of it (see head_sent).
-        self.resp_head: Mapping[str, str] | None = None
+        # -- response: it has begun once resp_status is set
+        self.resp_status = 0
+        self.resp_head: Mapping[str, str] | None = None  # parsed, until the router heard of it (head_sent)
         self.head_at = 0.0
-        self.close_after = False  # the response said the connection closes after it
+        self.close_after = False  # the response closes the connection after it
 
     # -- request head -------------------------------------------------------------------------
 
-    def check_head(self, version: int, facts: int) -> None:
-        """Framing and form checks llhttp leaves to the application (run at end of head), for
-        heads off the fast path (HTTP/1.0, framing or forwarding headers, Host issues, odd
-        targets). ``version`` is ``10 * major + minor``; ``facts`` are the head's
+    def check_head(self, version: int, head_bits: int) -> None:
+        """The request-head rules (:mod:`sidecar.engine.request_rules`) for a head off the fast
+        path, and what forwarding it needs to know of it (HTTP/1.0, Connection tokens, chunked,
+        Expect). ``version`` is ``10 * major + minor``; ``head_bits`` are the head's
         :func:`~sidecar.engine.head.scan_request` bits."""
-        raw, first, end = self.raw, self.first, self.end
+        raw, first, end = self.raw, self.block_start, self.block_end
         self.http10 = version == 10
-        if version != 11 and not self.http10:
-            self.error = (errors.unsupported_version(version // 10, version % 10), "bad_request")
-            return
-        # RFC 9112 3.2: one valid Host, required in HTTP/1.1.
-        if facts & HOST_REPEATED or facts & HOST_INVALID or not (facts & HOST_SEEN or self.http10):
-            problem = (
-                "more than one Host header"
-                if facts & HOST_REPEATED
-                else "invalid Host header (uri-host[:port] expected)"
-                if facts & HOST_INVALID
-                else "missing Host header (required in HTTP/1.1)"
-            )
-            self.error = (errors.bad_request(problem), "bad_request")
-            return
         connection = header_values(raw, first, end, CONNECTION_B, False)
         if connection:
             self.conn_tokens = token_set(connection)
-        te = header_values(raw, first, end, TRANSFER_ENCODING_B, False)
-        if te:
-            if self.http10 or not _lone_chunked(te):
-                self.error = (errors.unsupported_transfer_coding(), "bad_request")
-                return
-            self.chunked = True
-        if "upgrade" in self.conn_tokens and has_header(raw, first, end, UPGRADE_B):
-            self.error = (errors.upgrade_not_supported(), "upgrade")
-            return
-        if self.method != b"CONNECT" and not self.target.startswith(b"/"):
-            origin = origin_form(self.target)  # absolute-form: forwarded in origin-form
-            if origin is not None:
-                self.target = origin
-        if self.method == b"CONNECT" or not self.target.startswith(b"/"):
-            self.error = (
-                errors.bad_request("request target must be origin-form (/path) or absolute-form (http://host/path)"),
-                "bad_request",
-            )
-            return
-        if dot_segment(self.target):
-            self.error = (errors.bad_request(DOT_SEGMENT), "bad_request")
-            return
+        codings = header_values(raw, first, end, TRANSFER_ENCODING_B, False)
+        self.chunked = len(codings) > 0
+        upgrade = "upgrade" in self.conn_tokens and has_header(raw, first, end, UPGRADE_B)
+        self.target, self.error = check(version, head_bits, codings, upgrade, self.method, self.target)
         expect = first_value(raw, first, end, EXPECT_B)
         self.expect = expect is not None and expect.lower() == b"100-continue"
 
     # -- request path -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Route the request at the head of the queue; forward it unless answered here."""
+        """Admit the request at the head of the queue; forward it unless answered here."""
         shared = self.shared
-        self.state = BUFFERING
+        self.phase = BUFFERING
         shared.request_started()
         if self.error is not None:
             exc, reason = self.error
@@ -396,89 +373,105 @@ class Exchange(UpstreamRequest):
             self.respond_error(exc, d.name, d.mode_name, reason, close=True)
             return
         self.t0 = perf_counter()
-        self._route(False)
-
-    def _route(self, loaded: bool) -> None:
-        """Route the started request (``loaded``: its session was just loaded from the shared
-        store) and forward it, or answer it here."""
-        router = self.shared.router
         method = self.method
-        try:
-            decision = router.route(
-                RequestHead(
-                    METHODS[method] if method in METHODS else method.decode("latin-1"),
-                    header_map(self.raw, self.first, self.end),
-                ),
-                loaded,
+        self.admission = shared.router.admit(
+            RequestHead(
+                METHODS[method] if method in METHODS else method.decode("latin-1"),
+                header_map(self.raw, self.block_start, self.block_end),
             )
-        except errors.ProxyError as exc:
-            self.respond_error(exc, router.default.name, router.default.mode_name, exc.type)
+        )
+        self._next()
+
+    def _next(self) -> None:
+        """Do what the admission needs next: the one routing loop of this engine, entered again
+        when a load or body work it waited for is done."""
+        adm = self.admission
+        assert adm is not None
+        need = adm.need
+        decision = adm.decision
+        if need == READY and decision is not None and decision.body is not None:  # the body was read
+            body = decision.body
+            if body:
+                self.body.append(body)
+            self._forward(decision, len(body))
             return
-        except LoadNeeded as need:
-            self._load(need.identity)
+        if need == LOAD or need == WORK:
+            self._wait(need)
             return
-        self.decision = decision
-        self.limit = limit = decision.max_body_bytes
+        dep = adm.deployment
+        if need == REFUSED:
+            assert adm.error is not None
+            self.respond_error(adm.error, dep.name, dep.mode_name, adm.reason, close=adm.reason is None)
+            return
+        self.limit = limit = adm.limit
         if self.length > limit or self.body_size > limit:
-            dep = decision.deployment
-            self._finish_turn(_UPSTREAM_FAILED)
+            adm.finish(_UPSTREAM_FAILED)
             # A declared length whose body is already parsed leaves nothing to skip: keep the
             # connection. A chunked body over the limit, or one still arriving, ends it.
-            err = errors.request_too_large(dep.name, limit, decision.needs_body)
+            err = errors.request_too_large(dep.name, limit, need == BODY)
             self.respond_error(err, dep.name, dep.mode_name, "body_too_large", close=self.chunked or not self.complete)
             return
         if self.expect and not self.complete and not self.http10:
             self.client.output.parts.append(CONTINUE)
-        if decision.needs_body:
+        if need == BODY:
             if self.complete:
-                self._send_transformed()
+                self._whole_body()
             else:
-                self._await_body(decision)
+                self._await_body(dep)
             return
+        assert decision is not None
         self._forward(decision, -1)
 
-    def _load(self, identity: Any, resume: Any = None) -> None:
-        """Load the request's session from the shared store (a rare path: the first request of a
-        session this replica does not hold), then route again, or with ``resume`` continue the
-        admission of a body that named it. Body bytes keep arriving meanwhile (buffered as while
-        connecting)."""
-        self.state = LOADING
-        client = self.client
-        task = client.loop.create_task(self.shared.router.state.load(identity))
-        task.add_done_callback(partial(self._loaded, resume))
+    def _wait(self, need: int) -> None:
+        """Load the request's session from the shared store (LOAD: a rare path, the first request
+        of a session this replica does not hold), or run body work on a worker thread (WORK: a
+        large body); the admission goes on in :meth:`_waited`. Body bytes keep arriving meanwhile
+        (buffered as while connecting)."""
+        adm = self.admission
+        assert adm is not None
+        if need == LOAD:
+            self.phase = LOADING
+            assert adm.identity is not None
+            task = self.client.loop.create_task(self.shared.router.state.load(adm.identity))
+            task.add_done_callback(self._waited)
+        else:
+            self.phase = TRANSFORMING
+            engine = self.shared.engine
+            future = engine.loop.run_in_executor(engine.body_pool, adm.work)
+            future.add_done_callback(self._waited)
 
-    def _loaded(self, resume: Any, task: asyncio.Task[None]) -> None:
-        if self.state != LOADING:  # the client left meanwhile
+    def _waited(self, future: asyncio.Future[Any]) -> None:
+        phase = self.phase
+        if phase != LOADING and phase != TRANSFORMING:  # the client left meanwhile (its admission finished)
+            if not future.cancelled():
+                future.exception()  # retrieved: nothing left to report
             return
-        self.state = BUFFERING
+        self.phase = BUFFERING
         client = self.client
-        client.flow.resume(WAITING)  # routed now: reading goes on as the decision says
+        adm = self.admission
+        assert adm is not None
+        if phase == LOADING:
+            client.flow.resume(WAITING)  # routed now: reading goes on as the decision says
+            adm.loaded()
+        else:
+            adm.worked(None if future.cancelled() else future.result())
         try:
-            if resume is None:
-                self._route(True)
-            else:
-                self._body_ready(resume())
-        except LoadNeeded as need:  # (never twice: the router was told the store was asked)
-            self._body_failed(RuntimeError(f"session still not loaded: {need}"))
+            self._next()
         except Exception as exc:  # a bug must cost one request, not the connection
-            if resume is None:
-                log.error("request failed in the engine: %r", exc, exc_info=exc)
-                self.internal_error()
-            else:
-                self._body_failed(exc)
+            log.error("request failed in the engine: %r", exc, exc_info=exc)
+            self.internal_error()
         client.flush()
 
-    def _await_body(self, decision: Decision) -> None:
+    def _await_body(self, dep: Deployment) -> None:
         """The body a mode reads is still arriving: bound its arrival like a response's (the
         deployment's first-byte timeout for all of it, its idle timeout between reads)."""
-        dep = decision.deployment
         self.first_byte_timeout = dep.first_byte_timeout
         self.idle_timeout = dep.idle_timeout
         self.last_io = now = self.t0
         due = self.deadline(now)
         client = self.client
         if due < client.timer_due:
-            client.watch(due, now)
+            client.arm_watchdog(due, now)
 
     def _forward(self, decision: Decision, length: int) -> None:
         """Build the upstream request head and send it with the body parsed so far on a pooled
@@ -486,6 +479,7 @@ class Exchange(UpstreamRequest):
 
         Flattened (head building, metrics, connection pick and attach in one method): it runs
         once per forwarded request."""
+        self.decision = decision
         client = self.client
         shared = self.shared
         pool, base, version_host = shared.upstreams[decision.upstream.pool_key]
@@ -504,14 +498,14 @@ class Exchange(UpstreamRequest):
             if entry is None:
                 entry = _add_name(name)
             key = entry[0]
-            if key not in drop and has_header(raw, self.first, self.end, entry[2]):
+            if key not in drop and has_header(raw, self.block_start, self.block_end, entry[2]):
                 drop = drop | {key}  # the mode's value replaces a client header of the same name
             lines.append(entry[1])
             lines.append(value.encode("utf-8", "surrogateescape"))
             lines.append(b"\r\n")
         parts = [self.method, base, self.target, version_host]
-        copy_block(raw, self.first, self.end, parts, name_table(drop))
-        if self.special:
+        copy_block(raw, self.block_start, self.block_end, parts, name_table(drop))
+        if self.slow_headers:
             self._forwarded_for(parts, drop, dropped)
         else:
             parts.append(client.xff_xfp)
@@ -537,7 +531,7 @@ class Exchange(UpstreamRequest):
 
         dep = decision.deployment
         now = perf_counter()
-        self.state = CONNECTING
+        self.phase = CONNECTING
         self.connect_timeout = dep.connect_timeout
         self.idle_timeout = idle = dep.idle_timeout
         # Like the aiohttp client's sock_read, silence before the head is bounded by `idle` too.
@@ -545,14 +539,14 @@ class Exchange(UpstreamRequest):
         self.first_byte_timeout = first_byte = idle if idle < first_byte else first_byte
         due = self.t0 + first_byte
         if due < client.timer_due:
-            client.watch(due, now)
+            client.arm_watchdog(due, now)
 
         conn = pool.take(now)
         if conn is None:
-            self.head = parts
-            self.waiting = pool
+            self.upstream_head = parts
+            self.waiting_pool = pool
             pool.acquire(self)
-            if self.state == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
+            if self.phase == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
                 client.pause(WAITING)
         else:
             self.conn = conn
@@ -564,7 +558,7 @@ class Exchange(UpstreamRequest):
     def _forwarded_for(self, parts: list[bytes], drop: frozenset[str] | set[str], dropped: frozenset[str]) -> None:
         """X-Forwarded-For / -Proto when the client sent forwarding headers of its own."""
         client = self.client
-        raw, first, end = self.raw, self.first, self.end
+        raw, first, end = self.raw, self.block_start, self.block_end
         xff = b""
         if XFF not in self.conn_tokens and XFF not in dropped:
             xff = b", ".join(header_values(raw, first, end, XFF_B, False))
@@ -573,17 +567,17 @@ class Exchange(UpstreamRequest):
             parts.append(XFP_LINE)
 
     def pump(self) -> None:
-        """Client bytes were parsed: forward, buffer or refuse them according to the state."""
-        state = self.state
-        if state >= SENT:
+        """Client bytes were parsed: forward, buffer or refuse them according to the phase."""
+        phase = self.phase
+        if phase >= SENT:
             return
-        if state == LOADING:  # not routed yet: buffer, as while waiting for a connection
+        if phase == LOADING:  # not routed yet: buffer, as while waiting for a connection
             if self.body_size > WAIT_BUFFER and not self.complete:
                 self.client.pause(WAITING)
             return
         if self.body_size > self.limit:
             self._too_large_midway()
-        elif state == SENDING:
+        elif phase == SENDING:
             out: list[bytes] = []
             if self.body:
                 self._frame_body(out)
@@ -591,89 +585,28 @@ class Exchange(UpstreamRequest):
             if complete:
                 if self.frame_chunked:
                     out.append(LAST_CHUNK)
-                self.state = SENT
+                self.phase = SENT
             if out:
                 conn = self.conn
                 assert conn is not None
                 conn.send(out, complete)
-        elif state == BUFFERING:
+        elif phase == BUFFERING:
             if self.complete:
-                self._send_transformed()
+                self._whole_body()
             else:
                 self.last_io = perf_counter()  # body bytes arrived (see deadline)
-        elif state == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
+        elif phase == CONNECTING and self.body_size > WAIT_BUFFER and not self.complete:
             self.client.pause(WAITING)
 
-    def _send_transformed(self) -> None:
-        """The whole body of a ``needs_body`` request is here: the router reads (or rewrites) it,
-        then it is forwarded. Any failure finishes the turn and answers a JSON error."""
+    def _whole_body(self) -> None:
+        """The whole body the admission needs is here: the router reads (or rewrites) it."""
         body = self.body
         raw = body[0] if len(body) == 1 else list(body)  # a large body is joined off the loop
         body.clear()
-        try:
-            decision = self.decision
-            assert decision is not None
-            self._body_ready(self.shared.router.transform_body(decision, raw, self.body_size))
-        except LoadNeeded as need:
-            self._load(need.identity, need.resume)
-        except Exception as exc:
-            self._body_failed(exc)
-
-    def _body_ready(self, result: Decision | BodyWork) -> None:
-        """Forward what the router's complete decision says (it replaces the provisional one),
-        or run its body work (a large body) on a worker thread: a future whose callback comes
-        back here, on the loop."""
-        if isinstance(result, Decision):
-            self.decision = decision = result
-            body = decision.body
-            assert body is not None
-            if body:
-                self.body.append(body)
-            self._forward(decision, len(body))
-            return
-        self.state = TRANSFORMING
-        engine = self.shared.engine
-        future = engine.loop.run_in_executor(engine.body_pool, result.run)
-        future.add_done_callback(partial(self._work_done, result))
-
-    def _work_done(self, work: BodyWork, future: asyncio.Future[Any]) -> None:
-        """The body work ran: resume it, or abandon it (the client left meanwhile, or it raised);
-        exactly one of the two per work."""
-        if self.state != TRANSFORMING:  # the client left meanwhile
-            if not future.cancelled():
-                future.exception()  # retrieved: nothing left to report
-            work.abandon(_CLIENT_ABORTED)
-            return
-        try:
-            if future.cancelled():
-                raise RuntimeError("body work cancelled (the engine is closing)")
-            done = future.result()
-        except Exception as exc:  # a defect in the work
-            work.abandon(_UPSTREAM_FAILED)
-            self._body_failed(exc)
-            self.client.flush()
-            return
-        try:
-            self._body_ready(work.resume(done))
-        except LoadNeeded as need:
-            self._load(need.identity, need.resume)
-        except Exception as exc:
-            self._body_failed(exc)
-        self.client.flush()
-
-    def _body_failed(self, exc: Exception) -> None:
-        """Finish the turn and answer: the router's JSON error, or 500 for a defect."""
-        if self.state == DONE:
-            return
-        decision = self.decision
-        assert decision is not None
-        if isinstance(exc, errors.ProxyError):
-            self._finish_turn(_UPSTREAM_FAILED)
-            dep = decision.deployment
-            self.respond_error(exc, dep.name, dep.mode_name, exc.type)
-            return
-        log.error("request body handling failed: %r", exc, exc_info=exc, extra=decision.log_fields())
-        self.internal_error()
+        adm = self.admission
+        assert adm is not None
+        adm.body(raw, self.body_size)
+        self._next()
 
     def _frame_body(self, out: list[bytes]) -> None:
         body = self.body
@@ -690,17 +623,17 @@ class Exchange(UpstreamRequest):
 
     @property
     def wants_connection(self) -> bool:
-        return self.state == CONNECTING
+        return self.phase == CONNECTING
 
     def attach(self, conn: UpstreamConnection) -> None:
         """A connection for a request that waited for one (opened, or freed by another)."""
-        self.waiting = None
+        self.waiting_pool = None
         self.conn = conn
         client = self.client
         conn.bind(self, client.write_paused)
         client.flow.resume(WAITING)
-        parts = self.head
-        self.head = []
+        parts = self.upstream_head
+        self.upstream_head = []
         self._send(conn, parts)
 
     def _send(self, conn: UpstreamConnection, parts: list[bytes]) -> None:
@@ -720,9 +653,9 @@ class Exchange(UpstreamRequest):
         if complete:
             if self.frame_chunked:
                 parts.append(LAST_CHUNK)
-            self.state = SENT
+            self.phase = SENT
         else:
-            self.state = SENDING
+            self.phase = SENDING
         if large is None:
             conn.send(parts, complete)
         else:
@@ -730,24 +663,16 @@ class Exchange(UpstreamRequest):
             conn.send([large], complete)
 
     def connect_failed(self, kind: str, exc: BaseException) -> None:
-        if self.state != CONNECTING:
+        if self.phase != CONNECTING:
             # ``tls``: the upstream refused the TLS session after the request was written to it
             # (it never reached the application); nothing to do once a response began.
-            if kind != "tls" or self.state == DONE or self.resp_status:
+            if kind != "tls" or self.phase == DONE or self.resp_status:
                 return
             self.conn = None
-        decision = self.decision
-        assert decision is not None
-        dep, up = decision.deployment, decision.upstream
-        engine = self.shared.engine
         if kind == "timeout":
-            engine.upstream_failure(dep, up, "timeout", "connect timed out", connecting=True)
-            self._upstream_error("timeout", errors.upstream_timeout(dep.name, up.index))
+            self._upstream_failed("timeout", "connect timed out", True)
         else:
-            reason = errors.failure_reason(exc)
-            engine.upstream_failure(dep, up, "connect", reason, connecting=True)
-            self.shared.router.upstream_unreachable(decision)  # nothing was sent: fail the tree over
-            self._upstream_error("connect", errors.upstream_unreachable(dep.name, up.index, reason))
+            self._upstream_failed("connect", errors.failure_reason(exc), True)
 
     def peer_full(self, full: bool) -> None:
         if full:
@@ -794,7 +719,7 @@ class Exchange(UpstreamRequest):
         elif framing & _FRAMING == HAS_CONTENT_LENGTH:
             mode = LENGTH
         elif framing & HAS_TRANSFER_ENCODING:
-            if not _lone_chunked(header_values(raw, first, end, TRANSFER_ENCODING_B, False)):
+            if not lone_chunked(header_values(raw, first, end, TRANSFER_ENCODING_B, False)):
                 # Re-framed as chunked, another coding's bytes would reach the client unlabelled.
                 del out[base:]
                 self.resp_status = 0
@@ -815,16 +740,16 @@ class Exchange(UpstreamRequest):
         if mode < 0:
             return None
         conn = self.conn
-        decision = self.decision
-        assert conn is not None and decision is not None
-        if decision.reads_response_id and self.shared.router.reads_response(decision, status, self.resp_head):
+        adm = self.admission
+        assert conn is not None and adm is not None
+        if adm.reads_response_id and adm.reads_response(status, self.resp_head):
             # (a request chained by previous_response_id: the router reads the body's first bytes)
             conn.first_bytes = FIRST_CHUNKED if mode == CHUNKED or mode == DECHUNK else FIRST_RAW
         return BodyRelay(output, mode, length if mode == LENGTH else 0, conn.pool.max_head)
 
     def head_sent(self) -> None:
         """The response head went to the client: tell the router and the metrics now (off the
-        latency path; in any case before the turn finishes, see _finish_turn)."""
+        latency path; in any case before the turn finishes, see _finish_admission)."""
         headers = self.resp_head
         if headers is None:
             return
@@ -837,7 +762,7 @@ class Exchange(UpstreamRequest):
             due = self.head_at + self.idle_timeout / _IDLE_CHECKS
             client = self.client
             if due < client.timer_due:
-                client.watch(due, perf_counter())
+                client.arm_watchdog(due, perf_counter())
         shared = self.shared
         decision = self.decision
         assert decision is not None
@@ -846,16 +771,18 @@ class Exchange(UpstreamRequest):
             health.answered(decision.deployment, decision.upstream)
         stats = decision.deployment.stats
         stats.ttfb.observe(self.head_at - self.t0)
-        shared.router.on_response(decision, self.resp_status, headers)
+        adm = self.admission
+        assert adm is not None
+        adm.on_response(self.resp_status, headers)
 
     def response_start(self, data: bytes, chunked: bool) -> bool:
         """A read of the beginning of the response body the router asked for (see
         response_head): to the router, until it wants no more."""
-        decision = self.decision
-        assert decision is not None
-        return self.shared.router.response_start(decision, data, chunked)
+        adm = self.admission
+        assert adm is not None
+        return adm.response_start(data, chunked)
 
-    def response_end(self, now: float) -> None:
+    def response_complete(self, now: float) -> None:
         """The last response byte went to the client (the connection has unbound itself): count,
         finish the turn, end (flattened: once per request)."""
         self.conn = None
@@ -867,36 +794,28 @@ class Exchange(UpstreamRequest):
         status = self.resp_status
         stats.request(status).inc()
         stats.duration.observe(now - self.t0)
-        self._finish_turn(_COMPLETED if status < 500 else _UPSTREAM_FAILED)
+        self._finish_admission(_COMPLETED if status < 500 else _UPSTREAM_FAILED)
         # An unread rest of the request body is never read: the connection closes.
-        self._end(CLOSE if self.close_after or not self.complete else KEEP)
+        self._retire(CLOSE if self.close_after or not self.complete else KEEP)
 
     def upstream_failed(self, message: str) -> None:
         """The upstream connection failed (it has detached itself)."""
         self.conn = None
-        if self.state == DONE:
-            return
-        decision = self.decision
-        assert decision is not None
-        dep, up = decision.deployment, decision.upstream
-        if not self.resp_status:
-            self.shared.engine.upstream_failure(dep, up, "protocol", message)
-            self._upstream_error("protocol", errors.upstream_protocol_error(dep.name, up.index, message))
-            return
-        self._fail_mid_response("reset", f"mid-response: {message}")
+        if self.phase != DONE:
+            self._upstream_failed("reset" if self.resp_status else "protocol", message, False)
 
-    # -- timeouts (see fast_connection.ClientConnection._watch) --------------------------------
+    # -- timeouts (see fast_connection.ClientConnection._watchdog) --------------------------------
 
     def deadline(self, now: float) -> float:
         """When the watchdog must look at this request next (perf_counter time; inf: never):
         when it times out as things stand, or, while its response streams, when to look for
         reads since the last look."""
-        state = self.state
-        if state == BUFFERING and self.decision is not None and self.idle_timeout:
+        phase = self.phase
+        if phase == BUFFERING and self.admission is not None and self.idle_timeout:
             body_due = self.last_io + self.idle_timeout
             whole = self.t0 + self.first_byte_timeout
             return body_due if body_due < whole else whole
-        if state < CONNECTING or state == DONE:
+        if phase < CONNECTING or phase == DONE:
             return _INF
         if not self.resp_status:
             return self.t0 + self.first_byte_timeout
@@ -912,11 +831,11 @@ class Exchange(UpstreamRequest):
         return self.last_io + self.idle_timeout
 
     def timed_out(self, now: float) -> None:
-        decision = self.decision
-        assert decision is not None
-        dep, up = decision.deployment, decision.upstream
-        if self.state == BUFFERING:  # the client stopped sending the body a mode reads
-            self._finish_turn(_CLIENT_ABORTED)
+        adm = self.admission
+        assert adm is not None
+        dep = adm.deployment
+        if self.phase == BUFFERING:  # the client stopped sending the body a mode reads
+            self._finish_admission(_CLIENT_ABORTED)
             self.respond_error(
                 errors.request_timeout(f"the request body stalled (deployment {dep.name!r})"),
                 dep.name,
@@ -925,26 +844,34 @@ class Exchange(UpstreamRequest):
                 close=True,
             )
             return
-        if not self.resp_status:
-            reason = f"no response within {self.first_byte_timeout:g} s"
-            self.shared.engine.upstream_failure(dep, up, "timeout", reason)
-            self._upstream_error("timeout", errors.upstream_timeout(dep.name, up.index))
-            return
-        self._fail_mid_response("timeout", f"mid-response: idle for {self.idle_timeout:g} s")
+        if self.resp_status:
+            self._upstream_failed("timeout", f"idle for {self.idle_timeout:g} s", False)
+        else:
+            self._upstream_failed("timeout", f"no response within {self.first_byte_timeout:g} s", False)
 
     # -- failures and local answers ---------------------------------------------------------
 
-    def _fail_mid_response(self, kind: str, message: str) -> None:
-        """The upstream failed after the response head went out: the status line is gone, so the
-        only honest signal left is an incomplete response (an aborted connection), not a clean end."""
+    def _upstream_failed(self, kind: str, reason: str, connecting: bool) -> None:
+        """The upstream failed (``kind``: timeout, connect, protocol, reset; ``reason``: client
+        safe, see :meth:`Engine.upstream_failure`): answered 502/504 before the response began;
+        after it the status line is gone, so the only honest signal left is an incomplete
+        response (an aborted connection), not a clean end."""
         decision = self.decision
         assert decision is not None
-        dep = decision.deployment
+        dep, up = decision.deployment, decision.upstream
         engine = self.shared.engine
+        if self.resp_status:
+            reason = f"mid-response: {reason}"
+        engine.upstream_failure(dep, up, kind, reason, connecting=connecting)
+        if kind == "connect":
+            assert self.admission is not None
+            self.admission.upstream_unreachable()  # nothing was sent: fail the tree over
         engine.metrics.upstream_error(dep.name, kind).inc()
-        self._finish_turn(_UPSTREAM_FAILED)
-        engine.upstream_failure(dep, decision.upstream, kind, message)
-        self._end(ABORT)
+        self._finish_admission(_UPSTREAM_FAILED)
+        if self.resp_status:
+            self._retire(ABORT)
+        else:
+            self.respond_error(errors.upstream_failed(kind, dep.name, up.index, reason), dep.name, dep.mode_name, None)
 
     def respond_error(
         self, exc: errors.ProxyError, dep_name: str, mode_name: str, reason: str | None, close: bool = False
@@ -956,95 +883,76 @@ class Exchange(UpstreamRequest):
             metrics.rejected.labels(reason).inc()
         keep = not close and self.keep_alive and self.complete and not self.shared.draining
         self.client.output.parts.append(error_response(exc, self.http10, keep, self.method == b"HEAD"))
-        self._end(KEEP if keep else CLOSE)
+        self._retire(KEEP if keep else CLOSE)
 
     def internal_error(self) -> None:
-        if self.state == DONE:
+        if self.phase == DONE:
             return
-        if self.decision is not None:
-            self._finish_turn(_UPSTREAM_FAILED)
+        if self.admission is not None:
+            self._finish_admission(_UPSTREAM_FAILED)
         d = self.shared.router.default
         self.respond_error(errors.internal_error(), d.name, d.mode_name, None, close=True)
 
     def refused(self, exc: errors.ProxyError, reason: str) -> None:
-        """The body of this started request turned out malformed: never complete it upstream."""
-        if self.state == DONE:
+        """The body of this started request turned out malformed or too large: never complete it
+        upstream (answered ``exc`` while no response began, else cut off)."""
+        adm = self.admission
+        if self.phase == DONE or adm is None:
             return
-        self._fail_started(exc, reason)
-
-    def _too_large_midway(self) -> None:
-        decision = self.decision
-        assert decision is not None
-        dep = decision.deployment
-        self._fail_started(errors.request_too_large(dep.name, self.limit, decision.needs_body), "body_too_large")
-
-    def _fail_started(self, exc: errors.ProxyError, reason: str) -> None:
-        decision = self.decision
-        assert decision is not None
-        dep = decision.deployment
-        self._finish_turn(_UPSTREAM_FAILED)
+        dep = adm.deployment
+        self._finish_admission(_UPSTREAM_FAILED)
         if self.resp_status:
-            self._end(ABORT)
+            self._retire(ABORT)
         else:
             self.respond_error(exc, dep.name, dep.mode_name, reason, close=True)
 
-    def _upstream_error(self, kind: str, exc: errors.ProxyError) -> None:
-        decision = self.decision
-        assert decision is not None
-        dep = decision.deployment
-        self.shared.engine.metrics.upstream_error(dep.name, kind).inc()
-        self._finish_turn(_UPSTREAM_FAILED)
-        self.respond_error(exc, dep.name, dep.mode_name, None)
+    def _too_large_midway(self) -> None:
+        adm = self.admission
+        assert adm is not None
+        self.refused(errors.request_too_large(adm.deployment.name, self.limit, adm.need == BODY), "body_too_large")
 
     def client_gone(self) -> None:
         """The client connection closed: abandon the upstream side (an abandoned stream must not keep a GPU busy)."""
-        if self.state == QUEUED or self.state == DONE:
+        if self.phase == QUEUED or self.phase == DONE:
             return
         conn = self.conn
         if conn is not None:
             conn.client_gone()  # the body's end may have gone out already: then the response ended
-            if self.state == DONE:
+            if self.phase == DONE:
                 return
-        if self.decision is not None:
-            self._finish_turn(_CLIENT_ABORTED)
-        self._end(ABORT)
+        if self.admission is not None:
+            self._finish_admission(_CLIENT_ABORTED)
+        self._retire(ABORT)
 
-    # -- the one end --------------------------------------------------------------------------
+    # -- the end: the router's (finish), the exchange's (retire) ---------------------------------
 
-    def _finish_turn(self, outcome: TurnOutcome) -> None:
-        """Finish the router's turn (idempotent in the router): after the response head it has
-        not heard of yet, if any."""
+    def _finish_admission(self, outcome: TurnOutcome) -> None:
+        """Finish the request's admission (only its first finish counts): after the response
+        head the router has not heard of yet, if any."""
         if self.resp_head is not None:
             self.head_sent()
-        decision = self.decision
-        assert decision is not None  # every exchange that ends a turn was routed
-        self.shared.router.finish(decision, outcome)
+        adm = self.admission
+        assert adm is not None  # every exchange that ends a turn was admitted
+        adm.finish(outcome)
 
-    def _end(self, close: int) -> None:
-        """The exchange is over: every end goes through here, exactly once. An upstream
-        connection still attached carries an incomplete request or response: never reused."""
-        self.state = DONE
+    def _retire(self, close: int) -> None:
+        """The exchange is over and leaves its connection's queue: every way it ends goes through
+        here, exactly once. An upstream connection still attached carries an incomplete request
+        or response: never reused."""
+        self.phase = DONE
         conn = self.conn
         if conn is not None:
             self.conn = None
             conn.abort()
-        pool = self.waiting
+        pool = self.waiting_pool
         if pool is not None:  # it ended waiting (client gone, timeout): its head and body go now,
-            self.waiting = None  # not when a connection frees up
+            self.waiting_pool = None  # not when a connection frees up
             pool.forget(self)
-        self.client.finish_exchange(self, close)
-
-
-def _lone_chunked(values: list[bytes]) -> bool:
-    """Whether the Transfer-Encoding ``values`` are ``chunked`` alone, the one coding the sidecar
-    relays (the usual single ``chunked`` without a strip and a copy)."""
-    if len(values) == 1 and values[0] == b"chunked":
-        return True
-    return len(values) == 1 and values[0].strip().lower() == b"chunked"
+        self.client.retired(self, close)
 
 
 def new_exchange(
-    client: ClientSide,
+    client: ClientBase,
     raw: bytes,
     first: int,
     end: int,

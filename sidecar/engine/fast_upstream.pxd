@@ -1,5 +1,5 @@
-# Compiled layout of fast_upstream.py (Cython "augmenting" declarations; see setup.py). Keep the
-# fields equal to each class's __slots__; C types only where every assignment has that type.
+# Compiled layout of fast_upstream.py (docs/architecture.md, "Compiled and pure-Python builds"):
+# C types only where every assignment has that type.
 cimport cython
 from sidecar.engine._direct_reads cimport DirectReads, Enrolled
 from sidecar.engine._direct_socket cimport DirectSocket
@@ -18,7 +18,7 @@ cdef class UpstreamRequest:
                         double now)
     cpdef head_sent(self)
     cpdef bint response_start(self, bytes data, bint chunked) except -1
-    cpdef response_end(self, double now)
+    cpdef response_complete(self, double now)
 
 cdef class UpstreamConnection:
     cdef public UpstreamPool pool
@@ -27,7 +27,7 @@ cdef class UpstreamConnection:
     cdef public ReadFlow flow
     cdef public list pieces
     cdef public Py_ssize_t raw_at, scan_at, fed
-    cdef public bint lost, counted, keep_alive, reusable, sent_all, write_paused, fresh
+    cdef public bint lost, holds_slot, keep_alive, reusable, sent_all, write_paused, unanswered
     cdef public double idle_since
     cdef public BodyRelay relay
     cdef public Enrolled direct

@@ -10,7 +10,7 @@ the response's end, exactly once each:
   as bytes plus offsets (:mod:`sidecar.engine.head` reads them) in ``response_head``, which
   returns the :class:`~sidecar.engine.relay.BodyRelay` the body goes through (None: no body);
 - every later read goes to that relay, which passes the body's bytes to the client as they
-  arrive and finds the body's end (no Python call per chunk); then ``response_end``, or
+  arrive and finds the body's end (no Python call per chunk); then ``response_complete``, or
   ``upstream_failed`` if the upstream broke off or sent malformed framing.
 
 :class:`UpstreamPool` bounds the connections to one upstream, hands idle ones out most-recently-used first (so the
@@ -63,7 +63,7 @@ from sidecar.errors import failure_reason
 from sidecar.tls import refused_after_handshake
 
 if TYPE_CHECKING:
-    from sidecar.engine.direct import Writer
+    from sidecar.engine.relay import Writer
 
 # A TLS connection back from the pool sooner than this is not polled first (saves a syscall per
 # request under load, where reuse is sub-millisecond to a few milliseconds). Upstreams close idle
@@ -87,7 +87,7 @@ if TYPE_CHECKING:
 class UpstreamRequest:
     """What a connection needs from the request it carries: the base of
     :class:`sidecar.engine.fast_exchange.Exchange` (compiled, an extension type whose hot methods
-    the connection calls in C). Once bound, a connection calls exactly one of ``response_end`` /
+    the connection calls in C). Once bound, a connection calls exactly one of ``response_complete`` /
     ``upstream_failed`` / ``connect_failed`` (after at most one ``response_head``), unless the
     exchange releases it first."""
 
@@ -124,7 +124,7 @@ class UpstreamRequest:
         ``first_bytes`` (``chunked``: with its chunked framing); True once no more is wanted."""
         raise NotImplementedError
 
-    def response_end(self, now: float) -> None:
+    def response_complete(self, now: float) -> None:
         raise NotImplementedError
 
     def upstream_failed(self, message: str) -> None:
@@ -142,7 +142,7 @@ class UpstreamConnection:
         "parser",
         "ex",
         "lost",
-        "counted",
+        "holds_slot",
         "_poll",
         "pieces",
         "raw_at",
@@ -154,7 +154,7 @@ class UpstreamConnection:
         "sent_all",
         "write_paused",
         "idle_since",
-        "fresh",
+        "unanswered",
         "direct",
         "sock",
         "enroll_at",
@@ -167,7 +167,7 @@ class UpstreamConnection:
         self.parser = ResponseParser()  # the response heads' parser, for the connection's life
         self.ex: UpstreamRequest | None = None
         self.lost = False
-        self.counted = True  # counts towards the pool's bound until lost or dropped
+        self.holds_slot = True  # counts towards the pool's bound until lost or dropped
         # The reads since the response began, until its final head is complete (joined once
         # then: no copy per read for a head that arrives in pieces). The head being parsed
         # starts ``raw_at`` bytes in (after any 1xx interim response); the parser has been fed
@@ -182,7 +182,7 @@ class UpstreamConnection:
         self.sent_all = False  # the whole request went out (a response before that: never reused)
         self.write_paused = False
         self.idle_since = 0.0
-        self.fresh = True  # no response completed on it yet
+        self.unanswered = True  # no response completed on it yet
         self.direct: object = None  # its entry in the pool's DirectReads while enrolled
         # Its socket (sidecar.engine.direct.DirectSocket) where the pool has DirectReads and the
         # upstream is plain TCP: requests are written through it and long bodies may be read directly.
@@ -232,7 +232,7 @@ class UpstreamConnection:
             self._complete(perf_counter())
             return
         self._unbind()
-        if self.fresh and relay is None and self.pool.tls is not None:
+        if self.unanswered and relay is None and self.pool.tls is not None:
             # A TLS 1.3 server checks the client's certificate after the client's side of the
             # handshake is done, and refuses with an alert the client reads only now, or (on
             # asyncio's TLS) with a bare close: the request never reached the application, like
@@ -313,7 +313,7 @@ class UpstreamConnection:
 
     def client_gone(self) -> None:
         """The client connection closed: a body whose end the stream thread already sent to the
-        client completes now (``response_end``), though the thread's note of it has not reached
+        client completes now (``response_complete``), though the thread's note of it has not reached
         the loop yet (see :meth:`DirectReads.settle`)."""
         entry = self.direct
         if entry:
@@ -452,11 +452,11 @@ class UpstreamConnection:
         assert ex is not None
         self._unbind()
         if self.keep_alive and self.reusable and self.sent_all:
-            self.fresh = False
+            self.unanswered = False
             self.pool.release(self, now)
         else:
             self.pool.drop(self)
-        ex.response_end(now)
+        ex.response_complete(now)
 
     def read_failed(self, exc: OSError) -> None:
         """A read of this connection's socket outside its transport (the stream thread's) met
@@ -594,8 +594,8 @@ class UpstreamPool:
         self.waiters.clear()
 
     def _uncount(self, conn: UpstreamConnection) -> None:
-        if conn.counted:
-            conn.counted = False
+        if conn.holds_slot:
+            conn.holds_slot = False
             self.total -= 1
             self._wake()
 

@@ -1,9 +1,10 @@
-# Compiled layout of head.py (Cython "augmenting" declarations; see setup.py): the scans index the
-# bytes as C chars. Keep the fields equal to HeaderBlock.__slots__.
+# Compiled layout of head.py (docs/architecture.md, "Compiled and pure-Python builds"): the scans
+# index the bytes as C chars.
 cimport cython
 from sidecar.engine._memscan cimport decimal_bytes, find_byte
+from sidecar.headers cimport HeaderView
 
-cdef class HeaderBlock:
+cdef class HeaderBlock(HeaderView):
     cdef public bytes _raw
     cdef public Py_ssize_t _first, _end
     cdef public unsigned long long _mask
@@ -11,9 +12,6 @@ cdef class HeaderBlock:
     @cython.locals(lower=bytes, value=bytes, mask="unsigned long long", one="unsigned long long", text=str,
                    n=Py_ssize_t)
     cpdef get(self, key, default=*)
-
-@cython.locals(block=HeaderBlock)
-cpdef lookup(headers, name)
 
 cdef inline long _bit(Py_ssize_t n, long last)
 cdef inline long _name_bit(bytes raw, Py_ssize_t at, Py_ssize_t n)

@@ -24,6 +24,7 @@ from typing import Any
 
 from sidecar import headers as h
 from sidecar.compiled import is_compiled
+from sidecar.headers import HeaderView
 
 # Classes of header names, as bits: what the relay drops (hop-by-hop) and what framing reads.
 HAS_CONNECTION = 1
@@ -626,7 +627,7 @@ def _key_bytes(key: Any) -> bytes | None:
     return lower
 
 
-class HeaderBlock:
+class HeaderBlock(HeaderView):
     """A head's headers as the router reads them, a read-only ``Mapping[str, str]`` over the raw
     block: lower-case name -> first value, decoded on lookup (the router reads a few names per
     request or response, most of them absent; decoding every header costs more). Compiled, the
@@ -706,16 +707,6 @@ class HeaderBlock:
 
 
 Mapping.register(HeaderBlock)
-
-
-def lookup(headers: Mapping[str, str], name: str) -> str | None:
-    """``headers.get(name)``. Compiled, a C call when ``headers`` is a :class:`HeaderBlock` (the
-    fast engine's): the router and the identity reader look up several names per request, most
-    of them absent, and a Python-level method call costs more than an absent name's lookup."""
-    if type(headers) is HeaderBlock:
-        block = headers
-        return block.get(name)
-    return headers.get(name)
 
 
 # The implementations, chosen once: compiled, the scans above run as C loops; interpreted, their

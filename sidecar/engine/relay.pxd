@@ -1,5 +1,5 @@
-# Compiled layout of relay.py (Cython "augmenting" declarations; see setup.py). Keep the fields
-# equal to each class's __slots__; the framing scan reads the bytes as C chars.
+# Compiled layout of relay.py (docs/architecture.md, "Compiled and pure-Python builds"): the
+# framing scan reads the bytes as C chars.
 cimport cython
 from sidecar.engine._direct_socket cimport DirectSocket
 

@@ -28,7 +28,26 @@ from typing import TYPE_CHECKING
 from sidecar.engine.parse_errors import ParseError
 
 if TYPE_CHECKING:
-    from sidecar.engine.direct import Writer
+    from typing import Protocol
+
+    class Writer(Protocol):
+        """What the connections write through (a :class:`~sidecar.engine.direct.DirectSocket`):
+        ``fd`` is its socket."""
+
+        @property
+        def fd(self) -> int: ...
+
+        def write(self, data: bytes) -> None: ...
+
+        def has_input(self) -> bool:
+            """Whether bytes, a close or an error wait to be read (peeked: nothing is taken)."""
+
+        def writev(self, parts: list[bytes]) -> None:
+            """``write(b"".join(parts))``, gathered by one ``sendmsg`` instead of joined."""
+
+        def send_buffer(self, buf: bytes, n: int) -> None:
+            """``write(buf[:n])`` where ``buf`` is a C buffer (compiled build: C callers only)."""
+
 
 LENGTH, CHUNKED, DECHUNK, EOF_CHUNKED, EOF_RAW = range(5)
 # The same modes for this module's own comparisons: the compiled build declares the private

@@ -2,10 +2,10 @@
 memory backend (nothing shared: the default, today's single-process behaviour).
 
 With a shared backend (:mod:`sidecar.state.redis`) the router's session tree and API-session
-table are this replica's cache of the store: a request of a session the cache does not hold
-raises :class:`LoadNeeded` from :meth:`sidecar.router.Router.route`; the engine awaits
+table are this replica's cache of the store: the admission of a request of a session the cache
+does not hold needs LOAD (:class:`sidecar.router.Admission`); the engine awaits
 :meth:`SessionState.load` (one pipelined round trip, shared by every request waiting in the same
-loop iteration) and routes again. Everything else on the request path is synchronous and costs no
+loop iteration) and feeds ``loaded()``. Everything else on the request path is synchronous and costs no
 round trip: the router reports turns to the backend (:meth:`SessionState.begun`,
 :meth:`SessionState.finished`, :meth:`SessionState.touched`, :meth:`SessionState.used`), which
 writes them behind, batched.
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from sidecar.lineage import Turn
     from sidecar.session_ends import SessionEnds
 
-__all__ = ["LoadNeeded", "MemoryState", "ResponseIds", "SessionState", "StoreUnavailable"]
+__all__ = ["MemoryState", "ResponseIds", "SessionState", "StoreUnavailable"]
 
 
 class ResponseIds:
@@ -85,18 +85,6 @@ class ResponseIds:
         return len(self._ids)
 
 
-class LoadNeeded(Exception):
-    """The request names a session this replica does not hold: load it from the store first.
-
-    ``resume``, when given, continues where the router stopped (a body's admission); without it
-    the engine routes the request again."""
-
-    def __init__(self, identity: Identity, resume: Callable[[], Any] | None = None) -> None:
-        super().__init__(identity.session)
-        self.identity = identity
-        self.resume = resume
-
-
 class StoreUnavailable(Exception):
     """The shared store cannot answer now (its breaker is open or the call failed), or, at start
     with ``state.required``, could not be used."""
@@ -109,7 +97,7 @@ class SessionState:
     # Whether sessions are shared with other replicas (the router then reports to this object).
     shared = False
     # Whether response ids are shared too: a response id this replica does not know makes the
-    # router raise LoadNeeded, and :meth:`load` looks it up in the store.
+    # router's admission need LOAD, and :meth:`load` looks it up in the store.
     shares_responses = False
 
     def __init__(self, config: Config, ends: SessionEnds) -> None:

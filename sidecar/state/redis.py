@@ -68,7 +68,7 @@ from sidecar.lineage import SHARED_FLAGS, SessionTree, Turn
 from sidecar.metrics import Metrics
 from sidecar.session_ends import SessionEnds
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
-from sidecar.state import LoadNeeded, SessionState, StoreUnavailable
+from sidecar.state import SessionState, StoreUnavailable
 from sidecar.state import scripts as lua
 from sidecar.state.records import BadRecord, Record, decode, ms
 
@@ -315,7 +315,7 @@ class RedisState(SessionState):
     async def _probe(self) -> bool:
         """Closed breaker: True. Open: check the store (:meth:`_check`) when the backoff
         elapsed; on success close it and republish what this replica holds. Only the writer
-        task probes: no request and no admin call waits for a store the breaker found down."""
+        task probes: no proxied request waits for a store the breaker found down."""
         if self.up:
             return True
         assert self._loop is not None and self.client is not None
@@ -1350,4 +1350,4 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-__all__ = ["LoadNeeded", "RedisState", "StoreUnavailable"]
+__all__ = ["RedisState", "StoreUnavailable"]

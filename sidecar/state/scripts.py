@@ -153,10 +153,16 @@ while i <= #ARGV do
     -- fills a missing one, or raises the turn count of a live one to what this replica counted.
     -- ARGV: d p r f c a n deadline ttl ws t q (q '': not an API session)
     local f = flags_of(k)
-    local replace = f == -1 or (op == 'C' and f >= 0 and (bit.band(f, ENDED) ~= 0 or bit.band(f, PLACEHOLDER) ~= 0))
+    -- an API session's id is not taken over while its tombstone lasts (410 everywhere)
+    local tomb = f >= 0 and bit.band(f, ENDED) ~= 0 and bit.band(f, API) ~= 0
+    local replace = f == -1 or (op == 'C' and f >= 0 and not tomb and (bit.band(f, ENDED) ~= 0 or bit.band(f, PLACEHOLDER) ~= 0))
     local ttl = ARGV[i + 10]
     if f == -2 then
       bad[#bad + 1] = id
+    elseif tomb and op == 'C' then
+      -- admitted by a replica that had not heard of the end yet: it is told now
+      ended[#ended + 1] = id
+      ended[#ended + 1] = redis.call('HGET', k, 'e') or ''
     elseif replace then
       if f >= 0 then redis.call('DEL', k) end
       redis.call('HSET', k, 'd', ARGV[i + 2], 'f', ARGV[i + 5], 'c', ARGV[i + 6], 'a', ARGV[i + 7],

@@ -1,5 +1,7 @@
 """The import graph of ``sidecar/`` points one way: no cycle, not even through imports inside
-functions, and the low-level modules import nothing of the application above them."""
+functions or for type checking only, the low-level modules import nothing of the application above
+them, and nothing but the app that wires an engine imports the engines (a compiled layout's
+``cimport`` counts as an import)."""
 
 from __future__ import annotations
 
@@ -22,19 +24,27 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in ROOT.rglob("*.py")} | {_module_name(p): p for p in ROOT.rglob("*.pyx")}
 
 
-def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The sidecar modules ``name`` imports, wherever in the file (TYPE_CHECKING blocks aside)."""
+def imports_of(name: str, path: Path, known: set[str], typing: bool = False) -> set[str]:
+    """The sidecar modules ``name`` imports, wherever in the file (TYPE_CHECKING blocks only with
+    ``typing``); for a .pyx, and for the .pxd beside a .py, the modules it imports or cimports."""
     tree = ast.parse(path.read_text(encoding="utf-8")) if path.suffix == ".py" else None
     out: set[str] = set()
-    if tree is None:  # a .pyx: read its Python imports by line
-        for line in path.read_text(encoding="utf-8").splitlines():
+    layouts = [path] if tree is None else [p for p in [path.with_suffix(".pxd")] if p.exists()]
+    for layout in layouts:  # read by line: "from sidecar.x import|cimport ..."
+        for line in layout.read_text(encoding="utf-8").splitlines():
             words = line.split()
             if len(words) >= 2 and words[0] == "from" and words[1].startswith("sidecar"):
                 out.add(words[1])
+    if tree is None:
         return out & known
     type_checking: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+        test = getattr(node, "test", None)
+        if (
+            not typing
+            and isinstance(node, ast.If)
+            and getattr(test, "id", getattr(test, "attr", "")) == "TYPE_CHECKING"
+        ):
             type_checking.update(id(n) for n in ast.walk(node))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(tree):
@@ -58,10 +68,10 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     return resolved
 
 
-def graph() -> dict[str, set[str]]:
+def graph(typing: bool = False) -> dict[str, set[str]]:
     modules = _modules()
     known = set(modules)
-    edges = {name: imports_of(name, path, known) for name, path in modules.items()}
+    edges = {name: imports_of(name, path, known, typing) for name, path in modules.items()}
     # Importing a module runs its packages' __init__ modules first.
     for name in list(edges):
         for target in list(edges[name]):
@@ -120,11 +130,27 @@ def reachable(edges: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-def test_the_import_graph_has_no_cycle() -> None:
-    found = cycles(graph())
+@pytest.mark.parametrize("typing", [False, True], ids=["run time", "type checking"])
+def test_the_import_graph_has_no_cycle(typing: bool) -> None:
+    found = cycles(graph(typing))
     assert found == [], "import cycles (each a set of modules that import each other):\n" + "\n".join(
         " <-> ".join(c) for c in found
     )
+
+
+# The one module outside sidecar/engine/ that imports an engine: the app, which wires one.
+WIRES_ENGINES = {"sidecar.app"}
+
+
+def test_only_the_app_imports_the_engines() -> None:
+    """Engines call the router, never the reverse: the router layer (router, identity, headers,
+    the modes, the state...) imports nothing from sidecar/engine/, not even for typing."""
+    upward = {
+        name: sorted(t for t in targets if t == "sidecar.engine" or t.startswith("sidecar.engine."))
+        for name, targets in graph(typing=True).items()
+        if not name.startswith("sidecar.engine") and name not in WIRES_ENGINES
+    }
+    assert {name: t for name, t in upward.items() if t} == {}
 
 
 # Modules that parse bytes, build records or hold errors: they import no module of the
@@ -137,6 +163,7 @@ LEAVES = [
     "sidecar.engine.relay",
     "sidecar.engine.wire",
     "sidecar.engine.phases",
+    "sidecar.engine.request_rules",
     "sidecar.errors",
     "sidecar.headers",
     "sidecar.modes.ids",
@@ -175,3 +202,9 @@ def test_the_checker_sees_cycles_and_hidden_imports(tmp_path: Path) -> None:
     src = tmp_path / "m.py"
     src.write_text("def f():\n    from sidecar.config import Config\n")
     assert imports_of("sidecar.m", src, {"sidecar.config", "sidecar.m"}) == {"sidecar.config"}
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from sidecar.config import Config\n")
+    assert imports_of("sidecar.m", src, {"sidecar.config", "sidecar.m"}) == set()
+    assert imports_of("sidecar.m", src, {"sidecar.config", "sidecar.m"}, typing=True) == {"sidecar.config"}
+    src.write_text("")
+    src.with_suffix(".pxd").write_text("from sidecar.engine.head cimport lookup\n")
+    assert imports_of("sidecar.m", src, {"sidecar.engine.head", "sidecar.m"}) == {"sidecar.engine.head"}

@@ -208,12 +208,14 @@ async def test_an_upstream_that_closes_mid_stream_after_enrolment_aborts_the_cli
     assert sc.engine.stats()["upstream_connections"] == 0
 
 
-def reset_after(parts: list[bytes], pause: float = 0.01) -> Handler:
-    """Each part in a write of its own, ``pause`` apart, then a reset (not a close)."""
+def reset_when(parts: list[bytes], go: asyncio.Event, pause: float = 0.01) -> Handler:
+    """Each part in a write of its own, ``pause`` apart, then a reset (not a close) once ``go``
+    is set: the test sets it when the client has every part, so the reset never overtakes a part
+    the proxy has not read yet (the kernel drops unread bytes when a reset arrives)."""
 
     async def handle(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         await paced(parts, pause)(req, reader, writer)
-        await asyncio.sleep(pause)
+        await go.wait()
         reset(writer)
         return False
 
@@ -234,17 +236,24 @@ async def test_an_upstream_reset_mid_stream_after_enrolment_aborts_the_client(
     else:
         head, parts = SSE_HEAD, [event(i) for i in range(EVENTS)]
         relayed = b"".join(parts)
-    up = await raw_upstream({"/s": reset_after([head, *parts])})
+    go = asyncio.Event()
+    up = await raw_upstream({"/s": reset_when([head, *parts], go)})
     sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False)
     reader, writer, _ = await open_stream(sc, b"/s")
-    got = await read_all(reader)
+    got = await asyncio.wait_for(reader.readexactly(len(relayed)), 10)
+    go.set()
+    rest = await read_all(reader)
     writer.close()
-    assert got == relayed  # every event and no last chunk: the client can tell the answer is cut
+    assert got == relayed and rest == b""  # every event and no last chunk: the client can tell the answer is cut
     assert sc.engine.direct.enrolled == 1
-    errors = sc.metrics.registry.get_sample_value(
-        "sidecar_upstream_errors_total", {"deployment": "default", "kind": "reset"}
+    await until(
+        lambda: (
+            sc.metrics.registry.get_sample_value(
+                "sidecar_upstream_errors_total", {"deployment": "default", "kind": "reset"}
+            )
+            == 1.0
+        )
     )
-    assert errors == 1.0
     assert sc.engine.stats()["upstream_connections"] == 0
 
 

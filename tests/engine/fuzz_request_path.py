@@ -138,7 +138,15 @@ def _refused(m: Parsed) -> bool:
         return True
     if any(n == b"upgrade" for n, _ in lows) and b"upgrade" in conn:
         return True
-    return m.method == "CONNECT" or forwarded_target(m.target) is None
+    forwarded = forwarded_target(m.target)
+    return m.method == "CONNECT" or forwarded is None or _dot_segment(forwarded)
+
+
+def _dot_segment(target: bytes) -> bool:
+    """A ``.`` or ``..`` path segment, plain or percent-encoded: refused (RFC 3986 5.2.4 would
+    take the request out of the upstream's path prefix)."""
+    path = target.split(b"?", 1)[0]
+    return any(seg.lower().replace(b"%2e", b".") in (b".", b"..") for seg in path.split(b"/"))
 
 
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
@@ -506,12 +514,12 @@ def fuzz(seconds: float, *, max_cases: int = 0, examples_per_round: int = 50) ->
         )
         @given(stream())
         def prop(data: bytes) -> None:
-            if time.monotonic() > end or stats["cases"] == max_cases:
+            if time.monotonic() > end or stats["cases"] == max_cases > 0:
                 return  # out of time or done: let the round finish without more work
             stats["cases"] += 1
             check(target, data)
 
-        while time.monotonic() < end and stats["cases"] != max_cases:
+        while time.monotonic() < end and not stats["cases"] == max_cases > 0:
             prop()
             stats["rounds"] += 1
     return stats

@@ -28,7 +28,6 @@ from sidecar.engine.head import (
     head_end,
     header_values,
     locate,
-    lookup,
     name_table,
     origin_form,
     reason_phrase,
@@ -36,6 +35,7 @@ from sidecar.engine.head import (
     scan_request,
     valid_host,
 )
+from sidecar.headers import lookup
 
 HEADERS = (
     b"X-Worker: w1\r\nContent-Type:application/json\r\nx-worker: w2\r\nX-Raw: \t caf\xc3\xa9 \xff \r\nX_Under^: u\r\n"

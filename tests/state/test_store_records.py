@@ -6,9 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
+import pytest
+
+from sidecar.context import SessionFlag
+from tests.state.faults import FaultProxy
 from tests.state.fleet import api, finishes, metric, post
 from tests.waiting import eventually, wait_for
+
+
+@pytest.fixture
+async def faults(redis_server) -> AsyncIterator[FaultProxy]:
+    proxy = await FaultProxy.start(redis_server.port)
+    yield proxy
+    await proxy.close()
 
 
 async def test_a_record_that_does_not_decode_is_an_error_for_its_session_only(
@@ -66,11 +78,12 @@ async def test_flags_that_are_not_a_number_never_stop_the_replicas_writes(upstre
 async def test_an_expired_api_session_is_reported_expired_on_every_replica(upstream, replicas, http):
     a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
     sid = "expires-soon"
-    body = {"deployment": "default", "session_id": sid, "ttl_seconds": 1}
+    # (long enough for both replicas to send their request before it expires, on a busy machine)
+    body = {"deployment": "default", "session_id": sid, "ttl_seconds": 5}
     assert (await api(http, "POST", a.admin_url + "/v1/sessions", body))[0] == 201
     assert (await post(http, a, sid))[0] == 200
     assert (await post(http, b, sid))[0] == 200
-    await wait_for(lambda: finishes(upstream, sid), timeout=15)
+    await wait_for(lambda: finishes(upstream, sid), timeout=30)
     for sc in (a, b):
         status, answer = await eventually(lambda sc=sc: post(http, sc, sid), lambda r: r[0] != 200, timeout=10)
         assert status == 410 and answer["error"]["type"] == "session_expired", (sc.state.replica, answer)
@@ -143,3 +156,33 @@ async def test_a_session_id_that_is_not_utf8_is_shared_and_finished_under_its_ow
     await asyncio.sleep(1.0)  # (a second end would have run by now)
     ended = [r.path for r in upstream.received if r.path.startswith("/finish_session")]
     assert ended == ["/finish_session?session_id=%FF%FE%80raw"]
+
+
+async def test_an_ended_api_sessions_id_is_not_taken_over_by_a_replica_that_missed_the_end(
+    faults, upstream, replicas, http, redis_server, monkeypatch
+):
+    # B holds an API session and hears nothing (its subscription is deaf and never found so, and
+    # it sends no request while the close settles): A closes the session, the store ends it. B
+    # admits one more request of it, and that request's write is told the session ended. The
+    # store keeps the API session's tombstone (its id is not taken over by a new traffic
+    # session) and B answers 410 from then on.
+    monkeypatch.setattr("sidecar.state.redis.EVENTS_DEAF_SECONDS", 3600.0)
+    a = await replicas.one(upstream=upstream.url, mode="vllm_router")
+    b = await replicas.one(upstream=upstream.url, mode="vllm_router", state={"url": faults.url})
+    sid = "closed-unheard"
+    assert (await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default", "session_id": sid}))[
+        0
+    ] == 201
+    assert (await post(http, b, sid))[0] == 200
+    faults.silence_subscriptions()
+    assert (await api(http, "POST", a.admin_url + f"/v1/sessions/{sid}/close"))[0] == 200
+    await wait_for(lambda: finishes(upstream, sid), timeout=15)
+    statuses = [(await post(http, b, sid))[0]]
+    while statuses[-1] == 200:
+        assert len(statuses) < 100, statuses
+        await asyncio.sleep(0.05)
+        statuses.append((await post(http, b, sid))[0])
+    assert statuses[-1] == 410
+    flags = int(redis_server.cli("HGET", replicas.prefix + "s:" + sid, "f"))
+    assert flags & SessionFlag.API and flags & SessionFlag.ENDED
+    assert len(finishes(upstream, sid)) == 1
