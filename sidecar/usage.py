@@ -182,6 +182,19 @@ class UsageReader:
         self._tail = data
         self._end = end
 
+    def last_reads(self, previous: bytes | None, data: bytes, end: int, extra: int = 0) -> None:
+        """:meth:`last` for an engine's last reads as they came: ``data`` ends at body offset
+        ``end`` and ``previous`` (or None) came right before it; ``extra``: bytes at the end of
+        ``data`` that followed the body (not kept). Copies at most :data:`LAST_BYTES` of them."""
+        if extra:
+            n = len(data) - extra
+            data = data[max(n - LAST_BYTES, 0) : max(n, 0)]
+            end -= extra
+        if previous is not None and len(data) < LAST_BYTES and end - len(data) >= len(previous):
+            self.last(previous[len(data) - LAST_BYTES :], end - len(data))
+        if data:
+            self.last(data, end)
+
     def result(self) -> Usage:
         """The response's usage, from what was kept (bounded work: see the module docstring)."""
         head, tail = self._head, self._tail

@@ -14,10 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.accounting import SLOT_SECONDS, TURN_BUCKETS, WINDOW_SECONDS, Accounting, turn_bucket, with_include_usage
 from sidecar.config import build_config
-from sidecar.lineage import prompt_cache as expected
-from sidecar.metrics import Metrics
 from sidecar.context import TurnOutcome
 from sidecar.jsonscan import INLINE_BYTES
+from sidecar.lineage import prompt_cache as expected
+from sidecar.metrics import Metrics
 from sidecar.router import BODY, READY, WORK, Admission, RequestHead, Router
 from sidecar.usage import Usage, UsageOutcome
 from sidecar.wiring import routing_core

@@ -323,7 +323,6 @@ async def test_demo_with_an_injected_sidecar() -> None:
     assert re.search(r"\n  the sidecar's own count +- +-\n", result.table), result.table
 
 
-@pytest.mark.xfail(strict=True, reason="engines do not feed usage yet")
 async def test_the_sidecars_own_count_agrees_with_the_workloads() -> None:
     """Every streamed answer of the demo's gateway reports its usage; the sidecar counts the same
     prompt and cached tokens as the workload read from them, and no response without usage."""

@@ -3,10 +3,8 @@ body written by the upstream in two writes cut at every byte of the usage event,
 client byte for byte and counted for the session; without usage, malformed, content-encoded
 (counted unknown, relayed untouched); and the opt-in request patch that asks for usage.
 
-Every test here needs the engines to hand the router what the usage reader reads
-(``Router.usage_reader``, ``UsageReader.first`` / ``last``, ``Router.on_usage``; see
-``sidecar/router.py``): until they do, they are expected to fail (strict: one that passes
-fails the run, so they are turned on as soon as the engines feed usage)."""
+The engines hand the admission's usage reader the body's ends (``Admission.usage_reader``,
+``UsageReader.first`` / ``last``, ``Admission.on_usage``; see ``sidecar/router.py``)."""
 
 from __future__ import annotations
 
@@ -23,9 +21,6 @@ from sidecar.lineage import prompt_cache
 from tests import usage_samples as s
 from tests.engine import RawMessage
 from tests.modes.wire import settled
-
-ENGINES_PENDING = "engines do not feed usage yet"
-pytestmark = pytest.mark.xfail(strict=True, reason=ENGINES_PENDING)
 
 EVENT_STREAM, JSON = "text/event-stream", "application/json"
 

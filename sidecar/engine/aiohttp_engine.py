@@ -336,7 +336,7 @@ class AiohttpEngine(Engine):
         if refusal is not None:
             return self._refuse(request, *refusal)
         target = raw_target.decode("utf-8", "surrogateescape")
-        adm = router.admit(RequestHead(request.method, in_headers))
+        adm = router.admit(RequestHead(request.method, in_headers, raw_target))
         try:
             await self._settle(adm)  # a session this replica does not hold: ask the shared store
             if adm.need == REFUSED:
@@ -412,8 +412,7 @@ class AiohttpEngine(Engine):
         """A body above the admission's limit (of a body the sidecar parses while it needs it)."""
         adm.finish(TurnOutcome.UPSTREAM_FAILED)
         dep = adm.deployment
-        err = errors.request_too_large(dep.name, adm.limit, adm.need == BODY)
-        return self._error(err, dep.name, dep.mode_name, "body_too_large")
+        return self._error(adm.too_large(), dep.name, dep.mode_name, "body_too_large")
 
     def _refused(self, adm: Admission) -> web.Response:
         """Answer what the router refused (a defect: 500)."""
@@ -522,10 +521,26 @@ class AiohttpEngine(Engine):
                 and request.method != "HEAD"
                 and adm.reads_response(upstream.status, upstream.headers)
             )
+            # A session's response: its prompt-cache usage, read from the body's first reads and
+            # (references to) its last two (aiohttp has taken its chunked framing off).
+            usage = (
+                adm.usage_reader(upstream.status, upstream.headers, False)
+                if adm.turn is not None and request.method != "HEAD" and upstream.status not in (204, 304)
+                else None
+            )
+            usage_first = usage is not None
+            previous: bytes | None = None
+            last: bytes | None = None
+            seen = 0
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():
                 if first:
                     first = not adm.response_start(chunk, False)
+                if usage is not None:
+                    if usage_first:
+                        usage_first = not usage.first(chunk)
+                    previous, last = last, chunk
+                    seen += len(chunk)
                 await resp.write(chunk)
             if closed is not None and (lost := _lost(closed)) is not None:
                 raise lost
@@ -558,6 +573,10 @@ class AiohttpEngine(Engine):
         upstream.release()
         m.request_counter(dep.name, dep.mode_name, f"{upstream.status // 100}xx").inc()
         m.duration_hist(dep.name, dep.mode_name).observe(time.perf_counter() - t0)
+        if usage is not None:  # the body went whole: what it said of its usage, before the turn ends
+            if last is not None:
+                usage.last_reads(previous, last, seen)
+            adm.on_usage(usage.result())
         adm.finish(TurnOutcome.COMPLETED if upstream.status < 500 else TurnOutcome.UPSTREAM_FAILED)
         return resp
 

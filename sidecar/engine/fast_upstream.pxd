@@ -34,11 +34,13 @@ cdef class UpstreamConnection:
     cdef public DirectSocket sock
     cdef public unsigned long enroll_at
     cdef public long first_bytes
+    cdef public object usage, tail_prev, tail_last
+    cdef public Py_ssize_t tail_seen, tail_extra
     @cython.locals(relay=BodyRelay)
     cpdef data_received(self, bytes data)
-    @cython.locals(used=Py_ssize_t, direct=DirectReads, entry=Enrolled)
+    @cython.locals(used=Py_ssize_t, direct=DirectReads, entry=Enrolled, usage=bint)
     cpdef _body(self, BodyRelay relay, bytes data)
-    cpdef body_end(self, bint extra)
+    cpdef body_end(self, Py_ssize_t extra)
     cpdef invalid_body(self, exc)
     cpdef bind(self, ex, bint client_paused)
     cpdef bint usable(self, double now) except -1
@@ -50,6 +52,10 @@ cdef class UpstreamConnection:
     cpdef _unbind(self)
     @cython.locals(entry=Enrolled)
     cpdef direct_stop(self)
+    cpdef _thread_tail(self, tuple tail, Py_ssize_t extra)
+    cpdef _reads_to_usage(self, Py_ssize_t extra)
+    @cython.locals(entry=Enrolled)
+    cpdef _usage_end(self)
     @cython.locals(entry=Enrolled)
     cpdef client_gone(self)
 

@@ -3,10 +3,7 @@ two mocker engines, whose ``usage.prompt_tokens_details.cached_tokens`` are real
 hits) and the demo's mock gateway (``sidecar demo``'s, per-worker prefix caches). A tree of
 multi-turn sessions runs through the sidecar; the sidecar's per-session and per-tree totals
 (``/v1/sessions/{id}``, ``/v1/trees/{root}``) must equal the sums of what the responses the
-client received said, and later turns must show cached tokens.
-
-These need the engines to hand the router what the usage reader reads: expected to fail until
-they do (strict)."""
+client received said, and later turns must show cached tokens."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ from sidecar.demo.gateway import MockGateway, create_gateway_app
 
 from .procs import MODEL, Sidecar, Stack, start_sidecar, stop_all
 
-ENGINES_PENDING = "engines do not feed usage yet"
-pytestmark = [pytest.mark.gateway, pytest.mark.timeout(180), pytest.mark.xfail(strict=True, reason=ENGINES_PENDING)]
+pytestmark = [pytest.mark.gateway, pytest.mark.timeout(180)]
 
 TURNS = 4
 # A long shared system prompt: the second turn of a session extends the first's prompt, so its

@@ -748,23 +748,75 @@ class _Charts(html.parser.HTMLParser):
         self.text.append(data)
 
 
+# The chart workload: a tree of two sessions, each turn's (prompt, cached) as its response
+# reported it (None: a response without usage).
+CHART_TURNS: list[tuple[str, str | None, tuple[int, int] | None]] = [
+    ("chart-main", None, (800, 0)),
+    ("chart-main", None, (900, 768)),
+    ("chart-main", None, (1000, 896)),
+    ("chart-main", None, (1100, 992)),
+    ("chart-sub", "chart-main", (200, 0)),
+    ("chart-sub", "chart-main", (300, 160)),
+    ("chart-sub", "chart-main", None),
+]
+
+
+def _chart_stream(counts: tuple[int, int] | None) -> bytes:
+    from tests import usage_samples as samples
+
+    return samples.chat_stream(None if counts is None else samples.chat_usage(*counts))
+
+
 @pytest.mark.deploy
 @pytest.mark.parametrize("engine", ["aiohttp"])
 async def test_browser_draws_the_prompt_cache_charts(upstream, start_sidecar, tmp_path):
     """Turns of a tree whose responses reported usage (as the engines hand it to the router): the
     page draws the cached ratio by turn and over time, and each tree's and session's ratio."""
-    from tests import usage_samples as samples
     from tests.usage_support import play_turn
 
     binary = _chromium()
     sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
-    stream = lambda prompt, cached: samples.chat_stream(samples.chat_usage(prompt, cached))  # noqa: E731
-    for prompt, cached in ((800, 0), (900, 768), (1000, 896), (1100, 992)):
-        await play_turn(sc.router, "chart-main", stream(prompt, cached))
-    await play_turn(sc.router, "chart-sub", stream(200, 0), parent="chart-main")
-    await play_turn(sc.router, "chart-sub", stream(300, 160), parent="chart-main")
-    await play_turn(sc.router, "chart-sub", samples.chat_stream(None), parent="chart-main")
-    url = f"{sc.admin_url}/ui"
+    for session, parent, counts in CHART_TURNS:
+        await play_turn(sc.router, session, _chart_stream(counts), parent=parent)
+    await _check_charts(binary, f"{sc.admin_url}/ui", tmp_path)
+
+
+@pytest.mark.deploy
+async def test_browser_draws_the_prompt_cache_charts_of_real_traffic(raw_upstream, start_sidecar, tmp_path):
+    """The same tree's turns through the proxy, on each engine: an upstream streams each answer
+    (chunked, one event per chunk) with the usage it reports; the engine reads it from the relayed
+    body and the page draws what it counted."""
+    from tests import usage_samples as samples
+    from tests.engine import RawMessage
+    from tests.modes.wire import settled
+
+    answers = [samples.chunked_by_event(_chart_stream(counts)) for _, _, counts in CHART_TURNS]
+
+    async def answer(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        writer.write(answers.pop(0))
+        await writer.drain()
+        return True
+
+    binary = _chromium()
+    up = await raw_upstream({"/v1/chat/completions": answer})
+    sc = await start_sidecar(upstream=up.url, mode="dynamo_headers")
+    async with aiohttp.ClientSession(auto_decompress=False) as http:
+        for session, parent, counts in CHART_TURNS:
+            headers = {"X-Correlation-ID": session}
+            if parent is not None:
+                headers["X-Parent-Session-ID"] = parent
+            async with http.post(f"{sc.proxy_url}/v1/chat/completions", headers=headers, json={"stream": True}) as resp:
+                assert resp.status == 200
+                assert await resp.read() == _chart_stream(counts)  # relayed byte for byte
+            await settled(sc, session)
+    assert answers == []
+    await _check_charts(binary, f"{sc.admin_url}/ui", tmp_path)
+
+
+async def _check_charts(binary: str, url: str, tmp_path: Path) -> None:
+    """The page at ``url`` draws :data:`CHART_TURNS`: the cached ratio by turn and over time,
+    the tree's and each session's ratio, in the DOM and on screen."""
     dom_html = (await _run_chromium(binary, tmp_path / "profile-dom", "--dump-dom", url)).decode()
     png_path = tmp_path / "cache.png"
     await _run_chromium(binary, tmp_path / "profile-shot", f"--screenshot={png_path}", url)
