@@ -44,6 +44,7 @@ never zero. A leaf: imports nothing of the sidecar.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -54,6 +55,7 @@ __all__ = [
     "FIRST_BYTES",
     "LAST_BYTES",
     "MAX_USAGE_BYTES",
+    "TAIL_READS",
     "MALFORMED",
     "MISSING",
     "NO_CACHED_COUNT",
@@ -69,6 +71,10 @@ __all__ = [
 # other formats' usage last).
 FIRST_BYTES = 16 * 1024
 LAST_BYTES = 16 * 1024
+# The reads of a body's end an engine keeps (references, not copies) to show :meth:`UsageReader.last`
+# once the body ended: a stream's usage event, its ``[DONE]`` and its last chunk may each come in
+# a read of their own, and the usage event itself in a few.
+TAIL_READS = 8
 # A usage object longer than this is malformed (real ones are a few hundred bytes).
 MAX_USAGE_BYTES = 4 * 1024
 # Usage members examined per window, from its end (a stream with usage in every event has them
@@ -182,18 +188,26 @@ class UsageReader:
         self._tail = data
         self._end = end
 
-    def last_reads(self, previous: bytes | None, data: bytes, end: int, extra: int = 0) -> None:
-        """:meth:`last` for an engine's last reads as they came: ``data`` ends at body offset
-        ``end`` and ``previous`` (or None) came right before it; ``extra``: bytes at the end of
-        ``data`` that followed the body (not kept). Copies at most :data:`LAST_BYTES` of them."""
+    def last_reads(self, reads: Sequence[bytes | None], end: int, extra: int = 0) -> None:
+        """:meth:`last` for an engine's last reads as they came, oldest first (None: no read
+        there), each continuing the one before; the last ends at body offset ``end``. ``extra``:
+        bytes at the end of the last read that followed the body (not kept). Copies at most
+        :data:`LAST_BYTES` of them (plus ``extra``)."""
+        want = LAST_BYTES + extra
+        picked: list[bytes] = []
+        n = 0
+        for data in reversed(reads):
+            if data is None or n >= want:
+                break
+            if len(data) > want - n:
+                data = data[n - want :]
+            picked.append(data)
+            n += len(data)
+        window = picked[0] if len(picked) == 1 else b"".join(reversed(picked))
         if extra:
-            n = len(data) - extra
-            data = data[max(n - LAST_BYTES, 0) : max(n, 0)]
-            end -= extra
-        if previous is not None and len(data) < LAST_BYTES and end - len(data) >= len(previous):
-            self.last(previous[len(data) - LAST_BYTES :], end - len(data))
-        if data:
-            self.last(data, end)
+            window = window[: max(len(window) - extra, 0)]
+        if window:
+            self.last(window, end - extra)
 
     def result(self) -> Usage:
         """The response's usage, from what was kept (bounded work: see the module docstring)."""

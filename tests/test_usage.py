@@ -428,3 +428,25 @@ def test_random_reads_and_chunkings_agree():
             cut = rng.randint(0, max(min(at, len(raw)), len(raw) - LAST_BYTES))
             reader.last(raw[cut:], len(raw))
             assert reader.result() == expected, (name, sizes, cut)
+
+
+def test_last_reads_keeps_the_body_end_of_consecutive_reads():
+    """An engine's last reads (oldest first, None where it has none) are the body's last bytes:
+    joined, at most LAST_BYTES of them, without the bytes that followed the body."""
+    body = s.chat_stream(s.chat_usage(300, 256), words=2000)
+    reads = [body[i : i + 100] for i in range(0, len(body), 100)]
+    reader = UsageReader(False, True)
+    reader.first(reads[0])
+    reader.last_reads([None, None, *reads[-6:]], len(body))
+    assert reader.result() == Usage(UsageOutcome.REPORTED, 300, 256)
+    # a last read with bytes after the body: not kept
+    reader = UsageReader(False, True)
+    reader.first(reads[0])
+    reader.last_reads([*reads[-8:-1], reads[-1] + b"HTTP/1.1 200 OK\r\n"], len(body) + 17, 17)
+    assert reader._tail is not None and body.endswith(reader._tail)
+    assert reader.result() == Usage(UsageOutcome.REPORTED, 300, 256)
+    # only what covers LAST_BYTES is copied
+    big = [b"x" * 10000, b"y" * 10000, b"z" * 10000]
+    reader = UsageReader(False, False)
+    reader.last_reads(big, 30000)
+    assert reader._tail == b"y" * (LAST_BYTES - 10000) + b"z" * 10000

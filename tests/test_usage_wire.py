@@ -209,3 +209,37 @@ async def test_include_usage_asks_streamed_chat_completions_for_their_usage(usag
         b'"continuous_usage_stats":false}', b'"continuous_usage_stats":false,"include_usage":true}'
     )
     assert orjson.loads(forwarded)["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "body", "content_type", "chunked", "counts"),
+    [f for f in FORMATS if f[4]],
+    ids=[f[0] for f in FORMATS if f[4]],
+)
+async def test_a_stream_written_event_by_event_is_read(
+    name, path, body, content_type, chunked, counts, raw_upstream, start_sidecar
+):
+    """Each event, then the last chunk, in a write of its own a moment apart (a read each at the
+    sidecar, as servers write them): the usage event, the ``[DONE]`` and the last chunk may
+    each be a read of their own after the body's first reads."""
+    raw = s.chunked_by_event(body)
+    pieces = [piece + b"\r\n" for piece in raw.split(b"\r\n")[1::2]]  # (each chunk's data line)
+    chunks = [b"%x\r\n%s" % (len(p) - 2, p) for p in pieces if p != b"\r\n"] + [b"0\r\n\r\n"]
+    assert b"".join(chunks) == raw
+
+    async def events(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nTransfer-Encoding: chunked\r\n\r\n" % content_type.encode()
+        )
+        for chunk in chunks:
+            writer.write(chunk)
+            await writer.drain()
+            await asyncio.sleep(0.002)  # (pacing: the verdict holds however the reads fall)
+        return True
+
+    up = await raw_upstream({path: events})
+    sc = await start_sidecar(upstream=up.url, mode="dynamo_headers")
+    async with aiohttp.ClientSession(auto_decompress=False) as http:
+        for n in (1, 2):
+            assert await ask(http, sc, name, path) == body
+            assert await counted(http, sc, name) == prompt_cache(counts[0] * n, counts[1] * n, n, 0)

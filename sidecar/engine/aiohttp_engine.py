@@ -15,6 +15,7 @@ import io
 import logging
 import ssl
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
@@ -37,6 +38,7 @@ from sidecar.engine.wire import error_response
 from sidecar.errors import failure_reason
 from sidecar.router import BODY, LOAD, REFUSED, WORK, Admission, Decision, RequestHead, body_pool
 from sidecar.tls import refused_after_handshake
+from sidecar.usage import TAIL_READS
 
 log = logging.getLogger("sidecar.engine")
 
@@ -522,15 +524,14 @@ class AiohttpEngine(Engine):
                 and adm.reads_response(upstream.status, upstream.headers)
             )
             # A session's response: its prompt-cache usage, read from the body's first reads and
-            # (references to) its last two (aiohttp has taken its chunked framing off).
+            # (references to) its last few (aiohttp has taken its chunked framing off).
             usage = (
                 adm.usage_reader(upstream.status, upstream.headers, False)
                 if adm.turn is not None and request.method != "HEAD" and upstream.status not in (204, 304)
                 else None
             )
             usage_first = usage is not None
-            previous: bytes | None = None
-            last: bytes | None = None
+            kept: deque[bytes] = deque(maxlen=TAIL_READS)
             seen = 0
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():
@@ -539,7 +540,7 @@ class AiohttpEngine(Engine):
                 if usage is not None:
                     if usage_first:
                         usage_first = not usage.first(chunk)
-                    previous, last = last, chunk
+                    kept.append(chunk)
                     seen += len(chunk)
                 await resp.write(chunk)
             if closed is not None and (lost := _lost(closed)) is not None:
@@ -574,8 +575,7 @@ class AiohttpEngine(Engine):
         m.request_counter(dep.name, dep.mode_name, f"{upstream.status // 100}xx").inc()
         m.duration_hist(dep.name, dep.mode_name).observe(time.perf_counter() - t0)
         if usage is not None:  # the body went whole: what it said of its usage, before the turn ends
-            if last is not None:
-                usage.last_reads(previous, last, seen)
+            usage.last_reads(kept, seen)
             adm.on_usage(usage.result())
         adm.finish(TurnOutcome.COMPLETED if upstream.status < 500 else TurnOutcome.UPSTREAM_FAILED)
         return resp

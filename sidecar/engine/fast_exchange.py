@@ -756,7 +756,8 @@ class Exchange(UpstreamRequest):
         if adm.turn is not None:  # a session's: its prompt-cache usage is read from the body's ends
             usage = adm.usage_reader(status, self.resp_head, framed)
             if usage is not None:
-                self.usage = conn.usage = usage
+                self.usage = usage
+                conn.read_usage(usage)
                 conn.first_bytes = FIRST_CHUNKED if framed else FIRST_RAW
         return BodyRelay(output, mode, length if mode == LENGTH else 0, conn.pool.max_head)
 

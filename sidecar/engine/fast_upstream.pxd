@@ -9,6 +9,7 @@ from sidecar.engine.idle_poll cimport IdlePoller
 from sidecar.engine.relay cimport BodyRelay
 
 cdef unsigned long ENROLL_AFTER, _ENROLL_RETRY
+cdef Py_ssize_t TAIL_READS
 # Read per request: C globals, not module-dict lookups (see fast_exchange.pxd).
 cdef object perf_counter
 cdef long CLIENT_FULL, DIRECT
@@ -34,11 +35,12 @@ cdef class UpstreamConnection:
     cdef public DirectSocket sock
     cdef public unsigned long enroll_at
     cdef public long first_bytes
-    cdef public object usage, tail_prev, tail_last
-    cdef public Py_ssize_t tail_seen, tail_extra
+    cdef public object usage
+    cdef public list tail_reads
+    cdef public Py_ssize_t tail_at, tail_seen, tail_extra
     @cython.locals(relay=BodyRelay)
     cpdef data_received(self, bytes data)
-    @cython.locals(used=Py_ssize_t, direct=DirectReads, entry=Enrolled, usage=bint)
+    @cython.locals(used=Py_ssize_t, direct=DirectReads, entry=Enrolled, usage=bint, reads=list, at=Py_ssize_t)
     cpdef _body(self, BodyRelay relay, bytes data)
     cpdef body_end(self, Py_ssize_t extra)
     cpdef invalid_body(self, exc)
@@ -53,6 +55,8 @@ cdef class UpstreamConnection:
     @cython.locals(entry=Enrolled)
     cpdef direct_stop(self)
     cpdef _thread_tail(self, tuple tail, Py_ssize_t extra)
+    cpdef read_usage(self, usage)
+    @cython.locals(reads=list, at=Py_ssize_t)
     cpdef _reads_to_usage(self, Py_ssize_t extra)
     @cython.locals(entry=Enrolled)
     cpdef _usage_end(self)

@@ -61,6 +61,7 @@ from sidecar.engine.parsers import ParseError, ResponseParser
 from sidecar.engine.relay import BodyRelay
 from sidecar.errors import failure_reason
 from sidecar.tls import refused_after_handshake
+from sidecar.usage import TAIL_READS
 
 if TYPE_CHECKING:
     from sidecar.engine.relay import Writer
@@ -160,8 +161,8 @@ class UpstreamConnection:
         "enroll_at",
         "first_bytes",
         "usage",
-        "tail_prev",
-        "tail_last",
+        "tail_reads",
+        "tail_at",
         "tail_seen",
         "tail_extra",
     )
@@ -197,14 +198,14 @@ class UpstreamConnection:
         # FIRST_CHUNKED with the framing): reads go to it until it has them; 0 otherwise.
         self.first_bytes = 0
         # The usage reader of the response (sidecar.usage.UsageReader), set by the exchange for
-        # an accounted one: it gets the body's last bytes once the body ended. Meanwhile the
-        # connection keeps the last two reads its transport had (references, not copies) and the
-        # stream thread a copy of its last reads' bytes (DirectReads.enroll's ``tail``);
-        # ``tail_seen``: the body bytes read so far (to where the reader has them or these
-        # reads end); ``tail_extra``: bytes after the body in its last read.
+        # an accounted one (read_usage): it gets the body's last bytes once the body ended.
+        # Meanwhile the connection keeps the last TAIL_READS reads its transport had (references
+        # in a ring, ``tail_reads``, the next at ``tail_at``: no copy) and the stream thread a copy
+        # of the last bytes it read (DirectReads.enroll's ``tail``); ``tail_seen``: the body bytes
+        # read so far; ``tail_extra``: bytes after the body in its last read.
         self.usage: Any = None
-        self.tail_prev: bytes | None = None
-        self.tail_last: bytes | None = None
+        self.tail_reads: list[bytes | None] | None = None
+        self.tail_at = 0
         self.tail_seen = 0
         self.tail_extra = 0
 
@@ -337,15 +338,25 @@ class UpstreamConnection:
         data, relayed = tail
         self.tail_seen += relayed
         if data:
-            self.usage.last_reads(None, data, self.tail_seen, extra)
+            self.usage.last_reads((data,), self.tail_seen, extra)
+
+    def read_usage(self, usage: Any) -> None:
+        """The response's body goes to ``usage`` (a :class:`~sidecar.usage.UsageReader`): its
+        first reads (``first_bytes``, set by the exchange) and its last bytes once it ended."""
+        self.usage = usage
+        self.tail_reads = [None] * TAIL_READS
+        self.tail_at = 0
 
     def _reads_to_usage(self, extra: int) -> None:
         """The last reads the transport had (since the reader last got any) to the usage reader
         (``extra``: bytes after the body at their end)."""
-        last = self.tail_last
-        if last is not None:
-            self.usage.last_reads(self.tail_prev, last, self.tail_seen, extra)
-            self.tail_prev = self.tail_last = None
+        reads = self.tail_reads
+        assert reads is not None
+        at = self.tail_at
+        if reads[at - 1 if at else TAIL_READS - 1] is not None:  # (the newest read)
+            self.usage.last_reads(reads[at:] + reads[:at], self.tail_seen, extra)
+            self.tail_reads = [None] * TAIL_READS
+            self.tail_at = 0
 
     def _usage_end(self) -> None:
         """The body ended: the usage reader gets its last bytes, from the stream thread if it
@@ -380,7 +391,7 @@ class UpstreamConnection:
         self.first_bytes = 0
         if self.usage is not None:  # (before direct_stop: nothing more for the reader)
             self.usage = None
-            self.tail_prev = self.tail_last = None
+            self.tail_reads = None
             self.tail_seen = self.tail_extra = 0
         if self.direct:
             self.direct_stop()
@@ -468,9 +479,11 @@ class UpstreamConnection:
                 self.first_bytes = 0
             else:
                 self.enroll_at = relay.reads + 2  # its next read comes here too
-        if self.usage is not None:  # (an accounted response: its last reads are kept)
-            self.tail_prev = self.tail_last
-            self.tail_last = data
+        reads = self.tail_reads
+        if reads is not None:  # (an accounted response: its last reads are kept)
+            at = self.tail_at
+            reads[at] = data
+            self.tail_at = (at + 1) % TAIL_READS
             self.tail_seen += len(data)
         try:
             used = relay.feed(data)
