@@ -623,10 +623,12 @@ class RedisState(SessionState):
                 if sid in self._dirty and sid not in urgent:
                     sids.append(sid)
             written: dict[str, _Written] = {}
-            args = self._ops(sids, written, everything=everything)
+            # Republished records first: a pending turn count of the same session then adds to
+            # the record (an increment to a missing record is dropped).
             republish = self._republish[:REPUBLISH_BATCH]
             del self._republish[:REPUBLISH_BATCH]
-            args += self._republish_ops(republish)
+            args = self._republish_ops(republish)
+            args += self._ops(sids, written, everything=everything)
             for sid, token in acks.items():
                 args += ("K", sid, token)
             now_ms = ms(self.wall())
@@ -803,6 +805,11 @@ class RedisState(SessionState):
             if facts is None:
                 continue
             deployment, above, root, flags, turns, created, last_active = facts
+            entry = self._dirty.get(sid)
+            if entry is not None and entry.node is self.tree.node_of(sid):
+                # the count the store had from here: what is pending goes out with the entry's
+                # own write, as an increment (counted once, whichever lands first)
+                turns = 0 if entry.created else entry.turns0
             active = ms(wall - (tree_now - last_active))
             key_ttl = int(self._ttl_of(sid) + self.tomb_ttl + KEY_GRACE_SECONDS)
             rec = self._held_api(sid)
