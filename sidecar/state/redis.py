@@ -696,7 +696,11 @@ class RedisState(SessionState):
                 self._end_outcome(sid, outcome)
 
     def _untake(self, written: dict[str, _Written], urgent: set[str]) -> None:
-        """A write failed: what it took from the dirty table is pending again."""
+        """A write failed: what it took from the dirty table is pending again. The store may
+        have applied it all the same (a reply that came too late): the count of requests in
+        flight here goes out again whatever it is then (a holder the store kept from the lost
+        write, with the requests finished meanwhile, would hold the session's end forever), at
+        the next write."""
         self._urgent |= urgent
         for sid, w in written.items():
             entry = self._dirty.get(sid)
@@ -704,6 +708,8 @@ class RedisState(SessionState):
                 entry.created |= w.created
                 entry.mode |= w.mode
                 entry.workers |= w.workers
+                entry.in_flight0 = -1
+                self._urgent.add(sid)
 
     async def _scripts(
         self,
