@@ -1,6 +1,6 @@
 """Proxy benchmark: the sidecar against nginx and Envoy doing the same header injection.
 
-    python bench/proxy_bench.py [--cases a,b,c,d,e,f,g,h,i,j] [--engines fast,aiohttp] [--rounds 5]
+    python bench/proxy_bench.py [--cases a,b,c,d,e,f,g,h,i,j] [--engines fast,aiohttp] [--baseline DIR] [--rounds 5]
                                 [--duration 5] [--warmup 1] [--prefill 1000000] [--store-prefill 100000]
                                 [--stream-n 200] [--stream-n-large 1000] [--stream-events 100]
                                 [--stream-waves 3] [--stream-gap-ms 20] [--stream-bytes 110]
@@ -76,6 +76,7 @@ PROXY_CPU = 0
 LOAD_CPU = 1
 HOST = "127.0.0.1"
 ENGINES = ("fast", "aiohttp")
+BASELINE = "baseline"  # the fast engine of another checkout (--baseline): before/after in one run
 CHAT_PATH = "/v1/chat/completions"
 SSE_PATH = "/v1/sse"
 STREAM_PATH = "/v1/stream"
@@ -667,10 +668,15 @@ class Lab:
                     "required": True,
                 }
             conf.write_text(json.dumps(config))  # JSON is YAML
+            if spec.engine == BASELINE:
+                # -P: the other checkout's sidecar, not the one in the working directory
+                python = [str(args.baseline / ".venv" / "bin" / "python"), "-P"]
+            else:
+                python = [sys.executable]
             proc = self.procs.start(
                 name,
                 [
-                    sys.executable,
+                    *python,
                     "-m",
                     "sidecar",
                     "run",
@@ -685,7 +691,7 @@ class Lab:
                     # dynamo_nvext: the form whose every turn carries the whole patch, as in earlier results.
                     *(["--mode-opt", "protocol=bind"] if spec.mode == "dynamo_nvext" else []),
                     "--engine",
-                    str(spec.engine),
+                    "fast" if spec.engine == BASELINE else str(spec.engine),
                     "--log-level",
                     "warning",
                     "--config",
@@ -1061,6 +1067,18 @@ class Case:
     @property
     def connection_counts(self) -> tuple[int, ...]:
         return self.loads or (self.connections,)
+
+
+def baseline_commit(checkout: Path) -> str:
+    """The commit a --baseline checkout is at (``-dirty`` with uncommitted changes)."""
+
+    def git(*argv: str) -> str:
+        done = subprocess.run(["git", "-C", str(checkout), *argv], capture_output=True, text=True, check=False)
+        return done.stdout.strip()
+
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + (
+        "-dirty" if git("status", "--porcelain", "-uno") else ""
+    )
 
 
 def sidecar(engine: str) -> str:
@@ -2288,6 +2306,8 @@ def markdown(
             "A run with fewer rounds or shorter runs than the defaults is a smoke test, not a measurement.",
             "",
         ]
+    if args.baseline is not None:
+        lines += [f"sidecar(baseline): the fast engine of {baseline_commit(args.baseline)}, from {args.baseline}.", ""]
     if rows:
         lines += request_table(rows, args)
     if stream_rows:
@@ -2324,6 +2344,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", default=",".join(cases), help="comma-separated case letters or names (default: all)")
     p.add_argument(
         "--engines", default=",".join(ENGINES), help="sidecar engines, comma-separated (default: fast,aiohttp)"
+    )
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout of the sidecar, built in its own .venv: its fast engine joins the run as "
+        "sidecar(baseline), a before/after comparison measured in the same rounds (not in case i)",
     )
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (default 5)")
     p.add_argument("--duration", type=float, default=5, help="seconds per measured wrk run (default 5)")
@@ -2373,6 +2399,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if bad := [e for e in args.engines if e not in ENGINES]:
         p.error(f"--engines: unknown {bad}; choose from {', '.join(ENGINES)}")
+    if args.baseline is not None:
+        if not (args.baseline / ".venv" / "bin" / "python").exists():
+            p.error(f"--baseline: no .venv/bin/python in {args.baseline} (build that checkout first)")
+        args.baseline = args.baseline.resolve()
+        args.engines.append(BASELINE)
     if args.rounds < 1 or args.duration < 1 or args.warmup < 1 or args.prefill < 1 or args.store_prefill < 1:
         p.error("--rounds, --duration, --warmup, --prefill and --store-prefill must be >= 1")
     if (

@@ -645,10 +645,12 @@ class RedisState(SessionState):
                 if sid in self._dirty and sid not in urgent:
                     sids.append(sid)
             written: dict[str, _Written] = {}
-            args = self._ops(sids, written, everything=everything)
+            # Republished records first: a pending turn count of the same session then adds to
+            # the record (an increment to a missing record is dropped).
             republish = self._republish[:REPUBLISH_BATCH]
             del self._republish[:REPUBLISH_BATCH]
-            args += self._republish_ops(republish)
+            args = self._republish_ops(republish)
+            args += self._ops(sids, written, everything=everything)
             for sid, token in acks.items():
                 args += ("K", sid, token)
             now_ms = ms(self.wall())
@@ -717,7 +719,11 @@ class RedisState(SessionState):
                 self._end_outcome(sid, outcome)
 
     def _untake(self, written: dict[str, _Written], urgent: set[str]) -> None:
-        """A write failed: what it took from the dirty table is pending again."""
+        """A write failed: what it took from the dirty table is pending again. The store may
+        have applied it all the same (a reply that came too late): the count of requests in
+        flight here goes out again whatever it is then (a holder the store kept from the lost
+        write, with the requests finished meanwhile, would hold the session's end forever), at
+        the next write."""
         self._urgent |= urgent
         for sid, w in written.items():
             entry = self._dirty.get(sid)
@@ -728,6 +734,8 @@ class RedisState(SessionState):
                 if w.usage is not None:
                     pending = entry.usage
                     entry.usage = w.usage if pending is None else [a + b for a, b in zip(pending, w.usage)]
+                entry.in_flight0 = -1
+                self._urgent.add(sid)
 
     async def _scripts(
         self,
@@ -832,6 +840,11 @@ class RedisState(SessionState):
             if facts is None:
                 continue
             deployment, above, root, flags, turns, created, last_active = facts
+            entry = self._dirty.get(sid)
+            if entry is not None and entry.node is self.tree.node_of(sid):
+                # the count the store had from here: what is pending goes out with the entry's
+                # own write, as an increment (counted once, whichever lands first)
+                turns = 0 if entry.created else entry.turns0
             active = ms(wall - (tree_now - last_active))
             key_ttl = int(self._ttl_of(sid) + self.tomb_ttl + KEY_GRACE_SECONDS)
             rec = self._held_api(sid)

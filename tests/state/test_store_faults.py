@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,14 +27,32 @@ async def faults(redis_server) -> AsyncIterator[FaultProxy]:
     await proxy.close()
 
 
-async def _ends_once(upstream, sessions: list[str], *, timeout: float = 20.0) -> None:
-    """Every one of ``sessions`` got exactly one ``finish_session``, and no more come."""
-    await wait_for(lambda: all(finishes(upstream, s) for s in sessions), timeout=timeout)
+async def _ends_once(upstream, sessions: list[str], *, timeout: float = 20.0, store=None, fleet=()) -> None:
+    """Every one of ``sessions`` got exactly one ``finish_session``, and no more come. (``store``
+    and ``fleet``: what a failure shows of the store's records and the replicas' state.)"""
+    try:
+        await wait_for(lambda: all(finishes(upstream, s) for s in sessions), timeout=timeout)
+    except AssertionError as exc:
+        seen = []
+        for s in sessions:
+            if store is not None:
+                seen.append(f"{s}: {store.redis.cli('HGETALL', store.prefix + 's:' + s).split()}")
+        if store is not None:
+            seen.append(f"ends: {store.redis.cli('ZRANGE', store.prefix + 'ends', '0', '-1', 'WITHSCORES').split()}")
+        for r in fleet:
+            st = r.state
+            seen.append(
+                f"replica {st.replica}: up {st.up} ending {dict(st._ending)} checks {dict(st._checks)}"
+                f" running {dict(st._running)} acks {dict(st._acks)}"
+            )
+        raise AssertionError("\n".join([str(exc), *seen])) from None
     await asyncio.sleep(1.5)  # (a second claimer would have run by now: two sweeps, a settle window)
     assert {s: len(finishes(upstream, s)) for s in sessions} == dict.fromkeys(sessions, 1)
 
 
-async def test_an_api_close_whose_claim_reply_is_late_still_ends_the_session_once(faults, upstream, replicas, http):
+async def test_an_api_close_whose_claim_reply_is_late_still_ends_the_session_once(
+    faults, upstream, replicas, http, redis_server
+):
     a, b = await replicas(2, upstream=upstream.url, mode="vllm_router", state={"url": faults.url})
     sid = "late-claim-close"
     assert (await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default", "session_id": sid}))[
@@ -44,7 +63,7 @@ async def test_an_api_close_whose_claim_reply_is_late_still_ends_the_session_onc
     status, closed = await api(http, "POST", a.admin_url + f"/v1/sessions/{sid}/close")
     assert status == 200 and closed["status"] == "closed"
     await wait_for(held.is_set, timeout=10)
-    await _ends_once(upstream, [sid])
+    await _ends_once(upstream, [sid], store=SimpleNamespace(redis=redis_server, prefix=replicas.prefix), fleet=(a, b))
 
 
 async def test_a_final_turn_whose_claim_reply_is_late_still_ends_the_session_once(faults, upstream, replicas, http):
@@ -105,6 +124,9 @@ async def test_a_store_that_lost_its_data_gets_back_the_requests_in_flight_and_t
         0
     ] == 201
     assert (await post(http, a, sid))[0] == 200
+    # A's turn is in the store before B loads the session: B's count then includes it (a replica
+    # that loaded before another's write landed republishes only what it saw: docs/state.md)
+    await a.state.flush_pending()
 
     async def stream() -> bytes:
         async with http.get(b.proxy_url + "/sse?chunks=30&gap=0.2", headers={"X-Correlation-ID": sid}) as resp:
@@ -148,6 +170,31 @@ async def test_a_deaf_subscription_is_found_and_the_replica_learns_the_close(
     await wait_for(lambda: b.router.store.get(sid).status is SessionStatus.CLOSED, timeout=10)
     assert (await post(http, b, sid))[0] == 410
     await _ends_once(upstream, [sid])
+
+
+async def test_a_holder_written_by_a_write_whose_reply_was_lost_is_corrected(faults, upstream, replicas, http):
+    # B has not heard of A's close (its subscription is deaf) and admits a request of the
+    # session. B's write of that request in flight reaches the store, whose reply (which names
+    # the closing session) comes too late: B counts the write as failed. The request finishes
+    # meanwhile, so B's count is back to what it last wrote; the store still held B's request,
+    # and the end waited for it forever. B writes its count again after a failed write.
+    a = await replicas.one(upstream=upstream.url, mode="vllm_router")
+    b = await replicas.one(upstream=upstream.url, mode="vllm_router", state={"url": faults.url})
+    sid = "lost-holder-write"
+    assert (await api(http, "POST", a.admin_url + "/v1/sessions", {"deployment": "default", "session_id": sid}))[
+        0
+    ] == 201
+    assert (await post(http, b, sid))[0] == 200
+    await b.state.flush_pending()  # (nothing of it pending on B: its next write is the next request's)
+    faults.silence_subscriptions()
+    assert (await api(http, "POST", a.admin_url + f"/v1/sessions/{sid}/close"))[0] == 200
+    held = faults.delay_reply_with(sid, LATE)
+    # B did not know yet; the stream ends while B's breaker is open after the lost reply
+    async with http.get(b.proxy_url + "/sse?chunks=3&gap=0.2", headers={"X-Correlation-ID": sid}) as resp:
+        assert resp.status == 200
+        assert (await resp.read()).count(b"data: ") == 4
+    assert held.is_set()
+    await _ends_once(upstream, [sid], timeout=30)
 
 
 async def test_a_replica_with_a_deaf_subscription_learns_a_close_from_its_writes(
