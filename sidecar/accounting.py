@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sidecar.config import Config, UsageConfig
+from sidecar.config import Config
 from sidecar.jsonbody import RepeatedKeys, load_bounded, scan_body, splice
 from sidecar.metrics import Metrics
 from sidecar.usage import Usage, UsageOutcome
@@ -32,10 +32,12 @@ TURN_BUCKETS = ("1", "2", "3-5", "6-10", "11+")
 WINDOW_SECONDS = 900
 SLOT_SECONDS = 30
 _SLOTS = WINDOW_SECONDS // SLOT_SECONDS
+_SLOT_SECONDS = float(SLOT_SECONDS)
 _B = len(TURN_BUCKETS)
 # A slot's layout: [slot number, prompt tokens by bucket..., cached tokens by bucket..., responses
 # that reported by bucket..., responses without usable usage]
-_PROMPT, _CACHED, _REPORTED, _UNKNOWN = 1, 1 + _B, 1 + 2 * _B, 1 + 3 * _B
+_PROMPT, _CACHED, _REPORTING, _UNKNOWN = 1, 1 + _B, 1 + 2 * _B, 1 + 3 * _B
+_REPORTED = UsageOutcome.REPORTED
 
 
 def turn_bucket(turn: int) -> int:
@@ -52,7 +54,11 @@ class Accounting:
     on the event loop, like the router that owns it."""
 
     def __init__(self, config: Config, metrics: Metrics, clock: Callable[[], float] = time.time) -> None:
-        self.settings: dict[str, UsageConfig] = {d.name: d.usage for d in config.resolved_deployments()}
+        settings = [(d.name, d.usage) for d in config.resolved_deployments()]
+        # The deployments that account and that inject, as sets: asked per response (a pydantic
+        # model's attribute read costs hundreds of instructions).
+        self._accounted = frozenset(name for name, usage in settings if usage.accounting)
+        self._injected = frozenset(name for name, usage in settings if usage.include_usage)
         self._metrics = metrics
         self._clock = clock
         # (deployment, mode, bucket) -> (prompt counter, cached counter); (deployment, mode,
@@ -63,13 +69,11 @@ class Accounting:
 
     def accounts(self, deployment: str) -> bool:
         """Whether ``deployment`` reads its responses' usage (``usage.accounting``)."""
-        settings = self.settings.get(deployment)
-        return settings is not None and settings.accounting
+        return deployment in self._accounted
 
     def injects(self, deployment: str) -> bool:
         """Whether ``deployment`` asks for usage in streamed chat completions (``usage.include_usage``)."""
-        settings = self.settings.get(deployment)
-        return settings is not None and settings.include_usage
+        return deployment in self._injected
 
     def count(self, deployment: str, mode: str, turn: int, usage: Usage) -> None:
         """One response of a session's ``turn`` and what it said of its usage."""
@@ -79,7 +83,7 @@ class Accounting:
             responses = self._responses[key] = self._metrics.usage_responses.labels(*key)
         responses.inc()
         slot = self._slot()
-        if not usage.reported:
+        if usage.outcome is not _REPORTED:
             slot[_UNKNOWN] += 1
             return
         bucket = turn_bucket(turn)
@@ -94,10 +98,11 @@ class Accounting:
         tokens[1].inc(usage.cached_tokens)
         slot[_PROMPT + bucket] += usage.prompt_tokens
         slot[_CACHED + bucket] += usage.cached_tokens
-        slot[_REPORTED + bucket] += 1
+        slot[_REPORTING + bucket] += 1
 
     def _slot(self) -> list[int]:
-        number = int(self._clock() // SLOT_SECONDS)
+        now = self._clock()
+        number = int(now // _SLOT_SECONDS)
         slot = self._slots[number % _SLOTS]
         if slot[0] != number:  # a slot of an older round: cleared for this one
             slot[:] = [number] + [0] * (3 * _B + 1)
@@ -119,7 +124,7 @@ class Accounting:
                     "at": slot[0] * SLOT_SECONDS,
                     "prompt_tokens": slot[_PROMPT : _PROMPT + _B],
                     "cached_tokens": slot[_CACHED : _CACHED + _B],
-                    "reported_responses": slot[_REPORTED : _REPORTED + _B],
+                    "reported_responses": slot[_REPORTING : _REPORTING + _B],
                     "unknown_responses": slot[_UNKNOWN],
                 }
             )
@@ -128,7 +133,7 @@ class Accounting:
             "slot_seconds": SLOT_SECONDS,
             "turn_buckets": list(TURN_BUCKETS),
             "by_turn": [
-                _bucket(TURN_BUCKETS[b], totals[_PROMPT - 1 + b], totals[_CACHED - 1 + b], totals[_REPORTED - 1 + b])
+                _bucket(TURN_BUCKETS[b], totals[_PROMPT - 1 + b], totals[_CACHED - 1 + b], totals[_REPORTING - 1 + b])
                 for b in range(_B)
             ],
             "unknown_responses": totals[_UNKNOWN - 1],

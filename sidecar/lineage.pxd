@@ -38,6 +38,10 @@ cdef class SessionTree:
     cpdef begin(self, session, parent, root_hint, final, deployment)
     @cython.locals(node=SessionNode, root=SessionNode, in_flight=long)
     cpdef finish(self, Turn turn, outcome)
+    @cython.locals(node=SessionNode)
+    cpdef record_usage(self, Turn turn, long long prompt_tokens, long long cached_tokens)
+    @cython.locals(node=SessionNode)
+    cpdef record_unknown_usage(self, Turn turn)
     @cython.locals(nodes=dict)
     cdef _index(self, session, SessionNode node)
 

@@ -7,6 +7,8 @@ from sidecar.lineage cimport SessionTree, Turn
 from sidecar.context cimport BodyPatch, RoutingContext
 from sidecar.headers cimport is_field_value, lookup
 from sidecar.jsonbody cimport ScannedBody, splice
+from sidecar.accounting cimport Accounting
+from sidecar.usage cimport Usage
 
 cdef class Router
 
@@ -51,7 +53,7 @@ cdef class Admission:
     @cython.locals(turn=Turn, decision=Decision, router=Router, dep=Deployment)
     cpdef usage_reader(self, long status, headers, bint chunked)
     @cython.locals(turn=Turn, decision=Decision)
-    cpdef on_usage(self, usage)
+    cpdef on_usage(self, Usage usage)
     @cython.locals(turn=Turn)
     cpdef finish(self, outcome)
     cpdef _ready(self, Decision decision)
@@ -60,7 +62,8 @@ cdef class Admission:
 
 cdef class Router:
     cdef public object config, metrics, deployments, _by_name, _by_model, _selection_body_limit, store
-    cdef public object state, accounting
+    cdef public object state
+    cdef public Accounting accounting
     cdef public int _scan_depth
     cdef public tuple _top_names
     cdef public set _patch_roots
@@ -93,7 +96,7 @@ cdef class Router:
     @cython.locals(turn=Turn, decision=Decision, add=tuple, ctx=RoutingContext)
     cpdef Decision _admit(self, Admission adm, Deployment dep, Identity ident, rec)
     cpdef _release(self, Turn turn, rec, outcome)
-    cpdef _account(self, Deployment dep, Turn turn, usage)
+    cpdef _account(self, Deployment dep, Turn turn, Usage usage)
     cpdef _forward_body(self, Admission adm, Decision decision, bytes body)
     cpdef bint _asks_usage(self, Deployment dep, RequestHead head) except -1
 

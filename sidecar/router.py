@@ -270,7 +270,9 @@ class Admission:
         dep = decision.deployment
         if not router.accounting.accounts(dep.name):
             return None
-        kind = (lookup(headers, _CONTENT_TYPE) or "").partition(";")[0].strip().lower()
+        kind = lookup(headers, _CONTENT_TYPE) or ""
+        if kind != "application/json" and kind != "text/event-stream":  # (else: as most send them)
+            kind = kind.partition(";")[0].strip().lower()
         stream = kind == "text/event-stream"
         if (
             not stream

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -87,6 +86,9 @@ MAX_RESYNC_STEPS = 4096
 # Where a usage key cut by a chunk's framing is looked for: the last bytes of a window (usage
 # members end the last event of every format, a few hundred bytes before the body's end).
 KEY_CUT_BYTES = 4 * 1024
+# Closing braces a usage object is tried at before its end is scanned for (see _member).
+_QUICK_TRIES = 4
+_OBJECT_BYTES = MAX_USAGE_BYTES
 # Counts above this are not token counts.
 MAX_COUNT = 1 << 53
 
@@ -101,31 +103,53 @@ class UsageOutcome(StrEnum):
     UNREADABLE = "unreadable"  # a body the sidecar could not read (encoded, framing not followed)
 
 
-@dataclass(frozen=True, slots=True)
 class Usage:
-    """One response's usage: the counts when ``outcome`` is REPORTED, else 0 (unknown)."""
+    """One response's usage: the counts when ``outcome`` is REPORTED, else 0 (unknown). A value
+    (compared and hashed by its fields), never changed once made; compiled, an extension type
+    whose fields the request path reads as C fields."""
 
-    outcome: UsageOutcome
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
+    __slots__ = ("outcome", "prompt_tokens", "cached_tokens")
+
+    def __init__(self, outcome: UsageOutcome, prompt_tokens: int = 0, cached_tokens: int = 0) -> None:
+        self.outcome = outcome
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
 
     @property
     def reported(self) -> bool:
-        return self.outcome is UsageOutcome.REPORTED
+        return self.outcome is _REPORTED
+
+    def _key(self) -> tuple[UsageOutcome, int, int]:
+        return (self.outcome, self.prompt_tokens, self.cached_tokens)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Usage) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return f"Usage({self.outcome.value!r}, prompt_tokens={self.prompt_tokens}, cached_tokens={self.cached_tokens})"
 
 
+_REPORTED = UsageOutcome.REPORTED
 MISSING = Usage(UsageOutcome.MISSING)
 NO_CACHED_COUNT = Usage(UsageOutcome.NO_CACHED_COUNT)
 MALFORMED = Usage(UsageOutcome.MALFORMED)
 UNREADABLE = Usage(UsageOutcome.UNREADABLE)
 # When no member reported counts, the answer is the most telling of what was seen.
-_RANK = {UsageOutcome.MALFORMED: 3, UsageOutcome.NO_CACHED_COUNT: 2, UsageOutcome.UNREADABLE: 1}
+_RANK = {
+    UsageOutcome.MALFORMED: 3,
+    UsageOutcome.NO_CACHED_COUNT: 2,
+    UsageOutcome.UNREADABLE: 1,
+    UsageOutcome.MISSING: 0,
+    UsageOutcome.REPORTED: 0,
+}
 
 _KEY = b'"usage"'
 # What the bytes hold when a chunk's framing cuts a usage key (or follows it): the longer of its
 # two parts, with the framing's CRLF on its side.
 _KEY_CUT = tuple(b"\r\n" + _KEY[i:] if i < 3 else _KEY[:i] + b"\r\n" for i in range(1, len(_KEY) + 1))
-_WS = b" \t\r\n"
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 # What an object scan stops at: quotes, braces, brackets and backslashes.
 _SPECIAL = re.compile(rb'["{}\[\]\\]')
@@ -172,6 +196,11 @@ class UsageReader:
             self._head_done = _first_event_done(head, self.chunked)
         return self._head_done
 
+    def holds(self, end: int) -> bool:
+        """Whether the bytes :meth:`first` kept are the body's first ``end`` bytes (all of
+        them): an engine need not keep those reads for :meth:`last` too."""
+        return len(self._head) >= end
+
     def last(self, data: bytes, end: int) -> None:
         """The body's last bytes so far: ``data`` ends at body offset ``end`` (the body's bytes
         as read, framing included, up to and with ``data``'s last one; ``end >= len(data)``).
@@ -212,22 +241,19 @@ class UsageReader:
     def result(self) -> Usage:
         """The response's usage, from what was kept (bounded work: see the module docstring)."""
         head, tail = self._head, self._tail
-        windows: list[tuple[bytes, bool]] = []  # (bytes, they begin the body)
-        if tail is not None and self._end - len(tail) <= len(head):
-            windows.append((head[: max(self._end - len(tail), 0)] + tail, True))  # one window from the start
-        else:
-            if tail:
-                windows.append((tail, False))
-            if head:
-                windows.append((head, True))
-        worst = MISSING
-        for raw, at_start in windows:
-            found = _framed_usage(raw, at_start) if self.chunked else find_usage(raw, at_start)
-            if found.reported:
-                return found
-            if _RANK.get(found.outcome, 0) > _RANK.get(worst.outcome, 0):
-                worst = found
-        return worst
+        if tail is None or self._end - len(tail) <= len(head):  # one window, from the start
+            return self._find(head if tail is None else head[: max(self._end - len(tail), 0)] + tail, True)
+        found = self._find(tail, False) if tail else MISSING
+        if found.outcome is _REPORTED or not head:
+            return found
+        other = self._find(head, True)
+        if other.outcome is _REPORTED or _RANK[other.outcome] > _RANK[found.outcome]:
+            return other
+        return found
+
+    def _find(self, raw: bytes, at_start: bool) -> Usage:
+        """The usage in one window of the body (``at_start``: it begins the body)."""
+        return _framed_usage(raw, at_start) if self.chunked else _last_usage(raw, at_start)[0]
 
 
 def _framed_usage(raw: bytes, at_start: bool) -> Usage:
@@ -261,15 +287,15 @@ def _last_usage(payload: bytes, at_start: bool) -> tuple[Usage, int, UsageOutcom
     most telling outcome of the members after it (or of all, when none reported)."""
     worst = MISSING
     pos = len(payload)
-    for _ in range(MAX_CANDIDATES):
+    for _tried in range(MAX_CANDIDATES):
         pos = payload.rfind(_KEY, 0, pos)
         if pos < 0:
             break
         found = _member(payload, pos, at_start)
         if found is not None:
-            if found.reported:
+            if found.outcome is _REPORTED:
                 return found, pos, worst.outcome
-            if _RANK.get(found.outcome, 0) > _RANK.get(worst.outcome, 0):
+            if _RANK[found.outcome] > _RANK[worst.outcome]:
                 worst = found
     return worst, 0, worst.outcome
 
@@ -293,7 +319,7 @@ def interpret(usage: Any) -> Usage | None:
             written = 0
         if not (_count(uncached) and _count(read) and _count(written)):
             return MALFORMED
-        return Usage(UsageOutcome.REPORTED, uncached + read + written, read)
+        return Usage(_REPORTED, uncached + read + written, read)
     return _with_details(uncached, usage.get("input_tokens_details"))  # Responses
 
 
@@ -310,7 +336,7 @@ def _with_details(prompt: Any, details: Any) -> Usage:
         return NO_CACHED_COUNT
     if not _count(cached) or cached > prompt:
         return MALFORMED
-    return Usage(UsageOutcome.REPORTED, prompt, cached)
+    return Usage(_REPORTED, prompt, cached)
 
 
 def _count(value: Any) -> bool:
@@ -341,6 +367,21 @@ def _member(payload: bytes, pos: int, at_start: bool) -> Usage | None:
         return None
     if c != 0x7B:  # "{"
         return MALFORMED
+    # The object ends at the first "}" where it parses (an object's extent is fixed by its
+    # bytes: no shorter prefix of it is a JSON object, and nothing longer parses once one
+    # did not at its closing brace); a usage object nests once or twice. Past a few tries (an
+    # object cut by the window's end, a malformed one, braces in strings), its end is scanned.
+    limit = i + _OBJECT_BYTES
+    if limit > len(payload):
+        limit = len(payload)
+    end = payload.find(b"}", i, limit)
+    tries = 0
+    while end >= 0 and tries < _QUICK_TRIES:
+        try:
+            return interpret(orjson.loads(payload[i : end + 1]))
+        except orjson.JSONDecodeError:
+            end = payload.find(b"}", end + 1, limit)
+            tries += 1
     end = _object_end(payload, i)
     if end == -1:
         return None  # cut by the window's end
@@ -355,7 +396,10 @@ def _member(payload: bytes, pos: int, at_start: bool) -> Usage | None:
 
 def _skip_ws(data: bytes, i: int) -> int:
     n = len(data)
-    while i < n and data[i] in _WS:
+    while i < n:
+        c = data[i]
+        if c != 0x20 and c != 0x0A and c != 0x0D and c != 0x09:
+            break
         i += 1
     return i
 

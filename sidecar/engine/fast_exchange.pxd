@@ -12,6 +12,7 @@ from sidecar.engine.head cimport (HeaderBlock, copy_block, cut, decimal, first_v
 from sidecar.metrics cimport DeploymentStats, _Value
 from sidecar.deployments cimport Deployment
 from sidecar.router cimport Admission, Decision, RequestHead, Router
+from sidecar.usage cimport UsageReader
 
 cdef class Exchange(UpstreamRequest)
 
@@ -86,7 +87,7 @@ cdef class Exchange(UpstreamRequest):
     cdef public HeaderBlock resp_head
     cdef public double head_at
     cdef public bint close_after, reads_id
-    cdef public object usage
+    cdef public UsageReader usage
     cpdef setup(self, ClientBase client, bytes raw, Py_ssize_t block_start, Py_ssize_t block_end, bytes method,
                 bytes target, bint keep_alive, length)
     @cython.locals(shared=EngineState)

@@ -344,19 +344,20 @@ class UpstreamConnection:
         """The response's body goes to ``usage`` (a :class:`~sidecar.usage.UsageReader`): its
         first reads (``first_bytes``, set by the exchange) and its last bytes once it ended."""
         self.usage = usage
-        self.tail_reads = [None] * TAIL_READS
+        self.tail_reads = None  # (made at the first read the reader's beginning does not hold)
         self.tail_at = 0
 
     def _reads_to_usage(self, extra: int) -> None:
         """The last reads the transport had (since the reader last got any) to the usage reader
         (``extra``: bytes after the body at their end)."""
         reads = self.tail_reads
-        assert reads is not None
+        if reads is None:  # none since: the reader's beginning holds them
+            return
         at = self.tail_at
         if reads[at - 1 if at else TAIL_READS - 1] is not None:  # (the newest read)
             self.usage.last_reads(reads[at:] + reads[:at], self.tail_seen, extra)
-            self.tail_reads = [None] * TAIL_READS
-            self.tail_at = 0
+        self.tail_reads = None
+        self.tail_at = 0
 
     def _usage_end(self) -> None:
         """The body ended: the usage reader gets its last bytes, from the stream thread if it
@@ -479,12 +480,17 @@ class UpstreamConnection:
                 self.first_bytes = 0
             else:
                 self.enroll_at = relay.reads + 2  # its next read comes here too
-        reads = self.tail_reads
-        if reads is not None:  # (an accounted response: its last reads are kept)
-            at = self.tail_at
-            reads[at] = data
-            self.tail_at = (at + 1) % TAIL_READS
-            self.tail_seen += len(data)
+        reader = self.usage
+        if reader is not None:  # an accounted response: its last reads are kept, unless the
+            # reader's copy of the body's beginning has them (a body of one read, most often)
+            seen = self.tail_seen = self.tail_seen + len(data)
+            if not reader.holds(seen):
+                reads = self.tail_reads
+                if reads is None:
+                    reads = self.tail_reads = [None] * TAIL_READS
+                at = self.tail_at
+                reads[at] = data
+                self.tail_at = (at + 1) % TAIL_READS
         try:
             used = relay.feed(data)
         except ParseError as exc:
