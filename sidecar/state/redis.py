@@ -867,7 +867,11 @@ class RedisState(SessionState):
                 out += ("H", sid, held)
             node = self.tree.node_of(sid)
             if node is not None and (node.usage_turns or node.unknown_turns):
-                out += ("B", sid, node.prompt_tokens, node.cached_tokens, node.usage_turns, node.unknown_turns)
+                usage = [node.prompt_tokens, node.cached_tokens, node.usage_turns, node.unknown_turns]
+                if entry is not None and entry.node is node and entry.usage is not None:
+                    # what is not written yet follows as increments (counted once, like the turns)
+                    usage = [n - pending for n, pending in zip(usage, entry.usage, strict=True)]
+                out += ("B", sid, *usage)
         return out
 
     def _held_api(self, sid: str) -> ApiSession | None:

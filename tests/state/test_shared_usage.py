@@ -98,3 +98,26 @@ async def test_a_store_that_lost_its_data_gets_the_totals_back(upstream, replica
         lambda got: got[0] == 200 and got[1]["prompt_cache"] == counts(1100, 500, 2, 1),
         timeout=10,
     )
+
+
+async def test_usage_not_written_yet_is_counted_once_when_the_store_lost_its_data(upstream, replicas, redis_server):
+    # A turn's usage is pending when the replica republishes its session to a store that lost its
+    # data: the republished totals leave it out and its increments follow (it was counted twice).
+    # The writer's tick is long, so the flushes here are the test's own.
+    (a,) = await replicas(1, upstream=upstream.url, mode="dynamo_headers", state={"flush_interval_ms": 1000})
+    key = replicas.prefix + "s:again"
+    await play_turn(a.router, "again", chat(500, 0))
+    await a.state.flush_pending()
+    assert fields(redis_server, key)["pt"] == "500"
+    redis_server.restart_empty()
+    await play_turn(a.router, "again", chat(600, 500))
+
+    async def found_missing() -> bool:  # a write met the empty store: the session is to republish
+        await a.state.flush_pending()
+        return "again" in a.state._republish or fields(redis_server, key).get("pt") is not None
+
+    await eventually(found_missing, lambda found: found, timeout=20)
+    await play_turn(a.router, "again", chat(700, 600))  # pending when the republish is written
+    await eventually(a.state.flush_pending, lambda _: int(fields(redis_server, key).get("ut", 0)) >= 3, timeout=10)
+    got = fields(redis_server, key)
+    assert (got["pt"], got["ct"], got["ut"]) == ("1800", "1100", "3")
