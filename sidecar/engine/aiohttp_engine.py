@@ -38,7 +38,7 @@ from sidecar.engine.wire import error_response
 from sidecar.errors import failure_reason
 from sidecar.router import BODY, LOAD, REFUSED, WORK, Admission, Decision, RequestHead, body_pool
 from sidecar.tls import refused_after_handshake
-from sidecar.usage import TAIL_READS
+from sidecar.usage import LAST_BYTES, TAIL_READS
 
 log = logging.getLogger("sidecar.engine")
 
@@ -540,6 +540,8 @@ class AiohttpEngine(Engine):
                 if usage is not None:
                     if usage_first:
                         usage_first = not usage.first(chunk)
+                    if len(chunk) >= LAST_BYTES:  # it holds the whole tail: the older reads go
+                        kept.clear()
                     kept.append(chunk)
                     seen += len(chunk)
                 await resp.write(chunk)

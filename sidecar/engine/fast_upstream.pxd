@@ -10,7 +10,7 @@ from sidecar.engine.relay cimport BodyRelay
 from sidecar.usage cimport UsageReader
 
 cdef unsigned long ENROLL_AFTER, _ENROLL_RETRY
-cdef Py_ssize_t TAIL_READS
+cdef Py_ssize_t TAIL_READS, LAST_BYTES
 # Read per request: C globals, not module-dict lookups (see fast_exchange.pxd).
 cdef object perf_counter
 cdef long CLIENT_FULL, DIRECT
@@ -42,7 +42,7 @@ cdef class UpstreamConnection:
     @cython.locals(relay=BodyRelay)
     cpdef data_received(self, bytes data)
     @cython.locals(used=Py_ssize_t, direct=DirectReads, entry=Enrolled, usage=bint, reader=UsageReader, seen=Py_ssize_t,
-                   reads=list, at=Py_ssize_t)
+                   reads=list, at=Py_ssize_t, k=Py_ssize_t)
     cpdef _body(self, BodyRelay relay, bytes data)
     cpdef body_end(self, Py_ssize_t extra)
     cpdef invalid_body(self, exc)

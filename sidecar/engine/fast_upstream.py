@@ -61,7 +61,7 @@ from sidecar.engine.parsers import ParseError, ResponseParser
 from sidecar.engine.relay import BodyRelay
 from sidecar.errors import failure_reason
 from sidecar.tls import refused_after_handshake
-from sidecar.usage import TAIL_READS
+from sidecar.usage import LAST_BYTES, TAIL_READS
 
 if TYPE_CHECKING:
     from sidecar.engine.relay import Writer
@@ -488,6 +488,10 @@ class UpstreamConnection:
                 reads = self.tail_reads
                 if reads is None:
                     reads = self.tail_reads = [None] * TAIL_READS
+                elif len(data) >= LAST_BYTES:  # it holds the whole tail: the older reads go (what
+                    # the ring keeps stays below TAIL_READS - 1 times LAST_BYTES, plus one read)
+                    for k in range(TAIL_READS):
+                        reads[k] = None
                 at = self.tail_at
                 reads[at] = data
                 self.tail_at = (at + 1) % TAIL_READS
