@@ -302,6 +302,18 @@ class TlsConfig(_Strict):
     verify: bool = True
 
 
+class UsageConfig(_Strict):
+    """Prompt-cache accounting of a deployment's responses (``sidecar.usage``)."""
+
+    # Read the prompt-cache usage each response of a session reports and count it per session,
+    # tree, turn and deployment. The response is relayed unchanged either way.
+    accounting: bool = True
+    # Ask for usage in streamed chat completions: add `stream_options.include_usage: true` to the
+    # JSON body of every streamed `.../chat/completions` request of a session. It changes what the
+    # client receives: one more chunk before `data: [DONE]`, with `choices: []` and the `usage`.
+    include_usage: bool = False
+
+
 class DeploymentConfig(_Strict):
     """One upstream deployment and how its requests are rewritten."""
 
@@ -323,6 +335,7 @@ class DeploymentConfig(_Strict):
     health_check: HealthCheckConfig | None = None
     # true: a failed-over tree returns to its first-ranked upstream once that one is healthy again.
     failback: bool = False
+    usage: UsageConfig = UsageConfig()
     _path: str = PrivateAttr("")
 
     @model_validator(mode="after")
@@ -457,7 +470,7 @@ class StateConfig(_Strict):
 
 
 # Per-deployment settings that the top level carries only for the short form (`upstream:`).
-_SHORT_FORM_ONLY = ("trust_client_headers", "non_object_body", "timeouts", "limits", "tls")
+_SHORT_FORM_ONLY = ("trust_client_headers", "non_object_body", "timeouts", "limits", "tls", "usage")
 
 
 class Config(_Strict):
@@ -504,6 +517,7 @@ class Config(_Strict):
     timeouts: TimeoutsConfig = TimeoutsConfig()
     limits: LimitsConfig = LimitsConfig()
     tls: TlsConfig | None = None
+    usage: UsageConfig = UsageConfig()
     deployments: list[DeploymentConfig] = []
 
     @field_validator("log_level", mode="before")
@@ -575,6 +589,7 @@ class Config(_Strict):
             timeouts=self.timeouts,
             limits=self.limits,
             tls=self.tls,
+            usage=self.usage,
         )
         return [d]
 
@@ -594,6 +609,7 @@ class Config(_Strict):
                 "timeouts",
                 "limits",
                 "tls",
+                "usage",
             },
         )
         deps = []

@@ -15,6 +15,7 @@ cdef class SessionNode:
     cdef public SessionNode parent, root, first_child, next_sibling, prev_sibling, lru_prev, lru_next
     cdef public double created_at, last_active_at
     cdef public long turns, in_flight, flags, tree_live, tree_in_flight, worker_turns, moves
+    cdef public long prompt_tokens, cached_tokens, usage_turns, unknown_turns
 
 cdef SessionNode _RELEASED
 
@@ -37,6 +38,10 @@ cdef class SessionTree:
     cpdef begin(self, session, parent, root_hint, final, deployment)
     @cython.locals(node=SessionNode, root=SessionNode, in_flight=long)
     cpdef finish(self, Turn turn, outcome)
+    @cython.locals(node=SessionNode)
+    cpdef record_usage(self, Turn turn, long long prompt_tokens, long long cached_tokens)
+    @cython.locals(node=SessionNode)
+    cpdef record_unknown_usage(self, Turn turn)
     @cython.locals(nodes=dict)
     cdef _index(self, session, SessionNode node)
 

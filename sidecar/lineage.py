@@ -69,6 +69,8 @@ __all__ = [
     "TreeView",
     "VIEW_STEP",
     "exhaust",
+    "prompt_cache",
+    "subtree_totals",
     "unknown_node",
     "FORGETTING",
 ]
@@ -145,7 +147,10 @@ class SessionNode:
     Read-only outside this module, where a shared store reads what it writes behind:
     ``session``, ``parent`` (a node), ``deployment``, ``created_at`` / ``last_active_at`` (the
     tree's clock), ``turns``, ``in_flight``, ``flags`` (:class:`SessionFlag`), ``mode_state``,
-    ``workers`` / ``worker_turns`` / ``moves``. Everything else is the tree's.
+    ``workers`` / ``worker_turns`` / ``moves``, and the prompt-cache accounting:
+    ``prompt_tokens`` / ``cached_tokens`` summed over ``usage_turns`` (turns whose response
+    reported both), ``unknown_turns`` (turns answered without usable usage; see
+    :mod:`sidecar.usage`). Everything else is the tree's.
 
     ``parent`` is the structural parent (for a hinted session, the node of its root hint).
     ``root`` is a union-find link towards the tree's root node (the root points to itself);
@@ -176,6 +181,10 @@ class SessionNode:
         "workers",
         "worker_turns",
         "moves",
+        "prompt_tokens",
+        "cached_tokens",
+        "usage_turns",
+        "unknown_turns",
     )
 
     def __init__(self, session: str, deployment: str, now: float, flags: int) -> None:
@@ -204,6 +213,11 @@ class SessionNode:
         self.workers: list[str | int] | None = None
         self.worker_turns = 0
         self.moves = 0
+        # prompt-cache accounting (see the class docstring)
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.usage_turns = 0
+        self.unknown_turns = 0
         # Out of the cyclic garbage collector: a full collection would otherwise walk every held
         # node (about 0.2 s at a million sessions, all streams stalled meanwhile). Nothing needs
         # it: a node leaving the tree is unlinked from every other node (SessionTree._release),
@@ -446,6 +460,21 @@ class SessionTree:
         node.moves += 1
         return "moved", previous
 
+    def record_usage(self, turn: Turn, prompt_tokens: int, cached_tokens: int) -> None:
+        """The response of ``turn`` reported ``prompt_tokens``, ``cached_tokens`` of them found
+        in the upstream's prefix cache (non-negative, ``cached_tokens <= prompt_tokens``)."""
+        node = turn.node
+        if not node.flags & _ENDED:
+            node.prompt_tokens += prompt_tokens
+            node.cached_tokens += cached_tokens
+            node.usage_turns += 1
+
+    def record_unknown_usage(self, turn: Turn) -> None:
+        """The response of ``turn`` said nothing usable of its prompt-cache usage."""
+        node = turn.node
+        if not node.flags & _ENDED:
+            node.unknown_turns += 1
+
     # -- session lifecycle -----------------------------------------------------------------------
 
     def close(self, session: str, reason: EndReason = EndReason.API_CLOSED) -> list[SessionEnd]:
@@ -596,6 +625,7 @@ class SessionTree:
         out = self._as_dict(top)
         out["children"] = []
         sessions = live = final = in_flight = omitted = 0
+        cut: dict[int, list[int]] = {}  # id of a shown node's dict -> usage of the nodes cut below it
         newest = top.last_active_at
         shown = 1
         touched = 0
@@ -620,6 +650,14 @@ class SessionTree:
                 newest = node.last_active_at
             child = node.first_child
             if how == _CUT:
+                if node.usage_turns or node.unknown_turns:
+                    below = cut.get(id(d))
+                    if below is None:
+                        below = cut[id(d)] = [0, 0, 0, 0]
+                    below[0] += node.prompt_tokens
+                    below[1] += node.cached_tokens
+                    below[2] += node.usage_turns
+                    below[3] += node.unknown_turns
                 d["omitted"] += 1
                 omitted += 1
                 sibling = node.next_sibling
@@ -659,6 +697,7 @@ class SessionTree:
                     yield
             for i in range(keep - 1, -1, -1):  # the oldest child is walked first
                 stack.append((kids[len(kids) - 1 - i], children[i], n + 1, _SHOW))
+        yield from subtree_totals(out, cut, step=step)
         return TreeView(out, sessions, live, final == live, in_flight, newest, shown, omitted)
 
     def tree(
@@ -743,11 +782,13 @@ class SessionTree:
         worker_turns: int = 0,
         moves: int = 0,
         placeholder: bool = False,
+        usage: tuple[int, int, int, int] = (0, 0, 0, 0),
     ) -> None:
         """Place a session the shared store knows (sidecar.state) into this tree, with its facts
         (times on this tree's clock): under ``above`` (its parent, or its root hint when
         ``hinted``), itself placed under ``root`` as a placeholder when this tree does not hold
-        it. A placeholder stays one (``placeholder``); a live session joins the idle list like
+        it. ``usage``: its prompt-cache accounting (prompt and cached tokens, turns with usage,
+        unknown turns). A placeholder stays one (``placeholder``); a live session joins the idle list like
         any session after a request. No-op when this tree holds the id, other than as a
         placeholder (what happened here wins)."""
         node = self._nodes.get(session)
@@ -776,6 +817,7 @@ class SessionTree:
         node.workers = None if workers is None else _uncollected(workers)
         node.worker_turns = worker_turns
         node.moves = moves
+        node.prompt_tokens, node.cached_tokens, node.usage_turns, node.unknown_turns = usage
         _lru_append(self._lru, node)
 
     def place_parent(self, session: str, parent: str, root: str, deployment: str) -> None:
@@ -904,6 +946,7 @@ class SessionTree:
         node.mode_state = None
         node.workers = None
         node.worker_turns = node.moves = 0
+        node.prompt_tokens = node.cached_tokens = node.usage_turns = node.unknown_turns = 0
         self._held_ended -= 1
         self._live += 1
         self._root_of(node).tree_live += 1
@@ -1135,7 +1178,55 @@ class SessionTree:
                 "same_worker": max(node.worker_turns - 1 - node.moves, 0),
                 "moved": node.moves,
             },
+            "prompt_cache": prompt_cache(node.prompt_tokens, node.cached_tokens, node.usage_turns, node.unknown_turns),
         }
+
+
+def subtree_totals(
+    top: dict[str, Any], cut: dict[int, list[int]] | None = None, *, step: int = VIEW_STEP
+) -> Generator[None, None, None]:
+    """Give every node dict of a built view (``top`` and its ``children``, recursively) its
+    ``subtree_prompt_cache``: its own ``prompt_cache``, its shown descendants', and the sums in
+    ``cut`` (by ``id`` of the dict: the sessions the view cut below it, counted in it). A view
+    builder like :meth:`SessionTree.view`; touches each dict twice."""
+    order = []  # parents before their children
+    stack = [top]
+    countdown = step
+    while stack:
+        d = stack.pop()
+        order.append(d)
+        stack.extend(d["children"])
+        countdown -= 1
+        if not countdown:
+            countdown = step
+            yield
+    sums: dict[int, list[int]] = {}
+    for d in reversed(order):
+        own = d["prompt_cache"]
+        acc = [own["prompt_tokens"], own["cached_tokens"], own["reported_turns"], own["unknown_turns"]]
+        for extra in [cut.get(id(d)) if cut else None, *(sums.pop(id(c)) for c in d["children"])]:
+            if extra is not None:
+                for i in range(4):
+                    acc[i] += extra[i]
+        sums[id(d)] = acc
+        d["subtree_prompt_cache"] = prompt_cache(*acc)
+        countdown -= 1
+        if not countdown:
+            countdown = step
+            yield
+
+
+def prompt_cache(prompt_tokens: int, cached_tokens: int, usage_turns: int, unknown_turns: int) -> dict[str, Any]:
+    """Prompt-cache accounting as the views show it, for a session or a tree: the prompt and
+    cached prompt tokens the responses reported, their ratio (None before any), the turns whose
+    response reported them and those whose response said nothing usable."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "cached_ratio": cached_tokens / prompt_tokens if prompt_tokens else None,
+        "reported_turns": usage_turns,
+        "unknown_turns": unknown_turns,
+    }
 
 
 def unknown_node(session: str, root: str) -> dict[str, Any]:
@@ -1158,6 +1249,7 @@ def unknown_node(session: str, root: str) -> dict[str, Any]:
         "placeholder": True,
         "workers": [],
         "affinity": {"first": 0, "same_worker": 0, "moved": 0},
+        "prompt_cache": prompt_cache(0, 0, 0, 0),
     }
 
 

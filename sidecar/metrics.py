@@ -266,6 +266,27 @@ class Metrics:
             "same_worker (as its previous turn), moved (another worker than its previous turn).",
             ("deployment", "outcome"),
         )
+        self.prompt_tokens = family(
+            "counter",
+            "sidecar_prompt_tokens_total",
+            "Prompt tokens the upstream's responses reported, by deployment, mode and turn bucket "
+            "(turn 1, 2, 3-5, 6-10, 11+ of its session); only responses that also reported their cached part.",
+            ("deployment", "mode", "turn"),
+        )
+        self.cached_prompt_tokens = family(
+            "counter",
+            "sidecar_cached_prompt_tokens_total",
+            "Of those prompt tokens, the ones the upstream found in its prefix cache, by deployment, mode and "
+            "turn bucket: divided by sidecar_prompt_tokens_total, the cached ratio.",
+            ("deployment", "mode", "turn"),
+        )
+        self.usage_responses = family(
+            "counter",
+            "sidecar_usage_responses_total",
+            "Responses to requests of a session, by what they said of their prompt-cache usage: reported, "
+            "missing, no_cached_count (a prompt count without its cached part), malformed, unreadable.",
+            ("deployment", "mode", "outcome"),
+        )
         self.in_flight = family("gauge", "sidecar_in_flight_requests", "Requests being proxied now.")
         self.gc_pauses = family(
             "histogram",

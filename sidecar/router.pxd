@@ -7,12 +7,15 @@ from sidecar.lineage cimport SessionTree, Turn
 from sidecar.context cimport BodyPatch, RoutingContext
 from sidecar.headers cimport is_field_value, lookup
 from sidecar.jsonbody cimport ScannedBody, splice
+from sidecar.accounting cimport Accounting
+from sidecar.usage cimport Usage
 
 cdef class Router
 
 cdef class RequestHead:
     cdef public object method
     cdef public object headers
+    cdef public object target
 
 cdef class Decision:
     cdef readonly Deployment deployment
@@ -41,11 +44,16 @@ cdef class Admission:
     cpdef loaded(self)
     cpdef body(self, data, size)
     cpdef worked(self, result)
+    cpdef too_large(self)
     @cython.locals(router=Router, dep=Deployment, decision=Decision, turn=Turn)
     cpdef on_response(self, long status, headers)
     cpdef bint reads_response(self, long status, headers) except -1
     @cython.locals(decision=Decision)
     cpdef bint response_start(self, bytes data, bint chunked) except -1
+    @cython.locals(turn=Turn, decision=Decision, router=Router, dep=Deployment)
+    cpdef usage_reader(self, long status, headers, bint chunked)
+    @cython.locals(turn=Turn, decision=Decision)
+    cpdef on_usage(self, Usage usage)
     @cython.locals(turn=Turn)
     cpdef finish(self, outcome)
     cpdef _ready(self, Decision decision)
@@ -55,6 +63,7 @@ cdef class Admission:
 cdef class Router:
     cdef public object config, metrics, deployments, _by_name, _by_model, _selection_body_limit, store
     cdef public object state
+    cdef public Accounting accounting
     cdef public int _scan_depth
     cdef public tuple _top_names
     cdef public set _patch_roots
@@ -62,15 +71,16 @@ cdef class Router:
     cdef public IdentityReader identity
     cdef public Deployment default
     cdef public str _selector, _primary_session_header
-    cdef public bint _route_by_model, _single, _body_identity, _shared
+    cdef public bint _route_by_model, _single, _body_identity, _shared, _injecting
     cdef public tuple _worker_headers
     cdef public dict _workers, _api_sessions
     cdef public SessionTree tree
     @cython.locals(adm=Admission)
     cpdef Admission admit(self, RequestHead head)
     cpdef _feed(self, Admission adm, long need, data, size)
-    @cython.locals(ident=Identity, dep=Deployment, head=RequestHead)
+    @cython.locals(ident=Identity, dep=Deployment, head=RequestHead, decision=Decision)
     cpdef _route(self, Admission adm, bint loaded)
+    @cython.locals(decision=Decision)
     cpdef _body(self, Admission adm, data, size)
     @cython.locals(decision=Decision)
     cpdef _worked(self, Admission adm, result)
@@ -86,12 +96,15 @@ cdef class Router:
     @cython.locals(turn=Turn, decision=Decision, add=tuple, ctx=RoutingContext)
     cpdef Decision _admit(self, Admission adm, Deployment dep, Identity ident, rec)
     cpdef _release(self, Turn turn, rec, outcome)
+    cpdef _account(self, Deployment dep, Turn turn, Usage usage)
+    cpdef _forward_body(self, Admission adm, Decision decision, bytes body)
+    cpdef bint _asks_usage(self, Deployment dep, RequestHead head) except -1
 
 cdef dict _LOG_CACHE, _ADDABLE
 # Read per request: C globals, not module-dict lookups (a dict lookup at each read, not cached
 # from Python 3.12 on).
 cdef object log, DEBUG, _UPSTREAM_FAILED
-cdef str _REQUEST_ID, _CONTENT_LENGTH, _CONTENT_ENCODING, _TRANSFER_ENCODING
+cdef str _REQUEST_ID, _CONTENT_LENGTH, _CONTENT_ENCODING, _CONTENT_TYPE, _TRANSFER_ENCODING
 cdef Py_ssize_t MAX_ADDABLE
 cdef bint _debug_on() except -1
 @cython.locals(decision=Decision)

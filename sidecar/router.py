@@ -7,8 +7,9 @@ the engine brings back, until it is decided (READY: forward its :class:`Decision
 (LOAD), the whole body (BODY: to pick a deployment by model, to read body identity signals, or
 because the deployment's mode rewrites bodies) and body work on a worker thread (WORK: a body
 larger than :data:`~sidecar.jsonscan.INLINE_BYTES` is scanned and spliced off the event loop).
-The engine then reports the response (``on_response``, ``upstream_unreachable``) and ends it
-with ``finish(outcome)``, which releases the turn once however often it is called. The states
+The engine then reports the response (``on_response``, ``upstream_unreachable``; for a session's
+response, what its body said of its prompt-cache usage: ``usage_reader``, ``on_usage``) and ends
+it with ``finish(outcome)``, which releases the turn once however often it is called. The states
 are drawn in docs/architecture.md. Everything here is synchronous: no I/O, no awaits, so the
 lineage tree and the API session store need no locks, and a sessions-API close is ordered with
 every admission.
@@ -40,6 +41,7 @@ import orjson
 
 from sidecar import errors
 from sidecar import headers as h
+from sidecar.accounting import Accounting, with_include_usage
 from sidecar.config import Config
 from sidecar.context import BodyPatch, EndReason, RoutingContext, SessionEnd, TurnOutcome
 from sidecar.deployments import Deployment, Upstream
@@ -54,6 +56,7 @@ from sidecar.modes.ids import fit_id
 from sidecar.responses import FirstBytes
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
 from sidecar.state import SessionState
+from sidecar.usage import UNREADABLE, Usage, UsageReader
 from sidecar.validation import TOKEN_RE
 
 log = logging.getLogger("sidecar.router")
@@ -96,6 +99,7 @@ class RequestHead:
 
     method: str
     headers: Mapping[str, str]  # lower-case name -> first value
+    target: bytes = b""  # the request target as received (path and query)
 
 
 @dataclass
@@ -123,8 +127,10 @@ LOAD = 1  # await ``router.state.load(identity)``, then call ``loaded()``
 BODY = 2  # read the whole body (at most ``limit`` bytes, else 413), then call ``body(data, size)``
 WORK = 3  # run ``work()`` on the body pool (:func:`body_pool`), then call ``worked(what it returned)``
 REFUSED = 4  # answer ``error``, counted as rejected for ``reason`` (None: a defect, a 500)
-# Which body step runs as WORK: the scan, the mode's patch spliced in, its transform_body.
-_SCAN, _SPLICE, _TRANSFORM = range(3)
+# Which body step runs as WORK: the scan, the mode's patch spliced in, its transform_body, the
+# request for usage (usage.include_usage). _USAGE is also the body step of a request admitted at
+# its head whose body is read only to ask for usage (BODY).
+_SCAN, _SPLICE, _TRANSFORM, _USAGE = range(4)
 
 
 @dataclass
@@ -163,7 +169,7 @@ class Admission:
     reads_response_id: bool = False
     first_bytes: FirstBytes | None = None  # what response_start gathered of them so far
     read: _Read | None = None  # the body's scan, identity and model deployment, once read
-    step: int = _SCAN  # which body step ``work`` is (_SCAN, _SPLICE, _TRANSFORM)
+    step: int = _SCAN  # which body step ``work`` is (_SCAN, _SPLICE, _TRANSFORM, _USAGE)
 
     # -- what the engine brings back ------------------------------------------------------------
 
@@ -179,6 +185,11 @@ class Admission:
     def worked(self, result: Any) -> None:
         """What ``work()`` returned (WORK); None when it did not run (the engine is closing)."""
         self.router._feed(self, WORK, result, 0)
+
+    def too_large(self) -> errors.ProxyError:
+        """The 413 that answers a body above ``limit``: the limit of the bodies the sidecar reads
+        as JSON while it needs the body to decide (BODY), else the deployment's body limit."""
+        return errors.request_too_large(self.deployment.name, self.limit, self.need == BODY and self.step != _USAGE)
 
     # -- the response ---------------------------------------------------------------------------
 
@@ -237,6 +248,52 @@ class Admission:
         if response_id is not None and decision is not None and decision.ctx is not None:
             self.router.state.remember_response(response_id, decision.deployment.name, decision.ctx.session)
         return True
+
+    def usage_reader(self, status: int, headers: Mapping[str, str], chunked: bool) -> UsageReader | None:
+        """A reader of the prompt-cache usage of this response (``headers``: lower-case name
+        lookup; ``chunked``: the body's bytes the engine will show it carry chunked framing), or
+        None when it is not accounted: no session, accounting off for the deployment, a status
+        other than 200, a body that is neither JSON nor an event stream. A content-encoded body
+        is counted unreadable here (None). Engines do not ask for a response without a body (to
+        HEAD, 204, 304).
+
+        With the reader, the engine shows :meth:`~sidecar.usage.UsageReader.first` the body's
+        first reads until it returns True and :meth:`~sidecar.usage.UsageReader.last` its last
+        bytes (bounded copies, as they came from the upstream), then, once the body was relayed
+        completely (not when the client left or the upstream failed), hands
+        :meth:`~sidecar.usage.UsageReader.result` to :meth:`on_usage` before :meth:`finish`."""
+        turn = self.turn
+        decision = self.decision
+        if turn is None or decision is None or status != 200:
+            return None
+        router = self.router
+        dep = decision.deployment
+        if not router.accounting.accounts(dep.name):
+            return None
+        kind = lookup(headers, _CONTENT_TYPE) or ""
+        if kind != "application/json" and kind != "text/event-stream":  # (else: as most send them)
+            kind = kind.partition(";")[0].strip().lower()
+        stream = kind == "text/event-stream"
+        if (
+            not stream
+            and kind != "application/json"
+            and not (kind.startswith("application/") and kind.endswith("+json"))
+        ):
+            return None
+        encoding = lookup(headers, _CONTENT_ENCODING)
+        if encoding and encoding.strip().lower() != "identity":
+            router._account(dep, turn, UNREADABLE)
+            return None
+        return UsageReader(chunked, stream)
+
+    def on_usage(self, usage: Usage) -> None:
+        """What the response said of its prompt-cache usage (its reader's ``result()``), once its
+        body was relayed completely and before :meth:`finish`: counted for its session (its
+        tree's node, the shared store), its deployment and its turn. Nothing after finish."""
+        turn = self.turn
+        decision = self.decision
+        if turn is not None and decision is not None:
+            self.router._account(decision.deployment, turn, usage)
 
     def upstream_unreachable(self) -> None:
         """The engine could not connect to the decision's upstream (nothing was sent): mark it
@@ -382,6 +439,10 @@ class Router:
         # sessions that end go to it (it runs them, or claims them first).
         self.state = state
         self._shared = self.state.shared
+        # Prompt-cache accounting: counters, the live view's aggregates, each deployment's settings.
+        self.accounting = Accounting(config, metrics)
+        # Whether any deployment asks streamed chat completions for their usage (usage.include_usage).
+        self._injecting = any(self.accounting.injects(d.name) for d in self.deployments)
         metrics.watch_tree(self.tree)
         metrics.watch_deployments(self.deployments, self.store)
 
@@ -459,11 +520,27 @@ class Router:
         if dep.rewrites_body and session is not None and _declares_body(head):
             adm._wait(BODY, dep, dep.max_parsed_body_bytes, None)
             return
-        adm._ready(self._admit(adm, dep, ident, rec))
+        decision = self._admit(adm, dep, ident, rec)
+        if self._injecting and decision.ctx is not None and self._asks_usage(dep, head):
+            # Admitted; its body is read to ask for usage (_USAGE), then it is READY.
+            adm.decision = decision
+            adm.step = _USAGE
+            adm._wait(BODY, dep, dep.max_body_bytes, None)
+            return
+        adm._ready(decision)
 
     def _body(self, adm: Admission, data: bytes | list[bytes], size: int) -> None:
         """The body came: scanned here, or off the loop when large."""
         assert adm.identity is not None
+        if adm.step == _USAGE:  # admitted at its head: only asked for usage
+            decision = adm.decision
+            assert decision is not None
+            if size > INLINE_BYTES:
+                self._off_loop(adm, decision, _USAGE, partial(_attempt, _include_usage, data, decision.deployment))
+                return
+            decision.body = _include_usage(data, decision.deployment)
+            adm._ready(decision)
+            return
         if size > INLINE_BYTES:
             adm.step = _SCAN
             adm._wait(WORK, None, 0, partial(_attempt, self._read_body, adm.identity, adm.head.headers, data))
@@ -484,12 +561,20 @@ class Router:
             self._admit_body(adm, False)
             return
         decision = adm.decision
-        assert decision is not None and adm.read is not None
+        assert decision is not None
+        if step == _USAGE:
+            body, exc = result
+            if exc is not None:
+                raise exc  # a defect: the patch leaves a body it cannot read unchanged
+            decision.body = body
+            adm._ready(decision)
+            return
+        assert adm.read is not None
         if step == _SPLICE:
-            decision.body = self._spliced(adm, decision, result)
+            body = self._spliced(adm, decision, result)
         else:
-            decision.body = self._transformed(adm, decision, adm.read[0].data, result)
-        adm._ready(decision)
+            body = self._transformed(adm, decision, adm.read[0].data, result)
+        self._forward_body(adm, decision, body)
 
     def _read_body(self, ident: Identity, headers: Mapping[str, str], body: bytes | list[bytes]) -> _Read:
         """Join and scan the body and read what routing needs from it (pure: runs on a worker
@@ -578,8 +663,25 @@ class Router:
             if rewritten is None:
                 return  # off the loop first (WORK)
             body = rewritten
+        self._forward_body(adm, decision, body)
+
+    def _forward_body(self, adm: Admission, decision: Decision, body: bytes) -> None:
+        """Decided with the body it read: ``body`` is forwarded, asking for usage first where
+        the deployment says so (off the loop when large: WORK)."""
+        if self._injecting and decision.ctx is not None and self._asks_usage(decision.deployment, adm.head):
+            if len(body) > INLINE_BYTES:
+                self._off_loop(adm, decision, _USAGE, partial(_attempt, _include_usage, body, decision.deployment))
+                return
+            body = _include_usage(body, decision.deployment)
         decision.body = body
         adm._ready(decision)
+
+    def _asks_usage(self, dep: Deployment, head: RequestHead) -> bool:
+        """Whether the body of this admitted request is patched to ask for usage: its deployment
+        says so (``usage.include_usage``) and it is a POST to a ``.../chat/completions`` path."""
+        if head.method != "POST" or not self.accounting.injects(dep.name):
+            return False
+        return head.target.partition(b"?")[0].rstrip(b"/").endswith(b"/chat/completions")
 
     def _selected(self, name: str) -> Deployment:
         """The deployment the selector header names (raises for an unknown name)."""
@@ -838,6 +940,18 @@ class Router:
         if ended:
             self._ended(ended)
 
+    def _account(self, dep: Deployment, turn: Turn, usage: Usage) -> None:
+        """Count what a response of ``turn`` said of its prompt-cache usage: for its session (its
+        tree's node, the shared store), its deployment and its turn."""
+        reported = usage.reported
+        if reported:
+            self.tree.record_usage(turn, usage.prompt_tokens, usage.cached_tokens)
+        else:
+            self.tree.record_unknown_usage(turn)
+        if self._shared:
+            self.state.used(turn, usage.prompt_tokens, usage.cached_tokens, reported)
+        self.accounting.count(dep.name, dep.mode_name, turn.ctx.turn, usage)
+
     # -- session lifecycle ------------------------------------------------------------------
 
     def expire(self, limit: int = EXPIRE_BATCH) -> bool:
@@ -907,6 +1021,19 @@ def _attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, Exception | None]
         return None, exc
 
 
+def _include_usage(data: bytes | list[bytes], dep: Deployment) -> bytes:
+    """The body to forward for a request that asks for usage (``usage.include_usage``): a
+    streamed chat completion gets ``stream_options.include_usage: true``
+    (:func:`~sidecar.accounting.with_include_usage`); any other body, or one larger than the
+    deployment's ``limits.max_parsed_body_bytes``, unchanged. Reads only its arguments: runs on
+    the body pool for a body larger than :data:`~sidecar.jsonscan.INLINE_BYTES`."""
+    body = data if isinstance(data, bytes) else join(data)
+    if len(body) > dep.max_parsed_body_bytes:
+        return body
+    patched = with_include_usage(body, dep.max_json_depth)
+    return body if patched is None else patched
+
+
 def _transform(mode: Mode, ctx: RoutingContext, body: bytes) -> bytes | None:
     """A ``transform_body`` mode's rewrite: parse, transform, serialize (None: orjson refuses
     to parse the body)."""
@@ -955,6 +1082,7 @@ def _session_required(dep: Deployment) -> errors.ProxyError:
 _UPSTREAM_FAILED = TurnOutcome.UPSTREAM_FAILED  # (an Enum member read from its class costs a lookup)
 _CONTENT_LENGTH = h.CONTENT_LENGTH.lower()
 _CONTENT_ENCODING = h.CONTENT_ENCODING.lower()
+_CONTENT_TYPE = h.CONTENT_TYPE.lower()
 _REQUEST_ID = h.X_REQUEST_ID.lower()
 _TRANSFER_ENCODING = h.TRANSFER_ENCODING.lower()
 # Header names modes asked to add, checked once each (_check_added); bounded.

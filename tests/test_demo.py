@@ -318,6 +318,24 @@ async def test_demo_with_an_injected_sidecar() -> None:
     result = await run_demo(sessions=SESSIONS, turns=TURNS, out=out, sidecar_factory=factory)
     _check_demo(result, out.getvalue())
     assert len(proxies) == 1 and len(proxies[0].seen_sessions) == SESSIONS
+    # a stand-in without an admin listener is not asked for its own accounting
+    assert result.sidecar_accounting is None
+    assert re.search(r"\n  the sidecar's own count +- +-\n", result.table), result.table
+
+
+async def test_the_sidecars_own_count_agrees_with_the_workloads() -> None:
+    """Every streamed answer of the demo's gateway reports its usage; the sidecar counts the same
+    prompt and cached tokens as the workload read from them, and no response without usage."""
+    out = io.StringIO()
+    result = await run_demo(sessions=SESSIONS, turns=TURNS, out=out)
+    via, counted = result.via_sidecar, result.sidecar_accounting
+    assert counted is not None
+    assert (counted.prompt_tokens, counted.cached_tokens) == (via.prompt_tokens, via.cached_tokens)
+    assert (counted.reported, counted.unknown) == (SESSIONS * TURNS, 0)
+    assert counted.agrees_with(via)
+    cell = f"{via.cached_tokens}/{via.prompt_tokens}"
+    assert re.search(rf"\n  the sidecar's own count +- +{cell}\n", result.table), result.table
+    assert f"the sidecar's own count agrees with the workload's: {SESSIONS * TURNS} responses reported" in result.table
 
 
 # ---------------------------------------------------------------- the command

@@ -29,7 +29,7 @@ from typing import Any
 
 from sidecar.admin.views import MAX_DEPTH
 from sidecar.context import EndReason
-from sidecar.lineage import VIEW_STEP, SessionTree, TreeView, unknown_node
+from sidecar.lineage import VIEW_STEP, SessionTree, TreeView, prompt_cache, unknown_node
 from sidecar.sessions import ApiSession, SessionStatus, SessionStore
 
 __all__ = ["API_END_REASONS", "Overlay", "api_node", "api_root", "overlay_steps", "view_steps"]
@@ -81,6 +81,7 @@ def api_node(rec: ApiSession, root: str, offset: float) -> dict[str, Any]:
         "placeholder": False,
         "workers": [],
         "affinity": {"first": 0, "same_worker": 0, "moved": 0},
+        "prompt_cache": prompt_cache(0, 0, 0, 0),
     }
 
 
@@ -174,6 +175,7 @@ def view_steps(
         top_rec = next((rec for rec in added if rec.id == root), None)  # None: forgotten
         top = unknown_node(root, root) if top_rec is None else api_node(top_rec, root, overlay.offset)
         top["children"] = []
+        top["subtree_prompt_cache"] = top["prompt_cache"]  # (API sessions have no usage before a request)
         view = TreeView(top, 0, 0, True, 0, top["last_active_at"] or 0.0, 1, 0)
     top = view.tree
     live = view.live
@@ -226,6 +228,7 @@ def view_steps(
         if above is not None and above[1] < max_depth and count < max_nodes:
             d = api_node(rec, root, overlay.offset)
             d["children"] = []
+            d["subtree_prompt_cache"] = d["prompt_cache"]
             above[0]["children"].append(d)
             grown[above[0]["session"]] = above[0]
             shown[rec.id] = (d, above[1] + 1)

@@ -20,7 +20,7 @@ from sidecar import errors
 from sidecar.admin.api_views import API_END_REASONS, api_root, overlay_steps, view_steps
 from sidecar.admin.views import MAX_DEPTH, MAX_NODES, run_sliced
 from sidecar.auth import Principal
-from sidecar.lineage import VIEW_STEP, TreeView
+from sidecar.lineage import VIEW_STEP, TreeView, prompt_cache
 from sidecar.router import Router
 from sidecar.sessions import ApiSession, SessionExists, SessionLimitReached, SessionStatus, rfc3339
 
@@ -111,6 +111,7 @@ _LINEAGE_DEFAULTS: dict[str, Any] = {
     "end_reason": None,
     "workers": [],
     "affinity": {"first": 0, "same_worker": 0, "moved": 0},
+    "prompt_cache": prompt_cache(0, 0, 0, 0),
 }
 
 
@@ -131,6 +132,7 @@ def api_resource(router: Router, rec: ApiSession) -> dict[str, Any]:
         out["final_turn_seen"] = node["final_turn_seen"]
         out["workers"] = node["workers"]
         out["affinity"] = node["affinity"]
+        out["prompt_cache"] = node["prompt_cache"]
         out["end_reason"] = node["end_reason"]  # (null while it drains after a close)
         if rec.parent is None:
             out["parent"] = node["parent"]
@@ -163,6 +165,7 @@ def traffic_resource(router: Router, node: dict[str, Any]) -> dict[str, Any]:
         "end_reason": node["end_reason"],
         "workers": node["workers"],
         "affinity": node["affinity"],
+        "prompt_cache": node["prompt_cache"],
     }
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "DeploymentReadiness",
     "Error",
     "ErrorDetail",
+    "PromptCache",
     "Readiness",
     "Session",
     "SessionCreate",
@@ -99,6 +100,24 @@ class Affinity(_Answer):
     moved: int = Field(ge=0)
 
 
+class PromptCache(_Answer):
+    """prompt-cache accounting: what the upstream's responses reported of their prompt tokens and
+    of those it found in its prefix cache (Anthropic: `input_tokens + cache_read_input_tokens +
+    cache_creation_input_tokens` and `cache_read_input_tokens`), summed over the turns whose
+    response reported both; a response that did not is counted in `unknown_turns`, never as
+    zero. Shared across replicas with a shared store (written behind, within a second)"""
+
+    prompt_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(ge=0)
+    cached_ratio: float | None = Field(ge=0, le=1, description="cached_tokens / prompt_tokens; null before any")
+    reported_turns: int = Field(ge=0, description="turns whose response reported prompt and cached tokens")
+    unknown_turns: int = Field(
+        ge=0,
+        description="turns answered 200 whose response reported no usable usage (none, no cached count, "
+        "malformed, or a body the sidecar could not read)",
+    )
+
+
 class Session(_Answer):
     """A session: created through this API (`origin: api`) or learned from request headers
     (`origin: traffic`)."""
@@ -135,6 +154,7 @@ class Session(_Answer):
     )
     workers: WorkerRuns
     affinity: Affinity
+    prompt_cache: PromptCache
 
 
 class SessionList(_Answer):
@@ -171,6 +191,12 @@ class TreeNode(_Answer):
     )
     workers: WorkerRuns
     affinity: Affinity
+    prompt_cache: PromptCache
+    subtree_prompt_cache: PromptCache = Field(
+        description="this session's `prompt_cache` summed with every session's below it: on the root, the "
+        "tree's (memory store: every session the tree holds, those the view cut included; shared store: the "
+        "sessions the view read, ended ones whose record is still kept included)"
+    )
     children: list[TreeNode] = Field(description="oldest first; cut by the view's bounds (see `omitted`)")
     omitted: int = _absent_unless("present when the view cut sessions below this node: how many are not shown", ge=0)
     truncated: bool = _absent_unless(

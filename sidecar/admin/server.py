@@ -75,6 +75,7 @@ def build_admin_app(
         authorize=_admin_only,
         store_snapshot=_store_snapshot(router) if router.state.shared else None,
         api_getter=lambda: router.store,
+        prompt_cache=router.accounting.snapshot,
     )
     return app
 

@@ -61,6 +61,7 @@ def resource(router: Router, rec: Record) -> dict[str, Any]:
             "end_reason",
             "workers",
             "affinity",
+            "prompt_cache",
         ):
             out[key] = lineage[key]
         return out
@@ -86,6 +87,7 @@ def resource(router: Router, rec: Record) -> dict[str, Any]:
         "end_reason": lineage["end_reason"],
         "workers": lineage["workers"],
         "affinity": lineage["affinity"],
+        "prompt_cache": lineage["prompt_cache"],
     }
 
 

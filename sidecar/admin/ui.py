@@ -28,7 +28,21 @@ Shape::
      "shown_trees": int, "truncated": bool,
      "trees": [{"root": id, "last_active_at": float, "sessions": int, "live": int,
                 "in_flight": int, "final": bool, "omitted": int,
-                "tree": {<node dict as SessionTree.get() returns it>, "children": [...]}}]}
+                "tree": {<node dict as SessionTree.get() returns it>, "subtree_prompt_cache": {...},
+                         "children": [...]}}],
+     "prompt_cache": {"window_seconds": 900, "slot_seconds": 30, "turn_buckets": [...],
+                      "by_turn": [{"turn", "prompt_tokens", "cached_tokens", "cached_ratio",
+                                   "reported_responses"}, ...],
+                      "unknown_responses": int,
+                      "series": [{"at": <unix time>, "prompt_tokens": [per bucket],
+                                  "cached_tokens": [...], "reported_responses": [...],
+                                  "unknown_responses": int}, ...]}}
+
+``prompt_cache`` (present when the sidecar accounts usage) is this replica's own responses of
+the last 15 minutes, in 30-second slots, oldest first (slots without responses left out): a
+fixed ring (:mod:`sidecar.accounting`), whatever the traffic. Each node's
+``subtree_prompt_cache`` sums its own ``prompt_cache`` and its descendants'; the root's is the
+tree's.
 
 ``live_trees`` counts the trees with a live session, exactly here; with a shared store
 (:func:`sidecar.state.views.ui_snapshot`) it is exact when ``live_trees_exact``, else a lower
@@ -112,6 +126,7 @@ def add_ui_routes(
     authorize: Callable[[web.Request], None] | None = None,
     store_snapshot: Callable[[int], Awaitable[dict[str, Any]]] | None = None,
     api_getter: Callable[[], SessionStore] | None = None,
+    prompt_cache: Callable[[], dict[str, Any]] | None = None,
 ) -> None:
     """Add ``GET /ui`` (the page) and ``GET /ui/data.json`` (its snapshot) to ``app``.
 
@@ -119,7 +134,9 @@ def add_ui_routes(
     The page itself holds no data; it sends the token given as ``/ui#token=<token>``.
     ``store_snapshot(limit)``: the snapshot of a shared session store (the whole fleet's trees,
     sidecar.state.views), used instead of the local tree's. ``api_getter``: the API sessions the
-    local snapshot shows with the tree's (:mod:`sidecar.admin.api_views`).
+    local snapshot shows with the tree's (:mod:`sidecar.admin.api_views`). ``prompt_cache``: the
+    prompt-cache aggregates of this replica's last 15 minutes
+    (:meth:`sidecar.accounting.Accounting.snapshot`), served as the snapshot's ``prompt_cache``.
     """
     cache: dict[int, tuple[float, bytes]] = {}  # limit -> (valid until, body)
     # one view at a time (this snapshot or a tree view); pollers arriving meanwhile reuse it
@@ -152,6 +169,8 @@ def add_ui_routes(
                     else:
                         api = None if api_getter is None else api_getter()
                         snap, cost = await run_sliced(snapshot_steps(tree_getter(), limit=limit, api=api))
+                    if prompt_cache is not None:
+                        snap["prompt_cache"] = prompt_cache()
                     started = time.monotonic()
                     body = orjson.dumps(snap)
                     now = time.monotonic()

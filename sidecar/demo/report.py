@@ -34,6 +34,28 @@ class RunMetrics:
 
 
 @dataclass(frozen=True, slots=True)
+class SidecarAccounting:
+    """The sidecar's own prompt-cache accounting of a run, as its ``/metrics`` count it: the
+    prompt and cached prompt tokens the responses reported, how many responses reported them,
+    how many did not."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    reported: int
+    unknown: int
+
+    def agrees_with(self, run: RunMetrics) -> bool:
+        """The same counts as the workload's own (read by the client from the same responses)."""
+        ok = run.requests - run.errors
+        return (self.prompt_tokens, self.cached_tokens, self.reported, self.unknown) == (
+            run.prompt_tokens,
+            run.cached_tokens,
+            ok,
+            0,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class AddedLatency:
     """What the sidecar adds to one request, from ``pairs`` pairs of small sequential requests
     (one direct, one through the sidecar, back to back, nothing else in flight): the median of
@@ -124,9 +146,11 @@ def format_table(
     *,
     title: str = "",
     labels: tuple[str, str] = ("direct", "via sidecar"),
+    accounting: SidecarAccounting | None = None,
 ) -> str:
-    """The two runs side by side as aligned plain text, then what the added latency means;
-    ending with a newline."""
+    """The two runs side by side as aligned plain text, the sidecar's own accounting beside the
+    workload's (``accounting``; "-" when it was not read), then what the added latency means and,
+    when read, whether the accounting agrees; ending with a newline."""
     rows: list[tuple[str, str, str]] = [
         ("", labels[0], labels[1]),
         ("requests", str(direct.requests), str(via_sidecar.requests)),
@@ -138,6 +162,11 @@ def format_table(
             f"{via_sidecar.cached_tokens}/{via_sidecar.prompt_tokens}",
         ),
         ("cached ratio", f"{direct.cached_ratio:.2f}", f"{via_sidecar.cached_ratio:.2f}"),
+        (
+            "  the sidecar's own count",
+            "-",
+            "-" if accounting is None else f"{accounting.cached_tokens}/{accounting.prompt_tokens}",
+        ),
         ("latency p50 (ms)", f"{direct.latency_p50_ms:.1f}", f"{via_sidecar.latency_p50_ms:.1f}"),
         ("latency p99 (ms)", f"{direct.latency_p99_ms:.1f}", f"{via_sidecar.latency_p99_ms:.1f}"),
         ("probe latency p50 (ms)", f"{direct.probe_p50_ms:.2f}", f"{via_sidecar.probe_p50_ms:.2f}"),
@@ -150,4 +179,17 @@ def format_table(
     lines = [title] if title else []
     lines += [f"{a:<{w0}}  {b:>{w1}}  {c:>{w2}}".rstrip() for a, b, c in rows]
     lines.append(added.note())
+    if accounting is not None:
+        lines.append(accounting_note(accounting, via_sidecar))
     return "\n".join(lines) + "\n"
+
+
+def accounting_note(accounting: SidecarAccounting, run: RunMetrics) -> str:
+    """What the sidecar's own count says of the run, one line."""
+    counted = (
+        f"{accounting.reported} responses reported their usage, {accounting.unknown} did not "
+        "(sidecar_prompt_tokens_total, sidecar_cached_prompt_tokens_total, sidecar_usage_responses_total)"
+    )
+    if accounting.agrees_with(run):
+        return f"the sidecar's own count agrees with the workload's: {counted}"
+    return f"the sidecar's own count differs from the workload's: {counted}"

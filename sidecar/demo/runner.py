@@ -3,7 +3,9 @@
 Everything runs in this process on 127.0.0.1: the mock gateway (:mod:`sidecar.demo.gateway`),
 the workload (:mod:`sidecar.demo.workload`) and the sidecar in ``dynamo_headers`` mode, which
 turns each request's ``X-Correlation-ID`` into ``X-Dynamo-Session-ID``. The gateway is reset to
-a cold state between the two runs, and both runs send the same conversations.
+a cold state between the two runs, and both runs send the same conversations. The workload asks
+each streamed answer for its usage (``stream_options.include_usage``) and sums what it read; the
+sidecar's own accounting of the same responses (its ``/metrics``) is printed beside it.
 """
 
 from __future__ import annotations
@@ -16,15 +18,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TextIO
 
+import aiohttp
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.demo.gateway import MockGateway, create_gateway_app
-from sidecar.demo.report import AddedLatency, RunMetrics, added_latency, format_table, percentile, summarize
+from sidecar.demo.report import (
+    AddedLatency,
+    RunMetrics,
+    SidecarAccounting,
+    added_latency,
+    format_table,
+    percentile,
+    summarize,
+)
 from sidecar.demo.workload import RequestRecord, probe_pairs, run_workload
 
 
 class SidecarHandle(Protocol):
-    """What the demo needs from a sidecar: start (binds and sets ``proxy_url``) and stop."""
+    """What the demo needs from a sidecar: start (binds and sets ``proxy_url``) and stop. One
+    that also has an ``admin_url`` (the real sidecar) is asked for its own prompt-cache
+    accounting there (``/metrics``)."""
 
     @property
     def proxy_url(self) -> str | None: ...
@@ -64,6 +78,8 @@ class DemoResult:
     workers: int
     direct: RunMetrics
     via_sidecar: RunMetrics
+    # The sidecar's own prompt-cache accounting of its run (None: not read).
+    sidecar_accounting: SidecarAccounting | None
     # What the sidecar adds to one request, from paired sequential probes.
     added_latency: AddedLatency
     direct_records: tuple[RequestRecord, ...]
@@ -75,6 +91,24 @@ class DemoResult:
     def ok(self) -> bool:
         """Both runs without errors, and no session moved between workers through the sidecar."""
         return self.direct.errors == 0 and self.via_sidecar.errors == 0 and self.via_sidecar.switches == 0
+
+
+async def read_accounting(admin_url: str) -> SidecarAccounting:
+    """A sidecar's own prompt-cache accounting, summed over its deployments, modes and turns,
+    from its ``/metrics`` (as an operator's Prometheus reads it)."""
+    async with aiohttp.ClientSession() as http, http.get(admin_url.rstrip("/") + "/metrics") as resp:
+        resp.raise_for_status()
+        text = await resp.text()
+    sums = {"prompt": 0.0, "cached": 0.0, "reported": 0.0, "unknown": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "sidecar_prompt_tokens_total":
+                sums["prompt"] += sample.value
+            elif sample.name == "sidecar_cached_prompt_tokens_total":
+                sums["cached"] += sample.value
+            elif sample.name == "sidecar_usage_responses_total":
+                sums["reported" if sample.labels.get("outcome") == "reported" else "unknown"] += sample.value
+    return SidecarAccounting(int(sums["prompt"]), int(sums["cached"]), int(sums["reported"]), int(sums["unknown"]))
 
 
 async def _timed_run(
@@ -120,6 +154,8 @@ async def run_demo(
             if not sidecar.proxy_url:
                 raise RuntimeError("the sidecar started without a proxy URL")
             sidecar_records, via_sidecar = await run(sidecar.proxy_url)
+            admin_url = getattr(sidecar, "admin_url", None)
+            accounting = await read_accounting(admin_url) if admin_url else None  # (before the probes)
             direct_ms, via_ms = await probe_pairs(gateway_url, sidecar.proxy_url)
         finally:
             await sidecar.stop()
@@ -133,7 +169,7 @@ async def run_demo(
         f"sidecar demo: {sessions} sessions x {turns} turns, streaming, mock gateway with "
         f"{workers} workers (Dynamo-style X-Dynamo-Session-ID affinity)"
     )
-    table = format_table(direct, via_sidecar, added, title=title) + (
+    table = format_table(direct, via_sidecar, added, title=title, accounting=accounting) + (
         "latency p50/p99: streamed requests end to end, concurrent, all in this one process; the probes\n"
         "and the added latency are measured apart, by small requests with nothing else in flight\n"
     )
@@ -145,6 +181,7 @@ async def run_demo(
         workers=workers,
         direct=direct,
         via_sidecar=via_sidecar,
+        sidecar_accounting=accounting,
         added_latency=added,
         direct_records=tuple(direct_records),
         sidecar_records=tuple(sidecar_records),

@@ -32,6 +32,10 @@ cdef struct Entry:
     long *state  # the relay's framing state (chunked)
     unsigned long *reads  # the relay's ``reads`` (the exchange's idle timeout watches it)
     unsigned long passes  # reads passed through since enrolled (again)
+    unsigned char *tail  # the last TAIL_BYTES bytes it read, a ring (NULL: not kept)
+    Py_ssize_t tail_at  # where the ring's next byte goes
+    bint tail_full  # the ring went round: its oldest byte is at ``tail_at``
+    unsigned long long relayed  # the bytes it read since enrolled (kept in ``tail`` when it is kept)
     void *owner  # its Enrolled (borrowed: valid while not gone)
     Note back  # the one hand-back note it can have (no reads while held)
     Note freed
@@ -64,7 +68,7 @@ cdef class DirectReads:
     cdef object loop
     cdef set live
     cdef public unsigned long long enrolled
-    cpdef Enrolled enroll(self, object conn, int fd, BodyRelay relay)
+    cpdef Enrolled enroll(self, object conn, int fd, BodyRelay relay, bint tail=*)
     cpdef leave(self, Enrolled entry, int fd)
     cpdef settle(self, Enrolled entry)
     cpdef unwatch(self, int fd)

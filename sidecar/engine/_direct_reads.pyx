@@ -23,6 +23,12 @@ thread's read has already taken from the socket: the transport would read only a
 after it, which ends a body delimited by the close as if it were complete, so the note carries
 the error and the loop fails the response with it, as the transport would have.
 
+Usage. For a response whose prompt-cache usage is read (:mod:`sidecar.usage`), the entry is
+enrolled with ``tail``: the thread also copies each read it takes into the entry's ring of its
+last ``TAIL_BYTES`` bytes and counts them; :meth:`DirectReads.leave` returns both, for the loop
+to show the usage reader the body's last bytes. A copy per read on the thread, nothing on the
+loop.
+
 Thread safety. The thread uses descriptors of its own (``dup``), so a socket the loop closes is
 never confused with another that reuses its number. Each entry has a lock the thread holds
 while it reads and sends for it; :meth:`DirectReads.leave` marks the entry gone under that lock,
@@ -133,6 +139,9 @@ cdef enum:
     BACKOFF = 64
     # Pieces one send gathers (a dechunked read with more pieces is the relay's).
     MAX_IOV = 64
+    # The bytes of an entry's last reads it keeps when asked (enroll's ``tail``): what the
+    # usage reader reads of a body's end (sidecar.usage.LAST_BYTES).
+    TAIL_BYTES = 16384
     # Enrolments that look for the event loop's epoll set before giving up (see unwatch).
     MAX_FINDS = 8
     # Notes to the loop.
@@ -241,6 +250,26 @@ cdef bint _last_chunk(Entry *e, const unsigned char *b, Py_ssize_t n) noexcept n
     )
 
 
+cdef inline void _keep(Entry *e, const unsigned char *b, Py_ssize_t n) noexcept nogil:
+    """Keep ``b[:n]``, a read of ``e``'s upstream socket, in its ring of last bytes."""
+    cdef Py_ssize_t room
+    e.relayed += n
+    if n >= TAIL_BYTES:
+        memcpy(e.tail, b + n - TAIL_BYTES, TAIL_BYTES)
+        e.tail_at = 0
+        e.tail_full = True
+        return
+    room = TAIL_BYTES - e.tail_at
+    if n < room:
+        memcpy(e.tail + e.tail_at, b, n)
+        e.tail_at += n
+        return
+    memcpy(e.tail + e.tail_at, b, room)
+    memcpy(e.tail, b + room, n - room)
+    e.tail_at = n - room
+    e.tail_full = True
+
+
 cdef void _hand(Shared *s, Entry *e, int kind, unsigned char *data, Py_ssize_t n) noexcept nogil:
     """Hand ``e`` back to the loop (``e.lock`` held), with ``data[:n]``: copied from the read
     buffer for ``K_READ``, taken as it is (allocated, or NULL) for ``K_FULL`` and ``K_END``; for
@@ -285,6 +314,8 @@ cdef void _relay(Shared *s, Entry *e) noexcept nogil:
             _hand(s, e, K_STOP, NULL, errno)
         return
     s.reads += 1
+    if e.tail != NULL:  # (a copy of the read: the loop is not woken for it)
+        _keep(e, s.buf, got)
     iov[0].iov_base = <void *>s.buf
     iov[0].iov_len = got
     total = got
@@ -519,11 +550,13 @@ cdef class DirectReads:
         free(s)
         self.s = NULL
 
-    cpdef Enrolled enroll(self, object conn, int fd, BodyRelay relay):
+    cpdef Enrolled enroll(self, object conn, int fd, BodyRelay relay, bint tail=False):
         """Relay ``conn``'s socket ``fd`` into ``relay`` from here from now on: the entry to leave
         with, or None if it cannot be (the transport keeps reading it then): the client has no
         direct socket or has bytes waiting, the body's framing is not at a boundary the thread
-        starts from, or a descriptor could not be had."""
+        starts from, or a descriptor or memory could not be had. ``tail``: keep the last
+        ``TAIL_BYTES`` of what the thread reads (a copy per read, on the thread), which
+        :meth:`leave` returns."""
         cdef Enrolled entry
         cdef Entry *e
         cdef ClientOutput out = relay.output
@@ -545,6 +578,12 @@ cdef class DirectReads:
             _free_entry_fds(e)
             free(e)
             return None
+        if tail:
+            e.tail = <unsigned char *>malloc(TAIL_BYTES)
+            if e.tail == NULL:
+                _free_entry_fds(e)
+                free(e)
+                return None
         pthread_mutex_init(&e.lock, NULL)
         e.mode = mode
         e.left = &relay.left
@@ -575,18 +614,28 @@ cdef class DirectReads:
 
     cpdef leave(self, Enrolled entry, int fd):
         """Stop relaying the connection enrolled as ``entry``: when this returns, the thread no
-        longer touches its sockets (``fd`` is unused: the thread reads a descriptor of its own)."""
+        longer touches its sockets (``fd`` is unused: the thread reads a descriptor of its own).
+        For an entry enrolled with ``tail``: ``(the last bytes it read, how many it read)``,
+        else None."""
         cdef Entry *e = entry.c
         cdef Shared *s = self.s
         cdef bint held
+        tail = None
         if e == NULL or s == NULL:
-            return
+            return tail
         entry.c = NULL
         self.live.discard(entry)
         pthread_mutex_lock(&e.lock)
         e.gone = True
         held = e.held
         pthread_mutex_unlock(&e.lock)
+        if e.tail != NULL:  # (gone: the thread no longer writes it)
+            if e.tail_full:
+                kept = PyBytes_FromStringAndSize(<char *>e.tail + e.tail_at, TAIL_BYTES - e.tail_at) + \
+                    PyBytes_FromStringAndSize(<char *>e.tail, e.tail_at)
+            else:
+                kept = PyBytes_FromStringAndSize(<char *>e.tail, e.tail_at)
+            tail = (kept, e.relayed)
         if held:
             # Handed back (the usual end of a stream): out of the set since, so no event the
             # thread takes names it; free it now, or once its note is taken if still queued.
@@ -595,7 +644,7 @@ cdef class DirectReads:
                 e.dead = True
             else:
                 _free_entry(e)
-            return
+            return tail
         # Still in the set: out of it before its descriptor closes (closing a dup does not take
         # the socket out of the set while the loop's own descriptor keeps it open), and the
         # thread may hold an event for it until its next iteration.
@@ -605,6 +654,7 @@ cdef class DirectReads:
         e.next_retired = s.retired
         s.retired = e
         pthread_mutex_unlock(&s.qlock)
+        return tail
 
     cpdef settle(self, Enrolled entry):
         """Act now on ``entry``'s hand-back if it is the body's end, sent whole to the client:
@@ -693,7 +743,7 @@ cdef class DirectReads:
                 conn._fail(f"response not relayed: {exc!r}")
                 return
             if relay.done:
-                conn.body_end(used < len(data))
+                conn.body_end(len(data) - used)
             elif entry.c != NULL and (entry.c.passes < MIN_PASSES or not self._again(entry, relay)):
                 # The thread cannot follow this body here, or keeps handing it back: the
                 # transport reads it, and enrolling is tried again after BACKOFF reads.
@@ -704,7 +754,7 @@ cdef class DirectReads:
                 relay.output.parts.append(data)
                 relay.output.flush()
             relay.end_sent()
-            conn.body_end(False)
+            conn.body_end(0)
         elif kind == K_FULL:
             relay.output.parts.append(data)  # through the transport: the client's backpressure follows
             relay.output.flush()
@@ -776,5 +826,6 @@ cdef void _free_entry_fds(Entry *e) noexcept:
 
 cdef void _free_entry(Entry *e) noexcept:
     _free_entry_fds(e)
+    free(e.tail)
     pthread_mutex_destroy(&e.lock)
     free(e)

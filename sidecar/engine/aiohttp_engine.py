@@ -15,6 +15,7 @@ import io
 import logging
 import ssl
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
@@ -37,6 +38,7 @@ from sidecar.engine.wire import error_response
 from sidecar.errors import failure_reason
 from sidecar.router import BODY, LOAD, REFUSED, WORK, Admission, Decision, RequestHead, body_pool
 from sidecar.tls import refused_after_handshake
+from sidecar.usage import LAST_BYTES, TAIL_READS
 
 log = logging.getLogger("sidecar.engine")
 
@@ -336,7 +338,7 @@ class AiohttpEngine(Engine):
         if refusal is not None:
             return self._refuse(request, *refusal)
         target = raw_target.decode("utf-8", "surrogateescape")
-        adm = router.admit(RequestHead(request.method, in_headers))
+        adm = router.admit(RequestHead(request.method, in_headers, raw_target))
         try:
             await self._settle(adm)  # a session this replica does not hold: ask the shared store
             if adm.need == REFUSED:
@@ -412,8 +414,7 @@ class AiohttpEngine(Engine):
         """A body above the admission's limit (of a body the sidecar parses while it needs it)."""
         adm.finish(TurnOutcome.UPSTREAM_FAILED)
         dep = adm.deployment
-        err = errors.request_too_large(dep.name, adm.limit, adm.need == BODY)
-        return self._error(err, dep.name, dep.mode_name, "body_too_large")
+        return self._error(adm.too_large(), dep.name, dep.mode_name, "body_too_large")
 
     def _refused(self, adm: Admission) -> web.Response:
         """Answer what the router refused (a defect: 500)."""
@@ -522,10 +523,27 @@ class AiohttpEngine(Engine):
                 and request.method != "HEAD"
                 and adm.reads_response(upstream.status, upstream.headers)
             )
+            # A session's response: its prompt-cache usage, read from the body's first reads and
+            # (references to) its last few (aiohttp has taken its chunked framing off).
+            usage = (
+                adm.usage_reader(upstream.status, upstream.headers, False)
+                if adm.turn is not None and request.method != "HEAD" and upstream.status not in (204, 304)
+                else None
+            )
+            usage_first = usage is not None
+            kept: deque[bytes] = deque(maxlen=TAIL_READS)
+            seen = 0
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():
                 if first:
                     first = not adm.response_start(chunk, False)
+                if usage is not None:
+                    if usage_first:
+                        usage_first = not usage.first(chunk)
+                    if len(chunk) >= LAST_BYTES:  # it holds the whole tail: the older reads go
+                        kept.clear()
+                    kept.append(chunk)
+                    seen += len(chunk)
                 await resp.write(chunk)
             if closed is not None and (lost := _lost(closed)) is not None:
                 raise lost
@@ -558,6 +576,9 @@ class AiohttpEngine(Engine):
         upstream.release()
         m.request_counter(dep.name, dep.mode_name, f"{upstream.status // 100}xx").inc()
         m.duration_hist(dep.name, dep.mode_name).observe(time.perf_counter() - t0)
+        if usage is not None:  # the body went whole: what it said of its usage, before the turn ends
+            usage.last_reads(kept, seen)
+            adm.on_usage(usage.result())
         adm.finish(TurnOutcome.COMPLETED if upstream.status < 500 else TurnOutcome.UPSTREAM_FAILED)
         return resp
 

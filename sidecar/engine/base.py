@@ -3,13 +3,13 @@
 An engine owns the proxy listener and the upstream connection pool. Per request it:
 
 1. builds a :class:`~sidecar.router.RequestHead` (``headers``: every lower-case header name to
-   its first value), calls ``router.admit`` and does what the :class:`~sidecar.router.Admission`
+   its first value; ``target``: the request target's bytes), calls ``router.admit`` and does what the :class:`~sidecar.router.Admission`
    needs until it is READY or REFUSED: LOAD, await ``router.state.load(adm.identity)`` and call
    ``adm.loaded()``; BODY, buffer the whole body and call ``adm.body(data, size)``; WORK, run
    ``adm.work`` on the engine's :func:`~sidecar.router.body_pool` and call ``adm.worked(result)``.
    REFUSED: answer ``adm.error`` as JSON, counted in ``rejected`` for ``adm.reason``;
-2. refuses a body above ``adm.limit`` with 413 (declared length up front, streamed bytes as they
-   arrive);
+2. refuses a body above ``adm.limit`` with ``adm.too_large()`` (413; declared length up front,
+   streamed bytes as they arrive);
 3. forwards what ``adm.decision`` says: to ``decision.upstream``, the client's headers minus
    hop-by-hop ones (and those ``Connection`` names) and ``decision.drop``, then ``decision.add``,
    ``X-Forwarded-For`` and ``X-Forwarded-Proto``; ``decision.body`` with a fresh Content-Length
@@ -18,6 +18,12 @@ An engine owns the proxy listener and the upstream connection pool. Per request 
    502: the tree fails over) and :meth:`Engine.upstream_failure` for every failure;
    ``adm.on_response(status, headers)`` when the response head arrives, before relaying it; the
    body's first reads to ``adm.response_start`` when ``adm.reads_response`` asked for them;
+   for a response with a body of a request with a session (``adm.turn``), the reader
+   ``adm.usage_reader(status, headers, chunked)`` gives (if any): the body's first reads to its
+   ``first`` until it returns True, bounded copies of the body's last bytes to its ``last``
+   (the bytes as they came from the upstream, framing included when ``chunked``), and, once the
+   body reached the client whole (never after a client left or an upstream failure), its
+   ``result()`` to ``adm.on_usage`` before ``finish``. The relayed bytes are never changed;
 5. calls ``adm.finish(outcome)`` once the request is over (its last byte reached the client, the
    upstream failed, the client left), whatever the admission was waiting for: the admission
    counts the first call only and ignores any feed after it.

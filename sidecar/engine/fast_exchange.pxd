@@ -12,6 +12,7 @@ from sidecar.engine.head cimport (HeaderBlock, copy_block, cut, decimal, first_v
 from sidecar.metrics cimport DeploymentStats, _Value
 from sidecar.deployments cimport Deployment
 from sidecar.router cimport Admission, Decision, RequestHead, Router
+from sidecar.usage cimport UsageReader
 
 cdef class Exchange(UpstreamRequest)
 
@@ -85,7 +86,8 @@ cdef class Exchange(UpstreamRequest):
     cdef public long resp_status
     cdef public HeaderBlock resp_head
     cdef public double head_at
-    cdef public bint close_after
+    cdef public bint close_after, reads_id
+    cdef public UsageReader usage
     cpdef setup(self, ClientBase client, bytes raw, Py_ssize_t block_start, Py_ssize_t block_end, bytes method,
                 bytes target, bint keep_alive, length)
     @cython.locals(shared=EngineState)
@@ -102,14 +104,14 @@ cdef class Exchange(UpstreamRequest):
     cpdef _whole_body(self)
     cpdef pump(self)
     @cython.locals(client=ClientBase, conn=UpstreamConnection, output=ClientOutput, out=list, base=Py_ssize_t,
-                   mark=Py_ssize_t, framing=long, mode=long, http10=bint, adm=Admission)
+                   mark=Py_ssize_t, framing=long, mode=long, http10=bint, adm=Admission, framed=bint)
     cpdef response_head(self, long status, bytes raw, Py_ssize_t start, Py_ssize_t first, Py_ssize_t end,
                         length, double now)
     @cython.locals(shared=EngineState, stats=DeploymentStats, decision=Decision, headers=HeaderBlock, adm=Admission)
     cpdef head_sent(self)
-    @cython.locals(adm=Admission)
+    @cython.locals(adm=Admission, done=bint)
     cpdef bint response_start(self, bytes data, bint chunked) except -1
-    @cython.locals(stats=DeploymentStats, decision=Decision)
+    @cython.locals(stats=DeploymentStats, decision=Decision, adm=Admission)
     cpdef response_complete(self, double now)
     @cython.locals(conn=UpstreamConnection, phase=long)
     cpdef double deadline(self, double now) except? -1.0

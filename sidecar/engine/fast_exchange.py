@@ -112,6 +112,7 @@ from sidecar.engine.wire import (
     error_response,
 )
 from sidecar.router import BODY, LOAD, READY, REFUSED, WORK, Admission, Decision, RequestHead, Router
+from sidecar.usage import UsageReader
 
 log = logging.getLogger("sidecar.engine")
 
@@ -281,6 +282,8 @@ class Exchange(UpstreamRequest):
         "resp_head",
         "head_at",
         "close_after",
+        "reads_id",
+        "usage",
     )
 
     def setup(
@@ -340,6 +343,8 @@ class Exchange(UpstreamRequest):
         self.resp_head: Mapping[str, str] | None = None  # parsed, until the router heard of it (head_sent)
         self.head_at = 0.0
         self.close_after = False  # the response closes the connection after it
+        self.reads_id = False  # the router reads the body's first bytes for the response's id
+        self.usage: UsageReader | None = None  # the reader of its prompt-cache usage, if accounted
 
     # -- request head -------------------------------------------------------------------------
 
@@ -378,6 +383,7 @@ class Exchange(UpstreamRequest):
             RequestHead(
                 METHODS[method] if method in METHODS else method.decode("latin-1"),
                 header_map(self.raw, self.block_start, self.block_end),
+                self.target,
             )
         )
         self._next()
@@ -408,7 +414,7 @@ class Exchange(UpstreamRequest):
             adm.finish(_UPSTREAM_FAILED)
             # A declared length whose body is already parsed leaves nothing to skip: keep the
             # connection. A chunked body over the limit, or one still arriving, ends it.
-            err = errors.request_too_large(dep.name, limit, need == BODY)
+            err = adm.too_large()
             self.respond_error(err, dep.name, dep.mode_name, "body_too_large", close=self.chunked or not self.complete)
             return
         if self.expect and not self.complete and not self.http10:
@@ -742,9 +748,17 @@ class Exchange(UpstreamRequest):
         conn = self.conn
         adm = self.admission
         assert conn is not None and adm is not None
+        framed = mode == CHUNKED or mode == DECHUNK  # the upstream's bytes carry chunked framing
         if adm.reads_response_id and adm.reads_response(status, self.resp_head):
             # (a request chained by previous_response_id: the router reads the body's first bytes)
-            conn.first_bytes = FIRST_CHUNKED if mode == CHUNKED or mode == DECHUNK else FIRST_RAW
+            self.reads_id = True
+            conn.first_bytes = FIRST_CHUNKED if framed else FIRST_RAW
+        if adm.turn is not None:  # a session's: its prompt-cache usage is read from the body's ends
+            usage = adm.usage_reader(status, self.resp_head, framed)
+            if usage is not None:
+                self.usage = usage
+                conn.read_usage(usage)
+                conn.first_bytes = FIRST_CHUNKED if framed else FIRST_RAW
         return BodyRelay(output, mode, length if mode == LENGTH else 0, conn.pool.max_head)
 
     def head_sent(self) -> None:
@@ -776,11 +790,20 @@ class Exchange(UpstreamRequest):
         adm.on_response(self.resp_status, headers)
 
     def response_start(self, data: bytes, chunked: bool) -> bool:
-        """A read of the beginning of the response body the router asked for (see
-        response_head): to the router, until it wants no more."""
-        adm = self.admission
-        assert adm is not None
-        return adm.response_start(data, chunked)
+        """A read of the beginning of the response body (see response_head): to the router,
+        for the response's id, and to the usage reader, until neither wants more."""
+        done = True
+        if self.reads_id:
+            adm = self.admission
+            assert adm is not None
+            if adm.response_start(data, chunked):
+                self.reads_id = False
+            else:
+                done = False
+        usage = self.usage
+        if usage is not None and not usage.first(data):
+            done = False
+        return done
 
     def response_complete(self, now: float) -> None:
         """The last response byte went to the client (the connection has unbound itself): count,
@@ -794,6 +817,14 @@ class Exchange(UpstreamRequest):
         status = self.resp_status
         stats.request(status).inc()
         stats.duration.observe(now - self.t0)
+        usage = self.usage
+        if usage is not None:  # the body went whole: what it said of its usage, before the turn ends
+            self.usage = None
+            if self.resp_head is not None:
+                self.head_sent()
+            adm = self.admission
+            assert adm is not None
+            adm.on_usage(usage.result())
         self._finish_admission(_COMPLETED if status < 500 else _UPSTREAM_FAILED)
         # An unread rest of the request body is never read: the connection closes.
         self._retire(CLOSE if self.close_after or not self.complete else KEEP)
@@ -909,7 +940,7 @@ class Exchange(UpstreamRequest):
     def _too_large_midway(self) -> None:
         adm = self.admission
         assert adm is not None
-        self.refused(errors.request_too_large(adm.deployment.name, self.limit, adm.need == BODY), "body_too_large")
+        self.refused(adm.too_large(), "body_too_large")
 
     def client_gone(self) -> None:
         """The client connection closed: abandon the upstream side (an abandoned stream must not keep a GPU busy)."""

@@ -7,8 +7,10 @@ from sidecar.engine.flow cimport ReadFlow
 from sidecar.engine.head cimport cut, head_end, locate
 from sidecar.engine.idle_poll cimport IdlePoller
 from sidecar.engine.relay cimport BodyRelay
+from sidecar.usage cimport UsageReader
 
 cdef unsigned long ENROLL_AFTER, _ENROLL_RETRY
+cdef Py_ssize_t TAIL_READS, LAST_BYTES
 # Read per request: C globals, not module-dict lookups (see fast_exchange.pxd).
 cdef object perf_counter
 cdef long CLIENT_FULL, DIRECT
@@ -34,11 +36,15 @@ cdef class UpstreamConnection:
     cdef public DirectSocket sock
     cdef public unsigned long enroll_at
     cdef public long first_bytes
+    cdef public UsageReader usage
+    cdef public list tail_reads
+    cdef public Py_ssize_t tail_at, tail_seen, tail_extra
     @cython.locals(relay=BodyRelay)
     cpdef data_received(self, bytes data)
-    @cython.locals(used=Py_ssize_t, direct=DirectReads, entry=Enrolled)
+    @cython.locals(used=Py_ssize_t, direct=DirectReads, entry=Enrolled, usage=bint, reader=UsageReader, seen=Py_ssize_t,
+                   reads=list, at=Py_ssize_t, k=Py_ssize_t)
     cpdef _body(self, BodyRelay relay, bytes data)
-    cpdef body_end(self, bint extra)
+    cpdef body_end(self, Py_ssize_t extra)
     cpdef invalid_body(self, exc)
     cpdef bind(self, ex, bint client_paused)
     cpdef bint usable(self, double now) except -1
@@ -50,6 +56,12 @@ cdef class UpstreamConnection:
     cpdef _unbind(self)
     @cython.locals(entry=Enrolled)
     cpdef direct_stop(self)
+    cpdef _thread_tail(self, tuple tail, Py_ssize_t extra)
+    cpdef read_usage(self, UsageReader usage)
+    @cython.locals(reads=list, at=Py_ssize_t)
+    cpdef _reads_to_usage(self, Py_ssize_t extra)
+    @cython.locals(entry=Enrolled)
+    cpdef _usage_end(self)
     @cython.locals(entry=Enrolled)
     cpdef client_gone(self)
 

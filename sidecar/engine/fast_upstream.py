@@ -61,6 +61,7 @@ from sidecar.engine.parsers import ParseError, ResponseParser
 from sidecar.engine.relay import BodyRelay
 from sidecar.errors import failure_reason
 from sidecar.tls import refused_after_handshake
+from sidecar.usage import LAST_BYTES, TAIL_READS
 
 if TYPE_CHECKING:
     from sidecar.engine.relay import Writer
@@ -159,6 +160,11 @@ class UpstreamConnection:
         "sock",
         "enroll_at",
         "first_bytes",
+        "usage",
+        "tail_reads",
+        "tail_at",
+        "tail_seen",
+        "tail_extra",
     )
 
     def __init__(self, pool: UpstreamPool) -> None:
@@ -191,6 +197,17 @@ class UpstreamConnection:
         # Set by the exchange for a response whose body's first bytes it wants (FIRST_RAW, or
         # FIRST_CHUNKED with the framing): reads go to it until it has them; 0 otherwise.
         self.first_bytes = 0
+        # The usage reader of the response (sidecar.usage.UsageReader), set by the exchange for
+        # an accounted one (read_usage): it gets the body's last bytes once the body ended.
+        # Meanwhile the connection keeps the last TAIL_READS reads its transport had (references
+        # in a ring, ``tail_reads``, the next at ``tail_at``: no copy) and the stream thread a copy
+        # of the last bytes it read (DirectReads.enroll's ``tail``); ``tail_seen``: the body bytes
+        # read so far; ``tail_extra``: bytes after the body in its last read.
+        self.usage: Any = None
+        self.tail_reads: list[bytes | None] | None = None
+        self.tail_at = 0
+        self.tail_seen = 0
+        self.tail_extra = 0
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -220,8 +237,10 @@ class UpstreamConnection:
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         if self.direct:  # (never, unless a close bypassed _unbind: the socket leaves the set as it closes)
-            self.pool.direct.leave(self.direct, -1)
+            tail = self.pool.direct.leave(self.direct, -1)
             self.direct = None
+            if tail is not None and self.usage is not None:
+                self._thread_tail(tail, 0)
         self.pool.discard(self)
         ex = self.ex
         if ex is None:
@@ -308,8 +327,50 @@ class UpstreamConnection:
         entry = self.direct
         if entry is not None:
             self.direct = None
-            self.pool.direct.leave(entry, self.sock.fd)  # type: ignore[union-attr]  # (enrolled: it has one)
+            tail = self.pool.direct.leave(entry, self.sock.fd)  # type: ignore[union-attr]  # (enrolled: it has one)
             self.flow.resume(DIRECT)
+            if tail is not None and self.usage is not None:
+                self._thread_tail(tail, 0)
+
+    def _thread_tail(self, tail: tuple[bytes, int], extra: int) -> None:
+        """What the stream thread kept of the body's bytes it read (``(last bytes, how many it
+        read)``) to the usage reader (``extra``: bytes after the body at their end)."""
+        data, relayed = tail
+        self.tail_seen += relayed
+        if data:
+            self.usage.last_reads((data,), self.tail_seen, extra)
+
+    def read_usage(self, usage: Any) -> None:
+        """The response's body goes to ``usage`` (a :class:`~sidecar.usage.UsageReader`): its
+        first reads (``first_bytes``, set by the exchange) and its last bytes once it ended."""
+        self.usage = usage
+        self.tail_reads = None  # (made at the first read the reader's beginning does not hold)
+        self.tail_at = 0
+
+    def _reads_to_usage(self, extra: int) -> None:
+        """The last reads the transport had (since the reader last got any) to the usage reader
+        (``extra``: bytes after the body at their end)."""
+        reads = self.tail_reads
+        if reads is None:  # none since: the reader's beginning holds them
+            return
+        at = self.tail_at
+        if reads[at - 1 if at else TAIL_READS - 1] is not None:  # (the newest read)
+            self.usage.last_reads(reads[at:] + reads[:at], self.tail_seen, extra)
+        self.tail_reads = None
+        self.tail_at = 0
+
+    def _usage_end(self) -> None:
+        """The body ended: the usage reader gets its last bytes, from the stream thread if it
+        relayed the end, else from the transport's last reads."""
+        entry = self.direct
+        if entry is not None:
+            self.direct = None
+            tail = self.pool.direct.leave(entry, self.sock.fd)  # type: ignore[union-attr]  # (enrolled: it has one)
+            self.flow.resume(DIRECT)
+            if tail is not None:
+                self._thread_tail(tail, self.tail_extra)
+        else:
+            self._reads_to_usage(self.tail_extra)
 
     def client_gone(self) -> None:
         """The client connection closed: a body whose end the stream thread already sent to the
@@ -329,6 +390,10 @@ class UpstreamConnection:
         self.ex = None
         self.relay = None
         self.first_bytes = 0
+        if self.usage is not None:  # (before direct_stop: nothing more for the reader)
+            self.usage = None
+            self.tail_reads = None
+            self.tail_seen = self.tail_extra = 0
         if self.direct:
             self.direct_stop()
         if self.flow.reasons:
@@ -415,18 +480,36 @@ class UpstreamConnection:
                 self.first_bytes = 0
             else:
                 self.enroll_at = relay.reads + 2  # its next read comes here too
+        reader = self.usage
+        if reader is not None:  # an accounted response: its last reads are kept, unless the
+            # reader's copy of the body's beginning has them (a body of one read, most often)
+            seen = self.tail_seen = self.tail_seen + len(data)
+            if not reader.holds(seen):
+                reads = self.tail_reads
+                if reads is None:
+                    reads = self.tail_reads = [None] * TAIL_READS
+                elif len(data) >= LAST_BYTES:  # it holds the whole tail: the older reads go (what
+                    # the ring keeps stays below TAIL_READS - 1 times LAST_BYTES, plus one read)
+                    for k in range(TAIL_READS):
+                        reads[k] = None
+                at = self.tail_at
+                reads[at] = data
+                self.tail_at = (at + 1) % TAIL_READS
         try:
             used = relay.feed(data)
         except ParseError as exc:
             self.invalid_body(exc)
             return
         if relay.done:
-            self.body_end(used < len(data))
+            self.body_end(len(data) - used)
         elif self.sock is not None and relay.reads >= self.enroll_at and self.sent_all and not self.flow.reasons:
             # A long body (a token stream, most likely): relayed by the pool's DirectReads.
             direct = self.pool.direct
-            entry = direct.enroll(self, self.sock.fd, relay)
+            usage = self.usage is not None
+            entry = direct.enroll(self, self.sock.fd, relay, usage)
             if entry is not None:
+                if usage:  # the reader has the transport's reads; the thread keeps its own
+                    self._reads_to_usage(0)
                 self.direct = entry
                 self.flow.pause(DIRECT)
                 # Out of the loop's own epoll set too, unless the loop still has request bytes to
@@ -436,10 +519,11 @@ class UpstreamConnection:
             else:  # not from here (or not to this client): try again later
                 self.enroll_at = relay.reads + _ENROLL_RETRY
 
-    def body_end(self, extra: bool) -> None:
-        """The relay reached the body's end (``extra``: bytes followed it in the same read)."""
+    def body_end(self, extra: int) -> None:
+        """The relay reached the body's end (``extra``: the bytes that followed it in the same read)."""
         if extra:
             self.reusable = False  # bytes after a complete response
+            self.tail_extra = extra
         self._complete(perf_counter())
 
     def invalid_body(self, exc: ParseError) -> None:
@@ -450,6 +534,8 @@ class UpstreamConnection:
         """The response is complete: back to the pool (or closed), then the exchange ends."""
         ex = self.ex
         assert ex is not None
+        if self.usage is not None:
+            self._usage_end()
         self._unbind()
         if self.keep_alive and self.reusable and self.sent_all:
             self.unanswered = False

@@ -7,7 +7,8 @@ does not hold needs LOAD (:class:`sidecar.router.Admission`); the engine awaits
 :meth:`SessionState.load` (one pipelined round trip, shared by every request waiting in the same
 loop iteration) and feeds ``loaded()``. Everything else on the request path is synchronous and costs no
 round trip: the router reports turns to the backend (:meth:`SessionState.begun`,
-:meth:`SessionState.finished`, :meth:`SessionState.touched`), which writes them behind, batched.
+:meth:`SessionState.finished`, :meth:`SessionState.touched`, :meth:`SessionState.used`), which
+writes them behind, batched.
 Ends are claimed in the store, exactly once across the fleet; the replica that claims one runs
 it through the funnel every end goes through (:class:`sidecar.session_ends.SessionEnds`).
 
@@ -124,6 +125,11 @@ class SessionState:
 
     def touched(self, turn: Turn, *, mode_state: bool = False) -> None:
         """The session's worker history, or its mode state, changed."""
+
+    def used(self, turn: Turn, prompt_tokens: int, cached_tokens: int, reported: bool) -> None:
+        """The response of ``turn`` reported its prompt-cache usage (``reported``: these counts,
+        already added to the turn's node), or said nothing usable of it (a turn without usage).
+        A shared backend writes the increments behind, with the session's next write."""
 
     def ended(self, ended: Sequence[SessionEnd]) -> None:
         """Sessions that ended in this replica's tree: here they end now (:attr:`ends`); a

@@ -4,7 +4,9 @@ live session costs its bytes in Redis), read into :class:`Record`.
 Fields: ``d`` deployment, ``p`` parent (the root hint for a hinted session), ``r`` root (absent:
 the id itself), ``f`` flags (:class:`sidecar.lineage.SessionFlag`), ``c`` created and ``a`` last active
 (unix ms), ``n`` turns, ``e`` end reason and ``z`` when it started closing or ended (ms), ``m``
-the mode's state, ``w``/``wt``/``mv`` the worker history, and for API sessions ``ws`` workspace,
+the mode's state, ``w``/``wt``/``mv`` the worker history, ``pt``/``ct``/``ut``/``uu`` the
+prompt-cache accounting (prompt and cached tokens, turns with usage, turns without; each only
+once non-zero), and for API sessions ``ws`` workspace,
 ``t`` TTL seconds and ``q`` creation sequence. ``h:<replica>`` are holders (requests in flight),
 ``o`` the replica that claimed the session's end and has not confirmed it yet.
 
@@ -32,6 +34,10 @@ PLACEHOLDER, FINAL_SEEN, CLOSED, ENDED, HINTED, API = (
 )
 
 
+# The prompt-cache accounting's fields, in Record.usage's order (incremented by the flush's A op).
+_USAGE_FIELDS = ("pt", "ct", "ut", "uu")
+
+
 @dataclass(slots=True)
 class Record:
     """One session record, decoded. Times are unix seconds."""
@@ -51,6 +57,8 @@ class Record:
     workers: list[Any] | None
     worker_turns: int
     moves: int
+    # prompt-cache accounting: prompt and cached tokens, turns with usage, turns without
+    usage: tuple[int, int, int, int]
     workspace: str | None
     ttl: float | None
     seq: int
@@ -119,6 +127,12 @@ def decode(session: str, fields: dict[str, str]) -> Record | None:
         field, worker_turns = "wt", int(fields.get("wt", "0"))
         field, moves = "mv", int(fields.get("mv", "0"))
         field, seq = "q", int(fields.get("q", "0"))
+        usage = []
+        for field in _USAGE_FIELDS:
+            count = int(fields.get(field, "0"))
+            if count < 0:
+                raise ValueError(count)
+            usage.append(count)
     except (ValueError, TypeError, orjson.JSONDecodeError):
         raise BadRecord(session, field) from None
     return Record(
@@ -137,6 +151,7 @@ def decode(session: str, fields: dict[str, str]) -> Record | None:
         workers=workers_list,
         worker_turns=worker_turns,
         moves=moves,
+        usage=(usage[0], usage[1], usage[2], usage[3]),
         workspace=fields.get("ws") or None,
         ttl=ttl_seconds,
         seq=seq,

@@ -99,7 +99,7 @@ MAX_LOGGED_BAD = 1024  # unreadable records logged once each, up to this many id
 class _Dirty:
     """A session's changes since its last write: what was written then, what is new since."""
 
-    __slots__ = ("node", "turns0", "in_flight0", "flags0", "created", "mode", "workers")
+    __slots__ = ("node", "turns0", "in_flight0", "flags0", "created", "mode", "workers", "usage")
 
     def __init__(self, node: Any, turns0: int, in_flight0: int, created: bool) -> None:
         self.node = node  # the tree's node (sidecar.lineage.SessionNode): its fields are read at write time
@@ -109,18 +109,22 @@ class _Dirty:
         self.created = created
         self.mode = False
         self.workers = False
+        # prompt-cache accounting not written yet, as increments (prompt, cached, turns with
+        # usage, unknown turns); None: nothing
+        self.usage: list[int] | None = None
 
 
 class _Written:
     """What one write carried for a session: the node's counts as read, and the flags it took."""
 
-    __slots__ = ("node", "full", "turns", "in_flight", "flags", "created", "mode", "workers")
+    __slots__ = ("node", "full", "turns", "in_flight", "flags", "created", "mode", "workers", "usage")
 
     def __init__(
         self, node: Any, full: bool, turns: int, in_flight: int, flags: int, created: bool, mode: bool, workers: bool
     ) -> None:
         self.node, self.full, self.turns, self.in_flight, self.flags = node, full, turns, in_flight, flags
         self.created, self.mode, self.workers = created, mode, workers
+        self.usage: list[int] | None = None  # the accounting increments it took
 
 
 class RedisState(SessionState):
@@ -505,6 +509,7 @@ class RedisState(SessionState):
             worker_turns=rec.worker_turns,
             moves=rec.moves,
             placeholder=rec.placeholder,
+            usage=rec.usage,
         )
 
     # -- the request path: writes behind ---------------------------------------------------------
@@ -561,6 +566,23 @@ class RedisState(SessionState):
             self._urgent.add(node.session)
         else:
             entry.workers = True
+
+    def used(self, turn: Turn, prompt_tokens: int, cached_tokens: int, reported: bool) -> None:
+        node = turn.node
+        entry = self._dirty.get(node.session)
+        if entry is None:
+            entry = self._dirty[node.session] = _Dirty(node, node.turns, self.tree.in_flight_of(node.session), False)
+            if len(self._dirty) > MAX_DIRTY:
+                self._drop_oldest()
+        usage = entry.usage
+        if usage is None:
+            usage = entry.usage = [0, 0, 0, 0]
+        if reported:
+            usage[0] += prompt_tokens
+            usage[1] += cached_tokens
+            usage[2] += 1
+        else:
+            usage[3] += 1
 
     def ended(self, ended: Sequence[SessionEnd]) -> None:
         for e in ended:
@@ -674,6 +696,7 @@ class RedisState(SessionState):
                     and self.tree.in_flight_of(sid) == entry.in_flight0
                     and node.flags == entry.flags0
                     and not (entry.created or entry.mode or entry.workers)
+                    and entry.usage is None
                 ):
                     del self._dirty[sid]
             for sid in ending:
@@ -708,6 +731,9 @@ class RedisState(SessionState):
                 entry.created |= w.created
                 entry.mode |= w.mode
                 entry.workers |= w.workers
+                if w.usage is not None:
+                    pending = entry.usage
+                    entry.usage = w.usage if pending is None else [a + b for a, b in zip(pending, w.usage)]
                 entry.in_flight0 = -1
                 self._urgent.add(sid)
 
@@ -795,6 +821,9 @@ class RedisState(SessionState):
                 out += ("M", sid, node.mode_state)
             if w.workers and node.workers is not None:
                 out += ("W", sid, orjson.dumps(node.workers).decode(), node.worker_turns, node.moves)
+            if entry.usage is not None:  # increments: with any write of the session (after its C)
+                w.usage, entry.usage = entry.usage, None
+                out += ("A", sid, *w.usage)
         return out
 
     def _republish_ops(self, sids: Sequence[str]) -> list[Any]:
@@ -836,6 +865,13 @@ class RedisState(SessionState):
             held = self.tree.in_flight_of(sid)
             if held:
                 out += ("H", sid, held)
+            node = self.tree.node_of(sid)
+            if node is not None and (node.usage_turns or node.unknown_turns):
+                usage = [node.prompt_tokens, node.cached_tokens, node.usage_turns, node.unknown_turns]
+                if entry is not None and entry.node is node and entry.usage is not None:
+                    # what is not written yet follows as increments (counted once, like the turns)
+                    usage = [n - pending for n, pending in zip(usage, entry.usage, strict=True)]
+                out += ("B", sid, *usage)
         return out
 
     def _held_api(self, sid: str) -> ApiSession | None:

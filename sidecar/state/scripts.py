@@ -254,6 +254,27 @@ while i <= #ARGV do
       redis.call('HSET', k, 'w', ARGV[i + 2], 'wt', ARGV[i + 3], 'mv', ARGV[i + 4])
     end
     i = i + 5
+  elseif op == 'A' or op == 'B' then
+    -- prompt-cache accounting: prompt cached turns-with-usage unknown-turns. A adds them (this
+    -- replica's increments, ended records included: a final turn's arrive after its end); B
+    -- (republish) raises each to at least them. A field is written only once non-zero.
+    local f = flags_of(k)
+    if f == -2 then
+      bad[#bad + 1] = id
+    elseif f >= 0 then
+      for j, field in ipairs({'pt', 'ct', 'ut', 'uu'}) do
+        local n = tonumber(ARGV[i + 1 + j]) or 0
+        if n > 0 then
+          if op == 'A' then
+            local r = redis.pcall('HINCRBY', k, field, n)
+            if type(r) == 'table' and r.err then bad[#bad + 1] = id end
+          elseif num(redis.call('HGET', k, field), 0) < n then
+            redis.call('HSET', k, field, n)
+          end
+        end
+      end
+    end
+    i = i + 6
   elseif op == 'K' then
     -- this replica ran the end it claimed (token: the claim's): the claim is settled
     local v = redis.call('HMGET', k, 'o', 'z')

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sidecar.lineage import VIEW_STEP, unknown_node
+from sidecar.lineage import VIEW_STEP, exhaust, prompt_cache, subtree_totals, unknown_node
 from sidecar.sessions import rfc3339
 from sidecar.state.records import Record
 from sidecar.state.redis import MAX_CHILDREN_READ, RedisState
@@ -57,6 +57,7 @@ def node_dict(rec: Record, root: str) -> dict[str, Any]:
             "same_worker": max(rec.worker_turns - 1 - rec.moves, 0),
             "moved": rec.moves,
         },
+        "prompt_cache": prompt_cache(*rec.usage),
     }
 
 
@@ -68,7 +69,8 @@ async def tree_view(
     state: RedisState, session: str, *, max_depth: int, max_nodes: int, fresh: bool = True
 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The tree ``session`` belongs to, from its root, and its counts (sessions, live,
-    in_flight, final, last_active_at, omitted); None when the store has no such session.
+    in_flight, final, last_active_at, omitted); None when the store has no such session. Each
+    node's ``subtree_prompt_cache`` sums the sessions read at and below it.
     ``fresh``: write this replica's pending changes first (see RedisState.fetch)."""
     found = (await state.fetch([session], fresh=fresh))[session]
     if found is None:
@@ -88,6 +90,7 @@ async def tree_view(
             below += await walk.expand(level[start : start + VIEW_STEP], showing=showing)
         level = below
         depth += 1
+    exhaust(subtree_totals(top))  # (over the dicts built: at most max_nodes)
     return top, walk.counts
 
 

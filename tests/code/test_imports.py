@@ -169,6 +169,7 @@ LEAVES = [
     "sidecar.modes.ids",
     "sidecar.jsonscan",
     "sidecar.state.scripts",
+    "sidecar.usage",
 ]
 APPLICATION = {
     "sidecar.config",

@@ -88,6 +88,9 @@ METRICS: dict[str, frozenset[str]] = {
     "sidecar_sessions_ended_total": frozenset({"deployment", "reason"}),
     "sidecar_session_evictions_total": frozenset(),
     "sidecar_affinity_turns_total": frozenset({"deployment", "outcome"}),
+    "sidecar_prompt_tokens_total": frozenset({"deployment", "mode", "turn"}),
+    "sidecar_cached_prompt_tokens_total": frozenset({"deployment", "mode", "turn"}),
+    "sidecar_usage_responses_total": frozenset({"deployment", "mode", "outcome"}),
     "sidecar_end_actions_total": frozenset({"mode", "outcome"}),
     "sidecar_in_flight_requests": frozenset(),
     "sidecar_build_info": frozenset({"version", "engine", "compiled"}),
@@ -1416,8 +1419,8 @@ def test_grafana_dashboard_scopes_every_query(helper) -> None:
 
 
 def test_grafana_dashboard_panels(helper) -> None:
-    """Panels for upstream health, failovers, end actions, in-flight requests, the shared store
-    and stream reads."""
+    """Panels for upstream health, failovers, end actions, in-flight requests, the prompt cache,
+    the shared store and stream reads."""
     dashboard = json.loads(DASHBOARD.read_text())
     panels = {}
 
@@ -1437,12 +1440,21 @@ def test_grafana_dashboard_panels(helper) -> None:
         "Dropped store writes": ("sidecar_state_dropped_writes_total", ["instance"]),
         "Garbage collector pauses p99 by generation": ("sidecar_gc_pause_seconds_bucket", ["le", "instance", "generation"]),
         "Time paused by the garbage collector": ("sidecar_gc_pause_seconds_sum", ["instance"]),
+        "Responses by usage outcome": ("sidecar_usage_responses_total", ["outcome"]),
     }
     for title, (metric, grouping) in wanted.items():
         (expr,) = panels[title]
         (result,) = helper("promql", exprs=[expr.replace("$__rate_interval", "5m")])["parsed"]
         assert [s["name"] for s in result["selectors"]] == [metric], (title, result)
         assert result["groupings"] == [grouping], (title, result)
+    # The prompt cache's payoff: the cached ratio by turn bucket, one query (docs/reference.md#metrics).
+    (expr,) = panels["Prompt cache: cached ratio by turn"]
+    (result,) = helper("promql", exprs=[expr.replace("$__rate_interval", "5m")])["parsed"]
+    assert [s["name"] for s in result["selectors"]] == [
+        "sidecar_cached_prompt_tokens_total",
+        "sidecar_prompt_tokens_total",
+    ], result
+    assert result["groupings"] == [["turn"], ["turn"]], result
     # The stream thread's reads beside the ones it handed back to the event loop, and the streams
     # it relayed; no panel is left for the stream read batching that the thread replaced.
     assert not any("batch" in title.lower() for title in panels), sorted(panels)

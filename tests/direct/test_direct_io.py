@@ -427,3 +427,100 @@ async def test_where_the_stream_thread_cannot_start_streams_go_through_the_event
         "stream thread not started, streamed bodies go through the event loop: "
         "[Errno 11] Resource temporarily unavailable"
     ]
+
+
+# -- prompt-cache usage of the streams the thread relays ------------------------------------------
+
+
+async def session_stream(sc: Any, target: bytes, session: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(sc.engine.port))
+    writer.write(b"GET %s HTTP/1.1\r\nHost: x\r\nX-Correlation-ID: %s\r\n\r\n" % (target, session.encode()))
+    await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    return reader, writer
+
+
+async def prompt_cache_of(sc: Any, session: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as s, s.get(f"{sc.admin_url}/v1/sessions/{session}") as r:
+        assert r.status == 200
+        return dict((await r.json())["prompt_cache"])
+
+
+@pytest.mark.parametrize("split", [0, 1, 2], ids=["whole", "usage split", "usage split thrice"])
+async def test_a_streams_usage_is_read_from_what_the_thread_relayed(
+    raw_upstream: Any, start_sidecar: Any, split: int
+) -> None:
+    """A session's token stream, paced: the thread relays its events, its usage chunk (in one
+    read, or cut across reads) and its last chunk; the usage counted is what that chunk said,
+    from the bytes the thread kept (a body far longer than what is kept of its end)."""
+    from sidecar.lineage import prompt_cache
+    from tests import usage_samples as s
+
+    payload = s.chat_stream(s.chat_usage(5000, 4096), words=300, text="token " * 20)
+    body = s.chunked_by_event(payload)
+    parts = [b"%x\r\n%s\r\n" % (len(e) + 2, e + b"\n\n") for e in payload.split(b"\n\n") if e]
+    assert b"".join(parts) + b"0\r\n\r\n" == body and len(body) > 4 * 16384
+    usage = next(i for i, p in enumerate(parts) if b'"usage":{' in p)
+    if split:  # the usage chunk in pieces, each its own read
+        piece = parts.pop(usage)
+        cuts = [len(piece) * k // (split + 1) for k in range(split + 2)]
+        parts[usage:usage] = [piece[a:b] for a, b in zip(cuts, cuts[1:])]
+    up = await raw_upstream({"/s": paced([SSE_HEAD, *parts, b"0\r\n\r\n"], 0.002)})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, mode="dynamo_headers")
+    reader, writer = await session_stream(sc, b"/s", "thread-usage")
+    assert await read_chunked(reader) == body  # byte for byte
+    writer.close()
+    direct = sc.engine.direct
+    await until(lambda: direct.handed_back >= 1)
+    assert direct.enrolled >= 1 and direct.reads >= 1  # the thread relayed the stream after its first read
+    await until(lambda: sc.router.tree.get("thread-usage")["in_flight"] == 0)
+    assert await prompt_cache_of(sc, "thread-usage") == prompt_cache(5000, 4096, 1, 0)
+
+
+async def test_a_close_delimited_streams_usage_is_read_from_what_the_thread_relayed(
+    raw_upstream: Any, start_sidecar: Any
+) -> None:
+    """A body the upstream's close ends: the thread relays its reads, the transport meets the
+    close; the usage counted is what its last event said."""
+    from sidecar.lineage import prompt_cache
+    from tests import usage_samples as s
+
+    payload = s.chat_stream(s.chat_usage(700, 512), words=40)
+    parts = [e + b"\n\n" for e in payload.split(b"\n\n") if e]
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"  # no length, not chunked
+    up = await raw_upstream({"/s": paced([head, *parts], 0.002, close=True)})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, mode="dynamo_headers")
+    reader, writer = await session_stream(sc, b"/s", "eof-usage")
+    got = await read_chunked(reader)
+    writer.close()
+    assert got == b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+    assert sc.engine.direct.enrolled == 1 and sc.engine.direct.reads >= 1
+    await until(lambda: sc.router.tree.get("eof-usage")["in_flight"] == 0)
+    assert await prompt_cache_of(sc, "eof-usage") == prompt_cache(700, 512, 1, 0)
+
+
+async def test_a_stream_whose_client_leaves_is_not_counted(raw_upstream: Any, start_sidecar: Any) -> None:
+    """A client that leaves mid-stream: its turn's usage is not counted (neither known nor unknown)."""
+    from sidecar.lineage import prompt_cache
+
+    body = [event(i) for i in range(EVENTS)]
+    gate = asyncio.Event()
+
+    async def stalls(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        for part in [SSE_HEAD, *body]:
+            writer.write(part)
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        await gate.wait()
+        return False
+
+    up = await raw_upstream({"/s": stalls})
+    sc = await start_sidecar(upstream=up.url, readiness_check_upstream=False, mode="dynamo_headers")
+    reader, writer = await session_stream(sc, b"/s", "left")
+    got = bytearray()
+    async with asyncio.timeout(10):
+        while len(got) < len(b"".join(body)):
+            got += await reader.read(65536)
+    writer.close()
+    await until(lambda: sc.router.tree.get("left")["in_flight"] == 0)
+    gate.set()
+    assert await prompt_cache_of(sc, "left") == prompt_cache(0, 0, 0, 0)

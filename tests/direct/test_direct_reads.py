@@ -64,19 +64,19 @@ class Stream:
         self.ended: list[bool] = []
         self.entry: Any = None
 
-    def enroll(self) -> None:
-        self.entry = self.direct.enroll(self, self.up.fileno(), self.relay)
+    def enroll(self, tail: bool = False) -> None:
+        self.entry = self.direct.enroll(self, self.up.fileno(), self.relay, tail)
         assert self.entry is not None
 
-    def leave(self) -> None:
-        self.direct.leave(self.entry, self.up.fileno())
+    def leave(self) -> Any:
+        return self.direct.leave(self.entry, self.up.fileno())
 
     # What the thread's hand-backs call on the upstream connection.
     def direct_stop(self) -> None:
         self.calls.append("direct_stop")
         self.leave()
 
-    def body_end(self, extra: bool) -> None:
+    def body_end(self, extra: int) -> None:
         self.ended.append(extra)
         self.leave()
 
@@ -144,6 +144,33 @@ async def test_reads_within_the_body_go_to_the_client_without_the_loop(direct: A
         s.close()
 
 
+async def test_the_last_bytes_it_read_are_kept_when_asked(direct: Any) -> None:
+    """Enrolled with ``tail``: the thread keeps a copy of the last 16 KiB it read (the usage
+    reader's share of a body's end), in order across its ring's wrap, and counts what it read;
+    ``leave`` returns both. Without it, nothing."""
+    s = Stream(direct, LENGTH, 1 << 20)
+    try:
+        s.enroll(tail=True)
+        sent = b""
+        for n, size in enumerate((100, 9000, 7000, 3000, 20000, 5)):
+            piece = bytes([65 + n]) * size
+            s.origin.sendall(piece)
+            sent += piece
+            assert await read_until(s, piece) == piece  # (relayed: the thread read it)
+        tail, read = s.leave()
+        assert (tail, read) == (sent[-16384:], len(sent))
+        plain = Stream(direct, LENGTH, 1000)
+        try:
+            plain.enroll()
+            plain.origin.sendall(b"x" * 10)
+            assert await read_until(plain, b"x" * 10) == b"x" * 10
+            assert plain.leave() is None
+        finally:
+            plain.close()
+    finally:
+        s.close()
+
+
 async def test_bytes_after_the_bodys_end_hand_the_read_to_the_relay(direct: Any) -> None:
     """A read that goes past the body's end is the loop's: the relay sends the body's part and
     the connection learns bytes followed it (never relayed)."""
@@ -154,7 +181,7 @@ async def test_bytes_after_the_bodys_end_hand_the_read_to_the_relay(direct: Any)
         assert await read_until(s, b"a" * 100) == b"a" * 100
         s.origin.sendall(b"b" * 50 + b"NEXT")
         await until(lambda: s.ended)
-        assert s.ended == [True] and s.relay.done
+        assert s.ended == [len(b"NEXT")] and s.relay.done  # the bytes after the body
         assert s.received() == b"b" * 50
         assert direct.reads == 2 and direct.handed_back == 1
     finally:
@@ -218,14 +245,14 @@ async def test_a_chunked_bodys_end_goes_with_its_last_event_without_the_loop(dir
 @pytest.mark.parametrize(
     ("end", "client_gets", "extra"),
     [
-        (b"0\r\nX-Trailer: t\r\n\r\n", b"0\r\n\r\n", False),  # trailer fields: dropped by the relay
-        (b"0;ext=1\r\n\r\n", b"0\r\n\r\n", False),  # an extension on the last chunk: dropped
-        (b"0\r\n\r\nNEXT", b"0\r\n\r\n", True),  # bytes after the body: never relayed
-        (b"00\r\n\r\n", b"00\r\n\r\n", False),  # a last chunk the thread does not recognise: the relay's
+        (b"0\r\nX-Trailer: t\r\n\r\n", b"0\r\n\r\n", 0),  # trailer fields: dropped by the relay
+        (b"0;ext=1\r\n\r\n", b"0\r\n\r\n", 0),  # an extension on the last chunk: dropped
+        (b"0\r\n\r\nNEXT", b"0\r\n\r\n", 4),  # bytes after the body: never relayed
+        (b"00\r\n\r\n", b"00\r\n\r\n", 0),  # a last chunk the thread does not recognise: the relay's
     ],
 )
 async def test_an_end_other_than_the_plain_last_chunk_is_the_relays(
-    direct: Any, end: bytes, client_gets: bytes, extra: bool
+    direct: Any, end: bytes, client_gets: bytes, extra: int
 ) -> None:
     s = Stream(direct, CHUNKED, 0)
     try:

@@ -712,3 +712,139 @@ async def test_browser_without_the_token_says_one_is_needed_and_how_to_give_it(u
     ink = [y for y in range(90, 240) if any(sum(rows[y][3 * x : 3 * x + 3]) < 300 for x in range(300, 900))]
     assert len(ink) >= 30, f"dark text on {len(ink)} lines of the help's band"
     assert rows[400][3 * 600 : 3 * 600 + 3] == bytes.fromhex("f6f6f3")  # the stylesheet's background
+
+
+class _Charts(html.parser.HTMLParser):
+    """The prompt-cache panel as drawn: the bars and points of its SVG charts (their data
+    attributes), the cache tags of the tree rows."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.chart: str | None = None
+        self.bars: dict[str, str] = {}  # turn bucket -> ratio drawn
+        self.points: list[tuple[str, str]] = []  # (series, ratio)
+        self.tree_ratio: list[str] = []
+        self.hidden_panel = True
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "section" and a.get("id") == "cache":
+            self.hidden_panel = "hidden" in a
+        if tag == "svg" and a.get("id", "").startswith("chart-"):
+            self.chart = a["id"]
+        if tag == "rect" and self.chart == "chart-turns" and a.get("data-turn"):
+            self.bars[a["data-turn"] or ""] = a.get("data-ratio") or ""
+        if tag == "circle" and self.chart == "chart-time":
+            self.points.append((a.get("data-series") or "", a.get("data-ratio") or ""))
+        if tag == "span" and "cacheratio" in (a.get("class") or ""):
+            self.tree_ratio.append(a.get("data-cached-ratio") or "")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "svg":
+            self.chart = None
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+# The chart workload: a tree of two sessions, each turn's (prompt, cached) as its response
+# reported it (None: a response without usage).
+CHART_TURNS: list[tuple[str, str | None, tuple[int, int] | None]] = [
+    ("chart-main", None, (800, 0)),
+    ("chart-main", None, (900, 768)),
+    ("chart-main", None, (1000, 896)),
+    ("chart-main", None, (1100, 992)),
+    ("chart-sub", "chart-main", (200, 0)),
+    ("chart-sub", "chart-main", (300, 160)),
+    ("chart-sub", "chart-main", None),
+]
+
+
+def _chart_stream(counts: tuple[int, int] | None) -> bytes:
+    from tests import usage_samples as samples
+
+    return samples.chat_stream(None if counts is None else samples.chat_usage(*counts))
+
+
+@pytest.mark.deploy
+@pytest.mark.parametrize("engine", ["aiohttp"])
+async def test_browser_draws_the_prompt_cache_charts(upstream, start_sidecar, tmp_path):
+    """Turns of a tree whose responses reported usage (as the engines hand it to the router): the
+    page draws the cached ratio by turn and over time, and each tree's and session's ratio."""
+    from tests.usage_support import play_turn
+
+    binary = _chromium()
+    sc = await start_sidecar(upstream=upstream.url, mode="dynamo_headers")
+    for session, parent, counts in CHART_TURNS:
+        await play_turn(sc.router, session, _chart_stream(counts), parent=parent)
+    await _check_charts(binary, f"{sc.admin_url}/ui", tmp_path)
+
+
+@pytest.mark.deploy
+async def test_browser_draws_the_prompt_cache_charts_of_real_traffic(raw_upstream, start_sidecar, tmp_path):
+    """The same tree's turns through the proxy, on each engine: an upstream streams each answer
+    (chunked, one event per chunk) with the usage it reports; the engine reads it from the relayed
+    body and the page draws what it counted."""
+    from tests import usage_samples as samples
+    from tests.engine import RawMessage
+    from tests.modes.wire import settled
+
+    answers = [samples.chunked_by_event(_chart_stream(counts)) for _, _, counts in CHART_TURNS]
+
+    async def answer(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        writer.write(answers.pop(0))
+        await writer.drain()
+        return True
+
+    binary = _chromium()
+    up = await raw_upstream({"/v1/chat/completions": answer})
+    sc = await start_sidecar(upstream=up.url, mode="dynamo_headers")
+    async with aiohttp.ClientSession(auto_decompress=False) as http:
+        for session, parent, counts in CHART_TURNS:
+            headers = {"X-Correlation-ID": session}
+            if parent is not None:
+                headers["X-Parent-Session-ID"] = parent
+            async with http.post(f"{sc.proxy_url}/v1/chat/completions", headers=headers, json={"stream": True}) as resp:
+                assert resp.status == 200
+                assert await resp.read() == _chart_stream(counts)  # relayed byte for byte
+            await settled(sc, session)
+    assert answers == []
+    await _check_charts(binary, f"{sc.admin_url}/ui", tmp_path)
+
+
+async def _check_charts(binary: str, url: str, tmp_path: Path) -> None:
+    """The page at ``url`` draws :data:`CHART_TURNS`: the cached ratio by turn and over time,
+    the tree's and each session's ratio, in the DOM and on screen."""
+    dom_html = (await _run_chromium(binary, tmp_path / "profile-dom", "--dump-dom", url)).decode()
+    png_path = tmp_path / "cache.png"
+    await _run_chromium(binary, tmp_path / "profile-shot", f"--screenshot={png_path}", url)
+    if os.environ.get("SIDECAR_UI_SCREENSHOT"):
+        shutil.copy(png_path, Path(os.environ["SIDECAR_UI_SCREENSHOT"]).with_suffix(".cache.png"))
+
+    charts = _Charts()
+    charts.feed(dom_html)
+    assert not charts.hidden_panel
+    # by turn: turn 1 (800 + 200 prompt, nothing cached), turn 2 (768 + 160 of 900 + 300), turns 3-5
+    assert {turn: float(r) for turn, r in charts.bars.items() if r} == {
+        "1": 0.0,
+        "2": pytest.approx(928 / 1200),
+        "3-5": pytest.approx(1888 / 2100),
+    }
+    assert charts.bars["6-10"] == charts.bars["11+"] == ""  # nothing there: no bar
+    # over time: this minute's point of each series
+    drawn = {series: float(r) for series, r in charts.points}
+    assert drawn == {
+        "all turns": pytest.approx(2816 / 4300),
+        "turn 1": 0.0,
+        "turn 2 on": pytest.approx(2816 / 3300),
+    }
+    assert [float(r) for r in charts.tree_ratio] == [pytest.approx(2816 / 4300)]  # the tree's, in its head
+    text = " ".join(" ".join(charts.text).split())
+    assert "65% of 4.3k prompt tokens cached, 6 responses · 1 without usage" in text
+    assert "cache 70%" in text and "cache 32%" in text  # each session's own: 2656 / 3800, 160 / 500
+
+    width, height, rows = read_png(png_path.read_bytes())
+    green = bytes.fromhex("1a7f37")  # the bars' colour (ui.css --green): drawn
+    assert sum(row[3 * x : 3 * x + 3] == green for row in rows[:400] for x in range(0, width, 2)) > 200

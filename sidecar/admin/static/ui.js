@@ -23,6 +23,145 @@
     e.title = String(id);
     return e;
   }
+  // SVG drawn with DOM calls (the page's policy allows no inline markup or style), in the
+  // namespace the page's own <svg> elements were parsed into
+  var SVG_NS = document.getElementById("chart-turns").namespaceURI;
+  function svg(tag, attrs, cls) {
+    var e = document.createElementNS(SVG_NS, tag);
+    Object.keys(attrs || {}).forEach(function (k) { e.setAttribute(k, String(attrs[k])); });
+    if (cls) e.setAttribute("class", cls);
+    return e;
+  }
+  function titled(e, text) { var t = svg("title"); t.textContent = text; e.appendChild(t); return e; }
+  function pct(ratio) { return typeof ratio === "number" ? Math.round(ratio * 100) + "%" : "\u2013"; }
+  function tokens(n) {
+    n = Number(n) || 0;
+    if (n >= 1e9) return (n / 1e9).toFixed(1) + "G";
+    if (n >= 1e6) return (n / 1e6).toFixed(1) + "M";
+    if (n >= 1e4) return (n / 1e3).toFixed(0) + "k";
+    if (n >= 1e3) return (n / 1e3).toFixed(1) + "k";
+    return String(n);
+  }
+  // a prompt_cache object: {prompt_tokens, cached_tokens, cached_ratio, reported_turns, unknown_turns}
+  function cacheTitle(pc) {
+    var out = pc.prompt_tokens > 0 ? "cached " + Number(pc.cached_tokens).toLocaleString() + " of " +
+      Number(pc.prompt_tokens).toLocaleString() + " prompt tokens over " + pc.reported_turns +
+      (pc.reported_turns === 1 ? " turn" : " turns") : "no response reported its prompt-cache usage";
+    if (pc.unknown_turns) out += "; " + pc.unknown_turns + (pc.unknown_turns === 1 ? " turn" : " turns") + " without usage";
+    return out;
+  }
+  // a session's (tag) or a tree's (bar) cached ratio; nothing until a response reported usage
+  function cacheEl(pc, withBar) {
+    if (!pc || typeof pc !== "object" || !(pc.prompt_tokens > 0)) return null;
+    var box = el("span", withBar ? "cacheratio" : "tag cache");
+    box.title = cacheTitle(pc);
+    box.dataset.cachedRatio = String(pc.cached_ratio);
+    if (withBar) {
+      var bar = svg("svg", {viewBox: "0 0 44 8", "aria-hidden": "true"});
+      bar.appendChild(svg("rect", {x: 0, y: 0, width: 44, height: 8, rx: 2}, "track"));
+      var w = Math.max(0, Math.min(1, pc.cached_ratio)) * 44;
+      bar.appendChild(svg("rect", {x: 0, y: 0, width: w.toFixed(1), height: 8, rx: 2}, "fill"));
+      box.appendChild(bar);
+      box.appendChild(document.createTextNode(pct(pc.cached_ratio) + " cached of " + tokens(pc.prompt_tokens)));
+    } else {
+      box.appendChild(document.createTextNode("cache " + pct(pc.cached_ratio)));
+    }
+    return box;
+  }
+
+  // -- prompt-cache charts (data.json's prompt_cache: this sidecar's last 15 minutes) ---------------
+  var CH = {w: 360, h: 150, left: 34, right: 8, top: 14, bottom: 22};
+  function gridY(chart, w, h) {
+    var plot = h - CH.top - CH.bottom;
+    [0, 0.5, 1].forEach(function (r) {
+      var y = CH.top + plot * (1 - r);
+      chart.appendChild(svg("line", {x1: CH.left, x2: w - CH.right, y1: y, y2: y}, r === 0 ? "axis" : "grid"));
+      var label = svg("text", {x: CH.left - 5, y: y + 3.5, "text-anchor": "end"});
+      label.textContent = Math.round(r * 100) + "%";
+      chart.appendChild(label);
+    });
+    return plot;
+  }
+  function drawTurns(chart, pc) {
+    var w = CH.w, h = CH.h, buckets = pc.by_turn || [];
+    chart.setAttribute("viewBox", "0 0 " + w + " " + h);
+    chart.replaceChildren();
+    var plot = gridY(chart, w, h);
+    var slot = (w - CH.left - CH.right) / Math.max(buckets.length, 1);
+    buckets.forEach(function (b, i) {
+      var x = CH.left + slot * i + slot * 0.18, bw = slot * 0.64;
+      var has = b.prompt_tokens > 0, ratio = has ? Math.max(0, Math.min(1, b.cached_ratio)) : 0;
+      var bh = plot * ratio, y = CH.top + plot - bh;
+      var bar = svg("rect", {x: x.toFixed(1), y: y.toFixed(1), width: bw.toFixed(1), height: bh.toFixed(1),
+        "data-turn": b.turn, "data-ratio": has ? b.cached_ratio : ""}, "bar" + (i === 0 ? " first" : ""));
+      titled(bar, "turn " + b.turn + ": " + (has ? pct(b.cached_ratio) + " cached (" + Number(b.cached_tokens).toLocaleString() +
+        " of " + Number(b.prompt_tokens).toLocaleString() + " prompt tokens, " + b.reported_responses + " responses)" : "no responses"));
+      chart.appendChild(bar);
+      var value = svg("text", {x: (x + bw / 2).toFixed(1), y: (y - 3).toFixed(1), "text-anchor": "middle"}, "value");
+      value.textContent = has ? pct(b.cached_ratio) : "";
+      chart.appendChild(value);
+      var label = svg("text", {x: (x + bw / 2).toFixed(1), y: h - 7, "text-anchor": "middle"});
+      label.textContent = (i === 0 ? "turn " : "") + b.turn;
+      chart.appendChild(label);
+    });
+  }
+  // the series drawn over time: every turn, turn 1, turn 2 on (the buckets summed)
+  var SERIES = [["all turns", "s-all", 0], ["turn 1", "s-first", 0, 1], ["turn 2 on", "s-later", 1]];
+  function seriesRatio(slot, s) {
+    var p = 0, c = 0, n = slot.prompt_tokens.length, hi = s.length > 3 ? s[3] : n;
+    for (var i = s[2]; i < hi; i++) { p += slot.prompt_tokens[i] || 0; c += slot.cached_tokens[i] || 0; }
+    return p > 0 ? [c / p, p] : null;
+  }
+  function drawTime(chart, pc, now) {
+    var w = 560, h = CH.h, win = pc.window_seconds || 900, step = pc.slot_seconds || 30;
+    chart.setAttribute("viewBox", "0 0 " + w + " " + h);
+    chart.replaceChildren();
+    var plot = gridY(chart, w, h), span = w - CH.left - CH.right - 90;
+    var start = now - win;
+    function xOf(at) { return CH.left + span * Math.max(0, Math.min(1, (at + step / 2 - start) / win)); }
+    [[start, "\u2212" + Math.round(win / 60) + " min"], [now - win / 2, "\u2212" + Math.round(win / 120) + " min"], [now, "now"]].forEach(function (tick) {
+      var t = svg("text", {x: xOf(tick[0] - step / 2).toFixed(1), y: h - 7, "text-anchor": "middle"});
+      t.textContent = tick[1];
+      chart.appendChild(t);
+    });
+    SERIES.forEach(function (s, k) {
+      var pts = [];
+      (pc.series || []).forEach(function (slot) {
+        var r = seriesRatio(slot, s);
+        if (r) pts.push([xOf(slot.at), CH.top + plot * (1 - Math.max(0, Math.min(1, r[0]))), r, slot.at]);
+      });
+      if (pts.length > 1) {
+        chart.appendChild(svg("polyline", {points: pts.map(function (p) { return p[0].toFixed(1) + "," + p[1].toFixed(1); }).join(" ")},
+          "line " + s[1]));
+      }
+      pts.forEach(function (p) {
+        var dot = svg("circle", {cx: p[0].toFixed(1), cy: p[1].toFixed(1), r: 2.5, "data-series": s[0], "data-ratio": p[2][0]}, s[1]);
+        titled(dot, s[0] + ": " + pct(p[2][0]) + " of " + Number(p[2][1]).toLocaleString() + " prompt tokens, " +
+          new Date(p[3] * 1000).toLocaleTimeString());
+        chart.appendChild(dot);
+      });
+      var ky = CH.top + 6 + k * 16, kx = w - 84;
+      chart.appendChild(svg("line", {x1: kx, x2: kx + 14, y1: ky, y2: ky}, "key " + s[1]));
+      var kt = svg("text", {x: kx + 19, y: ky + 3.5});
+      kt.textContent = s[0];
+      chart.appendChild(kt);
+    });
+  }
+  // the panel shows once a response of the last 15 minutes reported its usage
+  function renderCache(pc, now) {
+    var box = document.getElementById("cache");
+    var p = 0, c = 0, n = 0;
+    ((pc && pc.by_turn) || []).forEach(function (b) { p += b.prompt_tokens || 0; c += b.cached_tokens || 0; n += b.reported_responses || 0; });
+    box.hidden = !(p > 0);
+    if (box.hidden) return;
+    var sum = document.getElementById("cache-sum");
+    sum.replaceChildren(el("b", null, pct(c / p)));
+    sum.appendChild(document.createTextNode(" of " + tokens(p) + " prompt tokens cached, " + n + (n === 1 ? " response" : " responses")));
+    if (pc.unknown_responses) sum.appendChild(document.createTextNode(" \u00b7 " + pc.unknown_responses + " without usage"));
+    drawTurns(document.getElementById("chart-turns"), pc);
+    drawTime(document.getElementById("chart-time"), pc, now);
+  }
+
   function ago(seconds) {
     if (!(seconds >= 0)) return "";
     if (seconds < 1) return "now";
@@ -114,6 +253,8 @@
     }
     if (Array.isArray(n.workers) && n.workers.length) row.appendChild(workersEl(n.workers));
     if (n.affinity !== undefined && n.affinity !== null) row.appendChild(affinityEl(n.affinity));
+    var cache = cacheEl(n.prompt_cache, false);
+    if (cache) row.appendChild(cache);
     if (deployments > 1 || (n.deployment && n.deployment !== "default")) row.appendChild(el("span", "dep", n.deployment));
     if (!n.placeholder && typeof n.last_active_at === "number") {
       var idle = ago(now - n.last_active_at);
@@ -163,6 +304,8 @@
     fin.title = t.final ? "every live session of this tree has seen its final turn" : "some session still expects more turns";
     sum.appendChild(fin);
     if (t.omitted) sum.appendChild(el("span", null, t.omitted + " not shown"));
+    var treeCache = cacheEl(t.tree && t.tree.subtree_prompt_cache, true);
+    if (treeCache) sum.appendChild(treeCache);
     head.appendChild(sum);
     head.appendChild(el("span", "age", "active " + ago(now - t.last_active_at) + (now - t.last_active_at < 1 ? "" : " ago")));
     head.addEventListener("click", function () {
@@ -189,6 +332,7 @@
     document.getElementById("n-trees").textContent = trees;
     document.getElementById("n-flight").textContent = inFlight;
     document.title = "Sessions (" + d.live_sessions + " live)";
+    renderCache(d.prompt_cache, d.generated_at);
     var shown = (d.trees || []).filter(function (t) { return !needle || matches(t.tree, needle); });
     if (d.truncated) {
       frag.appendChild(el("div", "note", "Showing the " + d.shown_trees + " most recently active of " + trees +
