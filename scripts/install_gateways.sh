@@ -7,11 +7,12 @@
 #   vllm-router/ PyPI vllm-router==0.1.17   (binary: vllm-router/bin/vllm-router)
 #   dynamo/      PyPI ai-dynamo 1.6.1       (python -m dynamo.frontend / dynamo.mocker)
 #   tiny-model/  config + tokenizer for the Dynamo mocker (no weights)
+#   aiperf/      PyPI aiperf==0.13.0        (binary: aiperf/bin/aiperf; the load generator)
 #
 # Idempotent: a gateway whose marker file exists is skipped, so reruns are fast.
 # Any failure exits non-zero (CI must fail, not skip, when a gateway cannot be installed).
 #
-# Usage: scripts/install_gateways.sh [smg] [vllm-router] [dynamo]   (default: all)
+# Usage: scripts/install_gateways.sh [smg] [vllm-router] [dynamo] [aiperf]   (default: all)
 # Env:   SIDECAR_GATEWAYS_DIR   install root
 #        SIDECAR_GATEWAYS_PYTHON interpreter used to create the venvs (default: python3, >= 3.10)
 set -euo pipefail
@@ -23,6 +24,7 @@ PYTHON="${SIDECAR_GATEWAYS_PYTHON:-python3}"
 SMG_VERSION=1.13.0
 VLLM_ROUTER_VERSION=0.1.17
 DYNAMO_VERSION=1.6.1
+AIPERF_VERSION=0.13.0
 # Runtime dependencies of ai-dynamo, installed by hand because ai-dynamo itself is installed
 # with --no-deps (its pinned `aisimulate` dependency builds from a download and fails offline;
 # only the planner needs it).
@@ -83,6 +85,17 @@ install_dynamo() {
   log "dynamo $DYNAMO_VERSION: installed in $((SECONDS - t0)) s"
 }
 
+install_aiperf() {
+  local marker="$DIR/aiperf/.installed-aiperf-$AIPERF_VERSION"
+  [[ -f $marker ]] && { log "aiperf $AIPERF_VERSION: already installed"; return 0; }
+  local t0=$SECONDS
+  fresh_venv aiperf
+  pip_into aiperf "aiperf==$AIPERF_VERSION"
+  "$DIR/aiperf/bin/aiperf" --help >/dev/null
+  touch "$marker"
+  log "aiperf $AIPERF_VERSION: installed in $((SECONDS - t0)) s"
+}
+
 # The mocker's model directory, generated with the Dynamo venv's `tokenizers`.
 install_tiny_model() {
   local marker="$DIR/tiny-model/.complete"
@@ -103,7 +116,7 @@ install_dynamo_and_model() {
 # function call: inside an `a && b` list bash would ignore `set -e` in `a`.)
 main() {
   local targets=("$@")
-  [[ ${#targets[@]} -eq 0 ]] && targets=(smg vllm-router dynamo)
+  [[ ${#targets[@]} -eq 0 ]] && targets=(smg vllm-router dynamo aiperf)
   "$PYTHON" -m pip --version >/dev/null || { log "$PYTHON has no pip"; exit 1; }
   mkdir -p "$DIR"
   local -A jobs=()
@@ -113,7 +126,8 @@ main() {
       smg) install_smg >"$DIR/$t.install.log" 2>&1 & ;;
       vllm-router) install_vllm_router >"$DIR/$t.install.log" 2>&1 & ;;
       dynamo) install_dynamo_and_model >"$DIR/$t.install.log" 2>&1 & ;;
-      *) log "unknown gateway '$t' (expected: smg, vllm-router, dynamo)"; exit 2 ;;
+      aiperf) install_aiperf >"$DIR/$t.install.log" 2>&1 & ;;
+      *) log "unknown gateway '$t' (expected: smg, vllm-router, dynamo, aiperf)"; exit 2 ;;
     esac
     jobs[$t]=$!
   done

@@ -38,9 +38,11 @@ if [[ $quick == 0 ]]; then
   # The same sources uncompiled (what installs where there is no C compiler).
   SIDECAR_PURE_PYTHON=1 .venv/bin/python -m pytest -m "not gateway and not deploy and not agents" "$@" || status=$?
   ./scripts/install_gateways.sh
-  .venv/bin/python -m pytest -m gateway "$@" || status=$?
-  # The real coding-agent clients (npm, pinned, into .agents/), through the sidecar, both builds.
+  # The real coding-agent clients (npm, pinned, into .agents/) and strace, which the gateway
+  # suite's AIPerf run needs too (it proves the load generator reaches only loopback).
   ./scripts/install_agents.sh || status=$?
+  .venv/bin/python -m pytest -m gateway "$@" || status=$?
+  # The agent clients through the sidecar, both builds.
   .venv/bin/python -m pytest -m agents "$@" || status=$?
   SIDECAR_PURE_PYTHON=1 .venv/bin/python -m pytest -m agents "$@" || status=$?
   ./scripts/install_deploy_tools.sh

@@ -41,6 +41,7 @@ GATEWAYS: dict[str, tuple[str, str]] = {
     "smg": ("smg/.installed-smg-1.13.0", "smg/bin/smg"),
     "vllm-router": ("vllm-router/.installed-vllm-router-0.1.17", "vllm-router/bin/vllm-router"),
     "dynamo": ("dynamo/.installed-dynamo-1.6.1", "dynamo/bin/python"),
+    "aiperf": ("aiperf/.installed-aiperf-0.13.0", "aiperf/bin/aiperf"),  # the load generator
 }
 TINY_MODEL_DIR = GATEWAYS_DIR / "tiny-model"
 

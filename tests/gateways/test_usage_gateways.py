@@ -3,12 +3,18 @@ two mocker engines, whose ``usage.prompt_tokens_details.cached_tokens`` are real
 hits) and the demo's mock gateway (``sidecar demo``'s, per-worker prefix caches). A tree of
 multi-turn sessions runs through the sidecar; the sidecar's per-session and per-tree totals
 (``/v1/sessions/{id}``, ``/v1/trees/{root}``) must equal the sums of what the responses the
-client received said, and later turns must show cached tokens."""
+client received said, and later turns must show cached tokens. Then real AIPerf multi-turn
+sessions: the sidecar's cached ratio per turn bucket (its Prometheus counters) must be the one
+computed from the raw responses AIPerf recorded."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import shutil
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +25,10 @@ import pytest
 from aiohttp import web
 
 from sidecar.demo.gateway import MockGateway, create_gateway_app
+from tests.agents.isolated import is_loopback, tried_addresses
 
-from .procs import MODEL, Sidecar, Stack, start_sidecar, stop_all
+from .conftest import require_gateway
+from .procs import GATEWAYS, GATEWAYS_DIR, MODEL, TINY_MODEL_DIR, Sidecar, Stack, start_sidecar, stop_all
 
 pytestmark = [pytest.mark.gateway, pytest.mark.timeout(180)]
 
@@ -136,3 +144,87 @@ def demo_sidecar(demo_gateway: str, gateway_logs: Path) -> Iterator[Sidecar]:
 
 async def test_demo_gateway_cached_tokens_add_up_when_the_sidecar_asks_for_usage(demo_sidecar: Sidecar) -> None:
     await tree_through(demo_sidecar, ask_usage=False)
+
+
+@pytest.fixture(scope="module")
+def dynamo_asking_sidecar(dynamo: Stack, gateway_logs: Path) -> Iterator[Sidecar]:
+    """A sidecar in front of Dynamo that asks streamed chat completions for their usage itself."""
+    config = gateway_logs / "usage-include-dynamo.yaml"
+    config.write_text("usage:\n  include_usage: true\n")
+    sidecar = start_sidecar(dynamo.url, "dynamo_headers", gateway_logs, extra_args=["--config", str(config)])
+    yield sidecar
+    stop_all([sidecar.proc])
+
+
+def turn_bucket(turn: int) -> str:
+    """A 1-based turn's bucket, as the counters are labelled (written out here, not imported)."""
+    return "1" if turn == 1 else "2" if turn == 2 else "3-5" if turn <= 5 else "6-10" if turn <= 10 else "11+"
+
+
+def raw_usage_by_bucket(raw_jsonl: Path) -> tuple[dict[str, list[int]], int]:
+    """From AIPerf's raw export: per turn bucket, the prompt and cached tokens and the responses
+    its streamed responses' usage chunks said; and how many responses said none."""
+    by: dict[str, list[int]] = {}
+    without = 0
+    for line in raw_jsonl.read_text().splitlines():
+        record = json.loads(line)
+        usage = None
+        for response in record["responses"]:
+            for packet in response.get("packets", []):
+                if packet.get("name") == "data" and packet["value"].strip() != "[DONE]":
+                    usage = json.loads(packet["value"]).get("usage") or usage
+        if usage is None:
+            without += 1
+            continue
+        counts = by.setdefault(turn_bucket(record["metadata"]["turn_index"] + 1), [0, 0, 0])
+        counts[0] += usage["prompt_tokens"]
+        counts[1] += usage["prompt_tokens_details"]["cached_tokens"]
+        counts[2] += 1
+    return by, without
+
+
+def sidecar_usage_by_bucket(metrics: str) -> dict[str, list[int]]:
+    """Per turn bucket, the sidecar's prompt and cached token counters."""
+    by: dict[str, list[int]] = {}
+    for name, bucket, value in re.findall(
+        r'^sidecar_(prompt|cached_prompt)_tokens_total\{[^}]*turn="([^"]+)"[^}]*\} (\S+)$', metrics, re.M
+    ):
+        by.setdefault(bucket, [0, 0])[0 if name == "prompt" else 1] = int(float(value))
+    return by
+
+
+def test_aiperf_sessions_cached_ratio_per_turn_is_what_the_responses_said(
+    dynamo_asking_sidecar: Sidecar, gateway_logs: Path
+) -> None:
+    # AIPerf 0.13.0 (streamed chat, one X-Correlation-ID per conversation, every turn sending the
+    # conversation so far) through the sidecar to Dynamo: 8 conversations of 5 turns, 4 at a time.
+    # It reaches nothing but loopback (no telemetry; the tokenizer is a local directory): run
+    # under strace, every address it tried to reach is checked.
+    require_gateway("aiperf")
+    if shutil.which("strace") is None:  # (scripts/install_agents.sh installs it)
+        why = "strace is not installed: it records what AIPerf tries to reach"
+        if os.environ.get("CI"):
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why)
+    artifacts = gateway_logs / f"aiperf-{uuid.uuid4().hex[:8]}"
+    trace = artifacts.with_suffix(".strace")
+    env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1", "NO_PROXY": "*"}
+    argv = [
+        *("strace", "-f", "-qq", "-e", "trace=connect,sendto,sendmsg", "-o", str(trace)),
+        str(GATEWAYS_DIR / GATEWAYS["aiperf"][1]),
+        "profile",
+        *("--model", MODEL, "--tokenizer", str(TINY_MODEL_DIR), "--url", dynamo_asking_sidecar.url),
+        *("--endpoint-type", "chat", "--streaming", "--conversation-num", "8", "--conversation-turn-mean", "5"),
+        *("--conversation-turn-stddev", "0", "--isl", "128", "--osl", "8", "--concurrency", "4"),
+        *("--random-seed", "1", "--ui-type", "none", "--export-level", "raw", "--artifact-dir", str(artifacts)),
+    ]
+    run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=150)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    tried = tried_addresses(trace)
+    assert tried and all(is_loopback(address) for address in tried), sorted(set(tried))
+    said, without = raw_usage_by_bucket(artifacts / "profile_export_raw.jsonl")
+    assert without == 0 and sum(counts[2] for counts in said.values()) == 40, (said, without)
+    assert set(said) == {"1", "2", "3-5"}
+    counted = sidecar_usage_by_bucket(dynamo_asking_sidecar.metrics_text())
+    assert {bucket: counts[:2] for bucket, counts in said.items()} == counted
+    assert said["2"][1] > 0 and said["3-5"][1] > 0  # later turns found their conversation's prefix cached
