@@ -10,6 +10,7 @@ sidecar's own accounting of the same responses (its ``/metrics``) is printed bes
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import sys
@@ -93,10 +94,24 @@ class DemoResult:
         return self.direct.errors == 0 and self.via_sidecar.errors == 0 and self.via_sidecar.switches == 0
 
 
-async def read_accounting(admin_url: str) -> SidecarAccounting:
+async def read_accounting(admin_url: str, responses: int = 0, timeout_s: float = 5.0) -> SidecarAccounting:
     """A sidecar's own prompt-cache accounting, summed over its deployments, modes and turns,
-    from its ``/metrics`` (as an operator's Prometheus reads it)."""
-    async with aiohttp.ClientSession() as http, http.get(admin_url.rstrip("/") + "/metrics") as resp:
+    from its ``/metrics`` (as an operator's Prometheus reads it). ``responses``: how many
+    responses the client received whole: read again, every 20 ms for up to ``timeout_s``, until
+    the sidecar counted that many (it counts a response once it saw the body's end, which can
+    come a moment after the client had the last byte: the compiled build's stream thread sends
+    it, then tells the event loop)."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as http:
+        while True:
+            counted = await _read_accounting(http, admin_url)
+            if counted.reported + counted.unknown >= responses or time.monotonic() >= deadline:
+                return counted
+            await asyncio.sleep(0.02)
+
+
+async def _read_accounting(http: aiohttp.ClientSession, admin_url: str) -> SidecarAccounting:
+    async with http.get(admin_url.rstrip("/") + "/metrics") as resp:
         resp.raise_for_status()
         text = await resp.text()
     sums = {"prompt": 0.0, "cached": 0.0, "reported": 0.0, "unknown": 0.0}
@@ -155,7 +170,8 @@ async def run_demo(
                 raise RuntimeError("the sidecar started without a proxy URL")
             sidecar_records, via_sidecar = await run(sidecar.proxy_url)
             admin_url = getattr(sidecar, "admin_url", None)
-            accounting = await read_accounting(admin_url) if admin_url else None  # (before the probes)
+            relayed = via_sidecar.requests - via_sidecar.errors
+            accounting = await read_accounting(admin_url, relayed) if admin_url else None  # (before the probes)
             direct_ms, via_ms = await probe_pairs(gateway_url, sidecar.proxy_url)
         finally:
             await sidecar.stop()

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from aiohttp import web
 
 from sidecar.demo.gateway import MockGateway, create_gateway_app
 from tests.agents.isolated import is_loopback, tried_addresses
+from tests.waiting import eventually
 
 from .conftest import require_gateway
 from .procs import GATEWAYS, GATEWAYS_DIR, MODEL, TINY_MODEL_DIR, Sidecar, Stack, start_sidecar, stop_all
@@ -79,10 +81,24 @@ async def tree_through(sidecar: Sidecar, *, ask_usage: bool) -> None:
         said = {root: await conversation(http, sidecar.url, root, None, ask_usage=ask_usage)}
         runs = await asyncio.gather(*(conversation(http, sidecar.url, k, root, ask_usage=ask_usage) for k in kids))
         said.update(zip(kids, runs, strict=True))
+
+        async def fetch(path: str) -> Any:
+            async with http.get(f"{sidecar.admin_url}{path}") as resp:
+                return await resp.json()
+
+        # (the sidecar counts a response once it saw its end, which can come a moment after the
+        # client read the last byte: read until every turn is counted)
         for sid, counts in said.items():
             assert any(cached for _, cached in counts[1:]), f"{sid}: no later turn found its prefix cached: {counts}"
-            async with http.get(f"{sidecar.admin_url}/v1/sessions/{sid}") as resp:
-                got = (await resp.json())["prompt_cache"]
+            got = (
+                await eventually(
+                    lambda sid=sid: fetch(f"/v1/sessions/{sid}"),
+                    lambda body: (
+                        body["prompt_cache"]["reported_turns"] + body["prompt_cache"]["unknown_turns"] >= TURNS
+                    ),
+                    timeout=10,
+                )
+            )["prompt_cache"]
             prompt, cached = sum(p for p, _ in counts), sum(c for _, c in counts)
             assert (got["prompt_tokens"], got["cached_tokens"], got["reported_turns"], got["unknown_turns"]) == (
                 prompt,
@@ -90,8 +106,7 @@ async def tree_through(sidecar: Sidecar, *, ask_usage: bool) -> None:
                 TURNS,
                 0,
             ), sid
-        async with http.get(f"{sidecar.admin_url}/v1/trees/{root}") as resp:
-            tree = (await resp.json())["subtree_prompt_cache"]
+        tree = (await fetch(f"/v1/trees/{root}"))["subtree_prompt_cache"]
     prompt = sum(p for counts in said.values() for p, _ in counts)
     cached = sum(c for counts in said.values() for _, c in counts)
     assert (tree["prompt_tokens"], tree["cached_tokens"], tree["reported_turns"]) == (prompt, cached, 4 * TURNS)
@@ -225,6 +240,13 @@ def test_aiperf_sessions_cached_ratio_per_turn_is_what_the_responses_said(
     said, without = raw_usage_by_bucket(artifacts / "profile_export_raw.jsonl")
     assert without == 0 and sum(counts[2] for counts in said.values()) == 40, (said, without)
     assert set(said) == {"1", "2", "3-5"}
-    counted = sidecar_usage_by_bucket(dynamo_asking_sidecar.metrics_text())
+    deadline = time.monotonic() + 10  # (a response is counted once the sidecar saw its end)
+    while True:
+        metrics = dynamo_asking_sidecar.metrics_text()
+        responses = re.findall(r"^sidecar_usage_responses_total\{[^}]*\} (\S+)$", metrics, re.M)
+        if sum(float(n) for n in responses) >= 40 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    counted = sidecar_usage_by_bucket(metrics)
     assert {bucket: counts[:2] for bucket, counts in said.items()} == counted
     assert said["2"][1] > 0 and said["3-5"][1] > 0  # later turns found their conversation's prefix cached
