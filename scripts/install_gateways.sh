@@ -51,26 +51,18 @@ pip_into() {
     --disable-pip-version-check "$@"
 }
 
-install_smg() {
-  local marker="$DIR/smg/.installed-smg-$SMG_VERSION"
-  [[ -f $marker ]] && { log "smg $SMG_VERSION: already installed"; return 0; }
+# install_cli NAME VERSION: PyPI package NAME==VERSION in the venv $DIR/NAME, whose command
+# $DIR/NAME/bin/NAME must answer --help (smg, vllm-router, aiperf).
+install_cli() {
+  local name=$1 version=$2
+  local marker="$DIR/$name/.installed-$name-$version"
+  [[ -f $marker ]] && { log "$name $version: already installed"; return 0; }
   local t0=$SECONDS
-  fresh_venv smg
-  pip_into smg "smg==$SMG_VERSION"
-  "$DIR/smg/bin/smg" --help >/dev/null
+  fresh_venv "$name"
+  pip_into "$name" "$name==$version"
+  "$DIR/$name/bin/$name" --help >/dev/null
   touch "$marker"
-  log "smg $SMG_VERSION: installed in $((SECONDS - t0)) s"
-}
-
-install_vllm_router() {
-  local marker="$DIR/vllm-router/.installed-vllm-router-$VLLM_ROUTER_VERSION"
-  [[ -f $marker ]] && { log "vllm-router $VLLM_ROUTER_VERSION: already installed"; return 0; }
-  local t0=$SECONDS
-  fresh_venv vllm-router
-  pip_into vllm-router "vllm-router==$VLLM_ROUTER_VERSION"
-  "$DIR/vllm-router/bin/vllm-router" --help >/dev/null
-  touch "$marker"
-  log "vllm-router $VLLM_ROUTER_VERSION: installed in $((SECONDS - t0)) s"
+  log "$name $version: installed in $((SECONDS - t0)) s"
 }
 
 install_dynamo() {
@@ -83,17 +75,6 @@ install_dynamo() {
   "$DIR/dynamo/bin/python" -c 'import dynamo.frontend, dynamo.mocker' >/dev/null
   touch "$marker"
   log "dynamo $DYNAMO_VERSION: installed in $((SECONDS - t0)) s"
-}
-
-install_aiperf() {
-  local marker="$DIR/aiperf/.installed-aiperf-$AIPERF_VERSION"
-  [[ -f $marker ]] && { log "aiperf $AIPERF_VERSION: already installed"; return 0; }
-  local t0=$SECONDS
-  fresh_venv aiperf
-  pip_into aiperf "aiperf==$AIPERF_VERSION"
-  "$DIR/aiperf/bin/aiperf" --help >/dev/null
-  touch "$marker"
-  log "aiperf $AIPERF_VERSION: installed in $((SECONDS - t0)) s"
 }
 
 # The mocker's model directory, generated with the Dynamo venv's `tokenizers`.
@@ -123,10 +104,10 @@ main() {
   local t
   for t in "${targets[@]}"; do
     case $t in
-      smg) install_smg >"$DIR/$t.install.log" 2>&1 & ;;
-      vllm-router) install_vllm_router >"$DIR/$t.install.log" 2>&1 & ;;
+      smg) install_cli smg "$SMG_VERSION" >"$DIR/$t.install.log" 2>&1 & ;;
+      vllm-router) install_cli vllm-router "$VLLM_ROUTER_VERSION" >"$DIR/$t.install.log" 2>&1 & ;;
       dynamo) install_dynamo_and_model >"$DIR/$t.install.log" 2>&1 & ;;
-      aiperf) install_aiperf >"$DIR/$t.install.log" 2>&1 & ;;
+      aiperf) install_cli aiperf "$AIPERF_VERSION" >"$DIR/$t.install.log" 2>&1 & ;;
       *) log "unknown gateway '$t' (expected: smg, vllm-router, dynamo, aiperf)"; exit 2 ;;
     esac
     jobs[$t]=$!
