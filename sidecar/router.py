@@ -260,8 +260,9 @@ class Admission:
         With the reader, the engine shows :meth:`~sidecar.usage.UsageReader.first` the body's
         first reads until it returns True and :meth:`~sidecar.usage.UsageReader.last` its last
         bytes (bounded copies, as they came from the upstream), then, once the body was relayed
-        completely (not when the client left or the upstream failed), hands
-        :meth:`~sidecar.usage.UsageReader.result` to :meth:`on_usage` before :meth:`finish`."""
+        completely, hands :meth:`~sidecar.usage.UsageReader.result` to :meth:`on_usage` before
+        :meth:`finish`; a body that did not end (its client left, its upstream failed) only a
+        result that reported counts (read from the last bytes before the cut)."""
         turn = self.turn
         decision = self.decision
         if turn is None or decision is None or status != 200:
@@ -288,7 +289,7 @@ class Admission:
 
     def on_usage(self, usage: Usage) -> None:
         """What the response said of its prompt-cache usage (its reader's ``result()``), once its
-        body was relayed completely and before :meth:`finish`: counted for its session (its
+        body ended (or, cut, said its counts) and before :meth:`finish`: counted for its session (its
         tree's node, the shared store), its deployment and its turn. Nothing after finish."""
         turn = self.turn
         decision = self.decision

@@ -19,7 +19,7 @@ import pytest
 
 from sidecar.lineage import prompt_cache
 from tests import usage_samples as s
-from tests.engine import RawMessage
+from tests.engine import RawMessage, reset
 from tests.modes.wire import settled
 
 EVENT_STREAM, JSON = "text/event-stream", "application/json"
@@ -243,3 +243,95 @@ async def test_a_stream_written_event_by_event_is_read(
         for n in (1, 2):
             assert await ask(http, sc, name, path) == body
             assert await counted(http, sc, name) == prompt_cache(counts[0] * n, counts[1] * n, n, 0)
+
+
+# -- a response whose body did not end: counted when what was read of it reported its usage ------
+
+CUT_COUNTS = (726, 704)
+CUT_BODY = s.chat_stream(s.chat_usage(*CUT_COUNTS), words=6)
+# The stream's chunks as an upstream writes them, one event each; the last chunk (0) kept apart.
+CUT_CHUNKS = [b"%x\r\n%s\r\n" % (len(e) + 2, e + b"\n\n") for e in CUT_BODY.split(b"\n\n") if e]
+
+
+def _stream_then(written: int, ending: str) -> Any:
+    """An upstream handler streaming the first ``written`` chunks of :data:`CUT_BODY`, each a
+    write of its own a moment apart (the stream thread relays them, where there is one), then:
+    ``hold`` (no more: it waits for the sidecar to close the connection), ``close`` (FIN) or
+    ``reset`` (RST): never the body's last chunk."""
+
+    async def handle(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for chunk in CUT_CHUNKS[:written]:
+            writer.write(chunk)
+            await writer.drain()
+            await asyncio.sleep(0.002)  # (pacing: the verdict holds however the reads fall)
+        if ending == "hold":
+            await reader.read()  # until the sidecar closes the connection
+        elif ending == "reset":
+            reset(writer)
+        return False
+
+    return handle
+
+
+async def _read_then_leave(sc: Any, session: str, until: bytes | None) -> bytes:
+    """A client of ``session`` that reads the stream until ``until`` is in it, then closes its
+    connection (None: it reads until the sidecar closes it); what it read."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", sc.engine.port)
+    body = b'{"model":"m","stream":true}'
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: sidecar\r\nX-Correlation-ID: %s\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (session.encode(), len(body), body)
+    )
+    got = b""
+    async with asyncio.timeout(10):
+        while until is None or until not in got:
+            try:
+                data = await reader.read(65536)
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                assert until is None, got  # (the sidecar never closes first while the upstream holds)
+                break
+            got += data
+    writer.close()
+    return got
+
+
+@pytest.mark.parametrize(
+    ("ending", "client_until"),
+    [("hold", b"data: [DONE]\n\n"), ("close", None), ("reset", None)],
+    ids=["client closes after [DONE]", "upstream closes after [DONE]", "upstream resets after [DONE]"],
+)
+async def test_a_stream_cut_after_its_usage_counts_it(ending, client_until, raw_upstream, start_sidecar):
+    """The commonest end of a stream: the client stops at ``data: [DONE]`` and closes before the
+    body's last chunk (aiohttp's ``async with`` left at ``[DONE]``, many SSE clients); or the
+    upstream fails after its usage event. The upstream reported its usage and it was relayed:
+    the turn counts it (a usage read from the last bytes relayed before the cut)."""
+    up = await raw_upstream({"/v1/chat/completions": _stream_then(len(CUT_CHUNKS), ending)})
+    sc = await start_sidecar(upstream=up.url, mode="dynamo_headers")
+    got = await _read_then_leave(sc, "cut", client_until)
+    assert b'"usage":{"prompt_tokens":726' in got and b"data: [DONE]\n\n" in got
+    assert not got.endswith(b"0\r\n\r\n")  # (the body's end never went out)
+    await settled(sc, "cut")
+    async with aiohttp.ClientSession() as http:
+        assert await counted(http, sc, "cut") == prompt_cache(*CUT_COUNTS, 1, 0)
+        async with http.get(sc.admin_url + "/metrics") as resp:
+            text = await resp.text()
+    assert 'sidecar_usage_responses_total{deployment="default",mode="dynamo_headers",outcome="reported"} 1.0' in text
+
+
+@pytest.mark.parametrize("ending", ["hold", "close"], ids=["client closes", "upstream closes"])
+async def test_a_stream_cut_before_its_usage_is_not_counted(ending, raw_upstream, start_sidecar):
+    """Cut before its usage event, a stream's usage is not known (it was still to come): the turn
+    is neither reported nor unknown, and no outcome is counted."""
+    up = await raw_upstream({"/v1/chat/completions": _stream_then(3, ending)})
+    sc = await start_sidecar(upstream=up.url, mode="dynamo_headers")
+    got = await _read_then_leave(sc, "early", b'"content":"w "' if ending == "hold" else None)
+    assert b'"content":"w "' in got and b'"usage"' not in got
+    await settled(sc, "early")
+    async with aiohttp.ClientSession() as http:
+        assert await counted(http, sc, "early") == prompt_cache(0, 0, 0, 0)
+        async with http.get(sc.admin_url + "/metrics") as resp:
+            text = await resp.text()
+    assert "sidecar_usage_responses_total{" not in text

@@ -38,7 +38,7 @@ from sidecar.engine.wire import error_response
 from sidecar.errors import failure_reason
 from sidecar.router import BODY, LOAD, REFUSED, WORK, Admission, Decision, RequestHead, body_pool
 from sidecar.tls import refused_after_handshake
-from sidecar.usage import LAST_BYTES, TAIL_READS
+from sidecar.usage import LAST_BYTES, TAIL_READS, UsageReader
 
 log = logging.getLogger("sidecar.engine")
 
@@ -503,6 +503,9 @@ class AiohttpEngine(Engine):
             self.health.answered(dep, up)
         m.ttfb_hist(dep.name, dep.mode_name).observe(time.perf_counter() - t0)
         adm.on_response(upstream.status, upstream.headers)
+        usage: UsageReader | None = None
+        kept: deque[bytes] = deque(maxlen=TAIL_READS)
+        seen = 0
         try:
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             _copy_response_headers(upstream, resp)
@@ -531,8 +534,6 @@ class AiohttpEngine(Engine):
                 else None
             )
             usage_first = usage is not None
-            kept: deque[bytes] = deque(maxlen=TAIL_READS)
-            seen = 0
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():
                 if first:
@@ -550,10 +551,12 @@ class AiohttpEngine(Engine):
             await resp.write_eof()
         except asyncio.CancelledError:
             upstream.close()
+            _count_cut(adm, usage, kept, seen)
             adm.finish(TurnOutcome.CLIENT_ABORTED)
             raise
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             upstream.close()
+            _count_cut(adm, usage, kept, seen)
             adm.finish(TurnOutcome.CLIENT_ABORTED)
             raise
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -563,6 +566,7 @@ class AiohttpEngine(Engine):
             timeout = isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError))
             kind = "timeout" if timeout else "reset"
             m.upstream_error(dep.name, kind).inc()
+            _count_cut(adm, usage, kept, seen)
             adm.finish(TurnOutcome.UPSTREAM_FAILED)
             self.upstream_failure(
                 dep,
@@ -593,6 +597,16 @@ class AiohttpEngine(Engine):
         self.metrics.upstream_error(dep.name, kind).inc()
         adm.finish(TurnOutcome.UPSTREAM_FAILED)
         return self._error(errors.upstream_failed(kind, dep.name, up.index, reason), dep.name, dep.mode_name)
+
+
+def _count_cut(adm: Admission, usage: UsageReader | None, kept: deque[bytes], seen: int) -> None:
+    """A response whose body did not end counts its usage if what was read of it reported
+    counts (as the fast engine's ``Exchange._finish_admission``), else it is not counted."""
+    if usage is not None:
+        usage.last_reads(kept, seen)
+        found = usage.result()
+        if found.reported:
+            adm.on_usage(found)
 
 
 def _raw(values: list[str]) -> list[bytes]:

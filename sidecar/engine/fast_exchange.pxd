@@ -12,7 +12,7 @@ from sidecar.engine.head cimport (HeaderBlock, copy_block, cut, decimal, first_v
 from sidecar.metrics cimport DeploymentStats, _Value
 from sidecar.deployments cimport Deployment
 from sidecar.router cimport Admission, Decision, RequestHead, Router
-from sidecar.usage cimport UsageReader
+from sidecar.usage cimport Usage, UsageReader
 
 cdef class Exchange(UpstreamRequest)
 
@@ -115,7 +115,7 @@ cdef class Exchange(UpstreamRequest):
     cpdef response_complete(self, double now)
     @cython.locals(conn=UpstreamConnection, phase=long)
     cpdef double deadline(self, double now) except? -1.0
-    @cython.locals(adm=Admission)
+    @cython.locals(adm=Admission, usage=UsageReader, conn=UpstreamConnection, found=Usage)
     cpdef _finish_admission(self, outcome)
     @cython.locals(conn=UpstreamConnection)
     cpdef _retire(self, long close)

@@ -959,11 +959,23 @@ class Exchange(UpstreamRequest):
 
     def _finish_admission(self, outcome: TurnOutcome) -> None:
         """Finish the request's admission (only its first finish counts): after the response
-        head the router has not heard of yet, if any."""
+        head the router has not heard of yet, if any, and the usage of a response whose body did
+        not end (its client left, its upstream failed mid-body), if what was read of it
+        reported counts (the client that closes once it read ``[DONE]``, before the body's last
+        chunk, had them); else that response is not counted: its usage may have been coming."""
         if self.resp_head is not None:
             self.head_sent()
         adm = self.admission
         assert adm is not None  # every exchange that ends a turn was admitted
+        usage = self.usage
+        if usage is not None:
+            self.usage = None
+            conn = self.conn
+            if conn is not None:  # (else it unbound itself, handing the reader its last reads)
+                conn.end_usage()
+            found = usage.result()
+            if found.reported:
+                adm.on_usage(found)
         adm.finish(outcome)
 
     def _retire(self, close: int) -> None:

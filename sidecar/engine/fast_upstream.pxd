@@ -62,6 +62,7 @@ cdef class UpstreamConnection:
     cpdef _reads_to_usage(self, Py_ssize_t extra)
     @cython.locals(entry=Enrolled)
     cpdef _usage_end(self)
+    cpdef end_usage(self)
     @cython.locals(entry=Enrolled)
     cpdef client_gone(self)
 

@@ -360,8 +360,8 @@ class UpstreamConnection:
         self.tail_at = 0
 
     def _usage_end(self) -> None:
-        """The body ended: the usage reader gets its last bytes, from the stream thread if it
-        relayed the end, else from the transport's last reads."""
+        """The body ended (or stops here): the usage reader gets its last bytes, from the stream
+        thread if it relayed them, else from the transport's last reads."""
         entry = self.direct
         if entry is not None:
             self.direct = None
@@ -380,6 +380,15 @@ class UpstreamConnection:
         if entry:
             self.pool.direct.settle(entry)
 
+    def end_usage(self) -> None:
+        """The response ends here, whole or not: the usage reader gets the last bytes read of the
+        body, and no more (the exchange decides what it counts)."""
+        if self.usage is not None:
+            self._usage_end()
+            self.usage = None
+            self.tail_reads = None
+            self.tail_seen = self.tail_extra = 0
+
     def abort(self) -> None:
         """The exchange gave up on this connection (client gone, timeout, bad request body)."""
         self._unbind()
@@ -390,10 +399,8 @@ class UpstreamConnection:
         self.ex = None
         self.relay = None
         self.first_bytes = 0
-        if self.usage is not None:  # (before direct_stop: nothing more for the reader)
-            self.usage = None
-            self.tail_reads = None
-            self.tail_seen = self.tail_extra = 0
+        if self.usage is not None:  # the reader gets what was read of the body
+            self.end_usage()
         if self.direct:
             self.direct_stop()
         if self.flow.reasons:
@@ -534,9 +541,7 @@ class UpstreamConnection:
         """The response is complete: back to the pool (or closed), then the exchange ends."""
         ex = self.ex
         assert ex is not None
-        if self.usage is not None:
-            self._usage_end()
-        self._unbind()
+        self._unbind()  # (the usage reader gets the body's last bytes)
         if self.keep_alive and self.reusable and self.sent_all:
             self.unanswered = False
             self.pool.release(self, now)
