@@ -23,7 +23,7 @@ from setuptools import Extension, setup
 
 # A module is compiled exactly when it has a .pxd beside it (the declarations it needs).
 # (A .pxd without a .py beside it declares a compiled-only .pyx module, listed below, or holds
-# inline C helpers only: sidecar/engine/_memscan.pxd.)
+# inline C helpers only: sidecar/engine/_memscan.pxd, sidecar/_usagescan.pxd.)
 COMPILED = sorted(str(p.with_suffix(".py")) for p in Path("sidecar").rglob("*.pxd") if p.with_suffix(".py").exists())
 LLHTTP_SOURCES = [f"vendor/llhttp/src/{name}.c" for name in ("api", "http", "llhttp")]
 

@@ -3,8 +3,12 @@
 # accounted response, on the event loop).
 cimport cython
 
+from sidecar._usagescan cimport framing_may_cut_key, rfind_usage_key, scan_usage_object
+
 cdef Py_ssize_t MAX_CANDIDATES, _QUICK_TRIES, _OBJECT_BYTES
 cdef dict _RANK
+cdef bint _COMPILED
+cdef long long _counts[2]  # (the counts scan_usage_object read)
 
 cdef class Usage:
     cdef readonly object outcome
@@ -30,7 +34,7 @@ cdef class UsageReader:
 cpdef tuple _last_usage(bytes payload, bint at_start)
 
 @cython.locals(slashes=Py_ssize_t, j=Py_ssize_t, i=Py_ssize_t, c=Py_ssize_t, limit=Py_ssize_t, end=Py_ssize_t,
-               tries=Py_ssize_t)
+               tries=Py_ssize_t, read=int)
 cpdef _member(bytes payload, Py_ssize_t pos, bint at_start)
 
 cpdef interpret(usage)
@@ -38,3 +42,6 @@ cpdef _with_details(prompt, details)
 
 @cython.locals(n=Py_ssize_t, c=Py_ssize_t)
 cpdef Py_ssize_t _skip_ws(bytes data, Py_ssize_t i)
+
+cpdef Py_ssize_t _rfind_key(bytes payload, Py_ssize_t end)
+cpdef bint _may_cut_key(bytes raw, Py_ssize_t start) except -1

@@ -38,17 +38,22 @@ The outcome is never a guess: a response without usage is :attr:`UsageOutcome.MI
 whose prompt count comes without a cached count :attr:`UsageOutcome.NO_CACHED_COUNT`, one whose
 counts are not non-negative integers (or cached above prompt) :attr:`UsageOutcome.MALFORMED`,
 one whose framing could not be followed :attr:`UsageOutcome.UNREADABLE`: all four are unknown,
-never zero. A leaf: imports nothing of the sidecar.
+never zero. Compiled, the usage key is found and its object read in C where the object is of
+the shapes servers send (sidecar/_usagescan.pxd; any other shape is read as above, by
+orjson). A leaf: imports nothing of the sidecar but :mod:`sidecar.compiled`.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any
 
 import orjson
+
+from sidecar.compiled import is_compiled
 
 __all__ = [
     "FIRST_BYTES",
@@ -147,6 +152,7 @@ _RANK = {
 }
 
 _KEY = b'"usage"'
+_COMPILED = is_compiled(sys.modules[__name__])
 # What the bytes hold when a chunk's framing cuts a usage key (or follows it): the longer of its
 # two parts, with the framing's CRLF on its side.
 _KEY_CUT = tuple(b"\r\n" + _KEY[i:] if i < 3 else _KEY[:i] + b"\r\n" for i in range(1, len(_KEY) + 1))
@@ -264,15 +270,27 @@ def _framed_usage(raw: bytes, at_start: bool) -> Usage:
     usage key after the member found may be cut by framing in the last :data:`KEY_CUT_BYTES`
     (where usage is: a key cut by framing before them is not found), or chunks there are tiny."""
     found, pos, worst = _last_usage(raw, at_start)
-    if worst is not UsageOutcome.MALFORMED:
-        near_end = raw[max(pos, len(raw) - KEY_CUT_BYTES) :]
-        tiny_chunks = near_end.count(b"\r\n") * 16 > len(near_end)  # a key may hold several cuts
-        if not tiny_chunks and (
-            (b'sage"' not in near_end and b'"us' not in near_end) or not any(p in near_end for p in _KEY_CUT)
-        ):
-            return found
+    if worst is not UsageOutcome.MALFORMED and not _may_cut_key(raw, max(pos, len(raw) - KEY_CUT_BYTES)):
+        return found
     payload = _chunks_from_start(raw) if at_start else _chunks_from_cut(raw)
     return UNREADABLE if payload is None else find_usage(payload, at_start)
+
+
+def _may_cut_key(raw: bytes, start: int) -> bool:
+    """Whether chunked framing in ``raw[start:]`` may cut a usage key: its chunks are tiny (a
+    key may then hold several cuts), or a key's part meets a CRLF (a pattern of ``_KEY_CUT``).
+    (Compiled, one pass from CR to CR: see sidecar/_usagescan.pxd.)"""
+    if _COMPILED:
+        return framing_may_cut_key(raw, start, len(raw))  # type: ignore[name-defined]  # noqa: F821  # cimported (usage.pxd)
+    near_end = raw[start:]
+    if near_end.count(b"\r\n") * 16 > len(near_end):
+        return True
+    if b'sage"' not in near_end and b'"us' not in near_end:
+        return False
+    for cut in _KEY_CUT:
+        if cut in near_end:
+            return True
+    return False
 
 
 def find_usage(payload: bytes, at_start: bool = True) -> Usage:
@@ -288,7 +306,7 @@ def _last_usage(payload: bytes, at_start: bool) -> tuple[Usage, int, UsageOutcom
     worst = MISSING
     pos = len(payload)
     for _tried in range(MAX_CANDIDATES):
-        pos = payload.rfind(_KEY, 0, pos)
+        pos = _rfind_key(payload, pos)
         if pos < 0:
             break
         found = _member(payload, pos, at_start)
@@ -374,6 +392,16 @@ def _member(payload: bytes, pos: int, at_start: bool) -> Usage | None:
     limit = i + _OBJECT_BYTES
     if limit > len(payload):
         limit = len(payload)
+    if _COMPILED:  # read in C where it can tell (see sidecar/_usagescan.pxd), else as below
+        read = scan_usage_object(payload, i, limit, _counts)  # type: ignore[name-defined]  # noqa: F821  # cimported (usage.pxd)
+        if read == 1:  # SCAN_REPORTED
+            return Usage(_REPORTED, _counts[0], _counts[1])  # type: ignore[name-defined]  # noqa: F821
+        if read == 2:  # SCAN_SILENT
+            return None
+        if read == 3:  # SCAN_NO_CACHED
+            return NO_CACHED_COUNT
+        if read == 4:  # SCAN_MALFORMED
+            return MALFORMED
     end = payload.find(b"}", i, limit)
     tries = 0
     while end >= 0 and tries < _QUICK_TRIES:
@@ -392,6 +420,14 @@ def _member(payload: bytes, pos: int, at_start: bool) -> Usage | None:
     except orjson.JSONDecodeError:
         return MALFORMED
     return interpret(parsed)
+
+
+def _rfind_key(payload: bytes, end: int) -> int:
+    """Where the last usage key in ``payload[:end]`` begins, -1 if none. (Compiled, memrchr to
+    each ``g``: see sidecar/_usagescan.pxd.)"""
+    if _COMPILED:
+        return rfind_usage_key(payload, end)  # type: ignore[name-defined]  # noqa: F821  # cimported (usage.pxd)
+    return payload.rfind(_KEY, 0, end)
 
 
 def _skip_ws(data: bytes, i: int) -> int:
