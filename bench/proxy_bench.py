@@ -346,6 +346,7 @@ class Spec:
     idle_poll_us: int | None = None  # the sidecar's idle_poll_us setting; None: its default
     tls: bool = False  # to the upstream's https:// port (case h)
     store: bool = False  # state.url to the case's Redis server (case i); else the memory store
+    accounting: bool = True  # usage.accounting (off: what reading prompt-cache usage costs, cases a and f)
 
 
 @dataclass
@@ -749,6 +750,8 @@ def sidecar_config(spec: Spec, case: Case, args: argparse.Namespace) -> dict[str
         config["limits"] = {"max_connections_per_upstream": max(512, 2 * case.streams)}
     if spec.idle_poll_us is not None:
         config["idle_poll_us"] = spec.idle_poll_us
+    if not spec.accounting:
+        config["usage"] = {"accounting": False}
     return config
 
 
@@ -1088,6 +1091,7 @@ def sidecar(engine: str) -> str:
 POLL_ON = f"{sidecar('fast')} idle poll on"
 PLAIN = "to http://"  # case h: the contender to the upstream's plain port
 POLL_OFF = f"{sidecar('fast')} idle poll off"
+ACCOUNTING_OFF = f"{sidecar('fast')} accounting off"  # cases a and f: usage.accounting false
 STORE_MEMORY = f"{sidecar('fast')} memory"  # case i: state.url memory:// (the default)
 STORE_REDIS = f"{sidecar('fast')} redis"  # case i: state.url redis://
 
@@ -1220,8 +1224,17 @@ def specs_for(case: Case, engines: Sequence[str], prefill_n: int) -> list[Spec]:
     sidecars = [Spec(sidecar(e), "sidecar", e) for e in engines]
     if case.streams:
         # The default configuration, and as a contender of its own idle polling explicitly on.
-        fast = [Spec(POLL_ON, "sidecar", "fast", idle_poll_us=IDLE_POLL_ON_US)] if "fast" in engines else []
+        fast = (
+            [
+                Spec(POLL_ON, "sidecar", "fast", idle_poll_us=IDLE_POLL_ON_US),
+                Spec(ACCOUNTING_OFF, "sidecar", "fast", accounting=False),
+            ]
+            if "fast" in engines
+            else []
+        )
         return [Spec("direct", "direct"), *sidecars, *fast, *peers]
+    if case.key == "a" and "fast" in engines:  # what the prompt-cache accounting costs per request
+        return [*sidecars, Spec(ACCOUNTING_OFF, "sidecar", "fast", accounting=False), *peers]
     return [*sidecars, *peers]
 
 
@@ -2026,7 +2039,8 @@ def request_table(rows: Sequence[Row], args: argparse.Namespace) -> list[str]:
         "contender's processes used over the run's wall time (near 100%: the proxy was the limit; well "
         "below: the load side, or other processes sharing the core). req/CPU-s: requests per second "
         "of the contender's own CPU time, which other load on the machine disturbs less. "
-        f"{POLL_ON} / {POLL_OFF}: idle_poll_us {IDLE_POLL_ON_US} / 0 set explicitly; plain "
+        f"{POLL_ON} / {POLL_OFF}: idle_poll_us {IDLE_POLL_ON_US} / 0 set explicitly; {ACCOUNTING_OFF}: "
+        "usage.accounting false (no prompt-cache usage read: its cost is the difference); plain "
         "sidecar(fast) runs the default configuration.",
     ]
     return lines + (["", *notes] if notes else [])
@@ -2090,7 +2104,8 @@ def stream_table(rows: Sequence[StreamRow], args: argparse.Namespace) -> list[st
         f"sent its events more than {LOAD_LATE_MS:g} ms late (p99): the latency figures then measure the load "
         "side too and are not judged. "
         "`direct`: the driver against the upstream, no proxy: the floor of TTFT and jitter. "
-        f"{POLL_ON}: idle_poll_us {IDLE_POLL_ON_US}; plain sidecar(fast) runs the default configuration.",
+        f"{POLL_ON}: idle_poll_us {IDLE_POLL_ON_US}; {ACCOUNTING_OFF}: usage.accounting false (no "
+        "prompt-cache usage read: its cost is the difference); plain sidecar(fast) runs the default configuration.",
     ]
     return lines + (["", *notes] if notes else [])
 

@@ -94,6 +94,7 @@ COUNTS = [0, 1, 40, 704, 726, 10**15 - 1, 2**53 - 1]
 def gen_shape(rng: random.Random) -> bytes:
     """A usage object as a server sends it (OpenAI chat, Responses, Anthropic), of random counts
     (equal ones too), a member left out or null now and then, with other members around."""
+
     def count() -> bytes:
         return rng.choice([b"%d" % rng.choice(COUNTS)] * 8 + [b"null", b"1.0", b'"3"'])
 
