@@ -151,7 +151,8 @@ async def test_a_view_of_a_huge_tree_is_bounded_and_leaves_the_replica_on_the_st
     # replica that serves it off the store: the next new session is shared as usual.
     import redis
 
-    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router")
+    # (A store slower than timeout_ms under load would take a replica off it: not what is tested.)
+    a, b = await replicas(2, upstream=upstream.url, mode="vllm_router", state={"timeout_ms": 5000})
     assert (await post(http, a, "ROOT"))[0] == 200
     for i in range(3):
         assert (await post(http, a, f"kid-{i}", parent="ROOT"))[0] == 200
@@ -190,8 +191,9 @@ async def test_a_view_whose_store_read_fails_answers_503_and_leaves_the_replica_
     upstream, replicas, http, redis_server
 ):
     # The store refuses the view's read (here: a children key of the wrong type). The view
-    # answers 503 store_unavailable; the request path's breaker stays closed.
-    (a,) = await replicas(1, upstream=upstream.url, mode="vllm_router")
+    # answers 503 store_unavailable; the request path's breaker stays closed. (A store slower than
+    # timeout_ms under load would take the replica off it: not what is tested.)
+    (a,) = await replicas(1, upstream=upstream.url, mode="vllm_router", state={"timeout_ms": 5000})
     assert (await post(http, a, "R"))[0] == 200
     await wait_for(lambda: redis_server.cli("EXISTS", replicas.prefix + "s:R").strip() == "1")
     redis_server.cli("SET", replicas.prefix + "k:R", "not-a-set")
