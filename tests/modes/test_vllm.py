@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 
@@ -28,6 +29,8 @@ async def test_session_header_and_finish_session_once_per_session(upstream, star
     assert sorted(finishes(upstream)) == ["/finish_session?session_id=sess-a", "/finish_session?session_id=sess-b"]
     chats = [r for r in upstream.received if r.path == "/v1/chat/completions"]
     assert [r.all("x-session-id") for r in chats] == [["sess-a"], ["sess-b"]] * 3
+    # (counted when the gateway's answer reached the sidecar: a moment after the gateway had the call)
+    await wait_for(lambda: ended_ok(sc) == 2)
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{sc.admin_url}/metrics") as resp:
             text = await resp.text()
@@ -45,9 +48,17 @@ async def test_finish_session_retried_on_failure_without_blocking_traffic(upstre
             assert resp.status == 200
     await wait_for(lambda: len(finishes(upstream)) == 3)
     assert finishes(upstream) == ["/finish_session?session_id=r1"] * 3
+    # (counted when the third answer reached the sidecar: a moment after the gateway had the call)
+    await wait_for(lambda: ended_ok(sc) == 1)
     assert (
-        sc.metrics.registry.get_sample_value("sidecar_end_actions_total", {"mode": "vllm_router", "outcome": "ok"}) == 1
+        sc.metrics.registry.get_sample_value("sidecar_end_actions_total", {"mode": "vllm_router", "outcome": "failed"})
+        is None
     )
+
+
+def ended_ok(sc: Any) -> float | None:
+    """The sidecar's count of end actions the gateway acknowledged."""
+    return sc.metrics.registry.get_sample_value("sidecar_end_actions_total", {"mode": "vllm_router", "outcome": "ok"})
 
 
 async def test_a_session_id_that_is_not_utf8_is_finished_under_its_own_bytes(upstream, start_sidecar):
