@@ -222,10 +222,7 @@ async def test_a_stream_written_event_by_event_is_read(
     """Each event, then the last chunk, in a write of its own a moment apart (a read each at the
     sidecar, as servers write them): the usage event, the ``[DONE]`` and the last chunk may
     each be a read of their own after the body's first reads."""
-    raw = s.chunked_by_event(body)
-    pieces = [piece + b"\r\n" for piece in raw.split(b"\r\n")[1::2]]  # (each chunk's data line)
-    chunks = [b"%x\r\n%s" % (len(p) - 2, p) for p in pieces if p != b"\r\n"] + [b"0\r\n\r\n"]
-    assert b"".join(chunks) == raw
+    chunks = [*s.event_chunks(body), b"0\r\n\r\n"]
 
     async def events(req: RawMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         writer.write(
@@ -249,8 +246,7 @@ async def test_a_stream_written_event_by_event_is_read(
 
 CUT_COUNTS = (726, 704)
 CUT_BODY = s.chat_stream(s.chat_usage(*CUT_COUNTS), words=6)
-# The stream's chunks as an upstream writes them, one event each; the last chunk (0) kept apart.
-CUT_CHUNKS = [b"%x\r\n%s\r\n" % (len(e) + 2, e + b"\n\n") for e in CUT_BODY.split(b"\n\n") if e]
+CUT_CHUNKS = s.event_chunks(CUT_BODY)  # (the body's last chunk is never written)
 
 
 def _stream_then(written: int, ending: str) -> Any:

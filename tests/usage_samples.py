@@ -354,7 +354,12 @@ def chunked(payload: bytes, sizes: list[int]) -> bytes:
     return b"".join(out) + b"0\r\n\r\n"
 
 
+def event_chunks(payload: bytes) -> list[bytes]:
+    """``payload``'s events, each framed as one chunk (the body's last chunk not included)."""
+    events = [e + b"\n\n" for e in payload.split(b"\n\n") if e]
+    return [b"%x\r\n%s\r\n" % (len(e), e) for e in events]
+
+
 def chunked_by_event(payload: bytes) -> bytes:
     """``payload`` framed one chunk per event (as servers that write each event do)."""
-    events = [e + b"\n\n" for e in payload.split(b"\n\n") if e]
-    return b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+    return b"".join(event_chunks(payload)) + b"0\r\n\r\n"
